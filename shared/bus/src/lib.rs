@@ -1,0 +1,20 @@
+//! NATS plumbing shared by every Cyrene service and client (DESIGN §1).
+//!
+//! Owns: connecting from config ([`connect`]), turning typed errors into the micro error headers
+//! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back
+//! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]) and the payload size
+//! guard ([`guard`]).
+//!
+//! # Invariants
+//! - Every request has a deadline; no helper here waits without one.
+//! - A failed reply always carries both the `Nats-Service-Error`/`Nats-Service-Error-Code` headers
+//!   and a `{"error":{…}}` body, so header-only clients (`nats req`) and JSON clients both see it.
+
+pub mod connect;
+pub mod guard;
+pub mod request;
+pub mod service;
+pub mod trace;
+
+pub use connect::{BusConfig, ConnectMode, connect};
+pub use request::{RequestError, request_json};

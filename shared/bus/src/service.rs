@@ -1,0 +1,247 @@
+//! Micro-service helpers: typed errors onto the wire, JSON decoding with the size guard, and a
+//! bounded serving loop for one endpoint.
+//!
+//! # Invariants
+//! - Every request gets exactly one reply: the handler's value, or an error envelope. Malformed
+//!   JSON, wrong types and oversized bodies are answered with `bad_request`/`too_large` and never
+//!   reach the handler, so a bad client cannot take the service down.
+//! - At most `max_in_flight` handlers run at once; the endpoint stream is read no faster than that
+//!   (back-pressure goes to NATS, where a slow service shows up as request timeouts).
+//!
+//! # Pitfalls
+//! - async-nats' own `respond(Err(..))` sends the headers with an *empty* body; Cyrene's contract
+//!   wants the JSON envelope too, so errors are published as a payload plus the two headers. The
+//!   micro `errors` stat therefore does not count them.
+
+use crate::{guard, trace};
+use async_nats::service::endpoint::Endpoint;
+use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE, Request};
+use async_nats::{HeaderMap, Message};
+use bytes::Bytes;
+use cyrene_protocol::{ErrorBody, ErrorCode, ErrorEnvelope};
+use futures::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// The micro error headers for `err`.
+pub fn error_headers(err: &ErrorBody) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    // Header values cannot hold line breaks.
+    let one_line: String = err.message.replace(['\r', '\n'], " ");
+    headers.insert(NATS_SERVICE_ERROR, one_line.as_str());
+    headers.insert(
+        NATS_SERVICE_ERROR_CODE,
+        err.code.status().to_string().as_str(),
+    );
+    headers
+}
+
+/// The JSON envelope for `err`.
+pub fn error_payload(err: &ErrorBody) -> Bytes {
+    // ErrorEnvelope holds only strings: serialising it cannot fail.
+    serde_json::to_vec(&ErrorEnvelope { error: err.clone() })
+        .unwrap_or_default()
+        .into()
+}
+
+/// The error a reply carries, if it carries one: the JSON envelope when present, else what the
+/// headers say (peers that send headers only).
+pub fn error_from_message(message: &Message) -> Option<ErrorBody> {
+    let headers = message.headers.as_ref()?;
+    let status = headers.get(NATS_SERVICE_ERROR_CODE)?;
+    if let Ok(envelope) = serde_json::from_slice::<ErrorEnvelope>(&message.payload) {
+        return Some(envelope.error);
+    }
+    let code = status
+        .as_str()
+        .trim()
+        .parse::<u16>()
+        .map(ErrorCode::from_status);
+    let text = headers
+        .get(NATS_SERVICE_ERROR)
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default();
+    Some(ErrorBody::new(code.unwrap_or(ErrorCode::Internal), text))
+}
+
+/// Decodes a JSON body of at most `max` bytes, mapping failures onto the error set.
+pub fn decode<T: DeserializeOwned>(payload: &[u8], max: usize) -> Result<T, ErrorBody> {
+    guard::check_size(payload.len(), max)?;
+    serde_json::from_slice(payload).map_err(|err| {
+        let message = if payload.iter().all(u8::is_ascii_whitespace) {
+            "empty request body; expected a JSON object".to_owned()
+        } else {
+            format!("invalid request: {err}")
+        };
+        ErrorBody::new(ErrorCode::BadRequest, message)
+    })
+}
+
+/// Answers `request` with `result` as JSON or as the error envelope plus headers.
+pub async fn respond<T: Serialize>(
+    request: &Request,
+    result: Result<T, ErrorBody>,
+) -> Result<(), async_nats::PublishError> {
+    let (payload, headers) = match result.and_then(|value| {
+        serde_json::to_vec(&value).map_err(|e| {
+            ErrorBody::new(
+                ErrorCode::Internal,
+                format!("could not encode the reply: {e}"),
+            )
+        })
+    }) {
+        Ok(bytes) => (Bytes::from(bytes), HeaderMap::new()),
+        Err(err) => (error_payload(&err), error_headers(&err)),
+    };
+    request.respond_with_headers(Ok(payload), headers).await
+}
+
+/// What a handler sees besides the decoded body.
+#[derive(Debug, Clone)]
+pub struct RequestContext {
+    /// The request subject (useful on wildcard endpoints).
+    pub subject: String,
+    /// The request headers (trace context, `Cyrene-Tool-Call-Id`, …).
+    pub headers: HeaderMap,
+}
+
+/// Limits for [`serve_json`].
+#[derive(Debug, Clone, Copy)]
+pub struct ServeOptions {
+    pub max_in_flight: usize,
+    pub max_payload: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            max_in_flight: 256,
+            max_payload: guard::DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
+/// Serves one endpoint until `shutdown` fires, then lets in-flight handlers finish.
+///
+/// Each request is decoded as `Req` (errors answered without calling `handler`), handled in its
+/// own task under a span parented by the caller's trace context, and answered.
+pub async fn serve_json<Req, Resp, F, Fut>(
+    mut endpoint: Endpoint,
+    options: ServeOptions,
+    shutdown: CancellationToken,
+    handler: F,
+) where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    F: Fn(Req, RequestContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ErrorBody>> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    let permits = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
+    let mut tasks = JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let request = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            next = endpoint.next() => match next {
+                Some(r) => r,
+                None => break,
+            },
+        };
+        // Reap finished tasks so the set does not grow with the request count.
+        while tasks.try_join_next().is_some() {}
+        let handler = handler.clone();
+        let max = options.max_payload;
+        let subject = request.message.subject.to_string();
+        let span = tracing::info_span!("request", subject = %subject);
+        trace::set_parent(&span, request.message.headers.as_ref());
+        tasks.spawn(
+            async move {
+                let _permit = permit;
+                let result = match decode::<Req>(&request.message.payload, max) {
+                    Ok(body) => {
+                        let headers = request.message.headers.clone().unwrap_or_default();
+                        handler(body, RequestContext { subject, headers }).await
+                    }
+                    Err(err) => Err(err),
+                };
+                if let Err(err) = &result {
+                    tracing::debug!(code = %err.code, message = %err.message, "request failed");
+                }
+                if let Err(err) = respond(&request, result).await {
+                    tracing::warn!(error = %err, "could not send the reply");
+                }
+            }
+            .instrument(span),
+        );
+    }
+    let _ = endpoint.stop().await;
+    while tasks.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    #[allow(dead_code)]
+    struct Body {
+        id: String,
+    }
+
+    #[test]
+    fn decode_maps_each_bad_input_to_a_code() {
+        assert!(decode::<Body>(br#"{"id":"a"}"#, 100).is_ok());
+        assert_eq!(
+            decode::<Body>(b"{", 100).unwrap_err().code,
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            decode::<Body>(br#"{"id":1}"#, 100).unwrap_err().code,
+            ErrorCode::BadRequest
+        );
+        let unknown = decode::<Body>(br#"{"id":"a","x":1}"#, 100).unwrap_err();
+        assert!(
+            unknown.message.contains("unknown field"),
+            "{}",
+            unknown.message
+        );
+        assert!(
+            decode::<Body>(b"  ", 100)
+                .unwrap_err()
+                .message
+                .contains("empty")
+        );
+        assert_eq!(
+            decode::<Body>(&[b' '; 101], 100).unwrap_err().code,
+            ErrorCode::TooLarge
+        );
+    }
+
+    #[test]
+    fn error_headers_carry_status_and_a_one_line_message() {
+        let headers = error_headers(&ErrorBody::new(ErrorCode::NotFound, "no\nsuch"));
+        assert_eq!(
+            headers.get(NATS_SERVICE_ERROR_CODE).map(|v| v.as_str()),
+            Some("404")
+        );
+        assert_eq!(
+            headers.get(NATS_SERVICE_ERROR).map(|v| v.as_str()),
+            Some("no such")
+        );
+    }
+}

@@ -1,0 +1,41 @@
+//! The agent-to-agent comm protocol on real NATS (DESIGN §4; seed 002).
+//!
+//! A [`Probe`] is bound to one agent id. It can ask another agent and wait for the reply, emit an
+//! event to one agent, or broadcast one; [`Probe::serve`] makes it answer asks and receive events.
+//!
+//! ```text
+//! ask:         cyrene.agent.<from>.<to>.ask
+//! reply:       cyrene.agent.<from>.<to>.reply.<askId>     (from = replier, to = asker)
+//! event (to):  cyrene.agent.<from>.<to>.event
+//! event (bc):  cyrene.agent.<from>.event
+//! receive:     cyrene.agent.*.<me>.ask ; cyrene.agent.*.event and cyrene.agent.*.<me>.event
+//! ```
+//! Every id goes through [`cyrene_protocol::subjects::token`].
+//!
+//! # Invariants
+//! - `ask` subscribes to its private reply subject *before* publishing and sends it as the NATS
+//!   reply-to, so a reply can never arrive before anyone listens, and concurrent asks of one agent
+//!   never see each other's replies.
+//! - A responder answers the message's reply-to, whatever it is: a plain `nats req` (reply-to an
+//!   `_INBOX`) gets the answer too.
+//! - One agent's ask handler runs one ask at a time; its event handlers may run concurrently
+//!   (bounded). Replicas of one agent share a queue group named after its token, so each ask or
+//!   event reaches one replica.
+//! - Every ask ends: with the reply, [`AskError::Timeout`] at the deadline (default
+//!   [`DEFAULT_ASK_TIMEOUT`]), [`AskError::NoReply`] when undeliverable, or
+//!   [`AskError::Cancelled`].
+//!
+//! # Pitfalls
+//! - Asks with no reply-to cannot be answered; they are logged at WARN, never silently dropped.
+//! - A malformed ask that has a reply-to is answered with a `bad_request` error envelope.
+
+mod probe;
+
+pub use probe::{
+    AgentHandle, Answer, AskError, AskOptions, CommError, DEFAULT_STOP_GRACE, Handler, Probe,
+};
+
+use std::time::Duration;
+
+/// How long an ask waits when the caller gives no deadline.
+pub const DEFAULT_ASK_TIMEOUT: Duration = Duration::from_secs(30);

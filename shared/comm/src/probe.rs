@@ -1,0 +1,394 @@
+//! [`Probe`]: one agent's end of the comm protocol.
+
+use crate::DEFAULT_ASK_TIMEOUT;
+use async_nats::{Client, HeaderMap, Message, StatusCode, Subscriber};
+use bytes::Bytes;
+use cyrene_bus::{service, trace};
+use cyrene_protocol::comm::{Ask, Event, Reply};
+use cyrene_protocol::{ErrorBody, ErrorCode, ids, subjects};
+use futures::StreamExt;
+use serde_json::Value;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// How many event handlers of one agent may run at once.
+const MAX_CONCURRENT_EVENTS: usize = 64;
+
+/// Why an ask got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    /// No reply before the deadline.
+    #[error("comm: reply timeout: {to} did not answer within {after:?}")]
+    Timeout { to: String, after: Duration },
+    /// The ask could not be delivered (no responders, or the bus refused it).
+    #[error("comm: no reply: {to} cannot be reached ({reason})")]
+    NoReply { to: String, reason: String },
+    /// The caller cancelled the ask.
+    #[error("comm: ask to {to} cancelled")]
+    Cancelled { to: String },
+    /// The responder answered with an error envelope.
+    #[error("comm: {to} answered with an error: {error}")]
+    Remote { to: String, error: ErrorBody },
+    /// The reply was not a valid `Reply`.
+    #[error("comm: {to} sent an invalid reply: {reason}")]
+    InvalidReply { to: String, reason: String },
+}
+
+/// Failures of fire-and-forget sends and of starting to serve.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("comm: publish failed: {0}")]
+    Publish(#[from] async_nats::PublishError),
+    #[error("comm: subscribe failed: {0}")]
+    Subscribe(#[from] async_nats::SubscribeError),
+}
+
+/// Per-ask knobs.
+#[derive(Debug, Clone, Default)]
+pub struct AskOptions {
+    /// Structured payload sent with the question.
+    pub data: Value,
+    /// The deadline; [`DEFAULT_ASK_TIMEOUT`] when `None`.
+    pub timeout: Option<Duration>,
+    /// Cancelling this ends the ask with [`AskError::Cancelled`].
+    pub cancel: Option<CancellationToken>,
+}
+
+/// What an ask handler answers with.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Answer {
+    pub text: String,
+    pub data: Value,
+}
+
+impl Answer {
+    pub fn text(text: impl Into<String>) -> Answer {
+        Answer {
+            text: text.into(),
+            data: Value::Null,
+        }
+    }
+}
+
+/// An agent's behaviour. `on_ask` calls of one agent never overlap; `on_event` calls may.
+pub trait Handler: Send + Sync + 'static {
+    /// Answers one ask; an error is sent back as the error envelope.
+    fn on_ask(&self, ask: Ask) -> impl Future<Output = Result<Answer, ErrorBody>> + Send;
+
+    /// Receives one event (broadcast or addressed to this agent).
+    fn on_event(&self, event: Event) -> impl Future<Output = ()> + Send {
+        let _ = event;
+        async {}
+    }
+}
+
+/// One agent's end of the protocol.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    client: Client,
+    id: String,
+}
+
+/// How long [`AgentHandle::stop`] lets running handlers finish.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// A serving agent. Dropping it aborts its tasks; [`AgentHandle::stop`] drains them first.
+#[derive(Debug)]
+pub struct AgentHandle {
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl AgentHandle {
+    /// Stops receiving and lets running handlers finish within [`DEFAULT_STOP_GRACE`].
+    pub async fn stop(self) {
+        self.stop_within(DEFAULT_STOP_GRACE).await;
+    }
+
+    /// Stops receiving, waits up to `grace` for running handlers, then aborts what is left.
+    pub async fn stop_within(mut self, grace: Duration) {
+        self.shutdown.cancel();
+        let drained = tokio::time::timeout(grace, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(
+                ?grace,
+                "agent handlers still running after the grace period; aborted"
+            );
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+    }
+}
+
+impl Probe {
+    /// A probe acting as agent `id` (any text: it is sanitised into subject tokens).
+    pub fn new(client: Client, id: impl Into<String>) -> Probe {
+        Probe {
+            client,
+            id: id.into(),
+        }
+    }
+
+    /// The agent id this probe speaks for.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Asks `to` with the default deadline.
+    pub async fn ask(&self, to: &str, question: &str) -> Result<Reply, AskError> {
+        self.ask_with(to, question, AskOptions::default()).await
+    }
+
+    /// Asks `to` and waits for its reply, the deadline, or cancellation.
+    pub async fn ask_with(
+        &self,
+        to: &str,
+        question: &str,
+        options: AskOptions,
+    ) -> Result<Reply, AskError> {
+        let ask_id = ids::new_id();
+        let ask = Ask {
+            id: ask_id.clone(),
+            from: self.id.clone(),
+            to: to.to_owned(),
+            question: question.to_owned(),
+            data: options.data,
+        };
+        let after = options.timeout.unwrap_or(DEFAULT_ASK_TIMEOUT);
+        let cancel = options.cancel.unwrap_or_default();
+        let no_reply = |reason: String| AskError::NoReply {
+            to: to.to_owned(),
+            reason,
+        };
+
+        // Private reply subject first, then publish: the reply cannot outrun the subscription.
+        let reply_subject = subjects::agent_reply(to, &self.id, &ask_id);
+        let mut replies = self
+            .client
+            .subscribe(reply_subject.clone())
+            .await
+            .map_err(|e| no_reply(e.to_string()))?;
+        let payload = encode(&ask);
+        self.client
+            .publish_with_reply_and_headers(
+                subjects::agent_ask(&self.id, to),
+                reply_subject,
+                trace::current_headers(),
+                payload,
+            )
+            .await
+            .map_err(|e| no_reply(e.to_string()))?;
+
+        let message = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(AskError::Cancelled { to: to.to_owned() }),
+            next = tokio::time::timeout(after, replies.next()) => match next {
+                Err(_) => return Err(AskError::Timeout { to: to.to_owned(), after }),
+                Ok(None) => return Err(no_reply("the reply subscription closed".into())),
+                Ok(Some(message)) => message,
+            },
+        };
+        decode_reply(to, message)
+    }
+
+    /// Sends event `name` to agent `to`.
+    pub async fn emit(&self, to: &str, name: &str, data: Value) -> Result<(), CommError> {
+        self.publish_event(subjects::agent_event(&self.id, to), name, data)
+            .await
+    }
+
+    /// Broadcasts event `name` to every agent.
+    pub async fn broadcast(&self, name: &str, data: Value) -> Result<(), CommError> {
+        self.publish_event(subjects::agent_broadcast(&self.id), name, data)
+            .await
+    }
+
+    async fn publish_event(
+        &self,
+        subject: String,
+        name: &str,
+        data: Value,
+    ) -> Result<(), CommError> {
+        let event = Event {
+            from: self.id.clone(),
+            name: name.to_owned(),
+            data,
+        };
+        self.client
+            .publish_with_headers(subject, trace::current_headers(), encode(&event))
+            .await?;
+        Ok(())
+    }
+
+    /// Answers asks to this agent and receives its events until [`AgentHandle::stop`].
+    ///
+    /// The subscriptions exist when this returns (flushed to the server), so an ask sent after
+    /// `serve` returns reaches the handler.
+    pub async fn serve<H: Handler>(&self, handler: Arc<H>) -> Result<AgentHandle, CommError> {
+        let queue = subjects::token(&self.id);
+        let asks = self
+            .client
+            .queue_subscribe(subjects::agent_ask_receive(&self.id), queue.clone())
+            .await?;
+        let [broadcast, direct] = subjects::agent_event_receive(&self.id);
+        let broadcasts = self
+            .client
+            .queue_subscribe(broadcast, queue.clone())
+            .await?;
+        let directs = self.client.queue_subscribe(direct, queue).await?;
+        // A failed flush only means the subscriptions reach the server after reconnecting.
+        if let Err(err) = self.client.flush().await {
+            tracing::warn!(agent = %self.id, error = %err, "flush after subscribe failed");
+        }
+
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(serve_asks(
+            self.clone(),
+            asks,
+            handler.clone(),
+            shutdown.clone(),
+        ));
+        let events = futures::stream::select(broadcasts, directs);
+        tasks.spawn(serve_events(events, handler, shutdown.clone()));
+        Ok(AgentHandle { shutdown, tasks })
+    }
+}
+
+fn encode<T: serde::Serialize>(value: &T) -> Bytes {
+    // Comm messages hold strings and JSON values only: serialising cannot fail.
+    serde_json::to_vec(value).unwrap_or_default().into()
+}
+
+fn decode_reply(to: &str, message: Message) -> Result<Reply, AskError> {
+    if message.status == Some(StatusCode::NO_RESPONDERS) {
+        return Err(AskError::NoReply {
+            to: to.to_owned(),
+            reason: "no responders".into(),
+        });
+    }
+    if let Some(error) = service::error_from_message(&message) {
+        return Err(AskError::Remote {
+            to: to.to_owned(),
+            error,
+        });
+    }
+    serde_json::from_slice(&message.payload).map_err(|e| AskError::InvalidReply {
+        to: to.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Reads asks one at a time: the handler of one agent never runs two asks at once.
+async fn serve_asks<H: Handler>(
+    probe: Probe,
+    mut asks: Subscriber,
+    handler: Arc<H>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            next = asks.next() => match next {
+                Some(m) => m,
+                None => break,
+            },
+        };
+        let span = tracing::info_span!("ask", agent = %probe.id, subject = %message.subject);
+        trace::set_parent(&span, message.headers.as_ref());
+        probe
+            .answer(message, handler.as_ref())
+            .instrument(span)
+            .await;
+    }
+    let _ = asks.unsubscribe().await;
+}
+
+impl Probe {
+    async fn answer<H: Handler>(&self, message: Message, handler: &H) {
+        let Some(reply_to) = message.reply.clone() else {
+            tracing::warn!(subject = %message.subject, bytes = message.payload.len(),
+                "ask without a reply-to cannot be answered; dropped");
+            return;
+        };
+        let (headers, payload) = match serde_json::from_slice::<Ask>(&message.payload) {
+            Err(e) => {
+                let err = ErrorBody::new(ErrorCode::BadRequest, format!("invalid ask: {e}"));
+                (service::error_headers(&err), service::error_payload(&err))
+            }
+            Ok(ask) => {
+                let (ask_id, asker) = (ask.id.clone(), ask.from.clone());
+                match handler.on_ask(ask).await {
+                    Ok(answer) => {
+                        let reply = Reply {
+                            ask_id,
+                            from: self.id.clone(),
+                            to: asker,
+                            text: answer.text,
+                            data: answer.data,
+                        };
+                        (HeaderMap::new(), encode(&reply))
+                    }
+                    Err(err) => (service::error_headers(&err), service::error_payload(&err)),
+                }
+            }
+        };
+        let mut headers = headers;
+        trace::inject_current(&mut headers);
+        if let Err(err) = self
+            .client
+            .publish_with_headers(reply_to, headers, payload)
+            .await
+        {
+            tracing::warn!(error = %err, "could not send the reply");
+        }
+    }
+}
+
+/// Receives events; each runs in its own task, at most [`MAX_CONCURRENT_EVENTS`] at once.
+async fn serve_events<H, S>(mut events: S, handler: Arc<H>, shutdown: CancellationToken)
+where
+    H: Handler,
+    S: futures::Stream<Item = Message> + Unpin,
+{
+    let permits = Arc::new(Semaphore::new(MAX_CONCURRENT_EVENTS));
+    let mut running = JoinSet::new();
+    // Dropped (aborted) with this task when the agent is stopped past its grace period.
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            next = events.next() => match next { Some(m) => m, None => break },
+        };
+        while running.try_join_next().is_some() {}
+        let event = match serde_json::from_slice::<Event>(&message.payload) {
+            Ok(event) => event,
+            Err(e) => {
+                tracing::warn!(subject = %message.subject, error = %e, "invalid event dropped");
+                continue;
+            }
+        };
+        let span = tracing::info_span!("event", subject = %message.subject, name = %event.name);
+        trace::set_parent(&span, message.headers.as_ref());
+        let handler = handler.clone();
+        running.spawn(
+            async move {
+                let _permit = permit;
+                handler.on_event(event).await;
+            }
+            .instrument(span),
+        );
+    }
+    while running.join_next().await.is_some() {}
+}

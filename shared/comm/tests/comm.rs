@@ -1,0 +1,395 @@
+//! The comm protocol over a real nats-server (one per test).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+use cyrene_comm::{Answer, AskError, AskOptions, Handler, Probe};
+use cyrene_protocol::comm::{Ask, Event, Reply};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_test_support::NatsServer;
+use futures::StreamExt;
+use serde_json::json;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Answers every ask with its own question; counts what it saw.
+#[derive(Default)]
+struct Echo {
+    asks: AtomicUsize,
+    events: tokio::sync::Mutex<Vec<Event>>,
+    event_seen: Notify,
+}
+
+impl Handler for Echo {
+    async fn on_ask(&self, ask: Ask) -> Result<Answer, ErrorBody> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
+        if ask.question == "fail" {
+            return Err(ErrorBody::new(ErrorCode::NotFound, "nothing about that"));
+        }
+        Ok(Answer {
+            text: ask.question,
+            data: json!({"from": ask.from}),
+        })
+    }
+
+    async fn on_event(&self, event: Event) {
+        self.events.lock().await.push(event);
+        self.event_seen.notify_waiters();
+    }
+}
+
+/// Never answers.
+struct Silent;
+
+impl Handler for Silent {
+    async fn on_ask(&self, _ask: Ask) -> Result<Answer, ErrorBody> {
+        std::future::pending().await
+    }
+}
+
+async fn wait_for_events(echo: &Echo, n: usize) -> Vec<Event> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let notified = echo.event_seen.notified();
+            {
+                let events = echo.events.lock().await;
+                if events.len() >= n {
+                    return events.clone();
+                }
+            }
+            notified.await;
+        }
+    })
+    .await
+    .expect("events arrive")
+}
+
+#[tokio::test]
+async fn odd_ids_become_the_documented_subjects_on_the_wire() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let mut wire = client.subscribe("cyrene.agent.>").await.unwrap();
+    client.flush().await.unwrap();
+
+    let asker = Probe::new(client.clone(), "a.b*c");
+    let answerer_id = "星 x>";
+    let echo = Arc::new(Echo::default());
+    let agent = Probe::new(client.clone(), answerer_id)
+        .serve(echo.clone())
+        .await
+        .unwrap();
+
+    let reply = asker.ask(answerer_id, "hello").await.unwrap();
+    assert_eq!(reply.text, "hello");
+    assert_eq!(reply.from, answerer_id);
+    assert_eq!(reply.to, "a.b*c");
+    asker
+        .emit(answerer_id, "task.progress", json!({"pct": 5}))
+        .await
+        .unwrap();
+    asker.broadcast("tool.used", json!(null)).await.unwrap();
+    let events = wait_for_events(&echo, 2).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.name == "task.progress" && e.data == json!({"pct": 5}))
+    );
+
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let m = tokio::time::timeout(Duration::from_secs(5), wire.next())
+            .await
+            .unwrap()
+            .unwrap();
+        seen.push(m.subject.to_string());
+    }
+    assert_eq!(seen[0], "cyrene.agent.a_b_c.__x_.ask");
+    assert_eq!(
+        seen[1],
+        format!("cyrene.agent.__x_.a_b_c.reply.{}", reply.ask_id)
+    );
+    assert_eq!(seen[2], "cyrene.agent.a_b_c.__x_.event");
+    assert_eq!(seen[3], "cyrene.agent.a_b_c.event");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_concurrent_asks_get_their_own_replies() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let echo = Arc::new(Echo::default());
+    let agent = Probe::new(client.clone(), "b")
+        .serve(echo.clone())
+        .await
+        .unwrap();
+    let asker = Probe::new(client, "a");
+
+    let asks = (0..200).map(|i| {
+        let asker = asker.clone();
+        async move { (i, asker.ask("b", &format!("question {i}")).await) }
+    });
+    let results = futures::future::join_all(asks).await;
+    let mut ask_ids = HashSet::new();
+    for (i, result) in results {
+        let reply: Reply = result.unwrap();
+        assert_eq!(reply.text, format!("question {i}"));
+        assert!(ask_ids.insert(reply.ask_id));
+    }
+    assert_eq!(echo.asks.load(Ordering::SeqCst), 200);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn timeout_no_responders_and_cancellation_are_distinct() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let silent = Probe::new(client.clone(), "silent")
+        .serve(Arc::new(Silent))
+        .await
+        .unwrap();
+    let asker = Probe::new(client, "a");
+
+    let timeout = asker
+        .ask_with(
+            "silent",
+            "?",
+            AskOptions {
+                timeout: Some(Duration::from_millis(200)),
+                ..Default::default()
+            },
+        )
+        .await;
+    assert!(
+        matches!(timeout, Err(AskError::Timeout { ref to, .. }) if to == "silent"),
+        "{timeout:?}"
+    );
+
+    let nobody = asker.ask("nobody", "?").await;
+    assert!(
+        matches!(nobody, Err(AskError::NoReply { .. })),
+        "{nobody:?}"
+    );
+
+    let cancel = CancellationToken::new();
+    let ask = asker.ask_with(
+        "silent",
+        "?",
+        AskOptions {
+            cancel: Some(cancel.clone()),
+            ..Default::default()
+        },
+    );
+    let (result, ()) = tokio::join!(ask, async { cancel.cancel() });
+    assert!(
+        matches!(result, Err(AskError::Cancelled { .. })),
+        "{result:?}"
+    );
+    silent.stop_within(Duration::ZERO).await;
+}
+
+#[tokio::test]
+async fn handler_errors_come_back_as_the_error_envelope() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let agent = Probe::new(client.clone(), "b")
+        .serve(Arc::new(Echo::default()))
+        .await
+        .unwrap();
+    let err = Probe::new(client, "a").ask("b", "fail").await.unwrap_err();
+    match err {
+        AskError::Remote { error, .. } => {
+            assert_eq!(error.code, ErrorCode::NotFound);
+            assert_eq!(error.message, "nothing about that");
+        }
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+    agent.stop().await;
+}
+
+/// Tracks how many calls overlap.
+#[derive(Default)]
+struct Overlap {
+    asks_now: AtomicUsize,
+    asks_max: AtomicUsize,
+    events_now: AtomicUsize,
+    events_max: AtomicUsize,
+    all_events_in: Notify,
+}
+
+const EVENTS: usize = 4;
+
+impl Handler for Overlap {
+    async fn on_ask(&self, ask: Ask) -> Result<Answer, ErrorBody> {
+        let now = self.asks_now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.asks_max.fetch_max(now, Ordering::SeqCst);
+        // Give a second ask every chance to start while this one runs.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.asks_now.fetch_sub(1, Ordering::SeqCst);
+        Ok(Answer::text(ask.question))
+    }
+
+    async fn on_event(&self, _event: Event) {
+        let now = self.events_now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.events_max.fetch_max(now, Ordering::SeqCst);
+        if now == EVENTS {
+            self.all_events_in.notify_waiters();
+        }
+        // Each event handler stays until all of them are running at once: this only finishes
+        // if event handlers run concurrently.
+        let wait = async {
+            while self.events_now.load(Ordering::SeqCst) < EVENTS {
+                let notified = self.all_events_in.notified();
+                if self.events_now.load(Ordering::SeqCst) >= EVENTS {
+                    break;
+                }
+                notified.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(10), wait).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_of_one_agent_never_overlap_while_events_do() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let overlap = Arc::new(Overlap::default());
+    let agent = Probe::new(client.clone(), "b")
+        .serve(overlap.clone())
+        .await
+        .unwrap();
+    let asker = Probe::new(client, "a");
+
+    let asks = (0..20).map(|i| {
+        let asker = asker.clone();
+        async move { asker.ask("b", &i.to_string()).await }
+    });
+    for r in futures::future::join_all(asks).await {
+        r.unwrap();
+    }
+    assert_eq!(overlap.asks_max.load(Ordering::SeqCst), 1);
+
+    let all_in = overlap.all_events_in.notified();
+    for i in 0..EVENTS {
+        asker
+            .emit("b", &format!("e{i}"), json!(null))
+            .await
+            .unwrap();
+    }
+    // Only reached when all EVENTS handlers were running at the same moment.
+    tokio::time::timeout(Duration::from_secs(10), all_in)
+        .await
+        .expect("events overlap");
+    agent.stop().await;
+    assert_eq!(overlap.events_max.load(Ordering::SeqCst), EVENTS);
+}
+
+#[tokio::test]
+async fn a_plain_request_with_an_inbox_reply_to_is_answered() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let agent = Probe::new(client.clone(), "b")
+        .serve(Arc::new(Echo::default()))
+        .await
+        .unwrap();
+
+    let ask = json!({"id":"q1","from":"cli","to":"b","question":"ping"});
+    let message = client
+        .request(
+            "cyrene.agent.cli.b.ask",
+            serde_json::to_vec(&ask).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let reply: Reply = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(
+        (
+            reply.ask_id.as_str(),
+            reply.from.as_str(),
+            reply.to.as_str()
+        ),
+        ("q1", "b", "cli")
+    );
+    assert_eq!(reply.text, "ping");
+
+    let bad = client
+        .request("cyrene.agent.cli.b.ask", "{not json".into())
+        .await
+        .unwrap();
+    let headers = bad.headers.expect("error headers");
+    assert_eq!(
+        headers.get("Nats-Service-Error-Code").map(|v| v.as_str()),
+        Some("400")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&bad.payload).unwrap();
+    assert_eq!(body["error"]["code"], "bad_request");
+
+    // The agent is still serving.
+    let again = Probe::new(client, "a")
+        .ask("b", "still there?")
+        .await
+        .unwrap();
+    assert_eq!(again.text, "still there?");
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn replicas_of_one_agent_share_each_ask() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let (one, two) = (Arc::new(Echo::default()), Arc::new(Echo::default()));
+    let r1 = Probe::new(client.clone(), "b")
+        .serve(one.clone())
+        .await
+        .unwrap();
+    let r2 = Probe::new(client.clone(), "b")
+        .serve(two.clone())
+        .await
+        .unwrap();
+    let asker = Probe::new(client, "a");
+    for i in 0..40 {
+        asker.ask("b", &i.to_string()).await.unwrap();
+    }
+    assert_eq!(
+        one.asks.load(Ordering::SeqCst) + two.asks.load(Ordering::SeqCst),
+        40
+    );
+    r1.stop().await;
+    r2.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_keeps_working_after_the_server_restarts() {
+    let mut server = NatsServer::start();
+    let client = server.connect().await;
+    let agent = Probe::new(client.clone(), "b")
+        .serve(Arc::new(Echo::default()))
+        .await
+        .unwrap();
+    let asker = Probe::new(client.clone(), "a");
+    assert_eq!(asker.ask("b", "before").await.unwrap().text, "before");
+
+    let before = server.pid();
+    server.restart();
+    assert_ne!(server.pid(), before, "a new server process");
+
+    // Reconnecting takes a moment; each try is bounded and the whole wait is bounded.
+    let answered = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let options = AskOptions {
+                timeout: Some(Duration::from_millis(500)),
+                ..Default::default()
+            };
+            match asker.ask_with("b", "after", options).await {
+                Ok(reply) => break reply,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await
+    .expect("the probe answers again after the restart");
+    assert_eq!(answered.text, "after");
+    agent.stop().await;
+}

@@ -1,0 +1,157 @@
+//! The error envelope every endpoint answers with, and its closed set of codes (DESIGN §1).
+//!
+//! On the wire a failed request carries the micro headers `Nats-Service-Error` (the message) and
+//! `Nats-Service-Error-Code` (the numeric status of [`ErrorCode::status`]) **and** a JSON body
+//! `{"error":{"code":"not_found","message":"…"}}`.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The closed set of error codes. Adding one is a protocol change: update `docs/errors.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Malformed JSON, wrong types, missing or unknown fields, invalid ids.
+    BadRequest,
+    /// The addressed thing does not exist.
+    NotFound,
+    /// A write lost a race or was fenced off (an older attempt, a duplicate).
+    Conflict,
+    /// A dependency (database, provider chain, peer) is down; retrying later may succeed.
+    Unavailable,
+    /// An upstream provider rejected the request; its message is kept.
+    Upstream,
+    /// The operation did not finish within its deadline.
+    Timeout,
+    /// The payload exceeds the size limit.
+    TooLarge,
+    /// A bug on our side.
+    Internal,
+}
+
+impl ErrorCode {
+    /// Every code, in documentation order.
+    pub const ALL: [ErrorCode; 8] = [
+        ErrorCode::BadRequest,
+        ErrorCode::NotFound,
+        ErrorCode::Conflict,
+        ErrorCode::Unavailable,
+        ErrorCode::Upstream,
+        ErrorCode::Timeout,
+        ErrorCode::TooLarge,
+        ErrorCode::Internal,
+    ];
+
+    /// The wire spelling (`bad_request`, …).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::Conflict => "conflict",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Upstream => "upstream",
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::Internal => "internal",
+        }
+    }
+
+    /// The HTTP-like status put in the `Nats-Service-Error-Code` header.
+    pub const fn status(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest => 400,
+            ErrorCode::NotFound => 404,
+            ErrorCode::Conflict => 409,
+            ErrorCode::TooLarge => 413,
+            ErrorCode::Internal => 500,
+            ErrorCode::Upstream => 502,
+            ErrorCode::Unavailable => 503,
+            ErrorCode::Timeout => 504,
+        }
+    }
+
+    /// The code for a `Nats-Service-Error-Code` status, for peers that send headers only.
+    pub fn from_status(status: u16) -> ErrorCode {
+        match status {
+            400 => ErrorCode::BadRequest,
+            404 => ErrorCode::NotFound,
+            409 => ErrorCode::Conflict,
+            413 => ErrorCode::TooLarge,
+            502 => ErrorCode::Upstream,
+            503 => ErrorCode::Unavailable,
+            504 | 408 => ErrorCode::Timeout,
+            _ => ErrorCode::Internal,
+        }
+    }
+
+    /// Whether the same request may succeed if sent again later.
+    pub const fn is_retryable(self) -> bool {
+        matches!(self, ErrorCode::Unavailable | ErrorCode::Timeout)
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `{"code":"…","message":"…"}`: the inner object of the envelope.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ErrorBody {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ErrorBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for ErrorBody {}
+
+/// `{"error":{…}}`: the body of every failed reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorEnvelope {
+    pub error: ErrorBody,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn envelope_matches_documented_shape() {
+        let env = ErrorEnvelope {
+            error: ErrorBody::new(ErrorCode::NotFound, "no checkpoint"),
+        };
+        assert_eq!(
+            serde_json::to_value(&env).unwrap(),
+            json!({"error":{"code":"not_found","message":"no checkpoint"}})
+        );
+        let back: ErrorEnvelope =
+            serde_json::from_str(r#"{"error":{"code":"too_large","message":"x"}}"#).unwrap();
+        assert_eq!(back.error.code, ErrorCode::TooLarge);
+    }
+
+    #[test]
+    fn every_code_round_trips_through_its_status_and_name() {
+        for code in ErrorCode::ALL {
+            assert_eq!(ErrorCode::from_status(code.status()), code);
+            let v = serde_json::to_value(code).unwrap();
+            assert_eq!(v, json!(code.as_str()));
+        }
+        assert!(serde_json::from_value::<ErrorCode>(json!("teapot")).is_err());
+    }
+}

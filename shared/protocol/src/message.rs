@@ -1,0 +1,367 @@
+//! The vendor-neutral message vocabulary (DESIGN §2, §9; seed 004).
+//!
+//! # Invariants
+//! - Tool-call `args` are a JSON object, never a JSON-encoded string. A provider reply whose
+//!   arguments could not be decoded carries `args: {}` and an `args_error`; the loop answers such a
+//!   call with an `is_error` result instead of running the tool.
+//! - `content` may arrive as a plain string (one text part); it is always written as a list.
+//! - `sender_name` is a *lane*, not an identity: the persona id on assistant messages, a
+//!   third-party nickname on user messages in restricted sessions, empty when unlabelled.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
+
+/// Who authored a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// The protocol family a reasoning part came from; it is sent back only to that family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningFamily {
+    /// OpenAI-compatible `reasoning_content` (DeepSeek and friends).
+    Openai,
+    /// Anthropic `thinking` / `redacted_thinking` blocks.
+    Anthropic,
+}
+
+/// One content part of a message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Part {
+    /// Plain text.
+    Text { text: String },
+    /// An image: a `data:` URI or an http(s) URL.
+    ImageUrl { image_url: String },
+    /// A call the assistant asked for.
+    ToolCall {
+        id: String,
+        name: String,
+        #[serde(default)]
+        args: Map<String, Value>,
+        /// Set when the provider's arguments were not valid JSON; `args` is then `{}`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        args_error: Option<String>,
+    },
+    /// The outcome of a tool call.
+    ToolResult {
+        tool_call_id: String,
+        text: String,
+        #[serde(default)]
+        is_error: bool,
+    },
+    /// A server-stored document (user turns only); replaced by text at assembly, never sent to a
+    /// provider.
+    Document {
+        name: String,
+        mime: String,
+        url: String,
+        size: u64,
+    },
+    /// The provider's reasoning, kept so it can be sent back to the family that produced it.
+    Reasoning {
+        family: ReasoningFamily,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        text: String,
+        /// Anthropic `thinking.signature`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signature: Option<String>,
+        /// Anthropic `redacted_thinking.data`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        redacted: Option<String>,
+    },
+}
+
+impl Part {
+    pub fn text(text: impl Into<String>) -> Part {
+        Part::Text { text: text.into() }
+    }
+}
+
+/// A tool call as returned in a model response and carried in a `tool_call` part.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    #[serde(default)]
+    pub args: Map<String, Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_error: Option<String>,
+}
+
+/// One conversation turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    #[serde(deserialize_with = "content_from_string_or_list")]
+    pub content: Vec<Part>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sender_name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tool_call_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tool_call_name: String,
+}
+
+impl Message {
+    /// A message of one text part.
+    pub fn text(role: Role, text: impl Into<String>) -> Message {
+        Message::with_parts(role, vec![Part::text(text)])
+    }
+
+    /// A message with an optional text part followed by one image.
+    pub fn image(role: Role, text: impl Into<String>, image_url: impl Into<String>) -> Message {
+        let text = text.into();
+        let mut parts = Vec::with_capacity(2);
+        if !text.is_empty() {
+            parts.push(Part::Text { text });
+        }
+        parts.push(Part::ImageUrl {
+            image_url: image_url.into(),
+        });
+        Message::with_parts(role, parts)
+    }
+
+    /// A tool turn answering `tool_call_id`.
+    pub fn tool_result(
+        tool_call_id: impl Into<String>,
+        tool_call_name: impl Into<String>,
+        text: impl Into<String>,
+        is_error: bool,
+    ) -> Message {
+        let id = tool_call_id.into();
+        Message {
+            role: Role::Tool,
+            content: vec![Part::ToolResult {
+                tool_call_id: id.clone(),
+                text: text.into(),
+                is_error,
+            }],
+            sender_name: String::new(),
+            tool_call_id: id,
+            tool_call_name: tool_call_name.into(),
+        }
+    }
+
+    /// An assistant turn declaring the calls it made, so the following tool turns correlate.
+    pub fn assistant_tool_calls(calls: &[ToolCall]) -> Message {
+        let parts = calls
+            .iter()
+            .map(|c| Part::ToolCall {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                args: c.args.clone(),
+                args_error: c.args_error.clone(),
+            })
+            .collect();
+        Message::with_parts(Role::Assistant, parts)
+    }
+
+    pub fn with_parts(role: Role, content: Vec<Part>) -> Message {
+        Message {
+            role,
+            content,
+            sender_name: String::new(),
+            tool_call_id: String::new(),
+            tool_call_name: String::new(),
+        }
+    }
+
+    /// Sets the sender lane (persona id or third-party nickname).
+    pub fn sender(mut self, name: impl Into<String>) -> Message {
+        self.sender_name = name.into();
+        self
+    }
+
+    /// The concatenated text parts.
+    pub fn text_content(&self) -> String {
+        let mut out = String::new();
+        for part in &self.content {
+            if let Part::Text { text } = part {
+                out.push_str(text);
+            }
+        }
+        out
+    }
+
+    /// Whether any part is an image.
+    pub fn has_image(&self) -> bool {
+        self.content
+            .iter()
+            .any(|p| matches!(p, Part::ImageUrl { .. }))
+    }
+}
+
+fn content_from_string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Part>, D::Error> {
+    // Not an untagged enum: that would hide the inner error of a bad part.
+    let v = Value::deserialize(d)?;
+    match v {
+        Value::String(s) => Ok(vec![Part::Text { text: s }]),
+        Value::Array(_) => {
+            let parts: Vec<Part> = serde_json::from_value(v).map_err(serde::de::Error::custom)?;
+            Ok(parts)
+        }
+        other => Err(serde::de::Error::custom(format!(
+            "content must be a string or a list of parts, not {}",
+            kind_of(&other)
+        ))),
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn round_trip<T>(value: &T, expected: Value)
+    where
+        T: Serialize + for<'de> Deserialize<'de> + PartialEq + std::fmt::Debug,
+    {
+        assert_eq!(serde_json::to_value(value).unwrap(), expected);
+        let back: T = serde_json::from_value(expected).unwrap();
+        assert_eq!(&back, value);
+    }
+
+    #[test]
+    fn user_message_with_sender_matches_design() {
+        let m = Message::text(Role::User, "hi").sender("阿明");
+        round_trip(
+            &m,
+            json!({"role":"user","content":[{"type":"text","text":"hi"}],"sender_name":"阿明"}),
+        );
+    }
+
+    #[test]
+    fn plain_string_content_is_one_text_part() {
+        let m: Message = serde_json::from_str(r#"{"role":"user","content":"hello"}"#).unwrap();
+        assert_eq!(m, Message::text(Role::User, "hello"));
+        let out = serde_json::to_value(&m).unwrap();
+        assert_eq!(out["content"], json!([{"type":"text","text":"hello"}]));
+    }
+
+    #[test]
+    fn every_part_matches_design() {
+        round_trip(&Part::text("…"), json!({"type":"text","text":"…"}));
+        round_trip(
+            &Part::ImageUrl {
+                image_url: "data:image/png;base64,AAAA".into(),
+            },
+            json!({"type":"image_url","image_url":"data:image/png;base64,AAAA"}),
+        );
+        let mut args = Map::new();
+        args.insert("tz".into(), json!("UTC"));
+        round_trip(
+            &Part::ToolCall {
+                id: "call_1".into(),
+                name: "get_time".into(),
+                args,
+                args_error: None,
+            },
+            json!({"type":"tool_call","id":"call_1","name":"get_time","args":{"tz":"UTC"}}),
+        );
+        round_trip(
+            &Part::ToolCall {
+                id: "c".into(),
+                name: "n".into(),
+                args: Map::new(),
+                args_error: Some("expected value at line 1".into()),
+            },
+            json!({"type":"tool_call","id":"c","name":"n","args":{},
+                   "args_error":"expected value at line 1"}),
+        );
+        round_trip(
+            &Part::ToolResult {
+                tool_call_id: "call_1".into(),
+                text: "…".into(),
+                is_error: false,
+            },
+            json!({"type":"tool_result","tool_call_id":"call_1","text":"…","is_error":false}),
+        );
+        round_trip(
+            &Part::Document {
+                name: "d-01J".into(),
+                mime: "application/pdf".into(),
+                url: "cyrene-doc://d-01J".into(),
+                size: 1234,
+            },
+            json!({"type":"document","name":"d-01J","mime":"application/pdf",
+                   "url":"cyrene-doc://d-01J","size":1234}),
+        );
+        round_trip(
+            &Part::Reasoning {
+                family: ReasoningFamily::Anthropic,
+                text: "hmm".into(),
+                signature: Some("sig".into()),
+                redacted: None,
+            },
+            json!({"type":"reasoning","family":"anthropic","text":"hmm","signature":"sig"}),
+        );
+    }
+
+    #[test]
+    fn tool_turn_matches_design() {
+        let m = Message::tool_result("call_1", "get_time", "12:00", false);
+        round_trip(
+            &m,
+            json!({"role":"tool","tool_call_id":"call_1","tool_call_name":"get_time",
+                   "content":[{"type":"tool_result","tool_call_id":"call_1","text":"12:00",
+                               "is_error":false}]}),
+        );
+    }
+
+    #[test]
+    fn args_as_a_string_is_refused() {
+        let err = serde_json::from_value::<Part>(
+            json!({"type":"tool_call","id":"c","name":"n","args":"{\"a\":1}"}),
+        );
+        assert!(err.is_err());
+    }
+
+    #[test]
+    fn wrong_content_types_are_refused_with_a_reason() {
+        let err = serde_json::from_str::<Message>(r#"{"role":"user","content":7}"#).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("content must be a string or a list"),
+            "{err}"
+        );
+        assert!(serde_json::from_str::<Message>(r#"{"role":"boss","content":"x"}"#).is_err());
+        assert!(
+            serde_json::from_str::<Message>(r#"{"role":"user","content":[{"type":"video"}]}"#)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn constructors_build_the_documented_parts() {
+        let img = Message::image(Role::User, "", "https://x/y.png");
+        assert_eq!(img.content.len(), 1);
+        assert!(img.has_image());
+        let call = ToolCall {
+            id: "1".into(),
+            name: "t".into(),
+            args: Map::new(),
+            args_error: None,
+        };
+        let m = Message::assistant_tool_calls(&[call]);
+        assert!(matches!(&m.content[0], Part::ToolCall { id, .. } if id == "1"));
+        assert_eq!(Message::text(Role::User, "a").text_content(), "a");
+    }
+}

@@ -1,0 +1,187 @@
+//! `cyrene.model.complete` request/response and the `cyrene.model.calls` record (DESIGN §2, §9).
+
+use crate::message::{Message, ToolCall};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A tool the model may call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    /// JSON schema of the args object.
+    #[serde(default = "empty_object")]
+    pub parameters: Value,
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+/// Reasoning knobs. Absent = do not interfere (DeepSeek thinks by default).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Thinking {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable: Option<bool>,
+}
+
+/// A completion request. No top_p and no penalties on purpose (seed 004: they are silently
+/// ignored or become hard floors on one side of the thinking switch).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRequest {
+    pub messages: Vec<Message>,
+    /// Explicit model override; empty = routed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Accounting tag.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub purpose: String,
+    /// Routing key for persona chains; empty = the active group's default chain.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona_id: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<ToolSpec>,
+    /// Opaque, passed through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thinking: Option<Thinking>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reasoning_effort: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// A normalised completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelResponse {
+    pub model: String,
+    #[serde(default)]
+    pub content: String,
+    pub message: Message,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The provider's raw stop reason (`stop`, `length`, `tool_calls`, `end_turn`, …).
+    #[serde(default)]
+    pub stop_reason: String,
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+    #[serde(default)]
+    pub total_tokens: u64,
+    #[serde(default)]
+    pub cache_hit_tokens: u64,
+    #[serde(default)]
+    pub cache_miss_tokens: u64,
+    #[serde(default)]
+    pub reasoning_tokens: u64,
+    /// The provider (config key) that served the call.
+    #[serde(default)]
+    pub provider: String,
+    /// True when an offline (scripted) provider answered: never a real model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offline: bool,
+}
+
+impl ModelResponse {
+    /// hit / (hit + miss); 0 when nothing was reported.
+    pub fn cache_hit_rate(&self) -> f64 {
+        let total = self.cache_hit_tokens + self.cache_miss_tokens;
+        if total == 0 {
+            0.0
+        } else {
+            self.cache_hit_tokens as f64 / total as f64
+        }
+    }
+}
+
+/// Published on `cyrene.model.calls` for every successful call; failed attempts publish none.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallRecord {
+    pub model: String,
+    #[serde(default)]
+    pub purpose: String,
+    pub tokens: u64,
+    pub took_ms: u64,
+    #[serde(default)]
+    pub provider: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Role;
+    use serde_json::json;
+
+    #[test]
+    fn request_matches_design() {
+        let doc = json!({"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
+            "model":"m","temperature":0.3,"max_tokens":512,"purpose":"chat","persona_id":"cyrene",
+            "tools":[{"name":"get_time","description":"now","parameters":{"type":"object"}}],
+            "tool_choice":{"type":"auto"},"thinking":{"budget_tokens":1024,"enable":true},
+            "reasoning_effort":"high","timeout_ms":30000});
+        let req: ModelRequest = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(req.max_tokens, Some(512));
+        assert_eq!(req.thinking.as_ref().and_then(|t| t.enable), Some(true));
+        assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+    }
+
+    #[test]
+    fn minimal_request_omits_empty_fields() {
+        let req = ModelRequest {
+            messages: vec![Message::text(Role::User, "hi")],
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_value(&req).unwrap(),
+            json!({"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]})
+        );
+    }
+
+    #[test]
+    fn request_refuses_unknown_fields() {
+        let err = serde_json::from_value::<ModelRequest>(json!({"messages":[],"top_p":0.9}));
+        assert!(err.unwrap_err().to_string().contains("top_p"));
+    }
+
+    #[test]
+    fn response_matches_design() {
+        let doc = json!({"model":"m","content":"","message":{"role":"assistant","content":[
+                {"type":"tool_call","id":"call_1","name":"get_time","args":{}}]},
+            "tool_calls":[{"id":"call_1","name":"get_time","args":{}}],
+            "stop_reason":"tool_calls","prompt_tokens":10,"completion_tokens":5,"total_tokens":15,
+            "cache_hit_tokens":0,"cache_miss_tokens":10,"reasoning_tokens":0,"provider":"primary"});
+        let resp: ModelResponse = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(resp.tool_calls.len(), 1);
+        assert!(!resp.offline);
+        assert_eq!(serde_json::to_value(&resp).unwrap(), doc);
+        assert_eq!(resp.cache_hit_rate(), 0.0);
+    }
+
+    #[test]
+    fn cache_hit_rate_is_hits_over_inputs() {
+        let mut resp: ModelResponse = serde_json::from_value(json!({"model":"m",
+            "message":{"role":"assistant","content":"x"}}))
+        .unwrap();
+        resp.cache_hit_tokens = 30;
+        resp.cache_miss_tokens = 10;
+        assert!((resp.cache_hit_rate() - 0.75).abs() < 1e-9);
+    }
+
+    #[test]
+    fn call_record_matches_design() {
+        let doc =
+            json!({"model":"m","purpose":"chat","tokens":15,"took_ms":12,"provider":"primary"});
+        let rec: CallRecord = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&rec).unwrap(), doc);
+    }
+}

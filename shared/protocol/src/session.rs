@@ -1,0 +1,152 @@
+//! `cyrene.session.*` shapes (DESIGN §6, §9).
+
+use crate::message::Message;
+use serde::{Deserialize, Serialize};
+
+/// Session facts taken when the session is created.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionEnv {
+    /// A group or stranger chat: unlabelled user messages are the owner's.
+    #[serde(default)]
+    pub restricted: bool,
+    /// The answering persona; the default persona when empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona: String,
+}
+
+/// `cyrene.session.send` request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendRequest {
+    pub session_id: String,
+    pub message: Message,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub client_id: String,
+    /// Client-chosen key: a resend with the same key gets the first ack back.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub idempotency_key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<SessionEnv>,
+}
+
+/// What happened to a sent message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disposition {
+    /// No turn was in flight: a turn was started for it.
+    TurnStarted,
+    /// A turn is in flight: steered in at its next boundary, or the next turn.
+    Pending,
+    /// The parallel policy started another leg for it.
+    ParallelLeg,
+}
+
+/// `cyrene.session.send` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendAck {
+    pub message_id: String,
+    pub seq: u64,
+    pub disposition: Disposition,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub turn_id: String,
+}
+
+/// The kind of a live session event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionEventType {
+    TurnStarted,
+    SteerAck,
+    Step,
+    ToolCall,
+    ToolResult,
+    Final,
+    Error,
+    TurnEnded,
+}
+
+/// Published on `cyrene.session.<sid>.events`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionEvent {
+    #[serde(rename = "type")]
+    pub kind: SessionEventType,
+    pub session_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub turn_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub leg_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_step: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub message_ids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<Message>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Role;
+    use serde_json::json;
+
+    #[test]
+    fn send_and_ack_match_design() {
+        let doc = json!({"session_id":"s1","message":{"role":"user","content":[{"type":"text",
+            "text":"hi"}]},"client_id":"cli-1","idempotency_key":"k1",
+            "env":{"restricted":false,"persona":"cyrene"}});
+        let req: SendRequest = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(req.message, Message::text(Role::User, "hi"));
+        assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+
+        for (d, s) in [
+            (Disposition::TurnStarted, "turn_started"),
+            (Disposition::Pending, "pending"),
+            (Disposition::ParallelLeg, "parallel_leg"),
+        ] {
+            let ack = SendAck {
+                message_id: "m".into(),
+                seq: 7,
+                disposition: d,
+                turn_id: "t".into(),
+            };
+            let doc = json!({"message_id":"m","seq":7,"disposition":s,"turn_id":"t"});
+            assert_eq!(serde_json::to_value(&ack).unwrap(), doc);
+            assert_eq!(serde_json::from_value::<SendAck>(doc).unwrap(), ack);
+        }
+    }
+
+    #[test]
+    fn session_event_matches_design() {
+        let doc = json!({"type":"steer_ack","session_id":"s1","turn_id":"t","leg_id":"l",
+            "at_step":2,"message_ids":["m1"],"message":{"role":"assistant","content":[
+            {"type":"text","text":"ok"}]}});
+        let ev: SessionEvent = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(ev.kind, SessionEventType::SteerAck);
+        assert_eq!(serde_json::to_value(&ev).unwrap(), doc);
+        for t in [
+            "turn_started",
+            "step",
+            "tool_call",
+            "tool_result",
+            "final",
+            "error",
+            "turn_ended",
+        ] {
+            let ev: SessionEvent =
+                serde_json::from_value(json!({"type":t,"session_id":"s1"})).unwrap();
+            assert_eq!(
+                serde_json::to_value(ev).unwrap(),
+                json!({"type":t,"session_id":"s1"})
+            );
+        }
+    }
+
+    #[test]
+    fn send_refuses_unknown_fields_and_missing_message() {
+        assert!(serde_json::from_value::<SendRequest>(json!({"session_id":"s1"})).is_err());
+        let err = serde_json::from_value::<SendRequest>(json!({"session_id":"s1",
+            "message":{"role":"user","content":"x"},"priority":1}));
+        assert!(err.unwrap_err().to_string().contains("priority"));
+    }
+}

@@ -1,0 +1,124 @@
+//! Every NATS subject Cyrene uses, one builder each (DESIGN §1–§6, §9).
+//!
+//! # Invariants
+//! - Comm subjects pass every id through [`token`] (the seed 002 sanitisation, part of the spec).
+//! - Every other subject that embeds an id takes it validated ([`crate::ids::validate`]) and
+//!   returns the [`IdError`] otherwise: no subject is built from unvalidated text.
+
+use crate::ids::{self, IdError, IdKind};
+
+/// Model completions (micro endpoint `complete`).
+pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
+/// Call records, one per successful model call.
+pub const MODEL_CALLS: &str = "cyrene.model.calls";
+pub const CHECKPOINT_SAVE: &str = "cyrene.checkpoint.save";
+pub const CHECKPOINT_LATEST: &str = "cyrene.checkpoint.latest";
+pub const CHECKPOINT_GET: &str = "cyrene.checkpoint.get";
+pub const CHECKPOINT_LIST: &str = "cyrene.checkpoint.list";
+pub const SESSION_SEND: &str = "cyrene.session.send";
+pub const SESSION_HISTORY: &str = "cyrene.session.history";
+/// Turn jobs (JetStream work queue `CYRENE_TURNS`).
+pub const TURN_RUN: &str = "cyrene.turn.run";
+pub const TURN_STEER: &str = "cyrene.turn.steer";
+pub const TURN_COMPLETE: &str = "cyrene.turn.complete";
+/// Subscribe pattern for every session's events.
+pub const SESSION_EVENTS_ALL: &str = "cyrene.session.*.events";
+
+const AGENT_PREFIX: &str = "cyrene.agent";
+
+/// Sanitises an id into one subject token: every char (Unicode scalar, not byte) outside
+/// `[A-Za-z0-9_-]` becomes one `_`, so dots, wildcards and spaces never leak into a token.
+pub fn token(s: &str) -> String {
+    s.chars()
+        .map(|c| if ids::is_token_char(c) { c } else { '_' })
+        .collect()
+}
+
+/// `cyrene.agent.<from>.<to>.ask`
+pub fn agent_ask(from: &str, to: &str) -> String {
+    format!("{AGENT_PREFIX}.{}.{}.ask", token(from), token(to))
+}
+
+/// `cyrene.agent.<from>.<to>.reply.<askId>` — `from` is the replier, `to` the asker.
+pub fn agent_reply(from: &str, to: &str, ask_id: &str) -> String {
+    format!(
+        "{AGENT_PREFIX}.{}.{}.reply.{}",
+        token(from),
+        token(to),
+        token(ask_id)
+    )
+}
+
+/// `cyrene.agent.<from>.<to>.event`
+pub fn agent_event(from: &str, to: &str) -> String {
+    format!("{AGENT_PREFIX}.{}.{}.event", token(from), token(to))
+}
+
+/// `cyrene.agent.<from>.event`
+pub fn agent_broadcast(from: &str) -> String {
+    format!("{AGENT_PREFIX}.{}.event", token(from))
+}
+
+/// `cyrene.agent.*.<me>.ask`: where an agent receives asks.
+pub fn agent_ask_receive(me: &str) -> String {
+    format!("{AGENT_PREFIX}.*.{}.ask", token(me))
+}
+
+/// `cyrene.agent.*.event` and `cyrene.agent.*.<me>.event`: broadcasts and events to `me`.
+pub fn agent_event_receive(me: &str) -> [String; 2] {
+    [
+        format!("{AGENT_PREFIX}.*.event"),
+        format!("{AGENT_PREFIX}.*.{}.event", token(me)),
+    ]
+}
+
+/// `cyrene.session.<sid>.events`
+pub fn session_events(session_id: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Session, session_id)?;
+    Ok(format!("cyrene.session.{session_id}.events"))
+}
+
+/// `cyrene.tool.<name>`
+pub fn tool(name: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Tool, name)?;
+    Ok(format!("cyrene.tool.{name}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_replaces_each_unicode_char_once() {
+        assert_eq!(token("a.b*c>d e"), "a_b_c_d_e");
+        assert_eq!(token("阿明"), "__");
+        assert_eq!(token("ok_-09AZ"), "ok_-09AZ");
+        assert_eq!(token("😀x"), "_x");
+        assert_eq!(token(""), "");
+    }
+
+    #[test]
+    fn comm_subjects_match_the_seed() {
+        assert_eq!(agent_ask("a", "b"), "cyrene.agent.a.b.ask");
+        assert_eq!(agent_reply("b", "a", "q1"), "cyrene.agent.b.a.reply.q1");
+        assert_eq!(agent_event("a", "b"), "cyrene.agent.a.b.event");
+        assert_eq!(agent_broadcast("a.x"), "cyrene.agent.a_x.event");
+        assert_eq!(agent_ask_receive("b c"), "cyrene.agent.*.b_c.ask");
+        assert_eq!(
+            agent_event_receive("星"),
+            [
+                "cyrene.agent.*.event".to_string(),
+                "cyrene.agent.*._.event".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn id_subjects_refuse_unvalidated_ids() {
+        assert_eq!(session_events("s1").unwrap(), "cyrene.session.s1.events");
+        assert!(session_events("s1.>").is_err());
+        assert!(session_events("").is_err());
+        assert_eq!(tool("get_time").unwrap(), "cyrene.tool.get_time");
+        assert!(tool("a*").is_err());
+    }
+}

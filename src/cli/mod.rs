@@ -1,0 +1,88 @@
+//! Command definitions and dispatch for the `cyrene` CLI.
+
+mod agent;
+mod comm;
+mod probe;
+
+use clap::{Parser, Subcommand};
+use cyrene_bus::{BusConfig, ConnectMode};
+use std::time::Duration;
+
+/// Default NATS URL when neither `--nats-url` nor `NATS_URL` is given.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cyrene",
+    version,
+    about = "Client of a Cyrene agent runtime on NATS"
+)]
+pub struct Cli {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = DEFAULT_NATS_URL, global = true)]
+    pub nats_url: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Ask agent TO a question as agent FROM and print the reply text.
+    Ask(comm::AskArgs),
+    /// Send an event as agent FROM: to agent TO, or broadcast without --to.
+    Emit(comm::EmitArgs),
+    /// Run a smoke-test agent: answer every ask with TEXT, print every ask and event as JSON.
+    Agent(agent::AgentArgs),
+    /// List the micro services on the bus ($SRV.INFO and $SRV.STATS), like `nats micro ls`.
+    Probe(probe::ProbeArgs),
+}
+
+/// A failed command, with the exit code it maps to.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Failed(String),
+    #[error("timeout: {0}")]
+    Timeout(String),
+    #[error("no responder: {0}")]
+    NoResponder(String),
+    #[error("error reply: {0}")]
+    Remote(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Failed(_) => 1,
+            CliError::Timeout(_) => 3,
+            CliError::NoResponder(_) => 4,
+            CliError::Remote(_) => 5,
+        }
+    }
+}
+
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    let config = BusConfig::new(&cli.nats_url, "cyrene-cli", ConnectMode::Client);
+    let client = cyrene_bus::connect(&config).await.map_err(|e| {
+        CliError::Failed(format!("cannot connect to NATS at {}: {e}", cli.nats_url))
+    })?;
+    let result = match cli.command {
+        Command::Ask(args) => comm::ask(client.clone(), args).await,
+        Command::Emit(args) => comm::emit(client.clone(), args).await,
+        Command::Agent(args) => agent::run(client.clone(), args).await,
+        Command::Probe(args) => probe::run(client.clone(), args).await,
+    };
+    // Make sure published messages leave before the process exits.
+    let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
+    result
+}
+
+/// Parses `5s`, `250ms`, `1m` (humantime).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+/// Parses a JSON argument.
+pub fn parse_json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("invalid JSON {s:?}: {e}"))
+}
