@@ -1,0 +1,1 @@
+//! The checkpoint-store service (work in progress).

@@ -1,0 +1,1 @@
+//! The loop-worker service (work in progress).

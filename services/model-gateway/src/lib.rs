@@ -1,0 +1,1 @@
+//! The model-gateway service (work in progress).

@@ -1,0 +1,1 @@
+//! Typed client of cyrene-checkpoint-store (work in progress).
