@@ -12,6 +12,10 @@
 //! - async-nats' own `respond(Err(..))` sends the headers with an *empty* body; Cyrene's contract
 //!   wants the JSON envelope too, so errors are published as a payload plus the two headers. The
 //!   micro `errors` stat therefore does not count them.
+//! - Shutdown unsubscribes and then answers every request already delivered to this process. A
+//!   request the server routed to us just before it saw the unsubscribe is discarded by the
+//!   client library (async-nats endpoints cannot be drained), so its caller sees a timeout and
+//!   must retry; that is why every Cyrene request has a deadline and idempotent writes.
 
 use crate::{guard, trace};
 use async_nats::service::endpoint::Endpoint;
@@ -24,7 +28,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
 use std::sync::Arc;
-use tokio::sync::Semaphore;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -162,33 +167,59 @@ pub async fn serve_json<Req, Resp, F, Fut>(
         };
         // Reap finished tasks so the set does not grow with the request count.
         while tasks.try_join_next().is_some() {}
-        let handler = handler.clone();
-        let max = options.max_payload;
-        let subject = request.message.subject.to_string();
-        let span = tracing::info_span!("request", subject = %subject);
-        trace::set_parent(&span, request.message.headers.as_ref());
-        tasks.spawn(
-            async move {
-                let _permit = permit;
-                let result = match decode::<Req>(&request.message.payload, max) {
-                    Ok(body) => {
-                        let headers = request.message.headers.clone().unwrap_or_default();
-                        handler(body, RequestContext { subject, headers }).await
-                    }
-                    Err(err) => Err(err),
-                };
-                if let Err(err) = &result {
-                    tracing::debug!(code = %err.code, message = %err.message, "request failed");
-                }
-                if let Err(err) = respond(&request, result).await {
-                    tracing::warn!(error = %err, "could not send the reply");
-                }
-            }
-            .instrument(span),
-        );
+        tasks.spawn(handle(
+            request,
+            handler.clone(),
+            options.max_payload,
+            Some(permit),
+        ));
     }
-    let _ = endpoint.stop().await;
+    // Unsubscribe, then answer what was already delivered to us: a request that reached this
+    // process is handled, not dropped.
+    if let Err(err) = endpoint.stop().await {
+        tracing::warn!(error = %err, "could not unsubscribe the endpoint");
+    }
+    while let Ok(Some(request)) = tokio::time::timeout(DRAIN_WAIT, endpoint.next()).await {
+        tasks.spawn(handle(request, handler.clone(), options.max_payload, None));
+    }
     while tasks.join_next().await.is_some() {}
+}
+
+/// How long shutdown waits for requests already on their way to this process.
+const DRAIN_WAIT: Duration = Duration::from_millis(200);
+
+async fn handle<Req, Resp, F, Fut>(
+    request: Request,
+    handler: Arc<F>,
+    max_payload: usize,
+    permit: Option<OwnedSemaphorePermit>,
+) where
+    Req: DeserializeOwned,
+    Resp: Serialize,
+    F: Fn(Req, RequestContext) -> Fut,
+    Fut: Future<Output = Result<Resp, ErrorBody>>,
+{
+    let _permit = permit;
+    let subject = request.message.subject.to_string();
+    let span = tracing::info_span!("request", subject = %subject);
+    trace::set_parent(&span, request.message.headers.as_ref());
+    async {
+        let result = match decode::<Req>(&request.message.payload, max_payload) {
+            Ok(body) => {
+                let headers = request.message.headers.clone().unwrap_or_default();
+                handler(body, RequestContext { subject, headers }).await
+            }
+            Err(err) => Err(err),
+        };
+        if let Err(err) = &result {
+            tracing::debug!(code = %err.code, message = %err.message, "request failed");
+        }
+        if let Err(err) = respond(&request, result).await {
+            tracing::warn!(error = %err, "could not send the reply");
+        }
+    }
+    .instrument(span)
+    .await
 }
 
 #[cfg(test)]

@@ -13,9 +13,10 @@
 //! Every id goes through [`cyrene_protocol::subjects::token`].
 //!
 //! # Invariants
-//! - `ask` subscribes to its private reply subject *before* publishing and sends it as the NATS
-//!   reply-to, so a reply can never arrive before anyone listens, and concurrent asks of one agent
-//!   never see each other's replies.
+//! - Every ask has its own private reply subject, sent as the NATS reply-to, and is subscribed
+//!   to *before* the ask is published (through the probe's one `cyrene.agent.*.<me>.reply.*`
+//!   subscription, flushed to the server on first use), so a reply can never arrive before
+//!   anyone listens, and concurrent asks of one agent never see each other's replies.
 //! - A responder answers the message's reply-to, whatever it is: a plain `nats req` (reply-to an
 //!   `_INBOX`) gets the answer too.
 //! - One agent's ask handler runs one ask at a time; its event handlers may run concurrently

@@ -8,10 +8,13 @@ use cyrene_protocol::comm::{Ask, Event, Reply};
 use cyrene_protocol::{ErrorBody, ErrorCode, ids, subjects};
 use futures::StreamExt;
 use serde_json::Value;
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::Semaphore;
+use tokio::sync::{OnceCell, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -87,11 +90,52 @@ pub trait Handler: Send + Sync + 'static {
     }
 }
 
-/// One agent's end of the protocol.
+/// One agent's end of the protocol. Clones share one reply subscription.
 #[derive(Debug, Clone)]
 pub struct Probe {
     client: Client,
     id: String,
+    replies: Arc<OnceCell<Arc<ReplyMux>>>,
+}
+
+/// Routes replies to waiting asks by ask id.
+///
+/// # Invariants
+/// - One wildcard subscription `cyrene.agent.*.<me>.reply.*` per probe, created (and flushed to
+///   the server) before the probe's first ask is published; every ask still has its own private
+///   reply subject `cyrene.agent.<to>.<me>.reply.<askId>`, registered here before publishing.
+/// - An entry lives exactly as long as its ask waits ([`PendingReply`] removes it on drop), so a
+///   late reply to a timed-out ask finds nobody and is discarded.
+///
+/// # Pitfalls
+/// - Per-ask subscriptions would be simpler but cost a SUB and an UNSUB per ask, which a cluster
+///   propagates to every route; the shared subscription is how NATS clients do requests.
+#[derive(Debug)]
+struct ReplyMux {
+    waiting: Mutex<HashMap<String, oneshot::Sender<Message>>>,
+    /// Stops the dispatch task when the last probe clone is gone.
+    _stop: tokio_util::sync::DropGuard,
+}
+
+impl ReplyMux {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<Message>>> {
+        // The map stays consistent even if a holder panicked: every operation is one call.
+        self.waiting
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Removes its ask from the [`ReplyMux`] when the ask stops waiting, however it ends.
+struct PendingReply<'a> {
+    mux: &'a ReplyMux,
+    ask_id: &'a str,
+}
+
+impl Drop for PendingReply<'_> {
+    fn drop(&mut self) {
+        self.mux.lock().remove(self.ask_id);
+    }
 }
 
 /// How long [`AgentHandle::stop`] lets running handlers finish.
@@ -134,7 +178,48 @@ impl Probe {
         Probe {
             client,
             id: id.into(),
+            replies: Arc::new(OnceCell::new()),
         }
+    }
+
+    /// The reply subscription, created on first use.
+    async fn replies(&self) -> Result<&Arc<ReplyMux>, async_nats::SubscribeError> {
+        self.replies
+            .get_or_try_init(|| async {
+                let pattern = subjects::agent_reply_receive(&self.id);
+                let mut sub = self.client.subscribe(pattern).await?;
+                // The subscription is on the server before any ask is published.
+                if let Err(err) = self.client.flush().await {
+                    tracing::warn!(agent = %self.id, error = %err, "flush after subscribe failed");
+                }
+                let stop = CancellationToken::new();
+                let mux = Arc::new(ReplyMux {
+                    waiting: Mutex::new(HashMap::new()),
+                    _stop: stop.clone().drop_guard(),
+                });
+                let weak = Arc::downgrade(&mux);
+                tokio::spawn(async move {
+                    loop {
+                        let message = tokio::select! {
+                            _ = stop.cancelled() => break,
+                            next = sub.next() => match next { Some(m) => m, None => break },
+                        };
+                        let Some(mux) = weak.upgrade() else { break };
+                        let ask_id = message.subject.rsplit('.').next().unwrap_or_default();
+                        let waiter = mux.lock().remove(ask_id);
+                        match waiter {
+                            Some(tx) => {
+                                let _ = tx.send(message);
+                            }
+                            None => tracing::debug!(subject = %message.subject,
+                                "reply for an ask nobody waits for (late or another replica's)"),
+                        }
+                    }
+                    let _ = sub.unsubscribe().await;
+                });
+                Ok(mux)
+            })
+            .await
     }
 
     /// The agent id this probe speaks for.
@@ -169,31 +254,36 @@ impl Probe {
             reason,
         };
 
-        // Private reply subject first, then publish: the reply cannot outrun the subscription.
+        // Register the private reply subject first, then publish: the reply cannot outrun it.
+        let mux = self.replies().await.map_err(|e| no_reply(e.to_string()))?;
+        let (tx, rx) = oneshot::channel();
+        mux.lock().insert(ask_id.clone(), tx);
+        let _pending = PendingReply {
+            mux,
+            ask_id: &ask_id,
+        };
         let reply_subject = subjects::agent_reply(to, &self.id, &ask_id);
-        let mut replies = self
-            .client
-            .subscribe(reply_subject.clone())
-            .await
-            .map_err(|e| no_reply(e.to_string()))?;
+        let subject = subjects::agent_ask(&self.id, to);
         let payload = encode(&ask);
-        self.client
-            .publish_with_reply_and_headers(
-                subjects::agent_ask(&self.id, to),
-                reply_subject,
-                trace::current_headers(),
-                payload,
-            )
-            .await
-            .map_err(|e| no_reply(e.to_string()))?;
+        let headers = trace::current_headers();
+        let published = if headers.is_empty() {
+            self.client
+                .publish_with_reply(subject, reply_subject, payload)
+                .await
+        } else {
+            self.client
+                .publish_with_reply_and_headers(subject, reply_subject, headers, payload)
+                .await
+        };
+        published.map_err(|e| no_reply(e.to_string()))?;
 
         let message = tokio::select! {
             biased;
             _ = cancel.cancelled() => return Err(AskError::Cancelled { to: to.to_owned() }),
-            next = tokio::time::timeout(after, replies.next()) => match next {
+            next = tokio::time::timeout(after, rx) => match next {
                 Err(_) => return Err(AskError::Timeout { to: to.to_owned(), after }),
-                Ok(None) => return Err(no_reply("the reply subscription closed".into())),
-                Ok(Some(message)) => message,
+                Ok(Err(_)) => return Err(no_reply("the reply subscription closed".into())),
+                Ok(Ok(message)) => message,
             },
         };
         decode_reply(to, message)

@@ -49,6 +49,11 @@ pub fn agent_reply(from: &str, to: &str, ask_id: &str) -> String {
     )
 }
 
+/// `cyrene.agent.*.<me>.reply.*`: every private reply subject of `me`'s asks.
+pub fn agent_reply_receive(me: &str) -> String {
+    format!("{AGENT_PREFIX}.*.{}.reply.*", token(me))
+}
+
 /// `cyrene.agent.<from>.<to>.event`
 pub fn agent_event(from: &str, to: &str) -> String {
     format!("{AGENT_PREFIX}.{}.{}.event", token(from), token(to))
@@ -104,6 +109,7 @@ mod tests {
         assert_eq!(agent_event("a", "b"), "cyrene.agent.a.b.event");
         assert_eq!(agent_broadcast("a.x"), "cyrene.agent.a_x.event");
         assert_eq!(agent_ask_receive("b c"), "cyrene.agent.*.b_c.ask");
+        assert_eq!(agent_reply_receive("a.b"), "cyrene.agent.*.a_b.reply.*");
         assert_eq!(
             agent_event_receive("星"),
             [

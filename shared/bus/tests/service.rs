@@ -1,0 +1,204 @@
+//! The micro-service helpers over a real nats-server: JSON in, JSON or the error envelope out,
+//! bad input answered without reaching the handler, trace context carried across the bus.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+use async_nats::service::ServiceExt;
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_test_support::NatsServer;
+use opentelemetry::trace::TraceContextExt;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Greet {
+    name: String,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Greeting {
+    text: String,
+    traceparent: Option<String>,
+}
+
+async fn greet(req: Greet, ctx: RequestContext) -> Result<Greeting, ErrorBody> {
+    if req.name == "nobody" {
+        return Err(ErrorBody::new(ErrorCode::NotFound, "nobody is here"));
+    }
+    let traceparent = ctx
+        .headers
+        .get("traceparent")
+        .map(|v| v.as_str().to_owned());
+    Ok(Greeting {
+        text: format!("hello {}", req.name),
+        traceparent,
+    })
+}
+
+const T: Duration = Duration::from_secs(5);
+
+async fn start(server: &NatsServer, max_payload: usize) -> (async_nats::Client, CancellationToken) {
+    let client = server.connect().await;
+    let service = client
+        .service_builder()
+        .start("greeter", "0.1.0")
+        .await
+        .unwrap();
+    let endpoint = service
+        .endpoint_builder()
+        .name("greet")
+        .add("test.greet")
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let options = ServeOptions {
+        max_payload,
+        ..ServeOptions::default()
+    };
+    tokio::spawn(serve_json(endpoint, options, shutdown.clone(), greet));
+    client.flush().await.unwrap();
+    // Keep the service (and its stats/info handlers) alive for the test.
+    std::mem::forget(service);
+    (client, shutdown)
+}
+
+#[tokio::test]
+async fn answers_json_and_maps_handler_errors_to_the_envelope() {
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 1024).await;
+
+    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"ann"}), T)
+        .await
+        .unwrap();
+    assert_eq!(ok.text, "hello ann");
+
+    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"nobody"}), T)
+        .await
+        .unwrap_err();
+    match err {
+        RequestError::Remote(body) => {
+            assert_eq!(body, ErrorBody::new(ErrorCode::NotFound, "nobody is here"))
+        }
+        other => panic!("expected the error envelope, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_structured_error_and_the_service_keeps_serving() {
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 64).await;
+    let cases: [(&[u8], &str, &str); 5] = [
+        (b"{not json", "bad_request", "400"),
+        (br#"{"name":7}"#, "bad_request", "400"),
+        (br#"{"name":"a","extra":1}"#, "bad_request", "400"),
+        (b"", "bad_request", "400"),
+        (&[b' '; 65], "too_large", "413"),
+    ];
+    for (payload, code, status) in cases {
+        let reply = client
+            .request("test.greet", payload.to_vec().into())
+            .await
+            .unwrap();
+        let headers = reply.headers.expect("error headers");
+        assert_eq!(
+            headers.get("Nats-Service-Error-Code").map(|v| v.as_str()),
+            Some(status)
+        );
+        assert!(headers.get("Nats-Service-Error").is_some());
+        let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(
+            body["error"]["code"],
+            code,
+            "{}",
+            String::from_utf8_lossy(payload)
+        );
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"bo"}), T)
+        .await
+        .unwrap();
+    assert_eq!(ok.text, "hello bo");
+}
+
+#[tokio::test]
+async fn no_responders_timeout_and_oversize_are_distinct_request_errors() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let err = request_json::<_, Greeting>(&client, "test.nobody", &json!({}), T)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
+    assert_eq!(err.code(), ErrorCode::Unavailable);
+
+    let _silent = client.subscribe("test.silent").await.unwrap();
+    client.flush().await.unwrap();
+    let short = Duration::from_millis(100);
+    let err = request_json::<_, Greeting>(&client, "test.silent", &json!({}), short)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RequestError::Timeout { .. }), "{err:?}");
+
+    let huge = "x".repeat(2 * 1024 * 1024);
+    let err = request_json::<_, Greeting>(&client, "test.silent", &huge, T)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RequestError::TooLarge { .. }), "{err:?}");
+    assert_eq!(err.code(), ErrorCode::TooLarge);
+}
+
+#[tokio::test]
+async fn the_callers_trace_context_reaches_the_handler() {
+    let _telemetry = cyrene_telemetry::init("bus-test");
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 1024).await;
+    let span = tracing::info_span!("caller");
+    let trace_id = span.context().span().span_context().trace_id();
+    assert!(
+        span.context().span().span_context().is_valid(),
+        "the test span has a trace id"
+    );
+    let reply: Greeting = request_json(&client, "test.greet", &json!({"name":"t"}), T)
+        .instrument(span)
+        .await
+        .unwrap();
+    let traceparent = reply.traceparent.expect("traceparent header sent");
+    assert!(
+        traceparent.contains(&trace_id.to_string()),
+        "{traceparent} carries {trace_id}"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_stops_the_endpoint() {
+    let server = NatsServer::start();
+    let (client, shutdown) = start(&server, 1024).await;
+    let _: Greeting = request_json(&client, "test.greet", &json!({"name":"a"}), T)
+        .await
+        .unwrap();
+    shutdown.cancel();
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            // A request racing the unsubscribe can go unanswered (see the module's Pitfalls):
+            // each try is short.
+            let short = Duration::from_millis(200);
+            let body = json!({"name":"a"});
+            let r = request_json::<_, Greeting>(&client, "test.greet", &body, short).await;
+            if let Err(RequestError::NoResponders { .. }) = r {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(gone.is_ok(), "the endpoint unsubscribes after shutdown");
+}
