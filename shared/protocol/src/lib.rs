@@ -19,6 +19,7 @@ pub mod message;
 pub mod model;
 pub mod session;
 pub mod subjects;
+pub mod turn;
 
 pub use error::{ErrorBody, ErrorCode, ErrorEnvelope};
 pub use message::{Message, Part, Role};

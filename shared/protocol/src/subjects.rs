@@ -15,6 +15,8 @@ pub const CHECKPOINT_SAVE: &str = "cyrene.checkpoint.save";
 pub const CHECKPOINT_LATEST: &str = "cyrene.checkpoint.latest";
 pub const CHECKPOINT_GET: &str = "cyrene.checkpoint.get";
 pub const CHECKPOINT_LIST: &str = "cyrene.checkpoint.list";
+/// Explicit retention (keep the last N steps of an owner, or drop owners older than an age).
+pub const CHECKPOINT_RETAIN: &str = "cyrene.checkpoint.retain";
 pub const SESSION_SEND: &str = "cyrene.session.send";
 pub const SESSION_HISTORY: &str = "cyrene.session.history";
 /// Turn jobs (JetStream work queue `CYRENE_TURNS`).
