@@ -82,6 +82,25 @@ pub struct SessionEvent {
     pub message_ids: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Message>,
+    /// On `error` events: what went wrong.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<crate::ErrorBody>,
+}
+
+impl SessionEvent {
+    /// An event of `kind` for a session, every optional field empty.
+    pub fn new(kind: SessionEventType, session_id: impl Into<String>) -> SessionEvent {
+        SessionEvent {
+            kind,
+            session_id: session_id.into(),
+            turn_id: String::new(),
+            leg_id: String::new(),
+            at_step: None,
+            message_ids: Vec::new(),
+            message: None,
+            error: None,
+        }
+    }
 }
 
 #[cfg(test)]
