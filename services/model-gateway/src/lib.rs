@@ -1,1 +1,243 @@
-//! The model-gateway service (work in progress).
+//! The model-gateway service: the only component that talks to LLM providers (DESIGN §2, §9).
+//!
+//! Owns the micro service `cyrene-model-gateway` with one endpoint, `complete` on
+//! `cyrene.model.complete` (a [`ModelRequest`] in, a [`ModelResponse`] or the error envelope
+//! out), and the call records on `cyrene.model.calls`. Translation lives in [`providers`] (one
+//! file per dialect behind one trait), chain choice, fallback and cooldown in [`router`], the
+//! config file and its validation in [`config`].
+//!
+//! # Invariants
+//! - One [`CallRecord`] is published per *successful* call; failed attempts publish none.
+//! - Malformed or invalid requests are answered `bad_request` (`too_large` when oversized) and
+//!   never reach a provider; the service keeps serving.
+//! - API keys are resolved once at start into the providers; they are never logged (hand-written
+//!   `Debug`) and never put on the bus.
+//! - One shared `reqwest::Client` (connection pool, keep-alive) serves every provider.
+//!
+//! # Pitfalls
+//! - reqwest is built with `rustls-no-provider`: [`http_client`] installs the ring provider
+//!   first; building a `reqwest::Client` any other way in this process panics on TLS use.
+
+pub mod config;
+pub mod providers;
+pub mod router;
+
+use crate::config::{ModelsConfig, Protocol, Secrets};
+use crate::providers::Provider;
+use crate::providers::anthropic::AnthropicProvider;
+use crate::providers::openai::OpenAiProvider;
+use crate::providers::scripted::{RequestLog, ScriptedProvider};
+use crate::router::Router;
+use cyrene_bus::service::{ServeOptions, serve_json};
+use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
+use cyrene_protocol::{ErrorBody, subjects};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::config::ConfigError;
+
+/// The micro service name.
+pub const SERVICE_NAME: &str = "cyrene-model-gateway";
+/// The endpoint name of `cyrene.model.complete`.
+pub const ENDPOINT_NAME: &str = "complete";
+
+/// Everything `run` needs; `main` builds it from flags, the config file and the environment.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub models: ModelsConfig,
+    /// API keys by env var name.
+    pub secrets: Secrets,
+    pub serve: ServeOptions,
+}
+
+/// Why the gateway could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot build the HTTP client: {0}")]
+    Http(#[source] reqwest::Error),
+    #[error("cannot start the micro service: {0}")]
+    Service(String),
+}
+
+/// The ring-backed rustls provider is installed and one pooled client built.
+pub fn http_client() -> Result<reqwest::Client, Error> {
+    // Err means a provider is installed already: fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+        .map_err(Error::Http)
+}
+
+/// The providers and the router: everything but the bus.
+#[derive(Debug)]
+pub struct Gateway {
+    router: Router,
+    logs: BTreeMap<String, RequestLog>,
+}
+
+impl Gateway {
+    /// Validates `models` (with `secrets` as the environment) and builds one provider per entry.
+    pub fn new(
+        models: ModelsConfig,
+        secrets: &Secrets,
+        http: reqwest::Client,
+    ) -> Result<Gateway, Error> {
+        models.validate(&|name| secrets.has(name))?;
+        let mut providers: BTreeMap<String, Arc<dyn Provider>> = BTreeMap::new();
+        let mut logs = BTreeMap::new();
+        for (name, p) in &models.providers {
+            let key = secrets.get(&p.api_key_env).map(str::to_owned);
+            let provider: Arc<dyn Provider> = match p.protocol {
+                Protocol::Openai => Arc::new(OpenAiProvider::new(name, p, key, http.clone())),
+                Protocol::Anthropic => Arc::new(AnthropicProvider::new(name, p, key, http.clone())),
+                Protocol::Scripted => {
+                    let scripted = ScriptedProvider::new(p.script.clone().unwrap_or_default());
+                    logs.insert(name.clone(), scripted.log());
+                    Arc::new(scripted)
+                }
+            };
+            providers.insert(name.clone(), provider);
+        }
+        Ok(Gateway {
+            router: Router::new(models, providers),
+            logs,
+        })
+    }
+
+    /// The request log of the scripted provider `name`.
+    pub fn request_log(&self, name: &str) -> Option<RequestLog> {
+        self.logs.get(name).cloned()
+    }
+
+    pub fn config(&self) -> &ModelsConfig {
+        self.router.config()
+    }
+
+    /// Checks, routes and completes one request.
+    pub async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ErrorBody> {
+        router::check_request(req)?;
+        self.router.complete(req).await
+    }
+
+    /// Logs providers and chains (never keys).
+    pub fn log_routing_table(&self) {
+        let c = self.config();
+        for (name, p) in &c.providers {
+            let models: Vec<String> = p
+                .models
+                .iter()
+                .map(|(m, caps)| {
+                    if caps.vision {
+                        format!("{m}(vision)")
+                    } else {
+                        m.clone()
+                    }
+                })
+                .collect();
+            tracing::info!(
+                provider = %name,
+                protocol = ?p.protocol,
+                base_url = %p.base_url,
+                key_env = %p.api_key_env,
+                models = %models.join(","),
+                "provider"
+            );
+        }
+        let show = |chain: &[config::Step]| {
+            chain
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(" -> ")
+        };
+        tracing::info!(group = %c.active_group, chain = %show(c.default_chain()), "default chain");
+        for (persona, chain) in &c.persona_providers {
+            tracing::info!(persona = %persona, chain = %show(chain), "persona chain");
+        }
+        if !c.vision.is_empty() {
+            tracing::info!(chain = %show(&c.vision), "vision chain");
+        }
+    }
+}
+
+/// Builds the gateway from `config` and serves it until `shutdown`.
+pub async fn run(
+    config: Config,
+    client: async_nats::Client,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let gateway = Gateway::new(config.models, &config.secrets, http_client()?)?;
+    serve(Arc::new(gateway), client, config.serve, shutdown).await
+}
+
+/// Serves `gateway` on `cyrene.model.complete` until `shutdown`, publishing call records.
+pub async fn serve(
+    gateway: Arc<Gateway>,
+    client: async_nats::Client,
+    options: ServeOptions,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    use async_nats::service::ServiceExt;
+    gateway.log_routing_table();
+    let service = client
+        .service_builder()
+        .description("Cyrene model gateway: the only component that talks to LLM providers")
+        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| Error::Service(e.to_string()))?;
+    let endpoint = service
+        .endpoint_builder()
+        .name(ENDPOINT_NAME)
+        .add(subjects::MODEL_COMPLETE)
+        .await
+        .map_err(|e| Error::Service(e.to_string()))?;
+    tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
+    let handler = move |req: ModelRequest, _ctx| {
+        let gateway = gateway.clone();
+        let client = client.clone();
+        async move {
+            let started = Instant::now();
+            let response = gateway.complete(&req).await?;
+            let record = CallRecord {
+                model: response.model.clone(),
+                purpose: req.purpose.clone(),
+                tokens: response.total_tokens,
+                took_ms: started.elapsed().as_millis() as u64,
+                provider: response.provider.clone(),
+            };
+            publish_record(&client, &record).await;
+            Ok(response)
+        }
+    };
+    serve_json(endpoint, options, shutdown, handler).await;
+    if let Err(err) = service.stop().await {
+        tracing::debug!(error = %err, "stopping the micro service");
+    }
+    Ok(())
+}
+
+async fn publish_record(client: &async_nats::Client, record: &CallRecord) {
+    let payload = match serde_json::to_vec(record) {
+        Ok(p) => p,
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot encode a call record");
+            return;
+        }
+    };
+    let headers = cyrene_bus::trace::current_headers();
+    if let Err(err) = client
+        .publish_with_headers(subjects::MODEL_CALLS, headers, payload.into())
+        .await
+    {
+        tracing::warn!(error = %err, "cannot publish a call record");
+    }
+}

@@ -1,0 +1,458 @@
+//! The Anthropic dialect: `POST {base_url}/v1/messages`, translated natively both ways.
+//!
+//! Choices made here (documented in `docs/model-gateway.md`):
+//! - Every system message is hoisted, in order, into the top-level `system` string (joined by a
+//!   blank line): the dialect has no system role inside `messages`.
+//! - Tool turns become `user` messages of `tool_result` blocks (`is_error: true` only when set);
+//!   consecutive messages of one role are merged, as the dialect requires alternation.
+//! - Images: a data URI becomes a base64 `source`, anything else a `url` source.
+//! - Reasoning parts of family `anthropic` go back as `thinking` (with `signature`) or
+//!   `redacted_thinking` blocks in their original position; OpenAI reasoning is dropped.
+//! - `max_tokens` is required here: 4096 when not given (budget + 4096 when a thinking budget
+//!   would not fit).
+//! - Thinking: `{"type":"disabled"}` for `enable: false`; else, when asked, per model capability
+//!   `{"type":"enabled","budget_tokens":N}` (default 1024) or `{"type":"adaptive"}`.
+//! - `reasoning_effort` → `output_config.effort` (whitelist `low`, `medium`, `high`, `max` unless
+//!   configured).
+//! - Usage: hits = `cache_read_input_tokens`; misses = `input_tokens +
+//!   cache_creation_input_tokens`; prompt tokens = hits + misses; reasoning tokens are not
+//!   reported by this dialect (they are inside `output_tokens`) and stay 0.
+
+use super::openai::u64_at;
+use super::{ProviderError, normalise_effort, parse_data_uri, post_json, strings};
+use crate::config::{ModelCaps, ProviderConfig, Step, ThinkingStyle};
+use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
+use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use futures::future::BoxFuture;
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::fmt;
+use tokio::time::Instant;
+
+/// The API version header sent with every request.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+/// `max_tokens` when the request gives none (the dialect requires one).
+pub const DEFAULT_MAX_TOKENS: u32 = 4096;
+/// `budget_tokens` when thinking is asked for without a budget (the dialect's minimum).
+pub const DEFAULT_THINKING_BUDGET: u32 = 1024;
+
+/// A provider speaking `/v1/messages`.
+pub struct AnthropicProvider {
+    name: String,
+    url: String,
+    api_key: Option<String>,
+    models: BTreeMap<String, ModelCaps>,
+    efforts: Vec<String>,
+    http: reqwest::Client,
+}
+
+impl fmt::Debug for AnthropicProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AnthropicProvider")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl AnthropicProvider {
+    pub fn new(
+        name: &str,
+        config: &ProviderConfig,
+        api_key: Option<String>,
+        http: reqwest::Client,
+    ) -> AnthropicProvider {
+        AnthropicProvider {
+            name: name.to_owned(),
+            url: format!("{}/v1/messages", config.base_url.trim_end_matches('/')),
+            api_key,
+            models: config.models.clone(),
+            efforts: config
+                .reasoning_efforts
+                .clone()
+                .unwrap_or_else(|| strings(&["low", "medium", "high", "max"])),
+            http,
+        }
+    }
+
+    /// The request body for `model`.
+    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+        let mut body = Map::new();
+        body.insert("model".into(), json!(model));
+        let style = self
+            .models
+            .get(model)
+            .and_then(|c| c.thinking)
+            .unwrap_or_default();
+        let thinking = thinking(req, style);
+        let budget = thinking
+            .as_ref()
+            .and_then(|t| t.get("budget_tokens"))
+            .and_then(Value::as_u64)
+            .and_then(|b| u32::try_from(b).ok());
+        let max_tokens = match (req.max_tokens, budget) {
+            (Some(m), _) => m,
+            (None, Some(b)) if b >= DEFAULT_MAX_TOKENS => b.saturating_add(DEFAULT_MAX_TOKENS),
+            (None, _) => DEFAULT_MAX_TOKENS,
+        };
+        body.insert("max_tokens".into(), json!(max_tokens));
+        let (system, messages) = encode_messages(&req.messages)?;
+        if !system.is_empty() {
+            body.insert("system".into(), json!(system));
+        }
+        body.insert("messages".into(), Value::Array(messages));
+        if let Some(t) = req.temperature {
+            body.insert("temperature".into(), json!(t));
+        }
+        if !req.tools.is_empty() {
+            let tools = req
+                .tools
+                .iter()
+                .map(|t| {
+                    let mut tool = Map::new();
+                    tool.insert("name".into(), json!(t.name));
+                    if !t.description.is_empty() {
+                        tool.insert("description".into(), json!(t.description));
+                    }
+                    tool.insert("input_schema".into(), t.parameters.clone());
+                    Value::Object(tool)
+                })
+                .collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(choice) = &req.tool_choice {
+            body.insert("tool_choice".into(), tool_choice(choice));
+        }
+        if let Some(thinking) = thinking {
+            body.insert("thinking".into(), thinking);
+        }
+        if let Some(effort) =
+            normalise_effort(&req.reasoning_effort, &self.efforts, false, &self.name)
+        {
+            body.insert("output_config".into(), json!({"effort": effort}));
+        }
+        Ok(Value::Object(body))
+    }
+}
+
+impl super::Provider for AnthropicProvider {
+    fn complete<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(async move {
+            let body = self.encode(request, &step.model)?;
+            let bytes = serde_json::to_vec(&body)
+                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
+            let mut http = self
+                .http
+                .post(&self.url)
+                .header("anthropic-version", ANTHROPIC_VERSION);
+            if let Some(key) = &self.api_key {
+                http = http.header("x-api-key", key);
+            }
+            let reply = post_json(http, bytes, deadline).await?;
+            decode(&reply, &step.model)
+        })
+    }
+}
+
+fn thinking(req: &ModelRequest, style: ThinkingStyle) -> Option<Value> {
+    let t = req.thinking.as_ref()?;
+    match (t.enable, t.budget_tokens) {
+        (Some(false), _) => Some(json!({"type": "disabled"})),
+        (None, None) => None,
+        (_, budget) => Some(match style {
+            ThinkingStyle::Adaptive => json!({"type": "adaptive"}),
+            ThinkingStyle::Budget => json!({"type": "enabled",
+                "budget_tokens": budget.unwrap_or(DEFAULT_THINKING_BUDGET)}),
+        }),
+    }
+}
+
+/// Neutral → Anthropic tool_choice: OpenAI-shaped forms are translated, the dialect's own forms
+/// (the neutral ones) and anything unknown pass through untouched.
+fn tool_choice(choice: &Value) -> Value {
+    match choice {
+        Value::String(s) => match s.as_str() {
+            "auto" => json!({"type": "auto"}),
+            "required" => json!({"type": "any"}),
+            "none" => json!({"type": "none"}),
+            _ => choice.clone(),
+        },
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            match o.get("function").and_then(|f| f.get("name")) {
+                Some(name) => json!({"type": "tool", "name": name}),
+                None => choice.clone(),
+            }
+        }
+        _ => choice.clone(),
+    }
+}
+
+fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), ProviderError> {
+    let mut system: Vec<String> = Vec::new();
+    // (role, blocks), merged when consecutive messages share a role.
+    let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
+    for m in messages {
+        let (role, blocks) = match m.role {
+            Role::System => {
+                let text = m.text_content();
+                if !text.is_empty() {
+                    system.push(text);
+                }
+                continue;
+            }
+            Role::User => ("user", user_blocks(m)?),
+            Role::Tool => ("user", tool_blocks(m)),
+            Role::Assistant => ("assistant", assistant_blocks(m)),
+        };
+        if blocks.is_empty() {
+            continue;
+        }
+        match turns.last_mut() {
+            Some((last, existing)) if *last == role => existing.extend(blocks),
+            _ => turns.push((role, blocks)),
+        }
+    }
+    let messages = turns
+        .into_iter()
+        .map(|(role, blocks)| json!({"role": role, "content": blocks}))
+        .collect();
+    Ok((system.join("\n\n"), messages))
+}
+
+fn user_blocks(m: &Message) -> Result<Vec<Value>, ProviderError> {
+    let mut blocks = Vec::with_capacity(m.content.len());
+    for part in &m.content {
+        match part {
+            Part::Text { text } if !text.is_empty() => {
+                blocks.push(json!({"type": "text", "text": text}));
+            }
+            Part::ImageUrl { image_url } => {
+                let source = match parse_data_uri(image_url).map_err(ProviderError::Invalid)? {
+                    Some(d) => {
+                        json!({"type": "base64", "media_type": d.media_type, "data": d.data})
+                    }
+                    None => json!({"type": "url", "url": image_url}),
+                };
+                blocks.push(json!({"type": "image", "source": source}));
+            }
+            _ => {}
+        }
+    }
+    Ok(blocks)
+}
+
+fn tool_blocks(m: &Message) -> Vec<Value> {
+    let mut blocks = Vec::new();
+    for part in &m.content {
+        if let Part::ToolResult {
+            tool_call_id,
+            text,
+            is_error,
+        } = part
+        {
+            let id = if tool_call_id.is_empty() {
+                &m.tool_call_id
+            } else {
+                tool_call_id
+            };
+            let mut block = json!({"type": "tool_result", "tool_use_id": id, "content": text});
+            if *is_error {
+                block["is_error"] = json!(true);
+            }
+            blocks.push(block);
+        }
+    }
+    if blocks.is_empty() {
+        blocks.push(json!({"type": "tool_result", "tool_use_id": m.tool_call_id,
+                           "content": m.text_content()}));
+    }
+    blocks
+}
+
+fn assistant_blocks(m: &Message) -> Vec<Value> {
+    let mut blocks = Vec::with_capacity(m.content.len());
+    for part in &m.content {
+        match part {
+            Part::Reasoning {
+                family: ReasoningFamily::Anthropic,
+                text,
+                signature,
+                redacted,
+            } => match redacted {
+                Some(data) => blocks.push(json!({"type": "redacted_thinking", "data": data})),
+                None => blocks.push(json!({"type": "thinking", "thinking": text,
+                    "signature": signature.as_deref().unwrap_or_default()})),
+            },
+            Part::Text { text } if !text.is_empty() => {
+                blocks.push(json!({"type": "text", "text": text}));
+            }
+            Part::ToolCall { id, name, args, .. } => {
+                blocks.push(json!({"type": "tool_use", "id": id, "name": name, "input": args}));
+            }
+            _ => {}
+        }
+    }
+    blocks
+}
+
+/// Decodes a `/v1/messages` reply. `model` is used when the reply names none.
+pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    let blocks = v
+        .get("content")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ProviderError::BadResponse("no content list".to_owned()))?;
+    let mut parts = Vec::with_capacity(blocks.len());
+    let mut text = String::new();
+    let mut tool_calls = Vec::new();
+    for block in blocks {
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                let t = block
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                text.push_str(t);
+                parts.push(Part::text(t));
+            }
+            Some("thinking") => parts.push(Part::Reasoning {
+                family: ReasoningFamily::Anthropic,
+                text: str_of(block.get("thinking")),
+                signature: block
+                    .get("signature")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+                redacted: None,
+            }),
+            Some("redacted_thinking") => parts.push(Part::Reasoning {
+                family: ReasoningFamily::Anthropic,
+                text: String::new(),
+                signature: None,
+                redacted: Some(str_of(block.get("data"))),
+            }),
+            Some("tool_use") => {
+                let (args, args_error) = match block.get("input") {
+                    Some(Value::Object(o)) => (o.clone(), None),
+                    None | Some(Value::Null) => (Map::new(), None),
+                    Some(other) => (
+                        Map::new(),
+                        Some(format!("input is not a JSON object: {other}")),
+                    ),
+                };
+                let call = ToolCall {
+                    id: str_of(block.get("id")),
+                    name: str_of(block.get("name")),
+                    args,
+                    args_error,
+                };
+                parts.push(Part::ToolCall {
+                    id: call.id.clone(),
+                    name: call.name.clone(),
+                    args: call.args.clone(),
+                    args_error: call.args_error.clone(),
+                });
+                tool_calls.push(call);
+            }
+            other => {
+                tracing::debug!(block_type = ?other, "unknown content block ignored");
+            }
+        }
+    }
+    let usage = v.get("usage").unwrap_or(&Value::Null);
+    let hit = u64_at(usage, &["cache_read_input_tokens"]);
+    let miss = u64_at(usage, &["input_tokens"]) + u64_at(usage, &["cache_creation_input_tokens"]);
+    let completion = u64_at(usage, &["output_tokens"]);
+    Ok(ModelResponse {
+        model: v
+            .get("model")
+            .and_then(Value::as_str)
+            .filter(|m| !m.is_empty())
+            .unwrap_or(model)
+            .to_owned(),
+        content: text,
+        message: Message::with_parts(Role::Assistant, parts),
+        tool_calls,
+        stop_reason: str_of(v.get("stop_reason")),
+        prompt_tokens: hit + miss,
+        completion_tokens: completion,
+        total_tokens: hit + miss + completion,
+        cache_hit_tokens: hit,
+        cache_miss_tokens: miss,
+        reasoning_tokens: 0,
+        provider: String::new(),
+        offline: false,
+    })
+}
+
+fn str_of(v: Option<&Value>) -> String {
+    v.and_then(Value::as_str).unwrap_or_default().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cyrene_protocol::model::Thinking;
+
+    #[test]
+    fn openai_shaped_tool_choices_translate_and_native_ones_pass_through() {
+        assert_eq!(tool_choice(&json!("required")), json!({"type":"any"}));
+        assert_eq!(
+            tool_choice(&json!({"type":"function","function":{"name":"x"}})),
+            json!({"type":"tool","name":"x"})
+        );
+        let native = json!({"type":"tool","name":"x","disable_parallel_tool_use":true});
+        assert_eq!(tool_choice(&native), native);
+    }
+
+    #[test]
+    fn thinking_follows_the_model_style_and_absent_means_untouched() {
+        let req = |enable, budget| ModelRequest {
+            thinking: Some(Thinking {
+                budget_tokens: budget,
+                enable,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            thinking(&ModelRequest::default(), ThinkingStyle::Budget),
+            None
+        );
+        assert_eq!(thinking(&req(None, None), ThinkingStyle::Budget), None);
+        assert_eq!(
+            thinking(&req(Some(false), Some(2000)), ThinkingStyle::Budget),
+            Some(json!({"type":"disabled"}))
+        );
+        assert_eq!(
+            thinking(&req(Some(true), None), ThinkingStyle::Budget),
+            Some(json!({"type":"enabled","budget_tokens":1024}))
+        );
+        assert_eq!(
+            thinking(&req(None, Some(3000)), ThinkingStyle::Adaptive),
+            Some(json!({"type":"adaptive"}))
+        );
+    }
+
+    #[test]
+    fn consecutive_user_and_tool_turns_merge_and_system_is_hoisted() {
+        let messages = vec![
+            Message::text(Role::System, "be brief"),
+            Message::tool_result("c1", "t", "one", false),
+            Message::tool_result("c2", "t", "two", true),
+            Message::text(Role::User, "and?"),
+            Message::text(Role::System, "late note"),
+        ];
+        let (system, turns) = encode_messages(&messages).unwrap();
+        assert_eq!(system, "be brief\n\nlate note");
+        assert_eq!(turns.len(), 1);
+        assert_eq!(turns[0]["content"].as_array().unwrap().len(), 3);
+        assert_eq!(turns[0]["content"][1]["is_error"], json!(true));
+        assert!(turns[0]["content"][0].get("is_error").is_none());
+    }
+}

@@ -1,0 +1,336 @@
+//! Providers: one trait, one file per wire dialect (`openai`, `anthropic`, `scripted`), plus the
+//! pieces both HTTP dialects share (sending with a deadline, classifying failures, effort
+//! whitelists, data URIs).
+//!
+//! # Invariants
+//! - A provider translates; it never routes, retries or falls back (the router does).
+//! - Every failure is classified once, here: [`ProviderError::is_retryable`] decides whether the
+//!   router may try the next step (transport, timeout, 429, 5xx, an unreadable 2xx body) or must
+//!   answer at once (any other 4xx, a request that cannot be translated).
+//! - API keys live inside the provider and are never formatted: the `Debug` impls are written
+//!   by hand.
+//!
+//! # Pitfalls
+//! - The deadline covers sending *and* reading the body: a provider that sends headers quickly
+//!   and then trickles the body still times out.
+
+pub mod anthropic;
+pub mod openai;
+pub mod scripted;
+
+use crate::config::Step;
+use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use futures::future::BoxFuture;
+use serde_json::Value;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// One upstream (or the offline script) that can complete a request.
+pub trait Provider: Send + Sync + std::fmt::Debug {
+    /// Completes `request` with `step.model`, giving up at `deadline`.
+    fn complete<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>>;
+}
+
+/// Why one attempt failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ProviderError {
+    /// Connecting, sending or reading failed.
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// The attempt's deadline passed.
+    #[error("no answer within {} ms", .0.as_millis())]
+    Timeout(Duration),
+    /// The provider answered with a non-2xx status; `message` is the provider's own.
+    #[error("HTTP {status}: {message}")]
+    Status {
+        status: u16,
+        message: String,
+        retry_after: Option<Duration>,
+    },
+    /// A 2xx whose body is not the dialect's response.
+    #[error("unreadable response: {0}")]
+    BadResponse(String),
+    /// The request cannot be expressed in this dialect (e.g. a malformed data URI).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl ProviderError {
+    /// Whether the router may try the next step of the chain.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ProviderError::Transport(_)
+            | ProviderError::Timeout(_)
+            | ProviderError::BadResponse(_) => true,
+            ProviderError::Status { status, .. } => *status == 429 || *status >= 500,
+            ProviderError::Invalid(_) => false,
+        }
+    }
+
+    /// The cooldown the provider asked for (`Retry-After` on 429/503).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ProviderError::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// Sends a JSON POST and reads the whole reply before `deadline`.
+pub(crate) async fn post_json(
+    request: reqwest::RequestBuilder,
+    body: Vec<u8>,
+    deadline: Instant,
+) -> Result<bytes::Bytes, ProviderError> {
+    let started = Instant::now();
+    let call = async {
+        let response = request
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_retry_after);
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+        if status.is_success() {
+            Ok(bytes)
+        } else {
+            Err(ProviderError::Status {
+                status: status.as_u16(),
+                message: upstream_message(&bytes),
+                retry_after,
+            })
+        }
+    };
+    match tokio::time::timeout_at(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(ProviderError::Timeout(
+            deadline.saturating_duration_since(started),
+        )),
+    }
+}
+
+/// `Retry-After` in seconds (the HTTP-date form is not used by LLM providers; ignored).
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    let secs: f64 = value.trim().parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(3600.0)))
+}
+
+/// The provider's own error message: `error.message` in both dialects, else the raw body.
+fn upstream_message(body: &[u8]) -> String {
+    if let Ok(v) = serde_json::from_slice::<Value>(body) {
+        let error = v.get("error").unwrap_or(&v);
+        if let Some(msg) = error.get("message").and_then(Value::as_str) {
+            return match error.get("type").and_then(Value::as_str) {
+                Some(kind) => format!("{kind}: {msg}"),
+                None => msg.to_owned(),
+            };
+        }
+        if let Some(msg) = error.as_str() {
+            return msg.to_owned();
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        "(empty body)".to_owned()
+    } else {
+        text.chars().take(500).collect()
+    }
+}
+
+/// reqwest's error with its sources (the top level alone says only "error sending request").
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// A parsed `data:<mime>;base64,<data>` URI.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct DataUri<'a> {
+    pub media_type: &'a str,
+    pub data: &'a str,
+}
+
+/// Parses a base64 data URI; `Ok(None)` for anything that is not a `data:` URI.
+pub(crate) fn parse_data_uri(url: &str) -> Result<Option<DataUri<'_>>, String> {
+    let Some(rest) = url.strip_prefix("data:") else {
+        return Ok(None);
+    };
+    let (meta, data) = rest
+        .split_once(',')
+        .ok_or_else(|| "malformed data URI: no ',' before the data".to_owned())?;
+    let media_type = meta
+        .strip_suffix(";base64")
+        .ok_or_else(|| "data URIs must be base64 (data:<mime>;base64,<data>)".to_owned())?;
+    if media_type.is_empty() || !media_type.contains('/') {
+        return Err(format!("data URI has no media type: {media_type:?}"));
+    }
+    Ok(Some(DataUri { media_type, data }))
+}
+
+/// Normalises `effort` (DeepSeek aliases when `deepseek_aliases`) and keeps it only when it is
+/// on `whitelist`; an unknown value is dropped with a WARN, never replaced by another level.
+pub(crate) fn normalise_effort(
+    effort: &str,
+    whitelist: &[String],
+    deepseek_aliases: bool,
+    provider: &str,
+) -> Option<String> {
+    if effort.is_empty() {
+        return None;
+    }
+    let effort = effort.trim().to_ascii_lowercase();
+    let effort = if deepseek_aliases {
+        match effort.as_str() {
+            "minimal" => "low".to_owned(),
+            "medium" | "xhigh" => "high".to_owned(),
+            "ultra" => "max".to_owned(),
+            _ => effort,
+        }
+    } else {
+        effort
+    };
+    if whitelist.contains(&effort) {
+        Some(effort)
+    } else {
+        tracing::warn!(
+            provider,
+            reasoning_effort = %effort,
+            accepted = ?whitelist,
+            "reasoning_effort not recognised by this provider; dropped (not replaced)"
+        );
+        None
+    }
+}
+
+/// Whether a tool_choice forces a tool (`required`/`any`/a named tool), in either dialect.
+pub(crate) fn tool_choice_forces(choice: &Value) -> bool {
+    match choice {
+        Value::String(s) => s == "required" || s == "any",
+        Value::Object(o) => matches!(
+            o.get("type").and_then(Value::as_str),
+            Some("any" | "tool" | "function" | "required")
+        ),
+        _ => false,
+    }
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn retryable_failures_are_transport_timeout_429_and_5xx() {
+        let status = |status| ProviderError::Status {
+            status,
+            message: String::new(),
+            retry_after: None,
+        };
+        assert!(status(429).is_retryable());
+        assert!(status(500).is_retryable());
+        assert!(status(503).is_retryable());
+        assert!(!status(400).is_retryable());
+        assert!(!status(401).is_retryable());
+        assert!(!status(404).is_retryable());
+        assert!(ProviderError::Transport("x".into()).is_retryable());
+        assert!(ProviderError::Timeout(Duration::from_millis(1)).is_retryable());
+        assert!(!ProviderError::Invalid("x".into()).is_retryable());
+    }
+
+    #[test]
+    fn data_uris_split_into_media_type_and_data() {
+        assert_eq!(
+            parse_data_uri("data:image/png;base64,AAAA").unwrap(),
+            Some(DataUri {
+                media_type: "image/png",
+                data: "AAAA"
+            })
+        );
+        assert_eq!(parse_data_uri("https://x/y.png").unwrap(), None);
+        assert!(parse_data_uri("data:image/png,AAAA").is_err());
+        assert!(parse_data_uri("data:;base64,AAAA").is_err());
+        assert!(parse_data_uri("data:image/png;base64").is_err());
+    }
+
+    #[test]
+    fn deepseek_effort_aliases_normalise_and_unknown_values_drop() {
+        let ds = strings(&["low", "high", "max"]);
+        assert_eq!(
+            normalise_effort("minimal", &ds, true, "p").as_deref(),
+            Some("low")
+        );
+        assert_eq!(
+            normalise_effort("medium", &ds, true, "p").as_deref(),
+            Some("high")
+        );
+        assert_eq!(
+            normalise_effort("xhigh", &ds, true, "p").as_deref(),
+            Some("high")
+        );
+        assert_eq!(
+            normalise_effort("ultra", &ds, true, "p").as_deref(),
+            Some("max")
+        );
+        assert_eq!(
+            normalise_effort("MAX", &ds, true, "p").as_deref(),
+            Some("max")
+        );
+        assert_eq!(normalise_effort("extreme", &ds, true, "p"), None);
+        let oa = strings(&["low", "medium", "high"]);
+        assert_eq!(normalise_effort("ultra", &oa, false, "p"), None);
+        assert_eq!(normalise_effort("", &oa, false, "p"), None);
+    }
+
+    #[test]
+    fn upstream_messages_are_kept_in_both_dialects() {
+        assert_eq!(
+            upstream_message(
+                br#"{"error":{"message":"bad model","type":"invalid_request_error"}}"#
+            ),
+            "invalid_request_error: bad model"
+        );
+        assert_eq!(
+            upstream_message(
+                br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
+            ),
+            "overloaded_error: Overloaded"
+        );
+        assert_eq!(upstream_message(b"gateway down"), "gateway down");
+        assert_eq!(parse_retry_after("2"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_retry_after("soon"), None);
+    }
+
+    #[test]
+    fn forced_tool_choices_are_recognised() {
+        assert!(tool_choice_forces(&json!("required")));
+        assert!(tool_choice_forces(&json!({"type":"tool","name":"x"})));
+        assert!(tool_choice_forces(&json!({"type":"any"})));
+        assert!(!tool_choice_forces(&json!({"type":"auto"})));
+        assert!(!tool_choice_forces(&json!("none")));
+    }
+}

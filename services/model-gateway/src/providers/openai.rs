@@ -1,0 +1,506 @@
+//! The OpenAI-compatible dialect: `POST {base_url}/chat/completions` (OpenAI, DeepSeek,
+//! DashScope/Bailian, vLLM, Ollama, local proxies), translated natively both ways.
+//!
+//! Choices made here (documented in `docs/model-gateway.md`):
+//! - A message without images is sent with `content` as one string (text parts joined by a
+//!   newline): DeepSeek and several local servers reject the list form.
+//! - Tool results have no error flag in this dialect: an `is_error` result is sent as a plain
+//!   `role:"tool"` message with its text unchanged (no prefix is invented).
+//! - `reasoning_content` parts (family `openai`) are sent back on assistant messages (DeepSeek
+//!   rejects a tool-call turn without them); Anthropic reasoning is dropped here.
+//! - `function.arguments` is a JSON *string*: `""` decodes to `{}`; invalid JSON (or JSON that is
+//!   not an object) gives `args: {}` plus `args_error`.
+//! - Thinking: DeepSeek `{"thinking":{"type":"enabled"|"disabled"}}`; DashScope `enable_thinking`
+//!   / `thinking_budget`; other vendors have no switch (WARN, not sent).
+//! - `max_tokens` is sent as `max_completion_tokens` to OpenAI itself (its reasoning models
+//!   refuse `max_tokens`), as `max_tokens` elsewhere.
+
+use super::{ProviderError, normalise_effort, post_json, strings, tool_choice_forces};
+use crate::config::{ProviderConfig, Step, Vendor};
+use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
+use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use futures::future::BoxFuture;
+use serde_json::{Map, Value, json};
+use std::fmt;
+use tokio::time::Instant;
+
+/// A provider speaking `/chat/completions`.
+pub struct OpenAiProvider {
+    name: String,
+    url: String,
+    api_key: Option<String>,
+    vendor: Vendor,
+    efforts: Vec<String>,
+    http: reqwest::Client,
+}
+
+impl fmt::Debug for OpenAiProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenAiProvider")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .field("vendor", &self.vendor)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// The recognised `reasoning_effort` values per vendor (after DeepSeek alias normalisation).
+pub fn default_efforts(vendor: Vendor) -> Vec<String> {
+    match vendor {
+        Vendor::Openai => strings(&["none", "minimal", "low", "medium", "high", "xhigh"]),
+        Vendor::Deepseek => strings(&["low", "high", "max"]),
+        Vendor::Dashscope | Vendor::Generic => strings(&["low", "medium", "high"]),
+    }
+}
+
+impl OpenAiProvider {
+    pub fn new(
+        name: &str,
+        config: &ProviderConfig,
+        api_key: Option<String>,
+        http: reqwest::Client,
+    ) -> OpenAiProvider {
+        let vendor = config.vendor();
+        OpenAiProvider {
+            name: name.to_owned(),
+            url: format!("{}/chat/completions", config.base_url.trim_end_matches('/')),
+            api_key,
+            vendor,
+            efforts: config
+                .reasoning_efforts
+                .clone()
+                .unwrap_or_else(|| default_efforts(vendor)),
+            http,
+        }
+    }
+
+    /// The request body for `model`.
+    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+        let mut body = Map::new();
+        body.insert("model".into(), json!(model));
+        body.insert(
+            "messages".into(),
+            Value::Array(encode_messages(&req.messages)?),
+        );
+        if let Some(t) = req.temperature {
+            body.insert("temperature".into(), json!(t));
+        }
+        if let Some(max) = req.max_tokens {
+            let key = if self.vendor == Vendor::Openai {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            body.insert(key.into(), json!(max));
+        }
+        if !req.tools.is_empty() {
+            let tools = req
+                .tools
+                .iter()
+                .map(|t| {
+                    let mut function = Map::new();
+                    function.insert("name".into(), json!(t.name));
+                    if !t.description.is_empty() {
+                        function.insert("description".into(), json!(t.description));
+                    }
+                    function.insert("parameters".into(), t.parameters.clone());
+                    json!({"type": "function", "function": function})
+                })
+                .collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(choice) = &req.tool_choice {
+            body.insert("tool_choice".into(), tool_choice(choice));
+        }
+        self.encode_thinking(req, &mut body);
+        if let Some(effort) = normalise_effort(
+            &req.reasoning_effort,
+            &self.efforts,
+            self.vendor == Vendor::Deepseek,
+            &self.name,
+        ) {
+            body.insert("reasoning_effort".into(), json!(effort));
+        }
+        Ok(Value::Object(body))
+    }
+
+    fn encode_thinking(&self, req: &ModelRequest, body: &mut Map<String, Value>) {
+        let thinking = req.thinking.as_ref();
+        match self.vendor {
+            Vendor::Deepseek => {
+                if let Some(enable) = thinking.and_then(|t| t.enable) {
+                    let kind = if enable { "enabled" } else { "disabled" };
+                    body.insert("thinking".into(), json!({"type": kind}));
+                }
+                if thinking.and_then(|t| t.budget_tokens).is_some() {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "DeepSeek has no thinking budget; budget_tokens not sent"
+                    );
+                }
+                // Thinking is on unless explicitly disabled; forcing a tool then is a 400.
+                let thinking_on = thinking.and_then(|t| t.enable) != Some(false);
+                if thinking_on && req.tool_choice.as_ref().is_some_and(tool_choice_forces) {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "forced tool_choice with DeepSeek thinking on is refused upstream; \
+                         disable thinking explicitly (not changed here)"
+                    );
+                }
+            }
+            Vendor::Dashscope => {
+                if let Some(enable) = thinking.and_then(|t| t.enable) {
+                    body.insert("enable_thinking".into(), json!(enable));
+                }
+                if let Some(budget) = thinking.and_then(|t| t.budget_tokens) {
+                    body.insert("thinking_budget".into(), json!(budget));
+                }
+            }
+            Vendor::Openai | Vendor::Generic => {
+                if thinking.is_some() {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "this provider has no thinking switch; thinking not sent \
+                         (use reasoning_effort)"
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl super::Provider for OpenAiProvider {
+    fn complete<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(async move {
+            let body = self.encode(request, &step.model)?;
+            let bytes = serde_json::to_vec(&body)
+                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
+            let mut http = self.http.post(&self.url);
+            if let Some(key) = &self.api_key {
+                http = http.bearer_auth(key);
+            }
+            let reply = post_json(http, bytes, deadline).await?;
+            decode(&reply, &step.model)
+        })
+    }
+}
+
+/// Neutral → OpenAI tool_choice: the Anthropic-shaped neutral forms are translated, the
+/// dialect's own forms (and anything unknown) pass through untouched.
+fn tool_choice(choice: &Value) -> Value {
+    let Some(obj) = choice.as_object() else {
+        return choice.clone();
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("auto") if obj.len() == 1 => json!("auto"),
+        Some("none") if obj.len() == 1 => json!("none"),
+        Some("any") if obj.len() == 1 => json!("required"),
+        Some("tool") => match obj.get("name") {
+            Some(name) => json!({"type": "function", "function": {"name": name}}),
+            None => choice.clone(),
+        },
+        _ => choice.clone(),
+    }
+}
+
+fn encode_messages(messages: &[Message]) -> Result<Vec<Value>, ProviderError> {
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        match m.role {
+            Role::System => out.push(json!({"role": "system", "content": joined_text(m)})),
+            Role::User => out.push(json!({"role": "user", "content": user_content(m)})),
+            Role::Assistant => out.push(assistant(m)?),
+            Role::Tool => tool_messages(m, &mut out),
+        }
+    }
+    Ok(out)
+}
+
+fn joined_text(m: &Message) -> String {
+    let texts: Vec<&str> = m
+        .content
+        .iter()
+        .filter_map(|p| match p {
+            Part::Text { text } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    texts.join("\n")
+}
+
+fn user_content(m: &Message) -> Value {
+    if !m.has_image() {
+        return json!(joined_text(m));
+    }
+    let parts = m
+        .content
+        .iter()
+        .filter_map(|p| match p {
+            Part::Text { text } => Some(json!({"type": "text", "text": text})),
+            // Data URIs and URLs both go as given: the dialect takes either.
+            Part::ImageUrl { image_url } => {
+                Some(json!({"type": "image_url", "image_url": {"url": image_url}}))
+            }
+            _ => None,
+        })
+        .collect();
+    Value::Array(parts)
+}
+
+fn assistant(m: &Message) -> Result<Value, ProviderError> {
+    let mut obj = Map::new();
+    obj.insert("role".into(), json!("assistant"));
+    let text = joined_text(m);
+    let mut reasoning = String::new();
+    let mut calls = Vec::new();
+    for part in &m.content {
+        match part {
+            Part::Reasoning {
+                family: ReasoningFamily::Openai,
+                text,
+                ..
+            } => reasoning.push_str(text),
+            Part::ToolCall { id, name, args, .. } => {
+                let arguments = serde_json::to_string(args)
+                    .map_err(|e| ProviderError::Invalid(format!("cannot encode args: {e}")))?;
+                calls.push(json!({"id": id, "type": "function",
+                                  "function": {"name": name, "arguments": arguments}}));
+            }
+            _ => {}
+        }
+    }
+    if text.is_empty() && !calls.is_empty() {
+        obj.insert("content".into(), Value::Null);
+    } else {
+        obj.insert("content".into(), json!(text));
+    }
+    if !calls.is_empty() {
+        obj.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if !reasoning.is_empty() {
+        obj.insert("reasoning_content".into(), json!(reasoning));
+    }
+    Ok(Value::Object(obj))
+}
+
+fn tool_messages(m: &Message, out: &mut Vec<Value>) {
+    let mut any = false;
+    for part in &m.content {
+        if let Part::ToolResult {
+            tool_call_id, text, ..
+        } = part
+        {
+            let id = if tool_call_id.is_empty() {
+                &m.tool_call_id
+            } else {
+                tool_call_id
+            };
+            out.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+            any = true;
+        }
+    }
+    if !any {
+        out.push(json!({"role": "tool", "tool_call_id": m.tool_call_id,
+                        "content": joined_text(m)}));
+    }
+}
+
+/// Decodes a `/chat/completions` reply. `model` is used when the reply names none.
+pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    let choice = v
+        .get("choices")
+        .and_then(|c| c.get(0))
+        .ok_or_else(|| ProviderError::BadResponse("no choices".to_owned()))?;
+    let msg = choice.get("message").unwrap_or(&Value::Null);
+    let text = match msg.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    };
+    let mut parts = Vec::new();
+    let reasoning = msg
+        .get("reasoning_content")
+        .or_else(|| msg.get("reasoning"))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if !reasoning.is_empty() {
+        parts.push(Part::Reasoning {
+            family: ReasoningFamily::Openai,
+            text: reasoning.to_owned(),
+            signature: None,
+            redacted: None,
+        });
+    }
+    if !text.is_empty() {
+        parts.push(Part::text(text.clone()));
+    }
+    let mut tool_calls = Vec::new();
+    for call in msg
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        let function = call.get("function").unwrap_or(&Value::Null);
+        let (args, args_error) = decode_arguments(function.get("arguments"));
+        let call = ToolCall {
+            id: str_of(call.get("id")),
+            name: str_of(function.get("name")),
+            args,
+            args_error,
+        };
+        parts.push(Part::ToolCall {
+            id: call.id.clone(),
+            name: call.name.clone(),
+            args: call.args.clone(),
+            args_error: call.args_error.clone(),
+        });
+        tool_calls.push(call);
+    }
+    let usage = v.get("usage").unwrap_or(&Value::Null);
+    let prompt = u64_at(usage, &["prompt_tokens"]);
+    let completion = u64_at(usage, &["completion_tokens"]);
+    let total = match u64_at(usage, &["total_tokens"]) {
+        0 => prompt + completion,
+        t => t,
+    };
+    // DeepSeek reports both tiers; others report cached_tokens (hits) inside the prompt count.
+    let (hit, miss) = if usage.get("prompt_cache_hit_tokens").is_some()
+        || usage.get("prompt_cache_miss_tokens").is_some()
+    {
+        (
+            u64_at(usage, &["prompt_cache_hit_tokens"]),
+            u64_at(usage, &["prompt_cache_miss_tokens"]),
+        )
+    } else if let Some(cached) = usage
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64)
+    {
+        (cached, prompt.saturating_sub(cached))
+    } else {
+        (0, 0)
+    };
+    Ok(ModelResponse {
+        model: v
+            .get("model")
+            .and_then(Value::as_str)
+            .filter(|m| !m.is_empty())
+            .unwrap_or(model)
+            .to_owned(),
+        content: text,
+        message: Message::with_parts(Role::Assistant, parts),
+        tool_calls,
+        stop_reason: str_of(choice.get("finish_reason")),
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: total,
+        cache_hit_tokens: hit,
+        cache_miss_tokens: miss,
+        reasoning_tokens: u64_at(usage, &["completion_tokens_details", "reasoning_tokens"]),
+        provider: String::new(),
+        offline: false,
+    })
+}
+
+/// `arguments` → object: `""`/absent → `{}`; invalid or non-object → `{}` + the reason.
+fn decode_arguments(raw: Option<&Value>) -> (Map<String, Value>, Option<String>) {
+    match raw {
+        None | Some(Value::Null) => (Map::new(), None),
+        Some(Value::Object(o)) => (o.clone(), None),
+        Some(Value::String(s)) if s.trim().is_empty() => (Map::new(), None),
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Object(o)) => (o, None),
+            Ok(other) => (
+                Map::new(),
+                Some(format!("arguments are not a JSON object: {other}")),
+            ),
+            Err(e) => (
+                Map::new(),
+                Some(format!("arguments are not valid JSON: {e}")),
+            ),
+        },
+        Some(other) => (
+            Map::new(),
+            Some(format!(
+                "arguments are neither a string nor an object: {other}"
+            )),
+        ),
+    }
+}
+
+fn str_of(v: Option<&Value>) -> String {
+    v.and_then(Value::as_str).unwrap_or_default().to_owned()
+}
+
+pub(crate) fn u64_at(v: &Value, path: &[&str]) -> u64 {
+    let mut cur = v;
+    for key in path {
+        match cur.get(key) {
+            Some(next) => cur = next,
+            None => return 0,
+        }
+    }
+    cur.as_u64().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_decode_to_objects_or_an_args_error() {
+        assert_eq!(decode_arguments(Some(&json!(""))), (Map::new(), None));
+        assert_eq!(decode_arguments(None), (Map::new(), None));
+        let (args, err) = decode_arguments(Some(&json!("{\"tz\":\"UTC\"}")));
+        assert_eq!(args["tz"], "UTC");
+        assert!(err.is_none());
+        let (args, err) = decode_arguments(Some(&json!("{\"tz\":")));
+        assert!(args.is_empty());
+        assert!(err.unwrap().contains("not valid JSON"));
+        let (args, err) = decode_arguments(Some(&json!("[1]")));
+        assert!(args.is_empty());
+        assert!(err.unwrap().contains("not a JSON object"));
+    }
+
+    #[test]
+    fn neutral_tool_choices_translate_and_native_ones_pass_through() {
+        assert_eq!(tool_choice(&json!({"type":"auto"})), json!("auto"));
+        assert_eq!(tool_choice(&json!({"type":"any"})), json!("required"));
+        assert_eq!(
+            tool_choice(&json!({"type":"tool","name":"x"})),
+            json!({"type":"function","function":{"name":"x"}})
+        );
+        assert_eq!(tool_choice(&json!("required")), json!("required"));
+        let native = json!({"type":"function","function":{"name":"x"}});
+        assert_eq!(tool_choice(&native), native);
+    }
+
+    #[test]
+    fn missing_usage_fields_are_zero_never_an_error() {
+        let resp = decode(
+            br#"{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(resp.model, "m");
+        assert_eq!(resp.content, "hi");
+        assert_eq!((resp.prompt_tokens, resp.cache_hit_tokens), (0, 0));
+        assert_eq!(resp.cache_hit_rate(), 0.0);
+        assert!(matches!(
+            decode(br#"{"choices":[]}"#, "m"),
+            Err(ProviderError::BadResponse(_))
+        ));
+    }
+}

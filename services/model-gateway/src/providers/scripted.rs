@@ -1,0 +1,272 @@
+//! The offline provider: deterministic replies and tool calls from a small script, for demos and
+//! tests. Every response it gives is marked `offline: true`, so nothing downstream can mistake it
+//! for a real model.
+//!
+//! A rule matches the *last user text* (`equals` after trimming, or `contains`), first match wins.
+//! A rule with `tool_calls` asks for them while no tool result follows the last user message, and
+//! answers `after_tools` once results arrived — so one rule drives a whole tool round trip. No
+//! match → `default_reply`. Templates: `{input}` (the last user text), `{tool_results}` (the
+//! texts of the tool results after it, one per line).
+//!
+//! # Invariants
+//! - Same request in, same response out: ids are `call_<n>_<i>` with `n` the number of assistant
+//!   turns so far plus one, `i` the call's position from 1; token counts are word counts.
+//! - Every request received is appended to the [`RequestLog`] (bounded; the oldest entries go
+//!   first), which tests read.
+
+use super::ProviderError;
+use crate::config::{Rule, Script, Step};
+use cyrene_protocol::message::{Message, Part, Role, ToolCall};
+use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use futures::future::BoxFuture;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
+
+/// How many requests a [`RequestLog`] keeps.
+pub const LOG_CAPACITY: usize = 1000;
+
+/// What the default reply says when the script gives none.
+pub const FALLBACK_REPLY: &str = "(offline scripted reply) You said: {input}";
+
+/// The requests a scripted provider received, oldest first. Cheap to clone (shared).
+#[derive(Debug, Clone, Default)]
+pub struct RequestLog(Arc<Mutex<VecDeque<ModelRequest>>>);
+
+impl RequestLog {
+    /// A copy of every logged request.
+    pub fn snapshot(&self) -> Vec<ModelRequest> {
+        match self.0.lock() {
+            Ok(log) => log.iter().cloned().collect(),
+            Err(poisoned) => poisoned.into_inner().iter().cloned().collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().map(|l| l.len()).unwrap_or_default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn push(&self, request: &ModelRequest) {
+        let mut log = match self.0.lock() {
+            Ok(log) => log,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if log.len() == LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(request.clone());
+    }
+}
+
+/// The offline provider.
+#[derive(Debug)]
+pub struct ScriptedProvider {
+    script: Script,
+    log: RequestLog,
+}
+
+impl ScriptedProvider {
+    pub fn new(script: Script) -> ScriptedProvider {
+        ScriptedProvider {
+            script,
+            log: RequestLog::default(),
+        }
+    }
+
+    /// The log of received requests (shared with the provider).
+    pub fn log(&self) -> RequestLog {
+        self.log.clone()
+    }
+
+    /// The deterministic answer to `req`.
+    pub fn answer(&self, req: &ModelRequest, model: &str) -> ModelResponse {
+        let last_user = req.messages.iter().rposition(|m| m.role == Role::User);
+        let input = last_user
+            .map(|i| req.messages[i].text_content())
+            .unwrap_or_default();
+        let after = last_user.map_or(0, |i| i + 1);
+        let results: Vec<&str> = req.messages[after..]
+            .iter()
+            .flat_map(|m| &m.content)
+            .filter_map(|p| match p {
+                Part::ToolResult { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let rule = self.script.rules.iter().find(|r| matches(r, &input));
+        let fill = |template: &str| {
+            template
+                .replace("{input}", &input)
+                .replace("{tool_results}", &results.join("\n"))
+        };
+        let (text, calls) = match rule {
+            Some(r) if !r.tool_calls.is_empty() && results.is_empty() => {
+                let turn = req
+                    .messages
+                    .iter()
+                    .filter(|m| m.role == Role::Assistant)
+                    .count()
+                    + 1;
+                let calls = r
+                    .tool_calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| ToolCall {
+                        id: format!("call_{turn}_{}", i + 1),
+                        name: c.name.clone(),
+                        args: c.args.clone(),
+                        args_error: None,
+                    })
+                    .collect();
+                (String::new(), calls)
+            }
+            Some(r) if !r.tool_calls.is_empty() => (
+                fill(r.after_tools.as_deref().unwrap_or("{tool_results}")),
+                Vec::new(),
+            ),
+            Some(r) => (fill(r.reply.as_deref().unwrap_or_default()), Vec::new()),
+            None => (
+                fill(
+                    self.script
+                        .default_reply
+                        .as_deref()
+                        .unwrap_or(FALLBACK_REPLY),
+                ),
+                Vec::new(),
+            ),
+        };
+        let prompt: u64 = req.messages.iter().map(|m| words(&m.text_content())).sum();
+        let completion = words(&text) + calls.len() as u64;
+        let (message, stop) = if calls.is_empty() {
+            (Message::text(Role::Assistant, text.clone()), "stop")
+        } else {
+            (Message::assistant_tool_calls(&calls), "tool_calls")
+        };
+        ModelResponse {
+            model: model.to_owned(),
+            content: text,
+            message,
+            tool_calls: calls,
+            stop_reason: stop.to_owned(),
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            cache_hit_tokens: 0,
+            cache_miss_tokens: 0,
+            reasoning_tokens: 0,
+            provider: String::new(),
+            offline: true,
+        }
+    }
+}
+
+fn matches(rule: &Rule, input: &str) -> bool {
+    if let Some(e) = &rule.equals {
+        return input.trim() == e;
+    }
+    rule.contains.as_ref().is_some_and(|c| input.contains(c))
+}
+
+fn words(text: &str) -> u64 {
+    text.split_whitespace().count() as u64
+}
+
+impl super::Provider for ScriptedProvider {
+    fn complete<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        _deadline: Instant,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        self.log.push(request);
+        let response = self.answer(request, &step.model);
+        Box::pin(async move { Ok(response) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ScriptedCall;
+    use serde_json::json;
+
+    fn provider() -> ScriptedProvider {
+        ScriptedProvider::new(Script {
+            rules: vec![
+                Rule {
+                    contains: Some("time".into()),
+                    tool_calls: vec![ScriptedCall {
+                        name: "get_time".into(),
+                        args: json!({"tz":"UTC"}).as_object().unwrap().clone(),
+                    }],
+                    after_tools: Some("It is {tool_results}.".into()),
+                    ..Default::default()
+                },
+                Rule {
+                    equals: Some("hi".into()),
+                    reply: Some("hello, {input}".into()),
+                    ..Default::default()
+                },
+            ],
+            default_reply: None,
+        })
+    }
+
+    fn ask(messages: Vec<Message>) -> ModelRequest {
+        ModelRequest {
+            messages,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_tool_rule_calls_first_and_answers_after_the_result() {
+        let p = provider();
+        let first = p.answer(
+            &ask(vec![Message::text(Role::User, "what time is it")]),
+            "s",
+        );
+        assert!(first.offline);
+        assert_eq!(first.stop_reason, "tool_calls");
+        assert_eq!(first.tool_calls.len(), 1);
+        assert_eq!(first.tool_calls[0].id, "call_1_1");
+        assert_eq!(first.tool_calls[0].args["tz"], "UTC");
+        let second = p.answer(
+            &ask(vec![
+                Message::text(Role::User, "what time is it"),
+                first.message.clone(),
+                Message::tool_result("call_1_1", "get_time", "12:00", false),
+            ]),
+            "s",
+        );
+        assert_eq!(second.content, "It is 12:00.");
+        assert_eq!(second.stop_reason, "stop");
+        assert!(second.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn equals_rules_and_the_default_reply_fill_templates() {
+        let p = provider();
+        let hi = p.answer(&ask(vec![Message::text(Role::User, " hi ")]), "s");
+        assert_eq!(hi.content, "hello,  hi ");
+        let other = p.answer(&ask(vec![Message::text(Role::User, "hi there")]), "s");
+        assert_eq!(other.content, "(offline scripted reply) You said: hi there");
+        assert_eq!(other.prompt_tokens, 2);
+    }
+
+    #[tokio::test]
+    async fn every_request_is_logged() {
+        use super::super::Provider;
+        let p = provider();
+        let log = p.log();
+        let req = ask(vec![Message::text(Role::User, "hi")]);
+        p.complete(&req, &Step::new("offline", "s"), Instant::now())
+            .await
+            .unwrap();
+        assert_eq!(log.snapshot(), vec![req]);
+    }
+}

@@ -1,0 +1,924 @@
+//! Both dialects against real HTTP mock upstreams (wiremock): the exact outgoing JSON, the
+//! normalised response, and routing/fallback/cooldown/timeout behaviour of the gateway.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cyrene_model_gateway::Gateway;
+use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+use cyrene_protocol::ErrorCode;
+use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
+use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking, ToolSpec};
+use serde_json::{Map, Value, json};
+use std::time::Duration;
+use wiremock::matchers::{method, path};
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+const OPENAI_KEY: &str = "sk-test-openai-0123456789";
+const ANTHROPIC_KEY: &str = "sk-ant-test-0123456789";
+
+fn gateway(config: Value) -> Gateway {
+    let models: ModelsConfig = serde_json::from_value(config).unwrap();
+    let secrets =
+        Secrets::from_pairs([("OPENAI_KEY", OPENAI_KEY), ("ANTHROPIC_KEY", ANTHROPIC_KEY)]);
+    Gateway::new(
+        models,
+        &secrets,
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap()
+}
+
+/// One openai-protocol provider `p` with model `m` (and any extra fields).
+fn openai_provider(server: &MockServer, extra: Value) -> Value {
+    let mut p = json!({"protocol":"openai","base_url":server.uri(),"api_key_env":"OPENAI_KEY",
+                       "models":{"m":{}}});
+    merge(&mut p, extra);
+    p
+}
+
+fn anthropic_provider(server: &MockServer, extra: Value) -> Value {
+    let mut p = json!({"protocol":"anthropic","base_url":server.uri(),
+                       "api_key_env":"ANTHROPIC_KEY","models":{"claude":{"vision":true}}});
+    merge(&mut p, extra);
+    p
+}
+
+fn merge(into: &mut Value, extra: Value) {
+    if let (Value::Object(a), Value::Object(b)) = (into, extra) {
+        for (k, v) in b {
+            a.insert(k, v);
+        }
+    }
+}
+
+fn single(provider: Value, model: &str) -> Value {
+    json!({"providers":{"p":provider},"groups":{"g":[{"provider":"p","model":model}]},
+           "active_group":"g"})
+}
+
+async fn reply_with(server: &MockServer, route: &str, body: Value) {
+    Mock::given(method("POST"))
+        .and(path(route))
+        .respond_with(ResponseTemplate::new(200).set_body_json(body))
+        .mount(server)
+        .await;
+}
+
+async fn bodies(server: &MockServer) -> Vec<Value> {
+    server
+        .received_requests()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.body_json::<Value>().unwrap())
+        .collect()
+}
+
+async fn hits(server: &MockServer) -> usize {
+    server.received_requests().await.unwrap().len()
+}
+
+fn ask(messages: Vec<Message>) -> ModelRequest {
+    ModelRequest {
+        messages,
+        ..Default::default()
+    }
+}
+
+fn user(text: &str) -> Message {
+    Message::text(Role::User, text)
+}
+
+fn obj(v: Value) -> Map<String, Value> {
+    v.as_object().unwrap().clone()
+}
+
+fn openai_text_reply(text: &str) -> Value {
+    json!({"id":"x","object":"chat.completion","model":"m",
+           "choices":[{"index":0,"message":{"role":"assistant","content":text},
+                       "finish_reason":"stop"}],
+           "usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}})
+}
+
+fn anthropic_text_reply(text: &str) -> Value {
+    json!({"id":"msg_1","type":"message","role":"assistant","model":"claude",
+           "content":[{"type":"text","text":text}],"stop_reason":"end_turn",
+           "usage":{"input_tokens":3,"output_tokens":2}})
+}
+
+// ---------------------------------------------------------------- OpenAI-compatible dialect
+
+#[tokio::test]
+async fn openai_text_is_sent_natively_and_normalised() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/chat/completions", openai_text_reply("hello")).await;
+    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let mut req = ask(vec![
+        Message::text(Role::System, "be brief"),
+        Message::text(Role::User, "hi").sender("阿明"),
+    ]);
+    req.temperature = Some(0.3);
+    req.max_tokens = Some(64);
+    let resp = gw.complete(&req).await.unwrap();
+
+    let received = server.received_requests().await.unwrap();
+    assert_eq!(
+        received[0].headers.get("authorization").unwrap(),
+        &format!("Bearer {OPENAI_KEY}")
+    );
+    assert_eq!(
+        received[0].body_json::<Value>().unwrap(),
+        json!({"model":"m","temperature":0.3,"max_tokens":64,"messages":[
+            {"role":"system","content":"be brief"},
+            {"role":"user","content":"hi"}]})
+    );
+    assert_eq!(
+        serde_json::to_value(&resp).unwrap(),
+        json!({"model":"m","content":"hello",
+               "message":{"role":"assistant","content":[{"type":"text","text":"hello"}]},
+               "stop_reason":"stop","prompt_tokens":3,"completion_tokens":2,"total_tokens":5,
+               "cache_hit_tokens":0,"cache_miss_tokens":0,"reasoning_tokens":0,"provider":"p"})
+    );
+}
+
+#[tokio::test]
+async fn openai_several_tool_calls_in_one_reply_decode_their_arguments() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/chat/completions",
+        json!({"model":"m","choices":[{"message":{"role":"assistant","content":null,
+            "tool_calls":[
+              {"id":"c1","type":"function","function":{"name":"get_time","arguments":"{\"tz\":\"UTC\"}"}},
+              {"id":"c2","type":"function","function":{"name":"ping","arguments":""}},
+              {"id":"c3","type":"function","function":{"name":"broken","arguments":"{\"a\":"}}]},
+            "finish_reason":"tool_calls"}]}),
+    )
+    .await;
+    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let mut req = ask(vec![user("what time is it?")]);
+    req.tools = vec![
+        ToolSpec {
+            name: "get_time".into(),
+            description: "now".into(),
+            parameters: json!({"type":"object","properties":{"tz":{"type":"string"}}}),
+        },
+        ToolSpec {
+            name: "ping".into(),
+            description: String::new(),
+            parameters: json!({"type":"object"}),
+        },
+    ];
+    req.tool_choice = Some(json!({"type":"auto"}));
+    let resp = gw.complete(&req).await.unwrap();
+
+    assert_eq!(
+        bodies(&server).await[0],
+        json!({"model":"m","messages":[{"role":"user","content":"what time is it?"}],
+            "tools":[
+              {"type":"function","function":{"name":"get_time","description":"now",
+                 "parameters":{"type":"object","properties":{"tz":{"type":"string"}}}}},
+              {"type":"function","function":{"name":"ping","parameters":{"type":"object"}}}],
+            "tool_choice":"auto"})
+    );
+    assert_eq!(resp.stop_reason, "tool_calls");
+    assert_eq!(resp.content, "");
+    assert_eq!(resp.tool_calls.len(), 3);
+    assert_eq!(resp.tool_calls[0].args, obj(json!({"tz":"UTC"})));
+    assert_eq!(resp.tool_calls[1].args, Map::new());
+    assert!(resp.tool_calls[1].args_error.is_none());
+    assert_eq!(resp.tool_calls[2].args, Map::new());
+    assert!(
+        resp.tool_calls[2]
+            .args_error
+            .as_deref()
+            .unwrap()
+            .contains("not valid JSON")
+    );
+    assert_eq!(
+        serde_json::to_value(&resp.message).unwrap()["content"],
+        json!([{"type":"tool_call","id":"c1","name":"get_time","args":{"tz":"UTC"}},
+               {"type":"tool_call","id":"c2","name":"ping","args":{}},
+               {"type":"tool_call","id":"c3","name":"broken","args":{},
+                "args_error":resp.tool_calls[2].args_error}])
+    );
+}
+
+fn tool_history() -> Vec<Message> {
+    let calls = [
+        ToolCall {
+            id: "c1".into(),
+            name: "get_time".into(),
+            args: obj(json!({"tz":"UTC"})),
+            args_error: None,
+        },
+        ToolCall {
+            id: "c2".into(),
+            name: "read".into(),
+            args: Map::new(),
+            args_error: None,
+        },
+    ];
+    vec![
+        user("time and file?"),
+        Message::assistant_tool_calls(&calls),
+        Message::tool_result("c1", "get_time", "12:00", false),
+        Message::tool_result("c2", "read", "no such file", true),
+    ]
+}
+
+#[tokio::test]
+async fn openai_tool_results_keep_their_text_and_ids() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/chat/completions",
+        openai_text_reply("noon; no file"),
+    )
+    .await;
+    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    gw.complete(&ask(tool_history())).await.unwrap();
+    assert_eq!(
+        bodies(&server).await[0]["messages"],
+        json!([{"role":"user","content":"time and file?"},
+               {"role":"assistant","content":null,"tool_calls":[
+                  {"id":"c1","type":"function","function":{"name":"get_time","arguments":"{\"tz\":\"UTC\"}"}},
+                  {"id":"c2","type":"function","function":{"name":"read","arguments":"{}"}}]},
+               {"role":"tool","tool_call_id":"c1","content":"12:00"},
+               {"role":"tool","tool_call_id":"c2","content":"no such file"}])
+    );
+}
+
+#[tokio::test]
+async fn openai_images_go_as_image_url_parts() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/chat/completions", openai_text_reply("a cat")).await;
+    let gw = gateway(single(
+        openai_provider(&server, json!({"models":{"m":{"vision":true}}})),
+        "m",
+    ));
+    let mut msg = Message::image(
+        Role::User,
+        "what is this?",
+        "data:image/png;base64,iVBORw0KGgo=",
+    );
+    msg.content.push(Part::ImageUrl {
+        image_url: "https://example.invalid/cat.jpg".into(),
+    });
+    gw.complete(&ask(vec![msg])).await.unwrap();
+    assert_eq!(
+        bodies(&server).await[0]["messages"],
+        json!([{"role":"user","content":[
+            {"type":"text","text":"what is this?"},
+            {"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}},
+            {"type":"image_url","image_url":{"url":"https://example.invalid/cat.jpg"}}]}])
+    );
+}
+
+#[tokio::test]
+async fn deepseek_reasoning_and_cache_tokens_round_trip() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/chat/completions",
+        json!({"model":"deepseek-chat","choices":[{"message":{"role":"assistant",
+              "content":"","reasoning_content":"need the time",
+              "tool_calls":[{"id":"c1","type":"function",
+                  "function":{"name":"get_time","arguments":"{}"}}]},
+              "finish_reason":"tool_calls"}],
+              "usage":{"prompt_tokens":100,"completion_tokens":20,"total_tokens":120,
+                       "prompt_cache_hit_tokens":80,"prompt_cache_miss_tokens":20,
+                       "completion_tokens_details":{"reasoning_tokens":12}}}),
+    )
+    .await;
+    let gw = gateway(single(
+        openai_provider(&server, json!({"vendor":"deepseek"})),
+        "m",
+    ));
+    let first = gw.complete(&ask(vec![user("time?")])).await.unwrap();
+    assert_eq!(first.model, "deepseek-chat");
+    assert_eq!(
+        (
+            first.cache_hit_tokens,
+            first.cache_miss_tokens,
+            first.reasoning_tokens
+        ),
+        (80, 20, 12)
+    );
+    assert!((first.cache_hit_rate() - 0.8).abs() < 1e-9);
+    assert_eq!(
+        first.message.content[0],
+        Part::Reasoning {
+            family: ReasoningFamily::Openai,
+            text: "need the time".into(),
+            signature: None,
+            redacted: None
+        }
+    );
+
+    // The next step sends the reasoning back; an Anthropic reasoning part is dropped.
+    let mut assistant = first.message.clone();
+    assistant.content.push(Part::Reasoning {
+        family: ReasoningFamily::Anthropic,
+        text: "foreign".into(),
+        signature: Some("sig".into()),
+        redacted: None,
+    });
+    gw.complete(&ask(vec![
+        user("time?"),
+        assistant,
+        Message::tool_result("c1", "get_time", "12:00", false),
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(
+        bodies(&server).await[1]["messages"][1],
+        json!({"role":"assistant","content":null,"reasoning_content":"need the time",
+               "tool_calls":[{"id":"c1","type":"function",
+                              "function":{"name":"get_time","arguments":"{}"}}]})
+    );
+}
+
+#[tokio::test]
+async fn openai_cached_tokens_count_as_hits_and_the_rest_as_misses() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/chat/completions",
+        json!({"model":"gpt-4o","choices":[{"message":{"content":"ok"},"finish_reason":"stop"}],
+               "usage":{"prompt_tokens":2000,"completion_tokens":10,"total_tokens":2010,
+                        "prompt_tokens_details":{"cached_tokens":1536},
+                        "completion_tokens_details":{"reasoning_tokens":0}}}),
+    )
+    .await;
+    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
+    assert_eq!(
+        (
+            resp.prompt_tokens,
+            resp.cache_hit_tokens,
+            resp.cache_miss_tokens
+        ),
+        (2000, 1536, 464)
+    );
+    assert_eq!(resp.total_tokens, 2010);
+}
+
+#[tokio::test]
+async fn deepseek_thinking_switch_and_effort_aliases_map_natively() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(
+        openai_provider(&server, json!({"vendor":"deepseek"})),
+        "m",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.thinking = Some(Thinking {
+        budget_tokens: None,
+        enable: Some(false),
+    });
+    req.reasoning_effort = "medium".into();
+    gw.complete(&req).await.unwrap();
+    req.thinking = Some(Thinking {
+        budget_tokens: None,
+        enable: Some(true),
+    });
+    req.reasoning_effort = "ultra".into();
+    gw.complete(&req).await.unwrap();
+    req.thinking = None;
+    req.reasoning_effort = "extreme".into(); // unknown: dropped, not replaced
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    let user_only = json!([{"role":"user","content":"x"}]);
+    assert_eq!(
+        sent[0],
+        json!({"model":"m","messages":user_only,"thinking":{"type":"disabled"},
+               "reasoning_effort":"high"})
+    );
+    assert_eq!(
+        sent[1],
+        json!({"model":"m","messages":user_only,"thinking":{"type":"enabled"},
+               "reasoning_effort":"max"})
+    );
+    assert_eq!(sent[2], json!({"model":"m","messages":user_only}));
+}
+
+#[tokio::test]
+async fn openai_effort_whitelist_and_max_completion_tokens() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(
+        openai_provider(&server, json!({"vendor":"openai"})),
+        "m",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.reasoning_effort = "minimal".into();
+    req.max_tokens = Some(100);
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(2048),
+        enable: Some(true),
+    });
+    gw.complete(&req).await.unwrap();
+    req.reasoning_effort = "max".into(); // DeepSeek's level, not OpenAI's: dropped
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    assert_eq!(
+        sent[0],
+        json!({"model":"m","messages":[{"role":"user","content":"x"}],
+               "max_completion_tokens":100,"reasoning_effort":"minimal"})
+    );
+    assert!(sent[1].get("reasoning_effort").is_none());
+}
+
+// ------------------------------------------------------------------------ Anthropic dialect
+
+#[tokio::test]
+async fn anthropic_text_is_sent_natively_and_normalised() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("hello")).await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let mut req = ask(vec![
+        Message::text(Role::System, "be brief"),
+        user("hi"),
+        Message::text(Role::Assistant, "hello"),
+        user("again"),
+    ]);
+    req.temperature = Some(0.5);
+    let resp = gw.complete(&req).await.unwrap();
+    let received = server.received_requests().await.unwrap();
+    assert_eq!(received[0].headers.get("x-api-key").unwrap(), ANTHROPIC_KEY);
+    assert_eq!(
+        received[0].headers.get("anthropic-version").unwrap(),
+        "2023-06-01"
+    );
+    assert!(received[0].headers.get("authorization").is_none());
+    assert_eq!(
+        received[0].body_json::<Value>().unwrap(),
+        json!({"model":"claude","max_tokens":4096,"system":"be brief","temperature":0.5,
+               "messages":[
+                 {"role":"user","content":[{"type":"text","text":"hi"}]},
+                 {"role":"assistant","content":[{"type":"text","text":"hello"}]},
+                 {"role":"user","content":[{"type":"text","text":"again"}]}]})
+    );
+    assert_eq!(
+        serde_json::to_value(&resp).unwrap(),
+        json!({"model":"claude","content":"hello",
+               "message":{"role":"assistant","content":[{"type":"text","text":"hello"}]},
+               "stop_reason":"end_turn","prompt_tokens":3,"completion_tokens":2,
+               "total_tokens":5,"cache_hit_tokens":0,"cache_miss_tokens":3,
+               "reasoning_tokens":0,"provider":"p"})
+    );
+}
+
+#[tokio::test]
+async fn anthropic_several_tool_uses_and_tool_results_with_is_error() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/v1/messages",
+        json!({"model":"claude","stop_reason":"tool_use","content":[
+            {"type":"text","text":"Let me check."},
+            {"type":"tool_use","id":"toolu_1","name":"get_time","input":{"tz":"UTC"}},
+            {"type":"tool_use","id":"toolu_2","name":"read","input":{}}],
+            "usage":{"input_tokens":10,"output_tokens":5}}),
+    )
+    .await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let mut req = ask(tool_history());
+    req.tools = vec![ToolSpec {
+        name: "get_time".into(),
+        description: "now".into(),
+        parameters: json!({"type":"object"}),
+    }];
+    req.tool_choice = Some(json!({"type":"tool","name":"get_time"}));
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(
+        bodies(&server).await[0],
+        json!({"model":"claude","max_tokens":4096,
+            "tools":[{"name":"get_time","description":"now","input_schema":{"type":"object"}}],
+            "tool_choice":{"type":"tool","name":"get_time"},
+            "messages":[
+              {"role":"user","content":[{"type":"text","text":"time and file?"}]},
+              {"role":"assistant","content":[
+                 {"type":"tool_use","id":"c1","name":"get_time","input":{"tz":"UTC"}},
+                 {"type":"tool_use","id":"c2","name":"read","input":{}}]},
+              {"role":"user","content":[
+                 {"type":"tool_result","tool_use_id":"c1","content":"12:00"},
+                 {"type":"tool_result","tool_use_id":"c2","content":"no such file",
+                  "is_error":true}]}]})
+    );
+    assert_eq!(resp.stop_reason, "tool_use");
+    assert_eq!(resp.content, "Let me check.");
+    assert_eq!(
+        serde_json::to_value(&resp.tool_calls).unwrap(),
+        json!([{"id":"toolu_1","name":"get_time","args":{"tz":"UTC"}},
+               {"id":"toolu_2","name":"read","args":{}}])
+    );
+    assert_eq!(resp.message.content.len(), 3);
+}
+
+#[tokio::test]
+async fn anthropic_images_use_base64_and_url_sources() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("a cat")).await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let mut msg = Message::image(Role::User, "what?", "data:image/jpeg;base64,/9j/4AAQ");
+    msg.content.push(Part::ImageUrl {
+        image_url: "https://example.invalid/cat.png".into(),
+    });
+    gw.complete(&ask(vec![msg])).await.unwrap();
+    assert_eq!(
+        bodies(&server).await[0]["messages"],
+        json!([{"role":"user","content":[
+            {"type":"text","text":"what?"},
+            {"type":"image","source":{"type":"base64","media_type":"image/jpeg","data":"/9j/4AAQ"}},
+            {"type":"image","source":{"type":"url","url":"https://example.invalid/cat.png"}}]}])
+    );
+}
+
+#[tokio::test]
+async fn anthropic_thinking_blocks_round_trip_with_signatures() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/v1/messages",
+        json!({"model":"claude","stop_reason":"tool_use","content":[
+            {"type":"thinking","thinking":"I should look","signature":"sig-1"},
+            {"type":"redacted_thinking","data":"opaque"},
+            {"type":"tool_use","id":"toolu_1","name":"get_time","input":{}}],
+            "usage":{"input_tokens":10,"output_tokens":5}}),
+    )
+    .await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let first = gw.complete(&ask(vec![user("time?")])).await.unwrap();
+    assert_eq!(
+        serde_json::to_value(&first.message.content).unwrap(),
+        json!([{"type":"reasoning","family":"anthropic","text":"I should look","signature":"sig-1"},
+               {"type":"reasoning","family":"anthropic","redacted":"opaque"},
+               {"type":"tool_call","id":"toolu_1","name":"get_time","args":{}}])
+    );
+    let mut assistant = first.message.clone();
+    assistant.content.insert(
+        0,
+        Part::Reasoning {
+            family: ReasoningFamily::Openai,
+            text: "deepseek thoughts".into(),
+            signature: None,
+            redacted: None,
+        },
+    );
+    gw.complete(&ask(vec![
+        user("time?"),
+        assistant,
+        Message::tool_result("toolu_1", "get_time", "12:00", false),
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(
+        bodies(&server).await[1]["messages"][1],
+        json!({"role":"assistant","content":[
+            {"type":"thinking","thinking":"I should look","signature":"sig-1"},
+            {"type":"redacted_thinking","data":"opaque"},
+            {"type":"tool_use","id":"toolu_1","name":"get_time","input":{}}]})
+    );
+}
+
+#[tokio::test]
+async fn anthropic_cache_read_and_creation_tokens_normalise() {
+    let server = MockServer::start().await;
+    reply_with(
+        &server,
+        "/v1/messages",
+        json!({"model":"claude","stop_reason":"end_turn","content":[{"type":"text","text":"ok"}],
+               "usage":{"input_tokens":50,"output_tokens":7,"cache_read_input_tokens":900,
+                        "cache_creation_input_tokens":50}}),
+    )
+    .await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
+    assert_eq!(
+        (
+            resp.cache_hit_tokens,
+            resp.cache_miss_tokens,
+            resp.prompt_tokens,
+            resp.completion_tokens,
+            resp.total_tokens
+        ),
+        (900, 100, 1000, 7, 1007)
+    );
+    assert!((resp.cache_hit_rate() - 0.9).abs() < 1e-9);
+}
+
+#[tokio::test]
+async fn anthropic_thinking_budget_adaptive_and_effort_map_per_model() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = gateway(single(
+        anthropic_provider(
+            &server,
+            json!({"models":{"claude":{},"claude-new":{"thinking":"adaptive"}}}),
+        ),
+        "claude",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(8000),
+        enable: Some(true),
+    });
+    req.reasoning_effort = "high".into();
+    gw.complete(&req).await.unwrap();
+    req.model = "claude-new".into();
+    req.reasoning_effort = "ultra".into(); // unknown here: dropped
+    gw.complete(&req).await.unwrap();
+    req.thinking = Some(Thinking {
+        budget_tokens: None,
+        enable: Some(false),
+    });
+    req.max_tokens = Some(100);
+    req.reasoning_effort = String::new();
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    let msgs = json!([{"role":"user","content":[{"type":"text","text":"x"}]}]);
+    assert_eq!(
+        sent[0],
+        json!({"model":"claude","max_tokens":12096,"messages":msgs,
+               "thinking":{"type":"enabled","budget_tokens":8000},
+               "output_config":{"effort":"high"}})
+    );
+    assert_eq!(
+        sent[1],
+        json!({"model":"claude-new","max_tokens":4096,"messages":msgs,
+               "thinking":{"type":"adaptive"}})
+    );
+    assert_eq!(
+        sent[2],
+        json!({"model":"claude-new","max_tokens":100,"messages":msgs,
+               "thinking":{"type":"disabled"}})
+    );
+}
+
+// ------------------------------------------------------------------------ routing and fallback
+
+async fn failing(status: u16, body: Value, retry_after: Option<&str>) -> MockServer {
+    let server = MockServer::start().await;
+    let mut template = ResponseTemplate::new(status).set_body_json(body);
+    if let Some(after) = retry_after {
+        template = template.insert_header("retry-after", after);
+    }
+    Mock::given(method("POST"))
+        .respond_with(template)
+        .mount(&server)
+        .await;
+    server
+}
+
+fn chain_of(servers: &[(&str, &MockServer)], extra: Value) -> Value {
+    let mut providers = Map::new();
+    let mut chain = Vec::new();
+    for (name, server) in servers {
+        providers.insert((*name).into(), openai_provider(server, extra.clone()));
+        chain.push(json!({"provider":name,"model":"m"}));
+    }
+    json!({"providers":providers,"groups":{"g":chain},"active_group":"g"})
+}
+
+#[tokio::test]
+async fn fallback_tries_the_chain_in_order_on_5xx_and_429() {
+    let a = failing(500, json!({"error":{"message":"boom"}}), None).await;
+    let b = failing(429, json!({"error":{"message":"slow down"}}), None).await;
+    let c = MockServer::start().await;
+    reply_with(&c, "/chat/completions", openai_text_reply("from c")).await;
+    let gw = gateway(chain_of(&[("a", &a), ("b", &b), ("c", &c)], json!({})));
+    let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
+    assert_eq!(resp.provider, "c");
+    assert_eq!(resp.content, "from c");
+    assert_eq!((hits(&a).await, hits(&b).await, hits(&c).await), (1, 1, 1));
+}
+
+#[tokio::test]
+async fn every_step_failing_is_unavailable_with_each_cause() {
+    let a = failing(503, json!({"error":{"message":"overloaded"}}), None).await;
+    let b = failing(502, json!({"error":{"message":"bad gateway"}}), None).await;
+    let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
+    let err = gw.complete(&ask(vec![user("x")])).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::Unavailable);
+    assert!(
+        err.message.contains("a/m: HTTP 503: overloaded"),
+        "{}",
+        err.message
+    );
+    assert!(
+        err.message.contains("b/m: HTTP 502: bad gateway"),
+        "{}",
+        err.message
+    );
+}
+
+#[tokio::test]
+async fn a_400_is_returned_at_once_with_the_provider_message() {
+    let a = failing(
+        400,
+        json!({"error":{"message":"messages: tool result without call","type":"invalid_request_error"}}),
+        None,
+    )
+    .await;
+    let b = MockServer::start().await;
+    reply_with(&b, "/chat/completions", openai_text_reply("never")).await;
+    let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
+    let err = gw.complete(&ask(vec![user("x")])).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::Upstream);
+    assert!(
+        err.message
+            .contains("HTTP 400: invalid_request_error: messages: tool result without call"),
+        "{}",
+        err.message
+    );
+    assert_eq!(hits(&b).await, 0);
+}
+
+#[tokio::test]
+async fn a_provider_cools_down_after_consecutive_failures() {
+    let a = failing(500, json!({}), None).await;
+    let b = MockServer::start().await;
+    reply_with(&b, "/chat/completions", openai_text_reply("b")).await;
+    let gw = gateway(chain_of(
+        &[("a", &a), ("b", &b)],
+        json!({"cooldown":{"failures":2,"cooldown_ms":600000}}),
+    ));
+    for _ in 0..4 {
+        assert_eq!(
+            gw.complete(&ask(vec![user("x")])).await.unwrap().provider,
+            "b"
+        );
+    }
+    // Two failures start the cooldown; the next two requests skip `a`.
+    assert_eq!(hits(&a).await, 2);
+    assert_eq!(hits(&b).await, 4);
+}
+
+#[tokio::test]
+async fn retry_after_starts_a_cooldown_at_once() {
+    let a = failing(429, json!({"error":{"message":"rate"}}), Some("30")).await;
+    let b = MockServer::start().await;
+    reply_with(&b, "/chat/completions", openai_text_reply("b")).await;
+    let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
+    for _ in 0..3 {
+        assert_eq!(
+            gw.complete(&ask(vec![user("x")])).await.unwrap().provider,
+            "b"
+        );
+    }
+    assert_eq!(hits(&a).await, 1);
+}
+
+#[tokio::test]
+async fn a_chain_that_is_all_cooling_down_is_still_tried() {
+    let a = failing(429, json!({"error":{"message":"rate"}}), Some("30")).await;
+    let gw = gateway(chain_of(&[("a", &a)], json!({})));
+    for _ in 0..2 {
+        let err = gw.complete(&ask(vec![user("x")])).await.unwrap_err();
+        assert_eq!(err.code, ErrorCode::Unavailable);
+    }
+    assert_eq!(hits(&a).await, 2);
+}
+
+#[tokio::test]
+async fn image_requests_go_to_a_vision_step_or_the_vision_chain() {
+    let text = MockServer::start().await;
+    reply_with(&text, "/chat/completions", openai_text_reply("text")).await;
+    let eyes = MockServer::start().await;
+    reply_with(&eyes, "/v1/messages", anthropic_text_reply("eyes")).await;
+    let gw = gateway(json!({
+        "providers":{"text":openai_provider(&text, json!({})),
+                     "eyes":anthropic_provider(&eyes, json!({}))},
+        "groups":{"g":[{"provider":"text","model":"m"}]},
+        "active_group":"g",
+        "vision":[{"provider":"eyes","model":"claude"}]}));
+    let plain = gw.complete(&ask(vec![user("hi")])).await.unwrap();
+    assert_eq!(plain.provider, "text");
+    let img = Message::image(Role::User, "see", "https://example.invalid/a.png");
+    let seen = gw.complete(&ask(vec![img])).await.unwrap();
+    assert_eq!(seen.provider, "eyes");
+    assert_eq!(seen.content, "eyes");
+    assert_eq!((hits(&text).await, hits(&eyes).await), (1, 1));
+}
+
+#[tokio::test]
+async fn persona_chains_and_model_overrides_pick_their_providers() {
+    let main = MockServer::start().await;
+    reply_with(&main, "/chat/completions", openai_text_reply("main")).await;
+    let claude = MockServer::start().await;
+    reply_with(&claude, "/v1/messages", anthropic_text_reply("claude")).await;
+    let gw = gateway(json!({
+        "providers":{"main":openai_provider(&main, json!({})),
+                     "claude":anthropic_provider(&claude, json!({}))},
+        "groups":{"g":[{"provider":"main","model":"m"}]},
+        "active_group":"g",
+        "persona_providers":{"hoshi":[{"provider":"claude","model":"claude"}]}}));
+    let mut req = ask(vec![user("hi")]);
+    assert_eq!(gw.complete(&req).await.unwrap().provider, "main");
+    req.persona_id = "hoshi".into();
+    assert_eq!(gw.complete(&req).await.unwrap().provider, "claude");
+    req.persona_id = "someone-else".into();
+    assert_eq!(gw.complete(&req).await.unwrap().provider, "main");
+    req.model = "claude".into();
+    assert_eq!(gw.complete(&req).await.unwrap().provider, "claude");
+    req.model = "nope".into();
+    assert_eq!(
+        gw.complete(&req).await.unwrap_err().code,
+        ErrorCode::BadRequest
+    );
+}
+
+#[tokio::test]
+async fn a_slow_provider_times_out_and_the_next_step_answers() {
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(openai_text_reply("late"))
+                .set_delay(Duration::from_secs(5)),
+        )
+        .mount(&slow)
+        .await;
+    let fast = MockServer::start().await;
+    reply_with(&fast, "/chat/completions", openai_text_reply("fast")).await;
+    let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
+    config["providers"]["slow"]["timeout_ms"] = json!(200);
+    let gw = gateway(config);
+    let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
+    assert_eq!(resp.provider, "fast");
+}
+
+#[tokio::test]
+async fn the_request_deadline_bounds_the_whole_call() {
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(openai_text_reply("late"))
+                .set_delay(Duration::from_secs(5)),
+        )
+        .mount(&slow)
+        .await;
+    let never = MockServer::start().await;
+    reply_with(&never, "/chat/completions", openai_text_reply("never")).await;
+    let gw = gateway(chain_of(&[("slow", &slow), ("never", &never)], json!({})));
+    let mut req = ask(vec![user("x")]);
+    req.timeout_ms = Some(200);
+    let err = gw.complete(&req).await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::Timeout);
+    assert!(
+        err.message.contains("slow/m: no answer within"),
+        "{}",
+        err.message
+    );
+    assert!(
+        err.message.contains("never/m: not tried"),
+        "{}",
+        err.message
+    );
+    assert_eq!(hits(&never).await, 0);
+}
+
+#[tokio::test]
+async fn a_connection_refused_falls_back() {
+    // A port nobody listens on: bind, read the port, drop the listener.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let ok = MockServer::start().await;
+    reply_with(&ok, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(json!({
+        "providers":{"dead":{"protocol":"openai","base_url":format!("http://127.0.0.1:{port}"),
+                             "models":{"m":{}}},
+                     "ok":openai_provider(&ok, json!({}))},
+        "groups":{"g":[{"provider":"dead","model":"m"},{"provider":"ok","model":"m"}]},
+        "active_group":"g"}));
+    let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
+    assert_eq!(resp.provider, "ok");
+}
+
+#[tokio::test]
+async fn api_keys_never_show_in_debug_output() {
+    let server = MockServer::start().await;
+    let gw = gateway(json!({
+        "providers":{"a":openai_provider(&server, json!({})),
+                     "b":anthropic_provider(&server, json!({}))},
+        "groups":{"g":[{"provider":"a","model":"m"}]},"active_group":"g"}));
+    let shown = format!("{gw:?}");
+    assert!(shown.contains("<redacted>"));
+    assert!(!shown.contains(OPENAI_KEY));
+    assert!(!shown.contains(ANTHROPIC_KEY));
+}
+
+#[tokio::test]
+async fn scripted_responses_are_marked_offline() {
+    let gw = gateway(serde_json::to_value(ModelsConfig::offline()).unwrap());
+    let resp: ModelResponse = gw.complete(&ask(vec![user("ping")])).await.unwrap();
+    assert!(resp.offline);
+    assert_eq!(resp.provider, "offline");
+    assert_eq!(resp.content, "(offline scripted reply) You said: ping");
+    assert_eq!(gw.request_log("offline").unwrap().len(), 1);
+}
