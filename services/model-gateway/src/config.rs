@@ -219,6 +219,10 @@ pub struct Rule {
     /// Tool calls to ask for while the conversation has no tool result after the user text.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ScriptedCall>,
+    /// Further rounds of tool calls, asked for one per step after the first round's results
+    /// arrived (so a script can drive a multi-step turn); `after_tools` follows the last round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_rounds: Vec<Vec<ScriptedCall>>,
     /// Final text once tool results arrived (`{tool_results}` = their texts, `{input}` too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_tools: Option<String>,

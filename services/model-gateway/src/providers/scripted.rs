@@ -4,7 +4,9 @@
 //!
 //! A rule matches the *last user text* (`equals` after trimming, or `contains`), first match wins.
 //! A rule with `tool_calls` asks for them while no tool result follows the last user message, and
-//! answers `after_tools` once results arrived — so one rule drives a whole tool round trip. No
+//! answers `after_tools` once results arrived — so one rule drives a whole tool round trip
+//! (`more_rounds` adds further rounds: round k is asked for when k assistant messages follow the
+//! last user message, so a script can drive a multi-step turn). No
 //! match → `default_reply`. Templates: `{input}` (the last user text), `{tool_results}` (the
 //! texts of the tool results after it, one per line).
 //!
@@ -103,16 +105,30 @@ impl ScriptedProvider {
                 .replace("{input}", &input)
                 .replace("{tool_results}", &results.join("\n"))
         };
+        // Assistant messages after the last user text: the tool rounds already answered.
+        let rounds_done = req.messages[after..]
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .count();
+        let round = |r: &Rule| -> Option<Vec<crate::config::ScriptedCall>> {
+            if r.tool_calls.is_empty() {
+                return None;
+            }
+            match rounds_done {
+                0 => Some(r.tool_calls.clone()),
+                k => r.more_rounds.get(k - 1).cloned(),
+            }
+        };
         let (text, calls) = match rule {
-            Some(r) if !r.tool_calls.is_empty() && results.is_empty() => {
+            Some(r) if round(r).is_some() => {
                 let turn = req
                     .messages
                     .iter()
                     .filter(|m| m.role == Role::Assistant)
                     .count()
                     + 1;
-                let calls = r
-                    .tool_calls
+                let calls = round(r)
+                    .unwrap_or_default()
                     .iter()
                     .enumerate()
                     .map(|(i, c)| ToolCall {
@@ -246,6 +262,48 @@ mod tests {
         assert_eq!(second.content, "It is 12:00.");
         assert_eq!(second.stop_reason, "stop");
         assert!(second.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn more_rounds_drive_a_multi_step_turn() {
+        let call = |name: &str| ScriptedCall {
+            name: name.into(),
+            args: Default::default(),
+        };
+        let p = ScriptedProvider::new(Script {
+            rules: vec![Rule {
+                contains: Some("plan".into()),
+                tool_calls: vec![call("first")],
+                more_rounds: vec![vec![call("second"), call("third")]],
+                after_tools: Some("done: {tool_results}".into()),
+                ..Default::default()
+            }],
+            default_reply: None,
+        });
+        let mut messages = vec![Message::text(Role::User, "plan it")];
+        let one = p.answer(&ask(messages.clone()), "s");
+        assert_eq!(
+            one.tool_calls
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>(),
+            ["first"]
+        );
+        messages.push(one.message.clone());
+        messages.push(Message::tool_result("call_1_1", "first", "a", false));
+        let two = p.answer(&ask(messages.clone()), "s");
+        let names: Vec<_> = two
+            .tool_calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str()))
+            .collect();
+        assert_eq!(names, [("call_2_1", "second"), ("call_2_2", "third")]);
+        messages.push(two.message.clone());
+        messages.push(Message::tool_result("call_2_1", "second", "b", false));
+        messages.push(Message::tool_result("call_2_2", "third", "c", false));
+        let three = p.answer(&ask(messages), "s");
+        assert!(three.tool_calls.is_empty());
+        assert_eq!(three.content, "done: a\nb\nc");
     }
 
     #[test]
