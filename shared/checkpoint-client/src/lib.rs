@@ -1,1 +1,188 @@
-//! Typed client of cyrene-checkpoint-store (work in progress).
+//! Typed NATS client of `cyrene-checkpoint-store` (DESIGN §3, §9): `save`, `latest`, `get`,
+//! `list` and `retain`, each one bounded request on `cyrene.checkpoint.*` with the Cyrene error
+//! envelope decoded into a small [`Error`] enum.
+//!
+//! The loop worker saves after every step and must never fail a turn because of the store
+//! (DESIGN §5): it matches [`Error::Conflict`] (fenced off — a newer attempt owns the turn) and
+//! treats everything else as a soft failure; [`Error::is_retryable`] says whether sending again
+//! later may help.
+//!
+//! ```no_run
+//! # async fn demo(nats: async_nats::Client) -> Result<(), cyrene_checkpoint_client::Error> {
+//! use cyrene_checkpoint_client::CheckpointClient;
+//! use std::time::Duration;
+//! let store = CheckpointClient::new(nats, Duration::from_secs(2));
+//! match store.latest("s1").await {
+//!     Ok(cp) => println!("resume after step {}", cp.step),
+//!     Err(cyrene_checkpoint_client::Error::NotFound(_)) => println!("start fresh"),
+//!     Err(other) => return Err(other),
+//! }
+//! # Ok(()) }
+//! ```
+
+use async_nats::Client;
+use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
+};
+use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+/// Why a checkpoint request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No such checkpoint (`latest` of an owner without any, `get` of an unknown id).
+    #[error("not found: {}", .0.message)]
+    NotFound(ErrorBody),
+    /// Fenced off: a newer attempt of the turn has already written.
+    #[error("conflict: {}", .0.message)]
+    Conflict(ErrorBody),
+    /// The request was refused as invalid (`bad_request`) or too large (`too_large`).
+    #[error("{0}")]
+    Invalid(ErrorBody),
+    /// The store or its database is down, or nobody serves the subject.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// No reply within the client's timeout.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Anything else (an `internal` error, an undecodable reply, a transport failure).
+    #[error("{0}")]
+    Other(ErrorBody),
+}
+
+impl Error {
+    /// The wire code this failure corresponds to.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::NotFound(_) => ErrorCode::NotFound,
+            Error::Conflict(_) => ErrorCode::Conflict,
+            Error::Invalid(body) | Error::Other(body) => body.code,
+            Error::Unavailable(_) => ErrorCode::Unavailable,
+            Error::Timeout(_) => ErrorCode::Timeout,
+        }
+    }
+
+    /// Whether the same request may succeed if sent again later.
+    pub fn is_retryable(&self) -> bool {
+        self.code().is_retryable()
+    }
+}
+
+impl From<RequestError> for Error {
+    fn from(err: RequestError) -> Self {
+        match err {
+            RequestError::Remote(body) => match body.code {
+                ErrorCode::NotFound => Error::NotFound(body),
+                ErrorCode::Conflict => Error::Conflict(body),
+                ErrorCode::BadRequest | ErrorCode::TooLarge => Error::Invalid(body),
+                ErrorCode::Unavailable => Error::Unavailable(body.message),
+                ErrorCode::Timeout => Error::Timeout(body.message),
+                _ => Error::Other(body),
+            },
+            RequestError::Timeout { .. } => Error::Timeout(err.to_string()),
+            RequestError::NoResponders { .. } | RequestError::Transport { .. } => {
+                Error::Unavailable(err.to_string())
+            }
+            other => Error::Other(other.to_body()),
+        }
+    }
+}
+
+/// A handle on the checkpoint store; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct CheckpointClient {
+    client: Client,
+    timeout: Duration,
+}
+
+impl CheckpointClient {
+    /// Every request waits at most `timeout` for its reply.
+    pub fn new(client: Client, timeout: Duration) -> Self {
+        CheckpointClient { client, timeout }
+    }
+
+    async fn call<Req, Resp>(&self, subject: &str, body: &Req) -> Result<Resp, Error>
+    where
+        Req: Serialize + ?Sized,
+        Resp: DeserializeOwned,
+    {
+        Ok(request_json(&self.client, subject, body, self.timeout).await?)
+    }
+
+    /// Upserts `checkpoint` (`id` must be `{agent_id}:{step}`; give `turn_id` and `attempt` for
+    /// a fenced save) and returns the stored row with its timestamps.
+    pub async fn save(&self, checkpoint: &Checkpoint) -> Result<Checkpoint, Error> {
+        self.call(subjects::CHECKPOINT_SAVE, checkpoint).await
+    }
+
+    /// The owner's checkpoint with the highest step; [`Error::NotFound`] when none.
+    pub async fn latest(&self, agent_id: &str) -> Result<Checkpoint, Error> {
+        let req = LatestRequest {
+            agent_id: agent_id.to_owned(),
+        };
+        self.call(subjects::CHECKPOINT_LATEST, &req).await
+    }
+
+    /// One checkpoint by id (`{owner}:{step}`).
+    pub async fn get(&self, id: &str) -> Result<Checkpoint, Error> {
+        let req = GetRequest { id: id.to_owned() };
+        self.call(subjects::CHECKPOINT_GET, &req).await
+    }
+
+    /// The owner's checkpoints, newest step first (default 50, at most 1000).
+    pub async fn list(&self, agent_id: &str, limit: Option<u32>) -> Result<Vec<Checkpoint>, Error> {
+        let req = ListRequest {
+            agent_id: agent_id.to_owned(),
+            limit,
+        };
+        let resp: ListResponse = self.call(subjects::CHECKPOINT_LIST, &req).await?;
+        Ok(resp.checkpoints)
+    }
+
+    /// Runs one retention operation; returns how many rows were deleted.
+    pub async fn retain(&self, request: &RetainRequest) -> Result<u64, Error> {
+        let resp: RetainResponse = self.call(subjects::CHECKPOINT_RETAIN, request).await?;
+        Ok(resp.deleted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_codes_map_onto_variants() {
+        let remote = |code| RequestError::Remote(ErrorBody::new(code, "m"));
+        assert!(matches!(
+            Error::from(remote(ErrorCode::NotFound)),
+            Error::NotFound(_)
+        ));
+        assert!(matches!(
+            Error::from(remote(ErrorCode::Conflict)),
+            Error::Conflict(_)
+        ));
+        assert!(matches!(
+            Error::from(remote(ErrorCode::TooLarge)),
+            Error::Invalid(_)
+        ));
+        let down = Error::from(remote(ErrorCode::Unavailable));
+        assert!(matches!(down, Error::Unavailable(_)));
+        assert!(down.is_retryable());
+        let bug = Error::from(remote(ErrorCode::Internal));
+        assert_eq!(bug.code(), ErrorCode::Internal);
+        assert!(!bug.is_retryable());
+        let none = Error::from(RequestError::NoResponders {
+            subject: "cyrene.checkpoint.save".into(),
+        });
+        assert!(matches!(none, Error::Unavailable(_)));
+        let slow = Error::from(RequestError::Timeout {
+            subject: "x".into(),
+            after: Duration::from_secs(1),
+        });
+        assert!(matches!(slow, Error::Timeout(_)));
+        assert!(slow.is_retryable());
+    }
+}

@@ -63,6 +63,87 @@ pub struct ListRequest {
     pub limit: Option<u32>,
 }
 
+/// `cyrene.checkpoint.list` default page size when `limit` is absent.
+pub const LIST_DEFAULT_LIMIT: u32 = 50;
+/// `cyrene.checkpoint.list` largest page; a larger `limit` is clamped to it.
+pub const LIST_MAX_LIMIT: u32 = 1000;
+
+/// `cyrene.checkpoint.list` reply: newest step first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListResponse {
+    pub checkpoints: Vec<Checkpoint>,
+}
+
+/// `cyrene.checkpoint.retain` request: one of two explicit retention operations.
+///
+/// - `{"agent_id":"s1","keep_last":10}`: keep the newest `keep_last` steps of that owner, delete
+///   the rest (`keep_last: 0` deletes every row of the owner);
+/// - `{"older_than_secs":86400}`: delete every row of each owner whose newest row was last
+///   written more than that long ago.
+///
+/// Any other combination is a `bad_request`; see [`RetainRequest::mode`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetainRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_last: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub older_than_secs: Option<u64>,
+}
+
+/// What a [`RetainRequest`] asks for, once checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetainMode {
+    /// Keep the newest `keep_last` steps of `agent_id`.
+    KeepLast { agent_id: String, keep_last: u32 },
+    /// Drop owners whose newest row is older than this many seconds.
+    OlderThan { secs: u64 },
+}
+
+impl RetainRequest {
+    /// Keep the newest `keep_last` steps of `agent_id`.
+    pub fn keep_last(agent_id: impl Into<String>, keep_last: u32) -> Self {
+        RetainRequest {
+            agent_id: Some(agent_id.into()),
+            keep_last: Some(keep_last),
+            older_than_secs: None,
+        }
+    }
+
+    /// Drop owners whose newest row is older than `secs` seconds.
+    pub fn older_than(secs: u64) -> Self {
+        RetainRequest {
+            older_than_secs: Some(secs),
+            ..RetainRequest::default()
+        }
+    }
+
+    /// The operation asked for; the owner key is validated too. The error is a human message.
+    pub fn mode(&self) -> Result<RetainMode, String> {
+        match (&self.agent_id, self.keep_last, self.older_than_secs) {
+            (Some(agent_id), Some(keep_last), None) => {
+                validate_owner(agent_id).map_err(|e| format!("agent_id: {e}"))?;
+                Ok(RetainMode::KeepLast {
+                    agent_id: agent_id.clone(),
+                    keep_last,
+                })
+            }
+            (None, None, Some(secs)) => Ok(RetainMode::OlderThan { secs }),
+            _ => Err(
+                "retain takes either {\"agent_id\",\"keep_last\"} or {\"older_than_secs\"}".into(),
+            ),
+        }
+    }
+}
+
+/// `cyrene.checkpoint.retain` reply: how many checkpoint rows were deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetainResponse {
+    pub deleted: u64,
+}
+
 /// The owner key for a session and an optional parallel leg.
 pub fn owner_key(session_id: &str, leg_id: Option<&str>) -> String {
     match leg_id {
@@ -138,6 +219,54 @@ mod tests {
         let doc = json!({"agent_id":"s1","limit":50});
         let li: ListRequest = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(serde_json::to_value(&li).unwrap(), doc);
+    }
+
+    #[test]
+    fn list_and_retain_shapes_round_trip() {
+        let doc = json!({"checkpoints":[{"id":"s1:2","agent_id":"s1","step":2,"state":{},
+            "turn_id":"t1","attempt":2,"created_at":"2026-01-01T00:00:00.000000Z",
+            "updated_at":"2026-01-01T00:00:01.000000Z"}]});
+        let list: ListResponse = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(list.checkpoints[0].attempt, Some(2));
+        assert_eq!(serde_json::to_value(&list).unwrap(), doc);
+
+        let keep = json!({"agent_id":"s1","keep_last":10});
+        let r: RetainRequest = serde_json::from_value(keep.clone()).unwrap();
+        assert_eq!(r, RetainRequest::keep_last("s1", 10));
+        assert_eq!(serde_json::to_value(&r).unwrap(), keep);
+        assert_eq!(
+            r.mode().unwrap(),
+            RetainMode::KeepLast {
+                agent_id: "s1".into(),
+                keep_last: 10
+            }
+        );
+        let age = json!({"older_than_secs":86400});
+        let r: RetainRequest = serde_json::from_value(age.clone()).unwrap();
+        assert_eq!(r, RetainRequest::older_than(86400));
+        assert_eq!(serde_json::to_value(&r).unwrap(), age);
+        assert_eq!(r.mode().unwrap(), RetainMode::OlderThan { secs: 86400 });
+
+        let resp = json!({"deleted":3});
+        let d: RetainResponse = serde_json::from_value(resp.clone()).unwrap();
+        assert_eq!(d.deleted, 3);
+        assert_eq!(serde_json::to_value(d).unwrap(), resp);
+    }
+
+    #[test]
+    fn retain_refuses_mixed_or_partial_modes() {
+        for bad in [
+            json!({}),
+            json!({"agent_id":"s1"}),
+            json!({"keep_last":3}),
+            json!({"agent_id":"s1","keep_last":3,"older_than_secs":5}),
+            json!({"agent_id":"s1","older_than_secs":5}),
+            json!({"agent_id":"s.1","keep_last":3}),
+        ] {
+            let r: RetainRequest = serde_json::from_value(bad.clone()).unwrap();
+            assert!(r.mode().is_err(), "{bad}");
+        }
+        assert!(serde_json::from_value::<RetainRequest>(json!({"keep":1})).is_err());
     }
 
     #[test]

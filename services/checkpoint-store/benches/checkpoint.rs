@@ -1,0 +1,212 @@
+//! `cargo bench -p cyrene-checkpoint-store`: save and latest through NATS beside the same
+//! operation done directly on the same database in the same run, for SQLite and PostgreSQL.
+//!
+//! Prints p50/p99 of each, the NATS/direct ratio at p50 (target: save ≤ 1.5× direct), and
+//! saves/s at 16 in flight (through NATS and direct). Direct and NATS calls are interleaved so
+//! both see the same disk and CPU conditions. PostgreSQL is skipped with a note when it cannot be
+//! reached within 5 s. Bounded: a few thousand operations per backend.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::{PgTestDb, RunningService};
+use cyrene_checkpoint_client::CheckpointClient;
+use cyrene_checkpoint_store::{CheckpointStore, Config, PgStore, SqliteStore, StoreOptions};
+use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_test_support::NatsServer;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Sequential iterations per measured operation.
+const ITERATIONS: u32 = 2000;
+/// Untimed iterations first (connections, statement caches).
+const WARMUP: u32 = 100;
+/// Saves issued in the throughput run.
+const BURST: u32 = 4000;
+/// Requests in flight in the throughput run.
+const IN_FLIGHT: u32 = 16;
+/// Steps cycle over this many rows, so most saves update an existing row.
+const ROWS: u32 = 100;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(bench());
+}
+
+async fn bench() {
+    println!(
+        "checkpoint store: {ITERATIONS} sequential ops each (after {WARMUP} warm-up), \
+         {BURST} saves at {IN_FLIGHT} in flight; state ≈ {} bytes",
+        serde_json::to_string(&state(0)).unwrap().len()
+    );
+    let nats = NatsServer::start();
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let service = RunningService::start(&nats.url(), config(&dir, &url)).await;
+    let direct = SqliteStore::open(&url, &StoreOptions::default())
+        .await
+        .unwrap();
+    run_backend(&nats, direct).await;
+    service.stop().await.unwrap();
+
+    match PgTestDb::try_create().await {
+        Ok(db) => {
+            let service = RunningService::start(&nats.url(), config(&dir, &db.url)).await;
+            let direct = PgStore::connect(&db.url, &StoreOptions::default())
+                .await
+                .unwrap();
+            run_backend(&nats, direct).await;
+            service.stop().await.unwrap();
+        }
+        Err(err) => println!("\npostgres: skipped — {err}"),
+    }
+}
+
+fn config(dir: &tempfile::TempDir, url: &str) -> Config {
+    let mut config = Config::new(dir.path());
+    config.database_url = Some(url.to_owned());
+    config
+}
+
+/// A loop-worker-like state: a few messages of text, about 1.5 KiB.
+fn state(step: u32) -> serde_json::Map<String, Value> {
+    let messages: Vec<Value> = (0..6)
+        .map(|i| json!({"role": if i % 2 == 0 {"user"} else {"assistant"},
+                        "content": [{"type": "text", "text": "lorem ipsum dolor sit amet ".repeat(8)}]}))
+        .collect();
+    let Value::Object(state) =
+        json!({"step": step, "messages": messages, "stop_reason": "tool_calls", "turn_id": "t1"})
+    else {
+        unreachable!()
+    };
+    state
+}
+
+fn body(owner: &str, step: u32) -> Checkpoint {
+    Checkpoint {
+        id: format!("{owner}:{step}"),
+        agent_id: owner.to_owned(),
+        step,
+        state: state(step),
+        turn_id: None,
+        attempt: None,
+        created_at: None,
+        updated_at: None,
+    }
+}
+
+#[derive(Default)]
+struct Samples(Vec<Duration>);
+
+impl Samples {
+    fn pct(&mut self, p: usize) -> Duration {
+        self.0.sort_unstable();
+        self.0[(self.0.len() * p / 100).min(self.0.len() - 1)]
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} ms", d.as_secs_f64() * 1e3)
+}
+
+async fn run_backend<S: CheckpointStore>(nats: &NatsServer, direct: S) {
+    let backend = direct.backend();
+    let client = CheckpointClient::new(nats.connect().await, Duration::from_secs(10));
+    let (mut save_direct, mut save_nats) = (Samples::default(), Samples::default());
+    let (mut latest_direct, mut latest_nats) = (Samples::default(), Samples::default());
+    for i in 0..WARMUP + ITERATIONS {
+        let step = i % ROWS;
+        let d_body = body("bench-direct", step);
+        let n_body = body("bench-nats", step);
+        let t = Instant::now();
+        direct.save(d_body, chrono::Utc::now()).await.unwrap();
+        let d_save = t.elapsed();
+        let t = Instant::now();
+        client.save(&n_body).await.unwrap();
+        let n_save = t.elapsed();
+        let t = Instant::now();
+        direct.latest("bench-direct").await.unwrap();
+        let d_latest = t.elapsed();
+        let t = Instant::now();
+        client.latest("bench-nats").await.unwrap();
+        let n_latest = t.elapsed();
+        if i >= WARMUP {
+            save_direct.0.push(d_save);
+            save_nats.0.push(n_save);
+            latest_direct.0.push(d_latest);
+            latest_nats.0.push(n_latest);
+        }
+    }
+
+    let nats_rate = burst(|i| {
+        let client = client.clone();
+        async move {
+            client
+                .save(&body(&format!("burst-nats-{}", i % IN_FLIGHT), i % ROWS))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    let direct = Arc::new(direct);
+    let direct_rate = burst(|i| {
+        let direct = direct.clone();
+        async move {
+            let cp = body(&format!("burst-direct-{}", i % IN_FLIGHT), i % ROWS);
+            direct.save(cp, chrono::Utc::now()).await.unwrap();
+        }
+    })
+    .await;
+    direct.close().await;
+
+    println!("\n== {backend} ==");
+    println!("{:<26}{:>12}{:>12}", "operation", "p50", "p99");
+    let row = |name: &str, s: &mut Samples| {
+        let (p50, p99) = (s.pct(50), s.pct(99));
+        println!("{name:<26}{:>12}{:>12}", ms(p50), ms(p99));
+        p50
+    };
+    let sd = row("save direct upsert", &mut save_direct);
+    let sn = row("save via NATS", &mut save_nats);
+    let ld = row("latest direct", &mut latest_direct);
+    let ln = row("latest via NATS", &mut latest_nats);
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
+    let save_ratio = ratio(sn, sd);
+    println!(
+        "save   NATS/direct at p50: {save_ratio:.2}x (target <= 1.5x: {})",
+        if save_ratio <= 1.5 { "met" } else { "not met" }
+    );
+    println!("latest NATS/direct at p50: {:.2}x", ratio(ln, ld));
+    println!("saves/s at {IN_FLIGHT} in flight: {nats_rate:.0} via NATS, {direct_rate:.0} direct");
+}
+
+/// Runs `BURST` operations with `IN_FLIGHT` at once; returns operations per second.
+async fn burst<F, Fut>(op: F) -> f64
+where
+    F: Fn(u32) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for worker in 0..IN_FLIGHT {
+        let ops: Vec<Fut> = (0..BURST / IN_FLIGHT)
+            .map(|k| op(k * IN_FLIGHT + worker))
+            .collect();
+        tasks.spawn(async move {
+            for fut in ops {
+                fut.await;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    f64::from(BURST) / start.elapsed().as_secs_f64()
+}

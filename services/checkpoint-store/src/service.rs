@@ -1,0 +1,174 @@
+//! The micro service: five named endpoints on `cyrene.checkpoint.*`, each a bounded
+//! [`serve_json`] loop in front of one [`CheckpointStore`].
+//!
+//! # Invariants
+//! - Every request is answered: bad input by the decoder (`bad_request`/`too_large`) or the store
+//!   checks, database trouble by `unavailable`, and every database operation is bounded by
+//!   `db_timeout`, so a silent database can never hang a caller.
+//! - On shutdown the endpoints stop taking requests, in-flight handlers finish, then the pool is
+//!   closed.
+//!
+//! # Pitfalls
+//! - Endpoint names are explicit (`save`, `latest`, …): a name derived from a subject would break
+//!   `nats micro ls` if the subject ever had a wildcard.
+
+use crate::config::Config;
+use crate::store::{CheckpointStore, StoreError};
+use crate::{Error, SERVICE_NAME};
+use async_nats::Client;
+use async_nats::service::ServiceExt;
+use chrono::Utc;
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
+};
+use cyrene_protocol::subjects;
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Room for the JSON around `state` in a save request (ids, step, fencing fields).
+const SAVE_ENVELOPE_SLACK: usize = 64 * 1024;
+
+/// Runs `op` within `limit`, mapping its failure onto the wire error set and logging what an
+/// operator should see.
+async fn bounded<T>(
+    limit: Duration,
+    op: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, ErrorBody> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => {
+            match err.code() {
+                ErrorCode::Unavailable => tracing::warn!(error = %err, "database unavailable"),
+                ErrorCode::Internal => tracing::error!(error = %err, "database error"),
+                _ => {}
+            }
+            Err(err.to_body())
+        }
+        Err(_) => {
+            tracing::warn!(after = ?limit, "database did not answer in time");
+            Err(ErrorBody::new(
+                ErrorCode::Unavailable,
+                format!("the database did not answer within {limit:?}"),
+            ))
+        }
+    }
+}
+
+/// Serves `store` on the bus until `shutdown` fires, then closes it.
+pub async fn serve<S: CheckpointStore>(
+    store: S,
+    config: &Config,
+    client: Client,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let store = Arc::new(store);
+    let service = client
+        .service_builder()
+        .description(
+            "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, list, \
+             retain",
+        )
+        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
+    let endpoint = |name: &'static str, subject: &'static str| {
+        let builder = service.endpoint_builder().name(name);
+        async move {
+            builder
+                .add(subject)
+                .await
+                .map_err(|e| Error::Bus(format!("cannot add endpoint {name} on {subject}: {e}")))
+        }
+    };
+    let save = endpoint("save", subjects::CHECKPOINT_SAVE).await?;
+    let latest = endpoint("latest", subjects::CHECKPOINT_LATEST).await?;
+    let get = endpoint("get", subjects::CHECKPOINT_GET).await?;
+    let list = endpoint("list", subjects::CHECKPOINT_LIST).await?;
+    let retain = endpoint("retain", subjects::CHECKPOINT_RETAIN).await?;
+
+    let limit = config.db_timeout;
+    let small = ServeOptions {
+        max_in_flight: config.max_in_flight,
+        ..ServeOptions::default()
+    };
+    let save_options = ServeOptions {
+        max_in_flight: config.max_in_flight,
+        max_payload: config.max_state_bytes.saturating_add(SAVE_ENVELOPE_SLACK),
+    };
+    let mut tasks = JoinSet::new();
+    let s = store.clone();
+    tasks.spawn(serve_json(
+        save,
+        save_options,
+        shutdown.clone(),
+        move |cp: Checkpoint, _: RequestContext| {
+            let s = s.clone();
+            async move { bounded(limit, s.save(cp, Utc::now())).await }
+        },
+    ));
+    let s = store.clone();
+    tasks.spawn(serve_json(
+        latest,
+        small,
+        shutdown.clone(),
+        move |req: LatestRequest, _: RequestContext| {
+            let s = s.clone();
+            async move { bounded(limit, s.latest(&req.agent_id)).await }
+        },
+    ));
+    let s = store.clone();
+    tasks.spawn(serve_json(
+        get,
+        small,
+        shutdown.clone(),
+        move |req: GetRequest, _: RequestContext| {
+            let s = s.clone();
+            async move { bounded(limit, s.get(&req.id)).await }
+        },
+    ));
+    let s = store.clone();
+    tasks.spawn(serve_json(
+        list,
+        small,
+        shutdown.clone(),
+        move |req: ListRequest, _: RequestContext| {
+            let s = s.clone();
+            async move {
+                let checkpoints = bounded(limit, s.list(&req.agent_id, req.limit)).await?;
+                Ok(ListResponse { checkpoints })
+            }
+        },
+    ));
+    let s = store.clone();
+    tasks.spawn(serve_json(
+        retain,
+        small,
+        shutdown.clone(),
+        move |req: RetainRequest, _: RequestContext| {
+            let s = s.clone();
+            async move {
+                let deleted = bounded(limit, s.retain(&req, Utc::now())).await?;
+                tracing::info!(?req, deleted, "retention ran");
+                Ok(RetainResponse { deleted })
+            }
+        },
+    ));
+    tracing::info!(backend = store.backend(), "checkpoint store serving");
+
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(err) = joined {
+            tracing::error!(error = %err, "an endpoint loop failed");
+        }
+    }
+    if let Err(err) = service.stop().await {
+        tracing::debug!(error = %err, "stopping the micro service");
+    }
+    store.close().await;
+    tracing::info!("checkpoint store stopped");
+    Ok(())
+}

@@ -1,0 +1,429 @@
+//! The [`CheckpointStore`] trait, the input checks every backend shares, and the two SQL backends
+//! behind it: [`PgStore`] (PostgreSQL, production) and [`SqliteStore`] (the embedded default).
+//!
+//! # Invariants
+//! - Every backend validates its input through the helpers here first ([`prepare_save`],
+//!   [`check_owner`], [`parse_id`], [`list_limit`]), so both refuse exactly the same requests with
+//!   exactly the same errors.
+//! - A save is an upsert on `id`: `created_at` is kept from the first write, everything else is
+//!   replaced. Reads (`latest`, `get`, `list`) never write or delete; only `retain` deletes.
+//! - Rows of one owner key are only ever addressed by that key, so the legs `s1#a` and `s1#b` (and
+//!   the single-leg owner `s1`) never see each other's rows.
+//! - Fencing: a save carrying `{turn_id, attempt}` raises `turn_attempts.max_attempt` and upserts
+//!   the row in one transaction; if the recorded max is above `attempt` the transaction is rolled
+//!   back and the save is refused with [`StoreError::Conflict`].
+//!
+//! # Pitfalls
+//! - Timestamps are produced by the caller (`now`), not by the database, so the same code path
+//!   works on both backends and tests can write "old" rows without sleeping. SQLite keeps them as
+//!   fixed-width RFC 3339 text ([`format_ts`]), so comparing text compares time.
+//! - A connection that dies mid-query surfaces as an I/O or protocol error; those, pool timeouts
+//!   and the backends' "server is going away / busy" codes map to [`StoreError::Unavailable`]
+//!   (retryable), everything else to [`StoreError::Internal`].
+
+pub mod postgres;
+pub mod sqlite;
+
+pub use postgres::PgStore;
+pub use sqlite::SqliteStore;
+
+use chrono::{DateTime, Utc};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, RetainMode, RetainRequest, checkpoint_id,
+    validate_owner,
+};
+use cyrene_protocol::ids::{self, MAX_ID_LEN};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use serde_json::{Map, Value};
+use std::future::Future;
+use std::time::Duration;
+
+/// The default largest serialised `state` a save accepts (4 MiB). Note that the NATS server's own
+/// `max_payload` (1 MiB by default) refuses larger requests before they reach the service.
+pub const DEFAULT_MAX_STATE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Connection and limit settings shared by both backends.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Largest serialised `state` accepted, in bytes; larger saves get `too_large`.
+    pub max_state_bytes: usize,
+    /// How long a query waits for a pooled connection before failing with `unavailable`; short,
+    /// so a database outage fails requests fast instead of hanging them.
+    pub acquire_timeout: Duration,
+    /// Pool size.
+    pub max_connections: u32,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            max_state_bytes: DEFAULT_MAX_STATE_BYTES,
+            acquire_timeout: Duration::from_secs(2),
+            max_connections: 8,
+        }
+    }
+}
+
+/// Why a store operation failed; each variant maps onto one wire [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The input is invalid (owner key, id, fencing fields, limits, retention mode).
+    #[error("{0}")]
+    BadRequest(String),
+    /// No such checkpoint.
+    #[error("{0}")]
+    NotFound(String),
+    /// Fenced off: a newer attempt of the turn has already written.
+    #[error("{0}")]
+    Conflict(String),
+    /// The serialised state is over the configured limit.
+    #[error("state is {size} bytes; the limit is {max}")]
+    TooLarge { size: usize, max: usize },
+    /// The database cannot be reached or is busy; retrying later may succeed.
+    #[error("database unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    /// Opening the database or applying the migrations failed.
+    #[error("could not open the database: {0}")]
+    Open(String),
+    /// Any other database failure (a bug or a corrupt row).
+    #[error("database error: {0}")]
+    Internal(String),
+}
+
+impl StoreError {
+    /// The wire code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            StoreError::BadRequest(_) => ErrorCode::BadRequest,
+            StoreError::NotFound(_) => ErrorCode::NotFound,
+            StoreError::Conflict(_) => ErrorCode::Conflict,
+            StoreError::TooLarge { .. } => ErrorCode::TooLarge,
+            StoreError::Unavailable(_) | StoreError::Open(_) => ErrorCode::Unavailable,
+            StoreError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The error envelope body sent to the caller.
+    pub fn to_body(&self) -> ErrorBody {
+        ErrorBody::new(self.code(), self.to_string())
+    }
+}
+
+/// Failures every backend classifies the same way; `None` means "ask the backend's codes".
+pub(crate) fn classify_common(err: &sqlx::Error) -> Option<bool> {
+    use sqlx::Error as E;
+    match err {
+        E::Io(_)
+        | E::Tls(_)
+        | E::Protocol(_)
+        | E::PoolTimedOut
+        | E::PoolClosed
+        | E::WorkerCrashed
+        | E::BeginFailed => Some(true),
+        E::Database(_) => None,
+        _ => Some(false),
+    }
+}
+
+/// Wraps `err` as `Unavailable` when `unavailable`, else as `Internal`.
+pub(crate) fn wrap(err: sqlx::Error, unavailable: bool) -> StoreError {
+    if unavailable {
+        StoreError::Unavailable(err)
+    } else {
+        StoreError::Internal(err.to_string())
+    }
+}
+
+/// The per-step snapshot store (DESIGN §3). Implemented once per SQL backend.
+///
+/// Methods return `Send` futures so the service can run them on any task.
+pub trait CheckpointStore: Send + Sync + 'static {
+    /// Upserts `checkpoint` (fenced when it carries `turn_id` and `attempt`) and returns the
+    /// stored row with `created_at`/`updated_at`.
+    fn save(
+        &self,
+        checkpoint: Checkpoint,
+        now: DateTime<Utc>,
+    ) -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
+
+    /// The owner's checkpoint with the highest step; `NotFound` when it has none.
+    fn latest(&self, agent_id: &str)
+    -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
+
+    /// One checkpoint by id (`{owner}:{step}`).
+    fn get(&self, id: &str) -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
+
+    /// The owner's checkpoints, newest step first, at most `limit` (default 50, clamped to 1000).
+    fn list(
+        &self,
+        agent_id: &str,
+        limit: Option<u32>,
+    ) -> impl Future<Output = Result<Vec<Checkpoint>, StoreError>> + Send;
+
+    /// Runs one explicit retention operation and returns how many checkpoint rows it deleted.
+    fn retain(
+        &self,
+        request: &RetainRequest,
+        now: DateTime<Utc>,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// `postgres` or `sqlite`, for logs and benchmarks.
+    fn backend(&self) -> &'static str;
+
+    /// Closes the pool, waiting for checked-out connections to come back.
+    fn close(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// A validated save, ready to bind.
+#[derive(Debug, Clone)]
+pub(crate) struct SaveRow {
+    pub id: String,
+    pub agent_id: String,
+    pub step: i64,
+    /// `state` serialised as JSON text.
+    pub state: String,
+    pub fence: Option<Fence>,
+    pub now: DateTime<Utc>,
+}
+
+/// The fencing token of a save.
+#[derive(Debug, Clone)]
+pub(crate) struct Fence {
+    pub turn_id: String,
+    pub attempt: i64,
+}
+
+/// Checks an owner key (`session` or `session#leg`).
+pub(crate) fn check_owner(agent_id: &str) -> Result<(), StoreError> {
+    validate_owner(agent_id).map_err(|e| StoreError::BadRequest(format!("agent_id: {e}")))
+}
+
+/// Checks a turn id: 1–128 characters of `[A-Za-z0-9_-]` like every other id.
+fn check_turn_id(turn_id: &str) -> Result<(), StoreError> {
+    let len = turn_id.chars().count();
+    if len == 0 || len > MAX_ID_LEN || !turn_id.chars().all(ids::is_token_char) {
+        return Err(StoreError::BadRequest(format!(
+            "turn_id must be 1-{MAX_ID_LEN} characters of A-Z, a-z, 0-9, '_' and '-'"
+        )));
+    }
+    Ok(())
+}
+
+/// Validates a save and serialises its state.
+pub(crate) fn prepare_save(
+    checkpoint: Checkpoint,
+    now: DateTime<Utc>,
+    max_state_bytes: usize,
+) -> Result<SaveRow, StoreError> {
+    check_owner(&checkpoint.agent_id)?;
+    let expected = checkpoint_id(&checkpoint.agent_id, checkpoint.step);
+    if checkpoint.id != expected {
+        let shown: String = checkpoint.id.chars().take(300).collect();
+        return Err(StoreError::BadRequest(format!(
+            "id {shown:?} must be \"{{agent_id}}:{{step}}\", here {expected:?}"
+        )));
+    }
+    let fence = match (checkpoint.turn_id, checkpoint.attempt) {
+        (Some(turn_id), Some(attempt)) => {
+            check_turn_id(&turn_id)?;
+            Some(Fence {
+                turn_id,
+                attempt: i64::from(attempt),
+            })
+        }
+        (None, None) => None,
+        _ => {
+            return Err(StoreError::BadRequest(
+                "turn_id and attempt go together: give both for a fenced save, or neither".into(),
+            ));
+        }
+    };
+    let state = serde_json::to_string(&checkpoint.state)
+        .map_err(|e| StoreError::BadRequest(format!("state: {e}")))?;
+    if state.len() > max_state_bytes {
+        return Err(StoreError::TooLarge {
+            size: state.len(),
+            max: max_state_bytes,
+        });
+    }
+    Ok(SaveRow {
+        id: checkpoint.id,
+        agent_id: checkpoint.agent_id,
+        step: i64::from(checkpoint.step),
+        state,
+        fence,
+        now,
+    })
+}
+
+/// Splits and checks a row id `{owner}:{step}`; only the canonical spelling is accepted.
+pub(crate) fn parse_id(id: &str) -> Result<(&str, u32), StoreError> {
+    let bad = || {
+        let shown: String = id.chars().take(300).collect();
+        StoreError::BadRequest(format!("id {shown:?} must be \"{{agent_id}}:{{step}}\""))
+    };
+    let (owner, step) = id.rsplit_once(':').ok_or_else(bad)?;
+    check_owner(owner)?;
+    let step: u32 = step.parse().map_err(|_| bad())?;
+    if checkpoint_id(owner, step) != id {
+        return Err(bad());
+    }
+    Ok((owner, step))
+}
+
+/// The effective page size of a list: default 50, at least 1, at most 1000.
+pub(crate) fn list_limit(limit: Option<u32>) -> Result<i64, StoreError> {
+    match limit {
+        None => Ok(i64::from(LIST_DEFAULT_LIMIT)),
+        Some(0) => Err(StoreError::BadRequest("limit must be at least 1".into())),
+        Some(n) => Ok(i64::from(n.min(LIST_MAX_LIMIT))),
+    }
+}
+
+/// A validated retention request.
+pub(crate) fn retain_mode(request: &RetainRequest) -> Result<RetainMode, StoreError> {
+    request.mode().map_err(StoreError::BadRequest)
+}
+
+/// The cut-off instant of an `older_than_secs` retention.
+pub(crate) fn cutoff(now: DateTime<Utc>, secs: u64) -> Result<DateTime<Utc>, StoreError> {
+    i64::try_from(secs)
+        .ok()
+        .and_then(chrono::TimeDelta::try_seconds)
+        .and_then(|age| now.checked_sub_signed(age))
+        .ok_or_else(|| StoreError::BadRequest(format!("older_than_secs {secs} is out of range")))
+}
+
+/// RFC 3339 with exactly six fraction digits and `Z`: sortable as text, exact in PostgreSQL.
+pub fn format_ts(ts: DateTime<Utc>) -> String {
+    ts.format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
+}
+
+/// A row as read back, before its state text is parsed.
+#[derive(Debug)]
+pub(crate) struct RawRow {
+    pub id: String,
+    pub agent_id: String,
+    pub step: i64,
+    pub state: String,
+    pub turn_id: Option<String>,
+    pub attempt: Option<i64>,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+impl RawRow {
+    /// The wire shape; a row that cannot be represented is a corrupt row (`internal`).
+    pub fn into_checkpoint(self) -> Result<Checkpoint, StoreError> {
+        let corrupt = |what: &str| StoreError::Internal(format!("row {:?}: {what}", self.id));
+        let step = u32::try_from(self.step).map_err(|_| corrupt("step out of range"))?;
+        let attempt = match self.attempt {
+            Some(a) => Some(u32::try_from(a).map_err(|_| corrupt("attempt out of range"))?),
+            None => None,
+        };
+        let state: Map<String, Value> =
+            serde_json::from_str(&self.state).map_err(|_| corrupt("state is not a JSON object"))?;
+        Ok(Checkpoint {
+            id: self.id,
+            agent_id: self.agent_id,
+            step,
+            state,
+            turn_id: self.turn_id,
+            attempt,
+            created_at: Some(self.created_at),
+            updated_at: Some(self.updated_at),
+        })
+    }
+}
+
+/// The refusal of a fenced-off save.
+pub(crate) fn fenced(fence: &Fence, recorded: i64) -> StoreError {
+    StoreError::Conflict(format!(
+        "turn {} attempt {} is fenced off: attempt {recorded} has already written",
+        fence.turn_id, fence.attempt
+    ))
+}
+
+/// The refusal of a read that found nothing.
+pub(crate) fn no_checkpoint(what: &str) -> StoreError {
+    StoreError::NotFound(format!("no checkpoint for {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cp(id: &str, agent: &str, step: u32) -> Checkpoint {
+        Checkpoint {
+            id: id.into(),
+            agent_id: agent.into(),
+            step,
+            state: Map::new(),
+            turn_id: None,
+            attempt: None,
+            created_at: None,
+            updated_at: None,
+        }
+    }
+
+    #[test]
+    fn save_checks_owner_id_fence_and_size() {
+        let now = Utc::now();
+        assert!(prepare_save(cp("s1#a:3", "s1#a", 3), now, 10).is_ok());
+        for bad in [
+            cp("s1:4", "s1", 3),
+            cp("s.1:3", "s.1", 3),
+            cp("s1#:3", "s1#", 3),
+        ] {
+            let err = prepare_save(bad, now, 10).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadRequest, "{err}");
+        }
+        let mut half = cp("s1:1", "s1", 1);
+        half.attempt = Some(2);
+        assert_eq!(
+            prepare_save(half, now, 10).unwrap_err().code(),
+            ErrorCode::BadRequest
+        );
+        let mut bad_turn = cp("s1:1", "s1", 1);
+        bad_turn.turn_id = Some("t.1".into());
+        bad_turn.attempt = Some(1);
+        assert_eq!(
+            prepare_save(bad_turn, now, 10).unwrap_err().code(),
+            ErrorCode::BadRequest
+        );
+        let mut big = cp("s1:1", "s1", 1);
+        big.state.insert("k".into(), json!("0123456789"));
+        let err = prepare_save(big, now, 10).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::TooLarge);
+        assert!(err.to_string().contains("limit is 10"), "{err}");
+    }
+
+    #[test]
+    fn ids_must_be_canonical() {
+        assert_eq!(parse_id("s1#leg:12").unwrap(), ("s1#leg", 12));
+        for bad in [
+            "s1", "s1:", ":3", "s1:03", "s1:-1", "s1:x", "s.1:3", "s1:3:4",
+        ] {
+            assert!(parse_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn list_limit_defaults_and_clamps() {
+        assert_eq!(list_limit(None).unwrap(), 50);
+        assert_eq!(list_limit(Some(7)).unwrap(), 7);
+        assert_eq!(list_limit(Some(5000)).unwrap(), 1000);
+        assert!(list_limit(Some(0)).is_err());
+    }
+
+    #[test]
+    fn timestamps_sort_as_text() {
+        let a = DateTime::parse_from_rfc3339("2026-01-01T00:00:09Z").unwrap();
+        let b = DateTime::parse_from_rfc3339("2026-01-01T00:00:10.5Z").unwrap();
+        let (a, b) = (format_ts(a.to_utc()), format_ts(b.to_utc()));
+        assert_eq!(a, "2026-01-01T00:00:09.000000Z");
+        assert!(a < b);
+        assert!(cutoff(Utc::now(), u64::MAX).is_err());
+    }
+}

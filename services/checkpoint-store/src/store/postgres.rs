@@ -1,0 +1,274 @@
+//! The PostgreSQL backend of [`CheckpointStore`] (production).
+//!
+//! `state` is `JSONB` (bound as text and cast, read back as text); timestamps are `TIMESTAMPTZ`.
+//!
+//! # Invariants
+//! - A fenced save runs `turn_attempts` upsert → check → checkpoint upsert in one transaction.
+//!   The `ON CONFLICT DO UPDATE` on `turn_attempts` row-locks the turn, so concurrent saves of one
+//!   turn serialise: once attempt N has committed, attempt N-1 sees `max_attempt >= N` and rolls
+//!   back.
+//!
+//! # Pitfalls
+//! - The pool reconnects by itself: after an outage the broken connections fail once (I/O error →
+//!   `unavailable`) and are dropped; new ones are opened on demand, bounded by `acquire_timeout`.
+//! - An `older_than_secs` retention racing a save of the same long-idle owner may delete that
+//!   fresh row; retention is meant for owners idle far longer than any turn.
+
+use super::{
+    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify_common,
+    cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
+    wrap,
+};
+use chrono::{DateTime, Utc};
+use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Executor, Postgres, Row};
+
+/// The PostgreSQL migrations of this crate (`migrations/postgres`), applied at start.
+pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
+
+/// `SELECT <every column> FROM checkpoints <rest>` as one static string.
+macro_rules! select {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, agent_id, step, state::text AS state, turn_id, attempt, created_at, \
+             updated_at FROM checkpoints ",
+            $rest
+        )
+    };
+}
+
+const UPSERT: &str = "INSERT INTO checkpoints \
+     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
+     VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $7) \
+     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
+     attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
+     RETURNING created_at, updated_at";
+
+const RAISE_ATTEMPT: &str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
+     VALUES ($1, $2, $3) \
+     ON CONFLICT (turn_id) DO UPDATE SET \
+     max_attempt = GREATEST(turn_attempts.max_attempt, EXCLUDED.max_attempt), \
+     updated_at = EXCLUDED.updated_at \
+     RETURNING max_attempt";
+
+/// Checkpoints in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    max_state_bytes: usize,
+}
+
+/// Maps a PostgreSQL failure: connection exceptions (class 08), insufficient resources (53),
+/// operator intervention (57: shutdown, cannot connect now), and serialisation failures or
+/// deadlocks (40) are retryable.
+fn classify(err: sqlx::Error) -> StoreError {
+    let unavailable = classify_common(&err).unwrap_or_else(|| {
+        err.as_database_error()
+            .and_then(|db| db.code())
+            .is_some_and(|code| {
+                ["08", "53", "57", "40"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            })
+    });
+    wrap(err, unavailable)
+}
+
+impl PgStore {
+    /// Connects to `url` (`postgres://…`), then applies the migrations.
+    pub async fn connect(url: &str, options: &StoreOptions) -> Result<PgStore, StoreError> {
+        let connect: PgConnectOptions = url
+            .parse()
+            .map_err(|e| StoreError::Open(format!("DATABASE_URL: {e}")))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections.max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect)
+            .await
+            .map_err(|e| StoreError::Open(format!("postgres: {e}")))?;
+        MIGRATOR
+            .run(&pool)
+            .await
+            .map_err(|e| StoreError::Open(format!("postgres migrations: {e}")))?;
+        Ok(PgStore {
+            pool,
+            max_state_bytes: options.max_state_bytes,
+        })
+    }
+
+    /// The pool (benchmarks compare against a direct upsert on it).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn upsert<'c, E>(executor: E, row: &SaveRow) -> Result<Checkpoint, StoreError>
+    where
+        E: Executor<'c, Database = Postgres>,
+    {
+        let stored = sqlx::query(UPSERT)
+            .bind(&row.id)
+            .bind(&row.agent_id)
+            .bind(row.step)
+            .bind(&row.state)
+            .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
+            .bind(row.fence.as_ref().map(|f| f.attempt))
+            .bind(row.now)
+            .fetch_one(executor)
+            .await
+            .map_err(classify)?;
+        let created: DateTime<Utc> = stored.try_get("created_at").map_err(classify)?;
+        let updated: DateTime<Utc> = stored.try_get("updated_at").map_err(classify)?;
+        RawRow {
+            id: row.id.clone(),
+            agent_id: row.agent_id.clone(),
+            step: row.step,
+            state: row.state.clone(),
+            turn_id: row.fence.as_ref().map(|f| f.turn_id.clone()),
+            attempt: row.fence.as_ref().map(|f| f.attempt),
+            created_at: format_ts(created),
+            updated_at: format_ts(updated),
+        }
+        .into_checkpoint()
+    }
+
+    async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
+        let Some(fence) = &row.fence else {
+            return Self::upsert(&self.pool, &row).await;
+        };
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let recorded: i64 = sqlx::query_scalar(RAISE_ATTEMPT)
+            .bind(&fence.turn_id)
+            .bind(fence.attempt)
+            .bind(row.now)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(classify)?;
+        if recorded > fence.attempt {
+            // Dropping the transaction rolls back too; an explicit rollback frees the lock now.
+            let _ = tx.rollback().await;
+            return Err(fenced(fence, recorded));
+        }
+        let saved = Self::upsert(&mut *tx, &row).await?;
+        tx.commit().await.map_err(classify)?;
+        Ok(saved)
+    }
+}
+
+fn raw(row: &PgRow) -> Result<RawRow, StoreError> {
+    let created: DateTime<Utc> = row.try_get("created_at").map_err(classify)?;
+    let updated: DateTime<Utc> = row.try_get("updated_at").map_err(classify)?;
+    Ok(RawRow {
+        id: row.try_get("id").map_err(classify)?,
+        agent_id: row.try_get("agent_id").map_err(classify)?,
+        step: row.try_get("step").map_err(classify)?,
+        state: row.try_get("state").map_err(classify)?,
+        turn_id: row.try_get("turn_id").map_err(classify)?,
+        attempt: row.try_get("attempt").map_err(classify)?,
+        created_at: format_ts(created),
+        updated_at: format_ts(updated),
+    })
+}
+
+impl CheckpointStore for PgStore {
+    async fn save(
+        &self,
+        checkpoint: Checkpoint,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        let row = prepare_save(checkpoint, now, self.max_state_bytes)?;
+        self.save_row(row).await
+    }
+
+    async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
+        check_owner(agent_id)?;
+        let row = sqlx::query(select!("WHERE agent_id = $1 ORDER BY step DESC LIMIT 1"))
+            .bind(agent_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
+        }
+    }
+
+    async fn get(&self, id: &str) -> Result<Checkpoint, StoreError> {
+        parse_id(id)?;
+        let row = sqlx::query(select!("WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!("id {id}"))),
+        }
+    }
+
+    async fn list(
+        &self,
+        agent_id: &str,
+        limit: Option<u32>,
+    ) -> Result<Vec<Checkpoint>, StoreError> {
+        check_owner(agent_id)?;
+        let limit = list_limit(limit)?;
+        let rows = sqlx::query(select!("WHERE agent_id = $1 ORDER BY step DESC LIMIT $2"))
+            .bind(agent_id)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
+    }
+
+    async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
+        match retain_mode(request)? {
+            RetainMode::KeepLast {
+                agent_id,
+                keep_last,
+            } => {
+                let done = sqlx::query(
+                    "DELETE FROM checkpoints WHERE agent_id = $1 AND step NOT IN \
+                     (SELECT step FROM checkpoints WHERE agent_id = $1 \
+                      ORDER BY step DESC LIMIT $2)",
+                )
+                .bind(&agent_id)
+                .bind(i64::from(keep_last))
+                .execute(&self.pool)
+                .await
+                .map_err(classify)?;
+                Ok(done.rows_affected())
+            }
+            RetainMode::OlderThan { secs } => {
+                let cut = cutoff(now, secs)?;
+                let mut tx = self.pool.begin().await.map_err(classify)?;
+                let done = sqlx::query(
+                    "DELETE FROM checkpoints WHERE agent_id IN \
+                     (SELECT agent_id FROM checkpoints GROUP BY agent_id \
+                      HAVING MAX(updated_at) < $1)",
+                )
+                .bind(cut)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
+                sqlx::query("DELETE FROM turn_attempts WHERE updated_at < $1")
+                    .bind(cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
+                Ok(done.rows_affected())
+            }
+        }
+    }
+
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn close(&self) {
+        self.pool.close().await;
+    }
+}

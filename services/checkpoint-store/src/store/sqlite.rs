@@ -1,0 +1,291 @@
+//! The SQLite backend of [`CheckpointStore`] (the embedded default: `checkpoints.db` in the data
+//! directory).
+//!
+//! `state` is JSON text (checked by `json_valid`); timestamps are fixed-width RFC 3339 text.
+//!
+//! # Invariants
+//! - A fenced save runs `turn_attempts` upsert → check → checkpoint upsert in one
+//!   `BEGIN IMMEDIATE` transaction: it takes SQLite's write lock up front, so concurrent saves of
+//!   one turn serialise (no read-then-upgrade `SQLITE_BUSY_SNAPSHOT`).
+//!
+//! # Pitfalls
+//! - WAL mode lets readers run beside the single writer; writers queue on the lock for up to
+//!   `busy_timeout`, after which the save fails with `unavailable` (SQLITE_BUSY).
+//! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
+
+use super::{
+    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify_common,
+    cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
+    wrap,
+};
+use chrono::{DateTime, Utc};
+use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use sqlx::migrate::Migrator;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Executor, Row, Sqlite};
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The SQLite migrations of this crate (`migrations/sqlite`), applied at start.
+pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// How long a writer waits for SQLite's write lock before giving up with SQLITE_BUSY.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `SELECT <every column> FROM checkpoints <rest>` as one static string.
+macro_rules! select {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, agent_id, step, state, turn_id, attempt, created_at, updated_at \
+             FROM checkpoints ",
+            $rest
+        )
+    };
+}
+
+const UPSERT: &str = "INSERT INTO checkpoints \
+     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) \
+     ON CONFLICT (id) DO UPDATE SET state = excluded.state, turn_id = excluded.turn_id, \
+     attempt = excluded.attempt, updated_at = excluded.updated_at \
+     RETURNING created_at, updated_at";
+
+const RAISE_ATTEMPT: &str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
+     VALUES (?1, ?2, ?3) \
+     ON CONFLICT (turn_id) DO UPDATE SET \
+     max_attempt = MAX(turn_attempts.max_attempt, excluded.max_attempt), \
+     updated_at = excluded.updated_at \
+     RETURNING max_attempt";
+
+/// Checkpoints in an SQLite file.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    max_state_bytes: usize,
+}
+
+/// Maps an SQLite failure: BUSY (5), LOCKED (6), IOERR (10), FULL (13) and CANTOPEN (14) —
+/// primary codes of the extended code — are retryable.
+fn classify(err: sqlx::Error) -> StoreError {
+    let unavailable = classify_common(&err).unwrap_or_else(|| {
+        err.as_database_error()
+            .and_then(|db| db.code())
+            .and_then(|code| code.parse::<i32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6 | 10 | 13 | 14))
+    });
+    wrap(err, unavailable)
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing, parent directory included) the database at `url`
+    /// (`sqlite://path/to/file.db`), then applies the migrations.
+    pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
+        let connect = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Open(format!("DATABASE_URL: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(true);
+        if let Some(parent) = connect.get_filename().parent() {
+            std::fs::create_dir_all(parent).map_err(|e| {
+                StoreError::Open(format!("cannot create {}: {e}", parent.display()))
+            })?;
+        }
+        let pool = SqlitePoolOptions::new()
+            .max_connections(options.max_connections.max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect)
+            .await
+            .map_err(|e| StoreError::Open(format!("sqlite: {e}")))?;
+        MIGRATOR
+            .run(&pool)
+            .await
+            .map_err(|e| StoreError::Open(format!("sqlite migrations: {e}")))?;
+        Ok(SqliteStore {
+            pool,
+            max_state_bytes: options.max_state_bytes,
+        })
+    }
+
+    /// The pool (benchmarks compare against a direct upsert on it).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    async fn upsert<'c, E>(executor: E, row: &SaveRow) -> Result<Checkpoint, StoreError>
+    where
+        E: Executor<'c, Database = Sqlite>,
+    {
+        let now = format_ts(row.now);
+        let stored = sqlx::query(UPSERT)
+            .bind(&row.id)
+            .bind(&row.agent_id)
+            .bind(row.step)
+            .bind(&row.state)
+            .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
+            .bind(row.fence.as_ref().map(|f| f.attempt))
+            .bind(&now)
+            .fetch_one(executor)
+            .await
+            .map_err(classify)?;
+        RawRow {
+            id: row.id.clone(),
+            agent_id: row.agent_id.clone(),
+            step: row.step,
+            state: row.state.clone(),
+            turn_id: row.fence.as_ref().map(|f| f.turn_id.clone()),
+            attempt: row.fence.as_ref().map(|f| f.attempt),
+            created_at: stored.try_get("created_at").map_err(classify)?,
+            updated_at: stored.try_get("updated_at").map_err(classify)?,
+        }
+        .into_checkpoint()
+    }
+
+    async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
+        let Some(fence) = &row.fence else {
+            return Self::upsert(&self.pool, &row).await;
+        };
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(classify)?;
+        let recorded: i64 = sqlx::query_scalar(RAISE_ATTEMPT)
+            .bind(&fence.turn_id)
+            .bind(fence.attempt)
+            .bind(format_ts(row.now))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(classify)?;
+        if recorded > fence.attempt {
+            let _ = tx.rollback().await;
+            return Err(fenced(fence, recorded));
+        }
+        let saved = Self::upsert(&mut *tx, &row).await?;
+        tx.commit().await.map_err(classify)?;
+        Ok(saved)
+    }
+}
+
+fn raw(row: &SqliteRow) -> Result<RawRow, StoreError> {
+    Ok(RawRow {
+        id: row.try_get("id").map_err(classify)?,
+        agent_id: row.try_get("agent_id").map_err(classify)?,
+        step: row.try_get("step").map_err(classify)?,
+        state: row.try_get("state").map_err(classify)?,
+        turn_id: row.try_get("turn_id").map_err(classify)?,
+        attempt: row.try_get("attempt").map_err(classify)?,
+        created_at: row.try_get("created_at").map_err(classify)?,
+        updated_at: row.try_get("updated_at").map_err(classify)?,
+    })
+}
+
+impl CheckpointStore for SqliteStore {
+    async fn save(
+        &self,
+        checkpoint: Checkpoint,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        let row = prepare_save(checkpoint, now, self.max_state_bytes)?;
+        self.save_row(row).await
+    }
+
+    async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
+        check_owner(agent_id)?;
+        let row = sqlx::query(select!("WHERE agent_id = ?1 ORDER BY step DESC LIMIT 1"))
+            .bind(agent_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
+        }
+    }
+
+    async fn get(&self, id: &str) -> Result<Checkpoint, StoreError> {
+        parse_id(id)?;
+        let row = sqlx::query(select!("WHERE id = ?1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!("id {id}"))),
+        }
+    }
+
+    async fn list(
+        &self,
+        agent_id: &str,
+        limit: Option<u32>,
+    ) -> Result<Vec<Checkpoint>, StoreError> {
+        check_owner(agent_id)?;
+        let limit = list_limit(limit)?;
+        let rows = sqlx::query(select!("WHERE agent_id = ?1 ORDER BY step DESC LIMIT ?2"))
+            .bind(agent_id)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
+    }
+
+    async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
+        match retain_mode(request)? {
+            RetainMode::KeepLast {
+                agent_id,
+                keep_last,
+            } => {
+                let done = sqlx::query(
+                    "DELETE FROM checkpoints WHERE agent_id = ?1 AND step NOT IN \
+                     (SELECT step FROM checkpoints WHERE agent_id = ?1 \
+                      ORDER BY step DESC LIMIT ?2)",
+                )
+                .bind(&agent_id)
+                .bind(i64::from(keep_last))
+                .execute(&self.pool)
+                .await
+                .map_err(classify)?;
+                Ok(done.rows_affected())
+            }
+            RetainMode::OlderThan { secs } => {
+                let cut = format_ts(cutoff(now, secs)?);
+                let mut tx = self
+                    .pool
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(classify)?;
+                let done = sqlx::query(
+                    "DELETE FROM checkpoints WHERE agent_id IN \
+                     (SELECT agent_id FROM checkpoints GROUP BY agent_id \
+                      HAVING MAX(updated_at) < ?1)",
+                )
+                .bind(&cut)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
+                sqlx::query("DELETE FROM turn_attempts WHERE updated_at < ?1")
+                    .bind(&cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
+                Ok(done.rows_affected())
+            }
+        }
+    }
+
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn close(&self) {
+        self.pool.close().await;
+    }
+}

@@ -1,0 +1,312 @@
+//! Test (and bench) helpers: a fresh PostgreSQL database per fixture, an SQLite file in a temp
+//! dir, the service running in-process, and a cuttable TCP proxy for outage tests.
+//!
+//! PostgreSQL is reached through `CYRENE_TEST_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`); each fixture creates `cyrene_ckpt_test_<uuid>` and
+//! drops it (best effort, `WITH (FORCE)`) when dropped, also after a panic.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use cyrene_checkpoint_store::{Config, Error, PgStore, SqliteStore, StoreOptions, run};
+use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::subjects;
+use serde_json::{Map, Value, json};
+use sqlx::{Connection, Executor, PgConnection};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The maintenance database tests connect to in order to create their own.
+pub fn pg_admin_url() -> String {
+    std::env::var("CYRENE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A freshly created PostgreSQL database, dropped on `Drop`.
+#[derive(Debug)]
+pub struct PgTestDb {
+    pub name: String,
+    /// `postgres://…/<name>`.
+    pub url: String,
+    admin_url: String,
+}
+
+impl PgTestDb {
+    /// Creates a fresh database; `Err` when PostgreSQL cannot be reached within 5 s.
+    pub async fn try_create() -> Result<PgTestDb, String> {
+        let admin_url = pg_admin_url();
+        let mut admin =
+            tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(&admin_url))
+                .await
+                .map_err(|_| format!("no answer from {admin_url} within 5s"))?
+                .map_err(|e| format!("{admin_url}: {e}"))?;
+        let name = format!("cyrene_ckpt_test_{}", uuid::Uuid::now_v7().simple());
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .map_err(|e| format!("CREATE DATABASE {name}: {e}"))?;
+        let _ = admin.close().await;
+        let (base, _) = admin_url
+            .split_once('?')
+            .map_or((admin_url.as_str(), ""), |(b, q)| (b, q));
+        let (server, _) = base
+            .rsplit_once('/')
+            .expect("the admin url names a database");
+        Ok(PgTestDb {
+            url: format!("{server}/{name}"),
+            name,
+            admin_url,
+        })
+    }
+
+    /// Creates a fresh database or panics (tests require the local PostgreSQL).
+    pub async fn create() -> PgTestDb {
+        match Self::try_create().await {
+            Ok(db) => db,
+            Err(err) => panic!("PostgreSQL is required for this test: {err}"),
+        }
+    }
+
+    /// The same database reached through `host:port` (a proxy).
+    pub fn url_via(&self, addr: SocketAddr) -> String {
+        format!("postgres://postgres@{addr}/{}", self.name)
+    }
+}
+
+impl Drop for PgTestDb {
+    fn drop(&mut self) {
+        let admin_url = self.admin_url.clone();
+        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        // Drop runs inside a Tokio runtime: do the async cleanup on a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let connect = PgConnection::connect(&admin_url);
+                if let Ok(Ok(mut admin)) =
+                    tokio::time::timeout(Duration::from_secs(5), connect).await
+                {
+                    let _ = admin.execute(sqlx::AssertSqlSafe(sql)).await;
+                    let _ = admin.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// An SQLite database file in a temporary directory.
+#[derive(Debug)]
+pub struct SqliteTestDb {
+    pub dir: tempfile::TempDir,
+    pub url: String,
+}
+
+impl SqliteTestDb {
+    pub fn new() -> SqliteTestDb {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("checkpoints.db").display());
+        SqliteTestDb { dir, url }
+    }
+
+    pub async fn open(&self, options: &StoreOptions) -> SqliteStore {
+        SqliteStore::open(&self.url, options).await.unwrap()
+    }
+}
+
+/// Opens a store on a fresh PostgreSQL database.
+pub async fn pg_store(options: &StoreOptions) -> (PgStore, PgTestDb) {
+    let db = PgTestDb::create().await;
+    let store = PgStore::connect(&db.url, options).await.unwrap();
+    (store, db)
+}
+
+/// A save body: `{owner}:{step}` with `state` `{"step":step,"note":note}`.
+pub fn checkpoint(owner: &str, step: u32, note: &str) -> Checkpoint {
+    let Value::Object(state) = json!({"step": step, "messages": [], "note": note}) else {
+        unreachable!()
+    };
+    Checkpoint {
+        id: format!("{owner}:{step}"),
+        agent_id: owner.to_owned(),
+        step,
+        state,
+        turn_id: None,
+        attempt: None,
+        created_at: None,
+        updated_at: None,
+    }
+}
+
+/// `checkpoint` with a fencing token.
+pub fn fenced(owner: &str, step: u32, note: &str, turn: &str, attempt: u32) -> Checkpoint {
+    Checkpoint {
+        turn_id: Some(turn.to_owned()),
+        attempt: Some(attempt),
+        ..checkpoint(owner, step, note)
+    }
+}
+
+/// The `note` of a checkpoint's state.
+pub fn note(cp: &Checkpoint) -> &str {
+    cp.state.get("note").and_then(Value::as_str).unwrap_or("")
+}
+
+/// A state of roughly `bytes` bytes.
+pub fn big_state(bytes: usize) -> Map<String, Value> {
+    let Value::Object(state) = json!({"blob": "x".repeat(bytes)}) else {
+        unreachable!()
+    };
+    state
+}
+
+/// The service running in-process on its own task.
+#[derive(Debug)]
+pub struct RunningService {
+    pub shutdown: CancellationToken,
+    handle: JoinHandle<Result<(), Error>>,
+}
+
+impl RunningService {
+    /// Starts `run(config)` and waits (bounded) until `latest` answers.
+    pub async fn start(nats_url: &str, config: Config) -> RunningService {
+        let client = async_nats::connect(nats_url).await.unwrap();
+        let probe = async_nats::connect(nats_url).await.unwrap();
+        let shutdown = CancellationToken::new();
+        let mut handle = tokio::spawn(run(config, client, shutdown.clone()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let asked = probe
+                .request(
+                    subjects::CHECKPOINT_LATEST,
+                    r#"{"agent_id":"readiness-probe"}"#.into(),
+                )
+                .await;
+            if asked.is_ok() {
+                break;
+            }
+            if handle.is_finished() {
+                let result = (&mut handle).await;
+                panic!("the service stopped before it was ready: {result:?}");
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the service did not become ready within 30s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        RunningService { shutdown, handle }
+    }
+
+    /// Cancels and waits (bounded) for `run` to return.
+    pub async fn stop(self) -> Result<(), Error> {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.handle)
+            .await
+            .expect("the service stops within 30s")
+            .expect("the service task does not panic")
+    }
+}
+
+/// A TCP proxy in front of `upstream` that can be cut (every relayed connection closed, new ones
+/// accepted and closed at once), stalled (connections kept open but silent: a hung database) and
+/// restored.
+#[derive(Debug)]
+pub struct TcpProxy {
+    pub addr: SocketAddr,
+    mode: Arc<AtomicU8>,
+    live: Arc<Mutex<CancellationToken>>,
+    held: Arc<Mutex<Vec<TcpStream>>>,
+    accept: JoinHandle<()>,
+}
+
+const OPEN: u8 = 0;
+const CUT: u8 = 1;
+const STALLED: u8 = 2;
+
+impl TcpProxy {
+    pub async fn start(upstream: SocketAddr) -> TcpProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mode = Arc::new(AtomicU8::new(OPEN));
+        let live = Arc::new(Mutex::new(CancellationToken::new()));
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let (mode2, live2, held2) = (mode.clone(), live.clone(), held.clone());
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                match mode2.load(Ordering::SeqCst) {
+                    CUT => continue,
+                    STALLED => {
+                        held2.lock().unwrap().push(inbound);
+                        continue;
+                    }
+                    _ => {}
+                }
+                let token = live2.lock().unwrap().clone();
+                let (mode3, held3) = (mode2.clone(), held2.clone());
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => return,
+                    }
+                    if mode3.load(Ordering::SeqCst) == STALLED {
+                        let mut held = held3.lock().unwrap();
+                        held.push(inbound);
+                        held.push(outbound);
+                    }
+                });
+            }
+        });
+        TcpProxy {
+            addr,
+            mode,
+            live,
+            held,
+            accept,
+        }
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, Ordering::SeqCst);
+        let mut live = self.live.lock().unwrap();
+        live.cancel();
+        *live = CancellationToken::new();
+    }
+
+    /// Closes every relayed connection and refuses new ones.
+    pub fn cut(&self) {
+        self.set(CUT);
+    }
+
+    /// Stops relaying but keeps every connection open: the database looks hung.
+    pub fn stall(&self) {
+        self.set(STALLED);
+    }
+
+    /// Relays new connections again (stalled ones are closed).
+    pub fn restore(&self) {
+        self.mode.store(OPEN, Ordering::SeqCst);
+        self.held.lock().unwrap().clear();
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.live.lock().unwrap().cancel();
+        self.held.lock().unwrap().clear();
+    }
+}

@@ -1,0 +1,472 @@
+//! The service over a real nats-server: every endpoint with the DESIGN §9 shapes, every bad input
+//! answered with its documented code (headers and body) while the service keeps serving, the
+//! micro-service metadata, and the typed client against the running service.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
+use common::{PgTestDb, RunningService, big_state, checkpoint, fenced, note};
+use cyrene_checkpoint_client::{CheckpointClient, Error as ClientError};
+use cyrene_checkpoint_store::Config;
+use cyrene_protocol::checkpoint::RetainRequest;
+use cyrene_protocol::{ErrorCode, ErrorEnvelope, subjects};
+use cyrene_test_support::NatsServer;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+fn sqlite_config(dir: &tempfile::TempDir) -> Config {
+    let mut config = Config::new(dir.path().join("data"));
+    config.max_state_bytes = 2048;
+    config
+}
+
+/// Sends raw bytes and returns the reply as JSON, or the error code after checking that the
+/// headers and the envelope agree.
+async fn raw(client: &async_nats::Client, subject: &str, body: &[u8]) -> Result<Value, ErrorCode> {
+    let reply = tokio::time::timeout(
+        TIMEOUT,
+        client.request(subject.to_owned(), body.to_vec().into()),
+    )
+    .await
+    .expect("a reply within the timeout")
+    .expect("a reply");
+    let Some(headers) = reply
+        .headers
+        .as_ref()
+        .filter(|h| h.get(NATS_SERVICE_ERROR_CODE).is_some())
+    else {
+        return Ok(serde_json::from_slice(&reply.payload).unwrap());
+    };
+    let envelope: ErrorEnvelope = serde_json::from_slice(&reply.payload).unwrap();
+    let status = headers.get(NATS_SERVICE_ERROR_CODE).unwrap().as_str();
+    assert_eq!(status, envelope.error.code.status().to_string());
+    assert!(!envelope.error.message.is_empty());
+    assert!(headers.get(NATS_SERVICE_ERROR).is_some());
+    Err(envelope.error.code)
+}
+
+async fn json_req(
+    client: &async_nats::Client,
+    subject: &str,
+    body: Value,
+) -> Result<Value, ErrorCode> {
+    raw(client, subject, body.to_string().as_bytes()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_endpoint_answers_with_the_documented_shapes() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let c = nats.connect().await;
+
+    let saved = json_req(
+        &c,
+        subjects::CHECKPOINT_SAVE,
+        json!({"id":"s1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
+            {"role":"user","content":[{"type":"text","text":"hi"}]}],"stop_reason":"tool_calls",
+            "turn_id":"t1"},"turn_id":"t1","attempt":1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(saved["id"], "s1:3");
+    assert_eq!(saved["attempt"], 1);
+    assert_eq!(saved["state"]["stop_reason"], "tool_calls");
+    assert!(saved["created_at"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(saved["created_at"], saved["updated_at"]);
+    json_req(
+        &c,
+        subjects::CHECKPOINT_SAVE,
+        json!({"id":"s1:4","agent_id":"s1","step":4,"state":{"step":4}}),
+    )
+    .await
+    .unwrap();
+
+    let latest = json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"}))
+        .await
+        .unwrap();
+    assert_eq!(latest["step"], 4);
+    let got = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:3"}))
+        .await
+        .unwrap();
+    assert_eq!(got, saved);
+    let list = json_req(
+        &c,
+        subjects::CHECKPOINT_LIST,
+        json!({"agent_id":"s1","limit":50}),
+    )
+    .await
+    .unwrap();
+    let steps: Vec<u64> = list["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [4, 3]);
+    let retained = json_req(
+        &c,
+        subjects::CHECKPOINT_RETAIN,
+        json!({"agent_id":"s1","keep_last":1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(retained, json!({"deleted":1}));
+    let aged = json_req(
+        &c,
+        subjects::CHECKPOINT_RETAIN,
+        json!({"older_than_secs":86400}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(aged, json!({"deleted":0}));
+    assert_eq!(
+        json_req(
+            &c,
+            subjects::CHECKPOINT_LATEST,
+            json!({"agent_id":"nobody"})
+        )
+        .await,
+        Err(ErrorCode::NotFound)
+    );
+    assert_eq!(
+        json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:3"})).await,
+        Err(ErrorCode::NotFound),
+        "retention deleted step 3"
+    );
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let c = nats.connect().await;
+    let big = serde_json::to_string(&big_state(4096)).unwrap();
+    let oversized = format!(r#"{{"id":"s1:1","agent_id":"s1","step":1,"state":{big}}}"#);
+    let cases: Vec<(&str, Vec<u8>, ErrorCode)> = vec![
+        (
+            subjects::CHECKPOINT_SAVE,
+            b"{".to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            b"".to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            b"not json".to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1"}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":1}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":"one","state":{}}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":[1]}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":"text"}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":null}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s.1:1","agent_id":"s.1","step":1,"state":{}}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:2","agent_id":"s1","step":1,"state":{}}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":{},"attempt":2}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            br#"{"id":"s1:1","agent_id":"s1","step":-1,"state":{}}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_SAVE,
+            oversized.into_bytes(),
+            ErrorCode::TooLarge,
+        ),
+        (
+            subjects::CHECKPOINT_LATEST,
+            b"{}".to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_LATEST,
+            br#"{"agent_id":"s1","extra":1}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_LATEST,
+            br#"{"agent_id":"s1.>"}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_GET,
+            br#"{"id":"s1"}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_GET,
+            br#"{"id":7}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_LIST,
+            br#"{"agent_id":"s1","limit":0}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_LIST,
+            br#"{"agent_id":"s1","limit":-5}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_RETAIN,
+            b"{}".to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_RETAIN,
+            br#"{"agent_id":"s1","keep_last":1,"older_than_secs":1}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+        (
+            subjects::CHECKPOINT_RETAIN,
+            br#"{"keep_last":1}"#.to_vec(),
+            ErrorCode::BadRequest,
+        ),
+    ];
+    for (n, (subject, body, code)) in cases.into_iter().enumerate() {
+        let shown = String::from_utf8_lossy(&body[..body.len().min(80)]).into_owned();
+        assert_eq!(
+            raw(&c, subject, &body).await,
+            Err(code),
+            "case {n}: {subject} {shown}"
+        );
+        // The service still serves after every refusal.
+        let step = u32::try_from(n).unwrap() + 1;
+        let ok = serde_json::to_vec(&checkpoint("alive", step, "ok")).unwrap();
+        raw(&c, subjects::CHECKPOINT_SAVE, &ok).await.unwrap();
+        let latest = json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"alive"}))
+            .await
+            .unwrap();
+        assert_eq!(latest["step"], step);
+    }
+    assert_eq!(
+        json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"})).await,
+        Err(ErrorCode::NotFound),
+        "no refused save wrote anything"
+    );
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_saves_over_nats_answer_conflict() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let c = nats.connect().await;
+    let save = |cp| serde_json::to_vec(&cp).unwrap();
+    raw(
+        &c,
+        subjects::CHECKPOINT_SAVE,
+        &save(fenced("s1", 1, "a2", "t1", 2)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        raw(
+            &c,
+            subjects::CHECKPOINT_SAVE,
+            &save(fenced("s1", 1, "a1", "t1", 1))
+        )
+        .await,
+        Err(ErrorCode::Conflict)
+    );
+    let row = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:1"}))
+        .await
+        .unwrap();
+    assert_eq!(row["state"]["note"], "a2");
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_micro_service_lists_its_named_endpoints() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let c = nats.connect().await;
+    let reply = c
+        .request("$SRV.INFO.cyrene-checkpoint-store", "".into())
+        .await
+        .unwrap();
+    let info: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(info["name"], "cyrene-checkpoint-store");
+    let mut endpoints: Vec<(String, String)> = info["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_owned(),
+                e["subject"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    endpoints.sort();
+    let expected = [
+        ("get", subjects::CHECKPOINT_GET),
+        ("latest", subjects::CHECKPOINT_LATEST),
+        ("list", subjects::CHECKPOINT_LIST),
+        ("retain", subjects::CHECKPOINT_RETAIN),
+        ("save", subjects::CHECKPOINT_SAVE),
+    ]
+    .map(|(n, s)| (n.to_owned(), s.to_owned()));
+    assert_eq!(endpoints, expected);
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_database_is_created_in_the_data_dir() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::new(dir.path().join("nested/data"));
+    let service = RunningService::start(&nats.url(), config).await;
+    assert!(dir.path().join("nested/data/checkpoints.db").is_file());
+    service.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_typed_client_speaks_to_the_running_service() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let store = CheckpointClient::new(nats.connect().await, TIMEOUT);
+    typed_client_round_trip(&store).await;
+
+    // Once the service is gone the client says so instead of hanging.
+    service.stop().await.unwrap();
+    let err = store.latest("s1").await.unwrap_err();
+    assert!(matches!(err, ClientError::Unavailable(_)), "{err}");
+    assert!(err.is_retryable());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_and_client_work_on_postgres() {
+    let nats = NatsServer::start();
+    let db = PgTestDb::create().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = sqlite_config(&dir);
+    config.database_url = Some(db.url.clone());
+    let service = RunningService::start(&nats.url(), config).await;
+    let store = CheckpointClient::new(nats.connect().await, TIMEOUT);
+    typed_client_round_trip(&store).await;
+    service.stop().await.unwrap();
+    assert!(
+        !dir.path().join("data/checkpoints.db").exists(),
+        "no SQLite file when DATABASE_URL names PostgreSQL"
+    );
+}
+
+async fn typed_client_round_trip(store: &CheckpointClient) {
+    assert!(matches!(
+        store.latest("s1").await,
+        Err(ClientError::NotFound(_))
+    ));
+    for step in 1..=3 {
+        let saved = store
+            .save(&fenced("s1", step, &format!("step {step}"), "t1", 1))
+            .await
+            .unwrap();
+        assert_eq!(saved.step, step);
+        assert!(saved.created_at.is_some());
+    }
+    store.save(&checkpoint("s1#leg", 9, "leg")).await.unwrap();
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "step 3");
+    assert_eq!(note(&store.latest("s1#leg").await.unwrap()), "leg");
+    assert_eq!(note(&store.get("s1:2").await.unwrap()), "step 2");
+    let steps: Vec<u32> = store
+        .list("s1", Some(2))
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [3, 2]);
+
+    store
+        .save(&fenced("s1", 4, "attempt 2", "t1", 2))
+        .await
+        .unwrap();
+    let fenced_off = store
+        .save(&fenced("s1", 5, "zombie", "t1", 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(fenced_off, ClientError::Conflict(_)),
+        "{fenced_off}"
+    );
+    assert!(!fenced_off.is_retryable());
+
+    let invalid = store.latest("s 1").await.unwrap_err();
+    assert!(matches!(invalid, ClientError::Invalid(_)), "{invalid}");
+    assert_eq!(invalid.code(), ErrorCode::BadRequest);
+    let mut too_big = checkpoint("s1", 6, "");
+    too_big.state = big_state(4096);
+    let err = store.save(&too_big).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::TooLarge, "{err}");
+
+    assert_eq!(
+        store
+            .retain(&RetainRequest::keep_last("s1", 2))
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(store.list("s1", None).await.unwrap().len(), 2);
+    assert_eq!(
+        store
+            .retain(&RetainRequest::older_than(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(matches!(
+        store.get("s1:1").await,
+        Err(ClientError::NotFound(_))
+    ));
+}

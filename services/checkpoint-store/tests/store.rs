@@ -1,0 +1,447 @@
+//! The store contract, written once generic over [`CheckpointStore`] and run against both
+//! backends: SQLite (a temp file) and the real local PostgreSQL (a fresh database per test).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use common::{SqliteTestDb, big_state, checkpoint, fenced, note, pg_store};
+use cyrene_checkpoint_store::{CheckpointStore, StoreOptions};
+use cyrene_protocol::ErrorCode;
+use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest};
+use std::time::Duration;
+
+/// Small state limit so the too_large path is cheap to reach.
+const MAX_STATE: usize = 4096;
+
+fn options() -> StoreOptions {
+    StoreOptions {
+        max_state_bytes: MAX_STATE,
+        acquire_timeout: Duration::from_secs(5),
+        max_connections: 8,
+    }
+}
+
+fn t(secs_ago: i64) -> DateTime<Utc> {
+    Utc::now() - TimeDelta::seconds(secs_ago)
+}
+
+/// Runs each named generic test on a fresh SQLite store and a fresh PostgreSQL store.
+macro_rules! for_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = super::SqliteTestDb::new();
+                    let store = db.open(&super::options()).await;
+                    super::$name(&store).await;
+                    super::CheckpointStore::close(&store).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let (store, _db) = super::pg_store(&super::options()).await;
+                    super::$name(&store).await;
+                    super::CheckpointStore::close(&store).await;
+                }
+            )*
+        }
+    };
+}
+
+for_both_backends!(
+    save_returns_the_stored_row_with_timestamps,
+    save_is_an_upsert_that_keeps_created_at,
+    latest_is_the_highest_step_not_the_last_write,
+    reads_of_missing_rows_are_not_found,
+    list_is_newest_step_first_and_limited,
+    legs_never_see_each_others_rows,
+    reads_never_delete,
+    fencing_refuses_older_attempts_of_a_turn,
+    fencing_is_per_turn_and_optional,
+    concurrent_attempts_leave_the_newest_attempts_row,
+    bad_input_is_refused_with_its_code_and_the_store_keeps_working,
+    retain_keep_last_keeps_the_newest_steps_of_one_owner,
+    retain_older_than_drops_only_idle_owners,
+);
+
+async fn save_returns_the_stored_row_with_timestamps<S: CheckpointStore>(store: &S) {
+    let now = t(0);
+    let saved = store.save(checkpoint("s1", 1, "a"), now).await.unwrap();
+    assert_eq!(saved.id, "s1:1");
+    assert_eq!(saved.agent_id, "s1");
+    assert_eq!(saved.step, 1);
+    assert_eq!(note(&saved), "a");
+    let created = saved.created_at.clone().unwrap();
+    assert_eq!(saved.updated_at.as_deref(), Some(created.as_str()));
+    let parsed = DateTime::parse_from_rfc3339(&created).unwrap();
+    assert!(
+        (parsed.to_utc() - now).num_milliseconds().abs() < 1,
+        "{created}"
+    );
+    assert_eq!(store.get("s1:1").await.unwrap(), saved);
+}
+
+async fn save_is_an_upsert_that_keeps_created_at<S: CheckpointStore>(store: &S) {
+    let first = store
+        .save(checkpoint("s1", 2, "first"), t(60))
+        .await
+        .unwrap();
+    let second = store
+        .save(checkpoint("s1", 2, "second"), t(0))
+        .await
+        .unwrap();
+    assert_eq!(second.created_at, first.created_at);
+    assert!(second.updated_at > first.updated_at);
+    assert_eq!(note(&second), "second");
+    let rows = store.list("s1", None).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0], second);
+}
+
+async fn latest_is_the_highest_step_not_the_last_write<S: CheckpointStore>(store: &S) {
+    store
+        .save(checkpoint("s1", 5, "five"), t(10))
+        .await
+        .unwrap();
+    store
+        .save(checkpoint("s1", 3, "three"), t(0))
+        .await
+        .unwrap();
+    let latest = store.latest("s1").await.unwrap();
+    assert_eq!(latest.step, 5);
+    assert_eq!(note(&latest), "five");
+}
+
+async fn reads_of_missing_rows_are_not_found<S: CheckpointStore>(store: &S) {
+    assert_eq!(
+        store.latest("nobody").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        store.get("nobody:1").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    assert!(store.list("nobody", None).await.unwrap().is_empty());
+}
+
+async fn list_is_newest_step_first_and_limited<S: CheckpointStore>(store: &S) {
+    for step in 1..=60 {
+        store
+            .save(checkpoint("s1", step, "x"), t(100 - i64::from(step)))
+            .await
+            .unwrap();
+    }
+    let steps = |rows: Vec<Checkpoint>| rows.into_iter().map(|c| c.step).collect::<Vec<_>>();
+    let page = steps(store.list("s1", None).await.unwrap());
+    assert_eq!(
+        page,
+        (11..=60).rev().collect::<Vec<_>>(),
+        "default limit 50"
+    );
+    assert_eq!(
+        steps(store.list("s1", Some(3)).await.unwrap()),
+        [60, 59, 58]
+    );
+    assert_eq!(store.list("s1", Some(5000)).await.unwrap().len(), 60);
+}
+
+async fn legs_never_see_each_others_rows<S: CheckpointStore>(store: &S) {
+    store.save(checkpoint("s1", 2, "main"), t(3)).await.unwrap();
+    store
+        .save(checkpoint("s1#a", 2, "leg a"), t(2))
+        .await
+        .unwrap();
+    store
+        .save(checkpoint("s1#a", 7, "leg a7"), t(1))
+        .await
+        .unwrap();
+    store
+        .save(checkpoint("s1#b", 1, "leg b"), t(0))
+        .await
+        .unwrap();
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "main");
+    assert_eq!(note(&store.latest("s1#a").await.unwrap()), "leg a7");
+    assert_eq!(note(&store.latest("s1#b").await.unwrap()), "leg b");
+    assert_eq!(note(&store.get("s1:2").await.unwrap()), "main");
+    assert_eq!(note(&store.get("s1#a:2").await.unwrap()), "leg a");
+    assert_eq!(store.list("s1", None).await.unwrap().len(), 1);
+    assert_eq!(store.list("s1#a", None).await.unwrap().len(), 2);
+    assert!(store.list("s1#c", None).await.unwrap().is_empty());
+    let kept = store
+        .retain(&RetainRequest::keep_last("s1#a", 0), t(0))
+        .await
+        .unwrap();
+    assert_eq!(kept, 2);
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "main");
+    assert_eq!(note(&store.latest("s1#b").await.unwrap()), "leg b");
+}
+
+async fn reads_never_delete<S: CheckpointStore>(store: &S) {
+    for step in 1..=4 {
+        store.save(checkpoint("s1", step, "x"), t(0)).await.unwrap();
+    }
+    for _ in 0..3 {
+        store.latest("s1").await.unwrap();
+        store.get("s1:2").await.unwrap();
+        store.list("s1", Some(2)).await.unwrap();
+    }
+    assert_eq!(store.list("s1", None).await.unwrap().len(), 4);
+    for step in 1..=4 {
+        store.get(&format!("s1:{step}")).await.unwrap();
+    }
+}
+
+async fn fencing_refuses_older_attempts_of_a_turn<S: CheckpointStore>(store: &S) {
+    store
+        .save(fenced("s1", 1, "a1", "turn1", 1), t(5))
+        .await
+        .unwrap();
+    let live = store
+        .save(fenced("s1", 1, "a2", "turn1", 2), t(4))
+        .await
+        .unwrap();
+    assert_eq!(live.attempt, Some(2));
+    assert_eq!(live.turn_id.as_deref(), Some("turn1"));
+
+    // The zombie attempt 1 wakes up: neither its overwrite nor its next step lands.
+    let err = store
+        .save(fenced("s1", 1, "zombie", "turn1", 1), t(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Conflict, "{err}");
+    let err = store
+        .save(fenced("s1", 2, "zombie", "turn1", 1), t(3))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Conflict);
+    assert_eq!(note(&store.get("s1:1").await.unwrap()), "a2");
+    assert_eq!(
+        store.get("s1:2").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+
+    // Equal and newer attempts are accepted; the newer one raises the bar.
+    store
+        .save(fenced("s1", 2, "a2 step2", "turn1", 2), t(2))
+        .await
+        .unwrap();
+    store
+        .save(fenced("s1", 3, "a3", "turn1", 3), t(1))
+        .await
+        .unwrap();
+    let err = store
+        .save(fenced("s1", 4, "late a2", "turn1", 2), t(0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Conflict);
+    assert_eq!(store.latest("s1").await.unwrap().step, 3);
+}
+
+async fn fencing_is_per_turn_and_optional<S: CheckpointStore>(store: &S) {
+    store
+        .save(fenced("s1", 1, "t1", "turn1", 5), t(3))
+        .await
+        .unwrap();
+    // Another turn starts at attempt 1 regardless of turn1's attempts.
+    store
+        .save(fenced("s1", 2, "t2", "turn2", 1), t(2))
+        .await
+        .unwrap();
+    // A save without a fencing token is never fenced.
+    let plain = store
+        .save(checkpoint("s1", 1, "plain"), t(1))
+        .await
+        .unwrap();
+    assert_eq!(plain.turn_id, None);
+    assert_eq!(plain.attempt, None);
+    assert_eq!(note(&store.get("s1:1").await.unwrap()), "plain");
+}
+
+async fn concurrent_attempts_leave_the_newest_attempts_row<S: CheckpointStore>(store: &S) {
+    let now = t(0);
+    let saves = (1..=8).rev().map(|attempt| {
+        store.save(
+            fenced("s1", 1, &format!("attempt {attempt}"), "turn1", attempt),
+            now,
+        )
+    });
+    let results = futures::future::join_all(saves).await;
+    for result in &results {
+        if let Err(err) = result {
+            assert_eq!(err.code(), ErrorCode::Conflict, "{err}");
+        }
+    }
+    assert!(results[0].is_ok(), "the newest attempt is never fenced off");
+    let row = store.get("s1:1").await.unwrap();
+    assert_eq!(row.attempt, Some(8));
+    assert_eq!(note(&row), "attempt 8");
+}
+
+async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: CheckpointStore>(
+    store: &S,
+) {
+    let now = t(0);
+    let mut bad_saves = vec![
+        checkpoint("s.1", 1, "bad owner"),
+        checkpoint("s1#", 1, "empty leg"),
+        checkpoint("s1#a#b", 1, "two legs"),
+        checkpoint(&"s".repeat(129), 1, "too long"),
+        Checkpoint {
+            id: "s1:2".into(),
+            ..checkpoint("s1", 1, "id and step disagree")
+        },
+        Checkpoint {
+            id: "s2:1".into(),
+            ..checkpoint("s1", 1, "id and owner disagree")
+        },
+        Checkpoint {
+            attempt: Some(1),
+            ..checkpoint("s1", 1, "attempt without turn")
+        },
+        Checkpoint {
+            turn_id: Some("t1".into()),
+            ..checkpoint("s1", 1, "turn without attempt")
+        },
+        fenced("s1", 1, "bad turn id", "t.1", 1),
+    ];
+    for cp in bad_saves.drain(..) {
+        let what = note(&cp).to_owned();
+        let err = store.save(cp, now).await.unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadRequest, "{what}: {err}");
+    }
+    let too_big = Checkpoint {
+        state: big_state(MAX_STATE + 1),
+        ..checkpoint("s1", 1, "")
+    };
+    let err = store.save(too_big, now).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::TooLarge, "{err}");
+
+    for owner in ["", "s 1", "s1#", "s*"] {
+        assert_eq!(
+            store.latest(owner).await.unwrap_err().code(),
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            store.list(owner, None).await.unwrap_err().code(),
+            ErrorCode::BadRequest
+        );
+    }
+    for id in ["s1", "s1:", "s1:x", "s1:01", "s.1:1", ":1"] {
+        assert_eq!(
+            store.get(id).await.unwrap_err().code(),
+            ErrorCode::BadRequest,
+            "{id}"
+        );
+    }
+    assert_eq!(
+        store.list("s1", Some(0)).await.unwrap_err().code(),
+        ErrorCode::BadRequest
+    );
+    for req in [
+        RetainRequest::default(),
+        RetainRequest {
+            older_than_secs: Some(1),
+            ..RetainRequest::keep_last("s1", 1)
+        },
+        RetainRequest::keep_last("s.1", 1),
+        RetainRequest::older_than(u64::MAX),
+    ] {
+        assert_eq!(
+            store.retain(&req, now).await.unwrap_err().code(),
+            ErrorCode::BadRequest,
+            "{req:?}"
+        );
+    }
+
+    // Nothing was written, and the store still serves.
+    assert!(store.list("s1", None).await.unwrap().is_empty());
+    let just_fits = Checkpoint {
+        state: big_state(MAX_STATE - 100),
+        ..checkpoint("s1", 1, "")
+    };
+    store.save(just_fits, now).await.unwrap();
+    assert_eq!(store.latest("s1").await.unwrap().step, 1);
+}
+
+async fn retain_keep_last_keeps_the_newest_steps_of_one_owner<S: CheckpointStore>(store: &S) {
+    for step in 1..=10 {
+        store.save(checkpoint("s1", step, "x"), t(0)).await.unwrap();
+        store
+            .save(checkpoint("s1#a", step, "x"), t(0))
+            .await
+            .unwrap();
+    }
+    let deleted = store
+        .retain(&RetainRequest::keep_last("s1", 3), t(0))
+        .await
+        .unwrap();
+    assert_eq!(deleted, 7);
+    let steps: Vec<u32> = store
+        .list("s1", None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [10, 9, 8]);
+    assert_eq!(store.list("s1#a", None).await.unwrap().len(), 10);
+    let again = store
+        .retain(&RetainRequest::keep_last("s1", 3), t(0))
+        .await
+        .unwrap();
+    assert_eq!(again, 0, "retention is idempotent");
+    let all = store
+        .retain(&RetainRequest::keep_last("s1", 0), t(0))
+        .await
+        .unwrap();
+    assert_eq!(all, 3);
+    assert_eq!(
+        store.latest("s1").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+}
+
+async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S) {
+    const DAY: i64 = 86_400;
+    // Idle owner: every row three days old, written by a fenced turn.
+    store
+        .save(fenced("idle", 1, "x", "old-turn", 5), t(3 * DAY))
+        .await
+        .unwrap();
+    store
+        .save(checkpoint("idle", 2, "x"), t(3 * DAY - 10))
+        .await
+        .unwrap();
+    // Mixed owner: an old row, but its newest row is fresh, so all of it stays.
+    store
+        .save(checkpoint("mixed", 1, "x"), t(3 * DAY))
+        .await
+        .unwrap();
+    store
+        .save(checkpoint("mixed", 2, "x"), t(3600))
+        .await
+        .unwrap();
+    store.save(checkpoint("fresh", 1, "x"), t(0)).await.unwrap();
+
+    let deleted = store
+        .retain(&RetainRequest::older_than(DAY as u64), t(0))
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2);
+    assert_eq!(
+        store.latest("idle").await.unwrap_err().code(),
+        ErrorCode::NotFound
+    );
+    assert_eq!(store.list("mixed", None).await.unwrap().len(), 2);
+    assert_eq!(store.list("fresh", None).await.unwrap().len(), 1);
+    // The idle turn's fencing record went with it: a new attempt 1 of that id is accepted.
+    store
+        .save(fenced("idle", 1, "x", "old-turn", 1), t(0))
+        .await
+        .unwrap();
+}
