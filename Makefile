@@ -31,6 +31,7 @@ else
 endif
 
 bench: tools
+	$(CARGO) build --release --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
 
 lint:

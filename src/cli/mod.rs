@@ -3,6 +3,7 @@
 mod agent;
 mod comm;
 mod probe;
+mod session;
 
 use clap::{Parser, Subcommand};
 use cyrene_bus::{BusConfig, ConnectMode};
@@ -35,6 +36,14 @@ pub enum Command {
     Agent(agent::AgentArgs),
     /// List the micro services on the bus ($SRV.INFO and $SRV.STATS), like `nats micro ls`.
     Probe(probe::ProbeArgs),
+    /// Send one user message to a session and print the ack (message id, seq, disposition).
+    Send(session::SendArgs),
+    /// Follow live session events (tool calls, steer acks, answers).
+    Events(session::EventsArgs),
+    /// Print a session's transcript.
+    History(session::HistoryArgs),
+    /// List the checkpoints of a session (or `session#leg`), newest step first.
+    Checkpoints(session::CheckpointsArgs),
 }
 
 /// A failed command, with the exit code it maps to.
@@ -71,6 +80,10 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Emit(args) => comm::emit(client.clone(), args).await,
         Command::Agent(args) => agent::run(client.clone(), args).await,
         Command::Probe(args) => probe::run(client.clone(), args).await,
+        Command::Send(args) => session::send(client.clone(), args).await,
+        Command::Events(args) => session::events(client.clone(), args).await,
+        Command::History(args) => session::history(client.clone(), args).await,
+        Command::Checkpoints(args) => session::checkpoints(client.clone(), args).await,
     };
     // Make sure published messages leave before the process exits.
     let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;

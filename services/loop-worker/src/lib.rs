@@ -1,1 +1,130 @@
-//! The loop-worker service (work in progress).
+//! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (DESIGN §5, §7;
+//! seeds 000, 001, 003).
+//!
+//! Modules, from pure to wired:
+//! - [`attribution`], [`notice`], [`resume`], [`assemble`]: the semantics of one step's view and
+//!   of resuming, with the seeds' exact wording; no I/O.
+//! - [`runner`]: one turn step by step against the [`ports::TurnPorts`] trait.
+//! - [`tools`]: built-in and discovered tools; [`nats`]: the ports over NATS.
+//! - [`worker`]: the JetStream consumer; [`run`] ties it together.
+
+pub mod assemble;
+pub mod attribution;
+pub mod config;
+pub mod nats;
+pub mod notice;
+pub mod ports;
+pub mod resume;
+pub mod runner;
+pub mod tools;
+pub mod worker;
+
+pub use config::Config;
+
+use async_nats::Client;
+use async_nats::service::ServiceExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// The micro service name (stats and info only: the worker has no endpoints).
+pub const SERVICE_NAME: &str = "cyrene-loop-worker";
+
+/// Why the worker could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot register the micro service: {0}")]
+    Service(String),
+    #[error("cannot set up JetStream: {0}")]
+    JetStream(String),
+}
+
+/// Runs the worker until `shutdown`; running turns get `shutdown_grace` to finish.
+pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
+    config.validate().map_err(Error::Config)?;
+    let config = Arc::new(config);
+    let service = client
+        .service_builder()
+        .description("Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue")
+        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| Error::Service(e.to_string()))?;
+    let js = async_nats::jetstream::new(client.clone());
+    let stream = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {
+        cyrene_bus::streams::ensure_turns_stream(&js)
+    })
+    .await?;
+    let consumer_config = worker::consumer_config(&config);
+    let consumer = retry_until(&shutdown, "create the worker consumer", || {
+        stream.get_or_create_consumer(&config.consumer, consumer_config.clone())
+    })
+    .await?;
+
+    let tools = tools::Tools::new(client.clone(), config.tool_timeout, config.ask_timeout);
+    let timeouts = nats::Timeouts {
+        model: config.model_timeout,
+        checkpoint: config.checkpoint_timeout,
+        steer: config.steer_timeout,
+    };
+    let ports = Arc::new(nats::NatsPorts::new(
+        client.clone(),
+        tools.clone(),
+        timeouts,
+    ));
+
+    let mut tasks = JoinSet::new();
+    {
+        let (tools, every, shutdown) = (tools.clone(), config.tool_refresh, shutdown.clone());
+        tasks.spawn(async move {
+            loop {
+                let found = tools.discover(Duration::from_millis(500)).await;
+                tracing::debug!(tools = found, "external tools discovered");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(every) => {}
+                }
+            }
+        });
+    }
+    tasks.spawn(worker::exhausted_jobs(
+        config.clone(),
+        client.clone(),
+        stream.clone(),
+        ports.clone(),
+        shutdown.clone(),
+    ));
+    tracing::info!(consumer = %config.consumer, concurrency = config.concurrency, "loop worker running");
+    worker::pull_loop(config, client.clone(), consumer, ports, shutdown.clone()).await;
+    shutdown.cancel();
+    while tasks.join_next().await.is_some() {}
+    let _ = service.stop().await;
+    Ok(())
+}
+
+/// Retries a JetStream setup call (the bus may still be connecting) until it works or shutdown.
+async fn retry_until<T, E, F, Fut>(
+    shutdown: &CancellationToken,
+    what: &str,
+    mut call: F,
+) -> Result<T, Error>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match call().await {
+            Ok(value) => return Ok(value),
+            Err(err) => tracing::warn!(error = %err, "cannot {what} yet; retrying"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(Error::JetStream(format!("shut down before being able to {what}"))),
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}

@@ -14,6 +14,7 @@ pub mod connect;
 pub mod guard;
 pub mod request;
 pub mod service;
+pub mod signal;
 pub mod streams;
 pub mod trace;
 

@@ -28,6 +28,14 @@ pub struct SendRequest {
     pub idempotency_key: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<SessionEnv>,
+    /// Per-send opt-in to the parallel policy: when a turn of *another* client is in flight, this
+    /// message starts its own leg (`parallel_leg`) instead of waiting (`pending`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub parallel: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// What happened to a sent message.
@@ -103,6 +111,42 @@ impl SessionEvent {
     }
 }
 
+/// `cyrene.session.history` request: the transcript, oldest→newest, at most `limit` messages
+/// (default [`HISTORY_DEFAULT_LIMIT`], at most [`HISTORY_MAX_LIMIT`]), all before `before_seq`
+/// when given (paging backwards).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryRequest {
+    pub session_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_seq: Option<u64>,
+}
+
+/// The default page size of `cyrene.session.history`.
+pub const HISTORY_DEFAULT_LIMIT: u32 = 50;
+/// The largest page `cyrene.session.history` returns.
+pub const HISTORY_MAX_LIMIT: u32 = 1000;
+
+/// One transcript entry: a user message (with the turn that consumed it; none while pending) or
+/// an assistant answer (with the turn that produced it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    pub id: String,
+    pub seq: u64,
+    pub message: Message,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub turn_id: String,
+}
+
+/// `cyrene.session.history` reply, oldest→newest.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct HistoryResponse {
+    #[serde(default)]
+    pub messages: Vec<HistoryEntry>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +203,42 @@ mod tests {
                 json!({"type":t,"session_id":"s1"})
             );
         }
+    }
+
+    #[test]
+    fn parallel_opt_in_is_omitted_when_false() {
+        let doc = json!({"session_id":"s1","message":{"role":"user","content":[{"type":"text",
+            "text":"hi"}]},"parallel":true});
+        let req: SendRequest = serde_json::from_value(doc.clone()).unwrap();
+        assert!(req.parallel);
+        assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+        let plain = SendRequest {
+            parallel: false,
+            ..req
+        };
+        assert!(
+            serde_json::to_value(&plain)
+                .unwrap()
+                .get("parallel")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn history_shapes_round_trip() {
+        let doc = json!({"session_id":"s1","limit":50,"before_seq":9});
+        let req: HistoryRequest = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+        let min: HistoryRequest = serde_json::from_value(json!({"session_id":"s1"})).unwrap();
+        assert_eq!((min.limit, min.before_seq), (None, None));
+        assert!(serde_json::from_value::<HistoryRequest>(json!({"session_id":"s","x":1})).is_err());
+        let resp = json!({"messages":[
+            {"id":"m1","seq":1,"message":{"role":"user","content":[{"type":"text","text":"hi"}]},
+             "turn_id":"t1"},
+            {"id":"m2","seq":2,"message":{"role":"user","content":[{"type":"text","text":"later"}]}}]});
+        let r: HistoryResponse = serde_json::from_value(resp.clone()).unwrap();
+        assert_eq!(r.messages[1].turn_id, "");
+        assert_eq!(serde_json::to_value(&r).unwrap(), resp);
     }
 
     #[test]

@@ -1,0 +1,69 @@
+//! The loop worker's configuration.
+
+use std::time::Duration;
+
+/// Everything `run` needs; tests build it directly, `main` from flags and env.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Turns one worker process runs at once.
+    pub concurrency: usize,
+    /// The durable consumer shared by all workers.
+    pub consumer: String,
+    /// Redelivery after this long without an ack or an in-progress ack (kept short: a crashed
+    /// worker's turn moves on quickly; a live one sends in-progress acks every third of it).
+    pub ack_wait: Duration,
+    /// Deliveries of one job before it is given up and reported as an error.
+    pub max_deliver: u32,
+    /// How long to wait for a nak'ed (retryable) job before redelivery.
+    pub retry_delay: Duration,
+    pub model_timeout: Duration,
+    pub checkpoint_timeout: Duration,
+    pub steer_timeout: Duration,
+    pub tool_timeout: Duration,
+    /// `ask_agent` deadline.
+    pub ask_timeout: Duration,
+    /// How often external tools are rediscovered.
+    pub tool_refresh: Duration,
+    /// How long shutdown lets running turns finish before leaving them to redelivery.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            concurrency: 8,
+            consumer: "cyrene-loop-worker".to_owned(),
+            ack_wait: Duration::from_secs(10),
+            max_deliver: 5,
+            retry_delay: Duration::from_secs(1),
+            model_timeout: Duration::from_secs(120),
+            checkpoint_timeout: Duration::from_secs(5),
+            steer_timeout: Duration::from_secs(2),
+            tool_timeout: Duration::from_secs(60),
+            ask_timeout: Duration::from_secs(30),
+            tool_refresh: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Config {
+    /// Refuses settings that cannot work.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        if self.concurrency == 0 {
+            problems.push("concurrency must be at least 1");
+        }
+        if self.max_deliver == 0 {
+            problems.push("max_deliver must be at least 1");
+        }
+        if self.ack_wait < Duration::from_millis(300) {
+            problems.push("ack_wait must be at least 300ms (in-progress acks go every third)");
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
+
+use crate::ports::{ToolContext, ToolOutput, TurnPorts};
+use crate::tools::Tools;
+use async_nats::Client;
+use cyrene_bus::request_json;
+use cyrene_checkpoint_client::{CheckpointClient, Error as CheckpointError};
+use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::message::ToolCall;
+use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
+use cyrene_protocol::session::SessionEvent;
+use cyrene_protocol::turn::{SteerRequest, SteerResponse};
+use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
+use std::time::Duration;
+
+/// Timeouts of the worker's requests.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub model: Duration,
+    pub checkpoint: Duration,
+    pub steer: Duration,
+}
+
+/// The production ports.
+#[derive(Debug, Clone)]
+pub struct NatsPorts {
+    client: Client,
+    checkpoints: CheckpointClient,
+    tools: Tools,
+    timeouts: Timeouts,
+}
+
+impl NatsPorts {
+    pub fn new(client: Client, tools: Tools, timeouts: Timeouts) -> NatsPorts {
+        let checkpoints = CheckpointClient::new(client.clone(), timeouts.checkpoint);
+        NatsPorts {
+            client,
+            checkpoints,
+            tools,
+            timeouts,
+        }
+    }
+}
+
+fn checkpoint_error(err: CheckpointError) -> ErrorBody {
+    ErrorBody::new(err.code(), err.to_string())
+}
+
+impl TurnPorts for NatsPorts {
+    async fn latest_checkpoint(&self, owner: &str) -> Result<Option<Checkpoint>, ErrorBody> {
+        match self.checkpoints.latest(owner).await {
+            Ok(checkpoint) => Ok(Some(checkpoint)),
+            Err(CheckpointError::NotFound(_)) => Ok(None),
+            Err(err) => Err(checkpoint_error(err)),
+        }
+    }
+
+    async fn save_checkpoint(&self, checkpoint: Checkpoint) -> Result<(), ErrorBody> {
+        self.checkpoints
+            .save(&checkpoint)
+            .await
+            .map(|_| ())
+            .map_err(checkpoint_error)
+    }
+
+    async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+        request_json(
+            &self.client,
+            subjects::TURN_STEER,
+            &request,
+            self.timeouts.steer,
+        )
+        .await
+        .map_err(|e| e.to_body())
+    }
+
+    async fn complete(&self, mut request: ModelRequest) -> Result<ModelResponse, ErrorBody> {
+        let timeout = self.timeouts.model;
+        request.timeout_ms.get_or_insert(timeout.as_millis() as u64);
+        // The gateway gets the deadline in the request; this waits a little longer for its answer.
+        let wait = timeout + Duration::from_secs(1);
+        request_json(&self.client, subjects::MODEL_COMPLETE, &request, wait)
+            .await
+            .map_err(|e| {
+                let body = e.to_body();
+                // No gateway on the bus is a passing outage, not a bad request.
+                if body.code == ErrorCode::Internal {
+                    ErrorBody::new(ErrorCode::Unavailable, body.message)
+                } else {
+                    body
+                }
+            })
+    }
+
+    fn tool_specs(&self, allowed: &[String]) -> Vec<ToolSpec> {
+        self.tools.specs(allowed)
+    }
+
+    async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        self.tools.call(context, call).await
+    }
+
+    async fn publish(&self, event: SessionEvent) {
+        let Ok(subject) = subjects::session_events(&event.session_id) else {
+            tracing::warn!(session = %event.session_id, "event for an invalid session id dropped");
+            return;
+        };
+        let payload = match serde_json::to_vec(&event) {
+            Ok(p) => p,
+            Err(err) => {
+                tracing::warn!(error = %err, "could not encode a session event");
+                return;
+            }
+        };
+        if let Err(err) = self.client.publish(subject, payload.into()).await {
+            tracing::warn!(error = %err, "could not publish a session event");
+        }
+    }
+}

@@ -1,0 +1,82 @@
+//! What a turn needs from the outside world, as one trait, so the turn runner is plain logic:
+//! production wires it to NATS ([`crate::nats::NatsPorts`]), unit tests to an in-memory fake.
+
+use cyrene_protocol::ErrorBody;
+use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::message::ToolCall;
+use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
+use cyrene_protocol::session::SessionEvent;
+use cyrene_protocol::turn::{SteerRequest, SteerResponse};
+use std::future::Future;
+
+/// Who is calling a tool, for built-ins that act as the running agent.
+#[derive(Debug, Clone)]
+pub struct ToolContext {
+    /// The answering persona: `ask_agent` and `emit_event` speak as this agent.
+    pub agent_id: String,
+    pub session_id: String,
+    pub turn_id: String,
+}
+
+/// A tool's outcome; failures are results too (`is_error`), never errors of the turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolOutput {
+    pub text: String,
+    pub is_error: bool,
+}
+
+impl ToolOutput {
+    pub fn ok(text: impl Into<String>) -> ToolOutput {
+        ToolOutput {
+            text: text.into(),
+            is_error: false,
+        }
+    }
+
+    pub fn error(text: impl Into<String>) -> ToolOutput {
+        ToolOutput {
+            text: text.into(),
+            is_error: true,
+        }
+    }
+}
+
+/// The runner's view of the bus. Every method is bounded by its implementation's timeouts.
+pub trait TurnPorts: Send + Sync {
+    /// The owner's newest checkpoint; `Ok(None)` when it has none.
+    fn latest_checkpoint(
+        &self,
+        owner: &str,
+    ) -> impl Future<Output = Result<Option<Checkpoint>, ErrorBody>> + Send;
+
+    /// Saves one checkpoint; `conflict` means a newer attempt of the turn has written.
+    fn save_checkpoint(
+        &self,
+        checkpoint: Checkpoint,
+    ) -> impl Future<Output = Result<(), ErrorBody>> + Send;
+
+    /// Claims and returns steered messages; `conflict` means this attempt is fenced off.
+    fn steer(
+        &self,
+        request: SteerRequest,
+    ) -> impl Future<Output = Result<SteerResponse, ErrorBody>> + Send;
+
+    /// One model call through the gateway.
+    fn complete(
+        &self,
+        request: ModelRequest,
+    ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send;
+
+    /// The tools offered to the model (`allowed` empty = all).
+    fn tool_specs(&self, allowed: &[String]) -> Vec<ToolSpec>;
+
+    /// Runs one tool call (never fails: a failure is an `is_error` output).
+    fn call_tool(
+        &self,
+        context: &ToolContext,
+        call: &ToolCall,
+    ) -> impl Future<Output = ToolOutput> + Send;
+
+    /// Publishes a live session event (fire and forget).
+    fn publish(&self, event: SessionEvent) -> impl Future<Output = ()> + Send;
+}

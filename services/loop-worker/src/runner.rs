@@ -1,0 +1,987 @@
+//! One turn, step by step (DESIGN §5): resume or start fresh, assemble the view, call the model,
+//! run the tool batch, checkpoint, steer, repeat; settle every exit.
+//!
+//! # Invariants
+//! - **Window vs view.** Steered messages and the parallel notice live only in the view rebuilt
+//!   at every step; the window (what checkpoints hold) gets only the seeded messages, the
+//!   assistant's messages and tool results.
+//! - **Checkpoint after every step** under the turn's owner key (`session` or `session#leg`) with
+//!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
+//!   resumable stop reason); every other exit — final answer, budget exhausted, deadline, error —
+//!   is settled by a non-resumable checkpoint before it is reported.
+//! - **Steering never cancels** (I1–I3): it happens only at boundaries, after the whole tool batch
+//!   finished, and only adds to the next view. A failed or slow steer yields nothing; the
+//!   messages stay pending at the orchestrator and are answered later.
+//! - **Fencing.** A `conflict` from a checkpoint save or a steer means a newer attempt of this
+//!   turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
+//! - **Resume never redoes work.** A resumed turn continues after its last completed step; a job
+//!   whose turn already reached a settled checkpoint is reported again (the orchestrator's
+//!   completion is idempotent) instead of being run again.
+//!
+//! # Pitfalls
+//! - A checkpoint save failure other than `conflict` never fails the turn (WARN): losing a
+//!   snapshot only costs re-running a step after a crash.
+//! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
+//!   `is_error` result without running the tool.
+
+use crate::assemble::{
+    self, ContextBlocks, NoExtraction, SteeredMessage, ViewInputs, merge_steered,
+};
+use crate::attribution::{PersonaNames, SpeakerEnv};
+use crate::ports::{ToolContext, ToolOutput, TurnPorts};
+use crate::resume::{self, ResumeDecision, stop_reason};
+use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState, checkpoint_id, owner_key};
+use cyrene_protocol::message::{Message, Part, Role, ToolCall};
+use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::session::{SessionEvent, SessionEventType};
+use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use serde_json::{Map, Value};
+
+/// What the worker does with the job after the runner returns.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TurnEnd {
+    /// Report this completion (retrying until acknowledged), then ack the job.
+    Complete(Box<TurnComplete>),
+    /// A retryable failure with attempts left: let JetStream redeliver the job; the crash-left
+    /// checkpoint makes the next attempt resume where this one stopped.
+    Retry(ErrorBody),
+    /// A newer attempt owns the turn: stop without acking or reporting anything.
+    Stale,
+}
+
+/// Per-worker knobs of the runner.
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    /// Accounting tag on model requests.
+    pub purpose: String,
+    /// The job's delivery limit: on the last attempt a retryable failure settles as an error.
+    pub max_attempts: u32,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        RunnerConfig {
+            purpose: "chat".to_owned(),
+            max_attempts: 5,
+        }
+    }
+}
+
+/// How the step loop ended, before settling.
+enum Exit {
+    Final {
+        message: Box<Message>,
+        stop_reason: String,
+    },
+    Budget,
+    Deadline,
+    Failed(ErrorBody),
+    Retry(ErrorBody),
+    Stale,
+}
+
+/// The mutable state of one turn.
+struct Turn<'a, P> {
+    ports: &'a P,
+    job: &'a TurnJob,
+    attempt: u32,
+    owner: String,
+    window: Vec<Message>,
+    steered: Vec<SteeredMessage>,
+    after_seq: u64,
+    blocks: ContextBlocks,
+    speakers: SpeakerEnv,
+    names: PersonaNames,
+}
+
+/// Runs `job` as delivery `attempt` (1-based).
+pub async fn run_turn<P: TurnPorts>(
+    ports: &P,
+    job: &TurnJob,
+    attempt: u32,
+    config: &RunnerConfig,
+) -> TurnEnd {
+    let owner = owner_key(&job.session_id, Some(job.leg_id.as_str()));
+    let latest = match ports.latest_checkpoint(&owner).await {
+        Ok(latest) => latest,
+        Err(err) => {
+            tracing::warn!(owner = %owner, error = %err, "checkpoint load failed; starting fresh");
+            None
+        }
+    };
+    if let Some(newer) = latest
+        .as_ref()
+        .and_then(|c| c.attempt)
+        .filter(|a| *a > attempt)
+    {
+        let same_turn = latest.as_ref().and_then(|c| c.turn_id.as_deref()) == Some(&job.turn_id);
+        if same_turn {
+            tracing::warn!(turn = %job.turn_id, attempt, newer, "a newer attempt owns this turn");
+            return TurnEnd::Stale;
+        }
+    }
+    if let Some(done) = already_settled(job, attempt, latest.as_ref()) {
+        tracing::info!(turn = %job.turn_id, "turn already settled; reporting it again");
+        return TurnEnd::Complete(Box::new(done));
+    }
+    let decision = resume::decide(latest, &job.messages);
+    let next_step = decision.next_step();
+    let window = match decision {
+        ResumeDecision::Resume { messages, .. } => {
+            tracing::info!(turn = %job.turn_id, next_step, "resuming from checkpoint");
+            messages
+        }
+        ResumeDecision::Fresh { reason } => {
+            tracing::debug!(turn = %job.turn_id, ?reason, "starting fresh");
+            job.messages.clone()
+        }
+    };
+    let mut names = PersonaNames::new();
+    for (id, name) in &job.persona_names {
+        names.insert(id.clone(), name.clone());
+    }
+    let mut turn = Turn {
+        ports,
+        job,
+        attempt,
+        owner,
+        window,
+        steered: Vec::new(),
+        after_seq: job.base_seq,
+        blocks: ContextBlocks {
+            instructions: job.instructions.clone(),
+            ..Default::default()
+        },
+        speakers: SpeakerEnv::new(job.env.restricted, job.env.persona.clone()),
+        names,
+    };
+    let (exit, step) = turn.steps(next_step, config).await;
+    turn.settle(exit, step, config).await
+}
+
+impl<P: TurnPorts> Turn<'_, P> {
+    async fn steps(&mut self, first: u32, config: &RunnerConfig) -> (Exit, u32) {
+        // A boundary before the first step: messages that arrived since dispatch, and — for a
+        // resumed turn — every message this turn had already claimed.
+        if let Err(exit) = self.steer(first).await {
+            return (exit, first);
+        }
+        let max = self.job.max_steps.max(1);
+        let mut step = first;
+        while step <= max {
+            if self.past_deadline() {
+                return (Exit::Deadline, step);
+            }
+            let response = match self.ports.complete(self.request(config)).await {
+                Ok(response) => response,
+                Err(err) if err.code.is_retryable() => return (Exit::Retry(err), step),
+                Err(err) => return (Exit::Failed(err), step),
+            };
+            self.event(SessionEventType::Step, |e| e.at_step = Some(step))
+                .await;
+            if response.tool_calls.is_empty() {
+                let stop = if response.stop_reason.is_empty() {
+                    "stop".to_owned()
+                } else {
+                    response.stop_reason.clone()
+                };
+                let message = Box::new(self.assistant_message(&response));
+                return (
+                    Exit::Final {
+                        message,
+                        stop_reason: stop,
+                    },
+                    step,
+                );
+            }
+            let assistant = self.assistant_message(&response);
+            self.event(SessionEventType::ToolCall, |e| {
+                e.message = Some(assistant.clone())
+            })
+            .await;
+            let results = self.run_tools(&response.tool_calls).await;
+            for result in &results {
+                self.event(SessionEventType::ToolResult, |e| {
+                    e.message = Some(result.clone())
+                })
+                .await;
+            }
+            self.window.push(assistant);
+            self.window.extend(results);
+            // Both follow the tool batch, so they overlap.
+            let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS);
+            let (saved, steered) = tokio::join!(
+                self.ports.save_checkpoint(checkpoint),
+                self.steer_request(step + 1)
+            );
+            if let Err(exit) = self.saved(saved) {
+                return (exit, step);
+            }
+            if let Err(exit) = self.merge(steered, step + 1).await {
+                return (exit, step);
+            }
+            step += 1;
+        }
+        (Exit::Budget, max)
+    }
+
+    /// Settles every exit: a non-resumable checkpoint, an event, the completion to report.
+    async fn settle(mut self, exit: Exit, step: u32, config: &RunnerConfig) -> TurnEnd {
+        let (outcome, stop, message, error) = match exit {
+            Exit::Stale => return TurnEnd::Stale,
+            Exit::Retry(err) if self.attempt < config.max_attempts => {
+                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
+                    "retryable failure; the job will be redelivered");
+                return TurnEnd::Retry(err);
+            }
+            Exit::Retry(err) | Exit::Failed(err) => (
+                TurnOutcome::Error,
+                stop_reason::ERROR.to_owned(),
+                None,
+                Some(err),
+            ),
+            Exit::Final {
+                message,
+                stop_reason,
+            } => {
+                self.window.push((*message).clone());
+                (TurnOutcome::Final, stop_reason, Some(*message), None)
+            }
+            Exit::Budget => (
+                TurnOutcome::BudgetExhausted,
+                stop_reason::BUDGET_EXHAUSTED.to_owned(),
+                None,
+                None,
+            ),
+            Exit::Deadline => (
+                TurnOutcome::Cancelled,
+                stop_reason::CANCELED.to_owned(),
+                None,
+                None,
+            ),
+        };
+        let saved = self
+            .ports
+            .save_checkpoint(self.checkpoint(step, &stop))
+            .await;
+        if self.saved(saved).is_err() {
+            return TurnEnd::Stale;
+        }
+        match (&message, &error) {
+            (Some(m), _) => {
+                self.event(SessionEventType::Final, |e| e.message = Some(m.clone()))
+                    .await
+            }
+            (None, Some(err)) => {
+                self.event(SessionEventType::Error, |e| e.error = Some(err.clone()))
+                    .await
+            }
+            (None, None) => {}
+        }
+        TurnEnd::Complete(Box::new(TurnComplete {
+            turn_id: self.job.turn_id.clone(),
+            session_id: self.job.session_id.clone(),
+            leg_id: self.job.leg_id.clone(),
+            attempt: self.attempt,
+            outcome,
+            message,
+            stop_reason: stop,
+            steps: step,
+            steered_ids: self.steered.iter().map(|s| s.id.clone()).collect(),
+            error,
+        }))
+    }
+
+    fn request(&self, config: &RunnerConfig) -> ModelRequest {
+        let view = assemble::assemble_view(
+            &ViewInputs {
+                blocks: &self.blocks,
+                window: &self.window,
+                speakers: &self.speakers,
+                names: &self.names,
+                steered: &self.steered,
+                notice: self.job.notice.as_ref(),
+            },
+            &NoExtraction,
+        );
+        ModelRequest {
+            messages: view,
+            purpose: config.purpose.clone(),
+            persona_id: self.job.env.persona.clone(),
+            tools: self.ports.tool_specs(&self.job.tools),
+            ..Default::default()
+        }
+    }
+
+    /// The assistant message of a reply, labelled with the answering persona (its lane), and
+    /// holding its tool calls even if the gateway put them only in `tool_calls`.
+    fn assistant_message(&self, response: &ModelResponse) -> Message {
+        let mut message = response.message.clone();
+        message.role = Role::Assistant;
+        let has_calls = message
+            .content
+            .iter()
+            .any(|p| matches!(p, Part::ToolCall { .. }));
+        if !response.tool_calls.is_empty() && !has_calls {
+            let calls = Message::assistant_tool_calls(&response.tool_calls);
+            message.content.extend(calls.content);
+        }
+        if message.content.is_empty() && !response.content.is_empty() {
+            message.content.push(Part::text(response.content.clone()));
+        }
+        message.sender_name = self.job.env.persona.clone();
+        message
+    }
+
+    /// Runs a step's calls concurrently; results keep call order.
+    async fn run_tools(&self, calls: &[ToolCall]) -> Vec<Message> {
+        let context = ToolContext {
+            agent_id: self.job.env.persona.clone(),
+            session_id: self.job.session_id.clone(),
+            turn_id: self.job.turn_id.clone(),
+        };
+        let outputs = futures::future::join_all(calls.iter().map(|call| {
+            let context = &context;
+            async move {
+                match &call.args_error {
+                    Some(err) => ToolOutput::error(format!(
+                        "the arguments of this call are not valid JSON ({err}); the tool did not run"
+                    )),
+                    None => self.ports.call_tool(context, call).await,
+                }
+            }
+        }))
+        .await;
+        calls
+            .iter()
+            .zip(outputs)
+            .map(|(call, out)| Message::tool_result(&call.id, &call.name, out.text, out.is_error))
+            .collect()
+    }
+
+    fn checkpoint(&self, step: u32, stop: &str) -> Checkpoint {
+        let state = CheckpointState {
+            step,
+            messages: self.window.clone(),
+            stop_reason: stop.to_owned(),
+            turn_id: self.job.turn_id.clone(),
+        };
+        let state = match serde_json::to_value(state) {
+            Ok(Value::Object(map)) => map,
+            _ => Map::new(), // unreachable: a struct serialises to an object
+        };
+        Checkpoint {
+            id: checkpoint_id(&self.owner, step),
+            agent_id: self.owner.clone(),
+            step,
+            state,
+            turn_id: Some(self.job.turn_id.clone()),
+            attempt: Some(self.attempt),
+            created_at: None,
+            updated_at: None,
+        }
+    }
+
+    fn saved(&self, result: Result<(), ErrorBody>) -> Result<(), Exit> {
+        match result {
+            Ok(()) => Ok(()),
+            Err(err) if err.code == ErrorCode::Conflict => {
+                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
+                    "checkpoint refused: a newer attempt owns this turn; stopping");
+                Err(Exit::Stale)
+            }
+            Err(err) => {
+                tracing::warn!(turn = %self.job.turn_id, error = %err, "checkpoint save failed");
+                Ok(())
+            }
+        }
+    }
+
+    fn steer_request(
+        &self,
+        step: u32,
+    ) -> impl std::future::Future<Output = Result<SteerResponse, ErrorBody>> + '_ {
+        self.ports.steer(SteerRequest {
+            session_id: self.job.session_id.clone(),
+            turn_id: self.job.turn_id.clone(),
+            leg_id: self.job.leg_id.clone(),
+            step,
+            after_seq: self.after_seq,
+            attempt: self.attempt,
+        })
+    }
+
+    async fn steer(&mut self, step: u32) -> Result<(), Exit> {
+        let steered = self.steer_request(step).await;
+        self.merge(steered, step).await
+    }
+
+    /// Takes a steer reply into the view; failures yield nothing (the messages stay pending).
+    async fn merge(
+        &mut self,
+        steered: Result<SteerResponse, ErrorBody>,
+        step: u32,
+    ) -> Result<(), Exit> {
+        let response = match steered {
+            Ok(response) => response,
+            Err(err) if err.code == ErrorCode::Conflict => {
+                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
+                    "steer refused: a newer attempt owns this turn; stopping");
+                return Err(Exit::Stale);
+            }
+            Err(err) => {
+                tracing::debug!(turn = %self.job.turn_id, error = %err, "steer yielded nothing");
+                return Ok(());
+            }
+        };
+        if let Some(max) = response.messages.iter().map(|m| m.seq).max() {
+            self.after_seq = self.after_seq.max(max);
+        }
+        let added = merge_steered(&mut self.steered, response.messages);
+        if !added.is_empty() {
+            tracing::info!(turn = %self.job.turn_id, step, messages = added.len(), "input steered");
+            self.event(SessionEventType::SteerAck, |e| {
+                e.at_step = Some(step);
+                e.message_ids = added;
+            })
+            .await;
+        }
+        Ok(())
+    }
+
+    fn past_deadline(&self) -> bool {
+        self.job
+            .deadline_unix_ms
+            .is_some_and(|deadline| now_unix_ms() >= deadline)
+    }
+
+    async fn event(&self, kind: SessionEventType, fill: impl FnOnce(&mut SessionEvent)) {
+        let mut event = SessionEvent::new(kind, self.job.session_id.clone());
+        event.turn_id = self.job.turn_id.clone();
+        event.leg_id = self.job.leg_id.clone();
+        fill(&mut event);
+        self.ports.publish(event).await;
+    }
+}
+
+/// A redelivered job whose turn already reached a settled checkpoint: rebuild its completion.
+fn already_settled(
+    job: &TurnJob,
+    attempt: u32,
+    latest: Option<&Checkpoint>,
+) -> Option<TurnComplete> {
+    let checkpoint = latest?;
+    let state: CheckpointState =
+        serde_json::from_value(Value::Object(checkpoint.state.clone())).ok()?;
+    if state.turn_id != job.turn_id || resume::resumable_stop_reason(&state.stop_reason) {
+        return None;
+    }
+    let (outcome, message) = match state.stop_reason.as_str() {
+        stop_reason::BUDGET_EXHAUSTED => (TurnOutcome::BudgetExhausted, None),
+        stop_reason::CANCELED | stop_reason::ABORTED => (TurnOutcome::Cancelled, None),
+        stop_reason::ERROR => (TurnOutcome::Error, None),
+        _ => (
+            TurnOutcome::Final,
+            state
+                .messages
+                .last()
+                .filter(|m| m.role == Role::Assistant)
+                .cloned(),
+        ),
+    };
+    let error = (outcome == TurnOutcome::Error)
+        .then(|| ErrorBody::new(ErrorCode::Internal, "the turn had already failed"));
+    Some(TurnComplete {
+        turn_id: job.turn_id.clone(),
+        session_id: job.session_id.clone(),
+        leg_id: job.leg_id.clone(),
+        attempt,
+        outcome,
+        message,
+        stop_reason: state.stop_reason,
+        steps: checkpoint.step,
+        steered_ids: Vec::new(),
+        error,
+    })
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notice::PARALLEL_NOTICE_HEADER;
+    use cyrene_protocol::session::SessionEnv;
+    use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    /// An in-memory bus: scripted model replies and steer answers, recorded everything else.
+    #[derive(Default)]
+    struct Fake {
+        replies: Mutex<VecDeque<Result<ModelResponse, ErrorBody>>>,
+        steers: Mutex<VecDeque<Result<SteerResponse, ErrorBody>>>,
+        latest: Mutex<Option<Checkpoint>>,
+        save_error: Mutex<Option<ErrorBody>>,
+        requests: Mutex<Vec<ModelRequest>>,
+        saved: Mutex<Vec<Checkpoint>>,
+        tool_runs: Mutex<Vec<String>>,
+        events: Mutex<Vec<SessionEvent>>,
+        steer_requests: Mutex<Vec<SteerRequest>>,
+    }
+
+    impl TurnPorts for Fake {
+        async fn latest_checkpoint(&self, _owner: &str) -> Result<Option<Checkpoint>, ErrorBody> {
+            Ok(self.latest.lock().unwrap().clone())
+        }
+        async fn save_checkpoint(&self, checkpoint: Checkpoint) -> Result<(), ErrorBody> {
+            if let Some(err) = self.save_error.lock().unwrap().clone() {
+                return Err(err);
+            }
+            self.saved.lock().unwrap().push(checkpoint);
+            Ok(())
+        }
+        async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+            self.steer_requests.lock().unwrap().push(request);
+            self.steers
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or(Ok(SteerResponse::default()))
+        }
+        async fn complete(&self, request: ModelRequest) -> Result<ModelResponse, ErrorBody> {
+            self.requests.lock().unwrap().push(request);
+            self.replies
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or_else(|| Err(ErrorBody::new(ErrorCode::Internal, "script ran out")))
+        }
+        fn tool_specs(&self, _allowed: &[String]) -> Vec<cyrene_protocol::model::ToolSpec> {
+            crate::tools::builtin_specs()
+        }
+        async fn call_tool(&self, _context: &ToolContext, call: &ToolCall) -> ToolOutput {
+            self.tool_runs.lock().unwrap().push(call.id.clone());
+            ToolOutput::ok(format!("result of {}", call.id))
+        }
+        async fn publish(&self, event: SessionEvent) {
+            self.events.lock().unwrap().push(event);
+        }
+    }
+
+    fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
+        Ok(ModelResponse {
+            model: "scripted".into(),
+            content: text.into(),
+            message: Message::text(Role::Assistant, text),
+            tool_calls: vec![],
+            stop_reason: "stop".into(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+            cache_hit_tokens: 0,
+            cache_miss_tokens: 0,
+            reasoning_tokens: 0,
+            provider: "offline".into(),
+            offline: true,
+        })
+    }
+
+    fn reply_tools(ids: &[&str]) -> Result<ModelResponse, ErrorBody> {
+        let calls: Vec<ToolCall> = ids
+            .iter()
+            .map(|id| ToolCall {
+                id: (*id).into(),
+                name: "current_time".into(),
+                args: Map::new(),
+                args_error: None,
+            })
+            .collect();
+        let mut r = reply_text("")?;
+        r.message = Message::assistant_tool_calls(&calls);
+        r.tool_calls = calls;
+        r.stop_reason = "tool_calls".into();
+        Ok(r)
+    }
+
+    fn job() -> TurnJob {
+        TurnJob {
+            turn_id: "t1".into(),
+            session_id: "s1".into(),
+            leg_id: String::new(),
+            env: SessionEnv {
+                restricted: false,
+                persona: "cyrene".into(),
+            },
+            instructions: "You are Cyrene.".into(),
+            persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
+            messages: vec![Message::text(Role::User, "what time is it?")],
+            message_ids: vec!["m1".into()],
+            base_seq: 1,
+            notice: None,
+            max_steps: 4,
+            deadline_unix_ms: None,
+            tools: vec![],
+        }
+    }
+
+    fn state(cp: &Checkpoint) -> CheckpointState {
+        serde_json::from_value(Value::Object(cp.state.clone())).unwrap()
+    }
+
+    fn completed(end: TurnEnd) -> TurnComplete {
+        match end {
+            TurnEnd::Complete(done) => *done,
+            other => panic!("expected a completion, got {other:?}"),
+        }
+    }
+
+    const CFG: RunnerConfig = RunnerConfig {
+        purpose: String::new(),
+        max_attempts: 3,
+    };
+
+    #[tokio::test]
+    async fn a_tool_turn_checkpoints_every_step_and_ends_with_the_answer() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1", "c2"]), reply_text("It is noon.")]);
+        let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
+
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        assert_eq!(done.steps, 2);
+        let answer = done.message.unwrap();
+        assert_eq!(answer.text_content(), "It is noon.");
+        assert_eq!(answer.sender_name, "cyrene");
+        assert_eq!(*fake.tool_runs.lock().unwrap(), ["c1", "c2"]);
+
+        let saved = fake.saved.lock().unwrap();
+        assert_eq!(saved.len(), 2);
+        assert_eq!((saved[0].id.as_str(), saved[0].attempt), ("s1:1", Some(1)));
+        assert_eq!(state(&saved[0]).stop_reason, "tool_calls");
+        // user, assistant tool calls, two results in call order
+        let window = state(&saved[0]).messages;
+        assert_eq!(window.len(), 4);
+        assert_eq!(window[2].tool_call_id, "c1");
+        assert_eq!(window[3].tool_call_id, "c2");
+        assert_eq!(state(&saved[1]).stop_reason, "stop");
+        assert_eq!(state(&saved[1]).messages.len(), 5);
+
+        // The second model call saw the tool results; both started with the instructions.
+        let requests = fake.requests.lock().unwrap();
+        assert_eq!(
+            requests[0].messages[0],
+            Message::text(Role::System, "You are Cyrene.")
+        );
+        // instructions, attribution lead, user, switch note, assistant calls, two results: the
+        // persona-labelled assistant message makes attribution render (seed 001).
+        assert_eq!(requests[1].messages.len(), 7);
+        assert!(
+            requests[1].messages[1]
+                .text_content()
+                .starts_with("[会话角色] ")
+        );
+        assert_eq!(
+            requests[1].messages[3].text_content(),
+            "[发言归属] 以下发言来自你自己——「昔涟」（cyrene）。"
+        );
+        assert_eq!(requests[0].persona_id, "cyrene");
+
+        let kinds: Vec<_> = fake.events.lock().unwrap().iter().map(|e| e.kind).collect();
+        use SessionEventType::*;
+        assert_eq!(kinds, [Step, ToolCall, ToolResult, ToolResult, Step, Final]);
+    }
+
+    #[tokio::test]
+    async fn a_steered_message_reaches_the_next_step_but_never_a_checkpoint() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("done")]);
+        let steered = SteeredMessage {
+            id: "m2".into(),
+            seq: 2,
+            message: Message::text(Role::User, "and the date too"),
+        };
+        fake.steers.lock().unwrap().extend([
+            Ok(SteerResponse::default()),
+            Ok(SteerResponse {
+                messages: vec![steered.clone()],
+            }),
+        ]);
+        let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
+
+        assert_eq!(done.steered_ids, ["m2"]);
+        let requests = fake.requests.lock().unwrap();
+        assert!(!requests[0].messages.contains(&steered.message));
+        assert_eq!(requests[1].messages.last(), Some(&steered.message));
+        for cp in fake.saved.lock().unwrap().iter() {
+            assert!(
+                !state(cp).messages.contains(&steered.message),
+                "steered text in {}",
+                cp.id
+            );
+        }
+        let steers = fake.steer_requests.lock().unwrap();
+        assert_eq!((steers[0].step, steers[0].after_seq), (1, 1));
+        assert_eq!((steers[1].step, steers[1].after_seq), (2, 1));
+        let ack = fake
+            .events
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|e| e.kind == SessionEventType::SteerAck)
+            .cloned();
+        let ack = ack.expect("a steer_ack event");
+        assert_eq!(
+            (ack.at_step, ack.message_ids),
+            (Some(2), vec!["m2".to_owned()])
+        );
+    }
+
+    #[tokio::test]
+    async fn a_crash_left_checkpoint_resumes_without_rerunning_tools() {
+        let first = Fake::default();
+        first
+            .replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let _ = run_turn(&first, &job(), 1, &CFG).await;
+        let crash_left = first.saved.lock().unwrap()[0].clone();
+
+        let second = Fake::default();
+        *second.latest.lock().unwrap() = Some(crash_left);
+        second
+            .replies
+            .lock()
+            .unwrap()
+            .push_back(reply_text("It is noon."));
+        let done = completed(run_turn(&second, &job(), 2, &CFG).await);
+
+        assert_eq!(done.steps, 2);
+        assert!(
+            second.tool_runs.lock().unwrap().is_empty(),
+            "step 1's tool ran again"
+        );
+        assert_eq!(second.requests.lock().unwrap().len(), 1);
+        assert_eq!(second.saved.lock().unwrap()[0].id, "s1:2");
+        assert_eq!(second.saved.lock().unwrap()[0].attempt, Some(2));
+    }
+
+    #[tokio::test]
+    async fn a_settled_turn_is_reported_again_not_rerun() {
+        let first = Fake::default();
+        first
+            .replies
+            .lock()
+            .unwrap()
+            .push_back(reply_text("It is noon."));
+        let _ = run_turn(&first, &job(), 1, &CFG).await;
+        let settled = first.saved.lock().unwrap().last().cloned();
+
+        let again = Fake::default();
+        *again.latest.lock().unwrap() = settled;
+        let done = completed(run_turn(&again, &job(), 2, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+        assert!(again.requests.lock().unwrap().is_empty());
+        assert!(again.saved.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_fenced_off_attempt_stops_without_reporting() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        *fake.save_error.lock().unwrap() =
+            Some(ErrorBody::new(ErrorCode::Conflict, "attempt 1 < 2"));
+        assert_eq!(run_turn(&fake, &job(), 1, &CFG).await, TurnEnd::Stale);
+        assert_eq!(
+            fake.requests.lock().unwrap().len(),
+            1,
+            "no step after the refusal"
+        );
+
+        let fenced = Fake::default();
+        fenced
+            .steers
+            .lock()
+            .unwrap()
+            .push_back(Err(ErrorBody::new(ErrorCode::Conflict, "old")));
+        assert_eq!(run_turn(&fenced, &job(), 1, &CFG).await, TurnEnd::Stale);
+        assert!(fenced.requests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_attempt_older_than_the_latest_writer_stops_at_once() {
+        let first = Fake::default();
+        first
+            .replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let _ = run_turn(&first, &job(), 3, &CFG).await;
+        let written_by_3 = first.saved.lock().unwrap()[0].clone();
+
+        let zombie = Fake::default();
+        *zombie.latest.lock().unwrap() = Some(written_by_3);
+        assert_eq!(run_turn(&zombie, &job(), 2, &CFG).await, TurnEnd::Stale);
+        assert!(zombie.requests.lock().unwrap().is_empty());
+        assert!(zombie.steer_requests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_steer_yields_nothing_and_the_turn_goes_on() {
+        let fake = Fake::default();
+        fake.replies.lock().unwrap().push_back(reply_text("fine"));
+        fake.steers
+            .lock()
+            .unwrap()
+            .push_back(Err(ErrorBody::new(ErrorCode::Timeout, "slow")));
+        let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        assert!(done.steered_ids.is_empty());
+    }
+
+    #[tokio::test]
+    async fn other_non_conflict_save_failures_do_not_fail_the_turn() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("ok")]);
+        *fake.save_error.lock().unwrap() = Some(ErrorBody::new(ErrorCode::Unavailable, "db down"));
+        let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+    }
+
+    #[tokio::test]
+    async fn retryable_model_failures_retry_until_the_last_attempt_then_settle() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .push_back(Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway")));
+        assert!(matches!(
+            run_turn(&fake, &job(), 1, &CFG).await,
+            TurnEnd::Retry(_)
+        ));
+        assert!(
+            fake.saved.lock().unwrap().is_empty(),
+            "nothing settled: the next attempt runs"
+        );
+
+        fake.replies
+            .lock()
+            .unwrap()
+            .push_back(Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway")));
+        let done = completed(run_turn(&fake, &job(), 3, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Error);
+        assert_eq!(done.error.unwrap().code, ErrorCode::Unavailable);
+        assert_eq!(state(&fake.saved.lock().unwrap()[0]).stop_reason, "error");
+        assert!(
+            fake.events
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|e| e.kind == SessionEventType::Error)
+        );
+
+        let bad = Fake::default();
+        bad.replies.lock().unwrap().push_back(Err(ErrorBody::new(
+            ErrorCode::Upstream,
+            "400 from provider",
+        )));
+        assert_eq!(
+            completed(run_turn(&bad, &job(), 1, &CFG).await).outcome,
+            TurnOutcome::Error
+        );
+    }
+
+    #[tokio::test]
+    async fn running_out_of_steps_settles_as_budget_exhausted() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["a"]), reply_tools(&["b"])]);
+        let mut j = job();
+        j.max_steps = 2;
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::BudgetExhausted);
+        let last = fake.saved.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(
+            (last.step, state(&last).stop_reason.as_str()),
+            (2, "budget_exhausted")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_call_with_undecodable_args_gets_an_error_result_without_running() {
+        let fake = Fake::default();
+        let mut r = reply_tools(&["bad"]).unwrap();
+        r.tool_calls[0].args_error = Some("expected value at line 1".into());
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([Ok(r), reply_text("sorry")]);
+        let _ = run_turn(&fake, &job(), 1, &CFG).await;
+        assert!(fake.tool_runs.lock().unwrap().is_empty());
+        let window = state(&fake.saved.lock().unwrap()[0]).messages;
+        assert!(
+            matches!(&window[2].content[0], Part::ToolResult { is_error: true, text, .. }
+            if text.contains("not valid JSON"))
+        );
+    }
+
+    #[tokio::test]
+    async fn the_parallel_notice_is_the_last_view_message_and_never_checkpointed() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let mut j = job();
+        j.leg_id = "leg2".into();
+        j.notice = Some(ParallelNotice {
+            step: 3,
+            ..Default::default()
+        });
+        let _ = run_turn(&fake, &j, 1, &CFG).await;
+        for request in fake.requests.lock().unwrap().iter() {
+            let last = request.messages.last().unwrap();
+            assert_eq!(last.role, Role::System);
+            assert!(last.text_content().starts_with(PARALLEL_NOTICE_HEADER));
+        }
+        for cp in fake.saved.lock().unwrap().iter() {
+            assert_eq!(cp.agent_id, "s1#leg2");
+            assert!(state(cp).messages.iter().all(|m| m.role != Role::System));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_passed_deadline_settles_as_cancelled() {
+        let fake = Fake::default();
+        let mut j = job();
+        j.deadline_unix_ms = Some(1);
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Cancelled);
+        assert!(fake.requests.lock().unwrap().is_empty());
+        assert_eq!(
+            state(&fake.saved.lock().unwrap()[0]).stop_reason,
+            "canceled"
+        );
+    }
+}

@@ -1,0 +1,251 @@
+//! Tools a turn can call: the built-ins and the external tools discovered on the bus (DESIGN §9).
+//!
+//! An external tool is a NATS micro endpoint on `cyrene.tool.<name>` whose endpoint metadata holds
+//! `cyrene.tool.description` and `cyrene.tool.parameters` (a JSON-schema string). The request body
+//! is the args object, header `Cyrene-Tool-Call-Id` carries the call id (an idempotency key: a
+//! step in flight at a crash may run again); the reply is `{"text":"…","is_error":false}` or a
+//! micro error, which becomes an `is_error` result.
+//!
+//! # Invariants
+//! - A tool never fails the turn: timeouts, missing responders and micro errors are results.
+//! - Built-in names win over discovered ones with the same name.
+
+use crate::ports::{ToolContext, ToolOutput};
+use async_nats::{Client, HeaderMap};
+use cyrene_bus::request::request_raw;
+use cyrene_bus::{RequestError, trace};
+use cyrene_comm::{AskOptions, Probe};
+use cyrene_protocol::message::ToolCall;
+use cyrene_protocol::model::ToolSpec;
+use cyrene_protocol::{ids, subjects};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+/// The header carrying the tool-call id.
+pub const TOOL_CALL_ID_HEADER: &str = "Cyrene-Tool-Call-Id";
+/// Endpoint metadata key of a tool's description.
+pub const META_DESCRIPTION: &str = "cyrene.tool.description";
+/// Endpoint metadata key of a tool's JSON-schema parameters (a JSON string).
+pub const META_PARAMETERS: &str = "cyrene.tool.parameters";
+
+const BUILTIN_ASK_AGENT: &str = "ask_agent";
+const BUILTIN_EMIT_EVENT: &str = "emit_event";
+const BUILTIN_CURRENT_TIME: &str = "current_time";
+
+/// The built-in tools' specs.
+pub fn builtin_specs() -> Vec<ToolSpec> {
+    vec![
+        ToolSpec {
+            name: BUILTIN_ASK_AGENT.to_owned(),
+            description: "Ask another agent a question and wait for its answer.".to_owned(),
+            parameters: json!({"type":"object","properties":{
+                "agent":{"type":"string","description":"the agent id to ask"},
+                "question":{"type":"string"}},"required":["agent","question"]}),
+        },
+        ToolSpec {
+            name: BUILTIN_EMIT_EVENT.to_owned(),
+            description: "Notify another agent (or every agent, without `to`) of an event."
+                .to_owned(),
+            parameters: json!({"type":"object","properties":{
+                "name":{"type":"string","description":"event name, e.g. task.progress"},
+                "to":{"type":"string","description":"the agent id; omit to broadcast"},
+                "data":{"type":"object"}},"required":["name"]}),
+        },
+        ToolSpec {
+            name: BUILTIN_CURRENT_TIME.to_owned(),
+            description: "The current date and time (UTC, RFC 3339).".to_owned(),
+            parameters: json!({"type":"object","properties":{}}),
+        },
+    ]
+}
+
+/// The tool set: built-ins plus what the last discovery found.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    client: Client,
+    discovered: Arc<RwLock<BTreeMap<String, ToolSpec>>>,
+    timeout: Duration,
+    ask_timeout: Duration,
+}
+
+impl Tools {
+    pub fn new(client: Client, timeout: Duration, ask_timeout: Duration) -> Tools {
+        Tools {
+            client,
+            discovered: Arc::default(),
+            timeout,
+            ask_timeout,
+        }
+    }
+
+    /// The specs offered to the model; `allowed` empty = all.
+    pub fn specs(&self, allowed: &[String]) -> Vec<ToolSpec> {
+        let mut specs = builtin_specs();
+        if let Ok(found) = self.discovered.read() {
+            specs.extend(
+                found
+                    .values()
+                    .filter(|s| !specs.iter().any(|b| b.name == s.name))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+        }
+        if !allowed.is_empty() {
+            specs.retain(|s| allowed.contains(&s.name));
+        }
+        specs
+    }
+
+    /// Asks every micro service for its endpoints (`$SRV.INFO`) and keeps the `cyrene.tool.*`
+    /// ones. Bounded by `wait`; returns how many tools were found.
+    pub async fn discover(&self, wait: Duration) -> usize {
+        let found = match discover(&self.client, wait).await {
+            Ok(found) => found,
+            Err(err) => {
+                tracing::warn!(error = %err, "tool discovery failed; keeping the last list");
+                return self.discovered.read().map(|d| d.len()).unwrap_or(0);
+            }
+        };
+        let n = found.len();
+        if let Ok(mut discovered) = self.discovered.write() {
+            *discovered = found;
+        }
+        n
+    }
+
+    /// Runs one call.
+    pub async fn call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        match call.name.as_str() {
+            BUILTIN_CURRENT_TIME => ToolOutput::ok(chrono::Utc::now().to_rfc3339()),
+            BUILTIN_ASK_AGENT => self.ask_agent(context, call).await,
+            BUILTIN_EMIT_EVENT => self.emit_event(context, call).await,
+            name => self.call_external(name, call).await,
+        }
+    }
+
+    async fn ask_agent(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        let (Some(agent), Some(question)) = (
+            call.args.get("agent").and_then(Value::as_str),
+            call.args.get("question").and_then(Value::as_str),
+        ) else {
+            return ToolOutput::error("ask_agent needs string arguments `agent` and `question`");
+        };
+        let probe = Probe::new(self.client.clone(), context.agent_id.clone());
+        let options = AskOptions {
+            timeout: Some(self.ask_timeout),
+            ..Default::default()
+        };
+        match probe.ask_with(agent, question, options).await {
+            Ok(reply) => ToolOutput::ok(reply.text),
+            Err(err) => ToolOutput::error(err.to_string()),
+        }
+    }
+
+    async fn emit_event(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        let Some(name) = call.args.get("name").and_then(Value::as_str) else {
+            return ToolOutput::error("emit_event needs a string argument `name`");
+        };
+        let data = call.args.get("data").cloned().unwrap_or(Value::Null);
+        let probe = Probe::new(self.client.clone(), context.agent_id.clone());
+        let sent = match call.args.get("to").and_then(Value::as_str) {
+            Some(to) => probe.emit(to, name, data).await,
+            None => probe.broadcast(name, data).await,
+        };
+        match sent {
+            Ok(()) => ToolOutput::ok(format!("event {name} sent")),
+            Err(err) => ToolOutput::error(err.to_string()),
+        }
+    }
+
+    async fn call_external(&self, name: &str, call: &ToolCall) -> ToolOutput {
+        let subject = match subjects::tool(name) {
+            Ok(s) => s,
+            Err(err) => return ToolOutput::error(format!("no such tool {name:?}: {err}")),
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(TOOL_CALL_ID_HEADER, call.id.as_str());
+        trace::inject_current(&mut headers);
+        let payload = serde_json::to_vec(&call.args).unwrap_or_else(|_| b"{}".to_vec());
+        match request_raw(&self.client, &subject, headers, payload, self.timeout).await {
+            Ok(message) => match serde_json::from_slice::<ToolReply>(&message.payload) {
+                Ok(reply) => ToolOutput {
+                    text: reply.text,
+                    is_error: reply.is_error,
+                },
+                Err(err) => ToolOutput::error(format!("tool {name} sent an invalid reply: {err}")),
+            },
+            Err(RequestError::NoResponders { .. }) => {
+                ToolOutput::error(format!("tool {name} is not available"))
+            }
+            Err(err) => ToolOutput::error(format!("tool {name} failed: {err}")),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ToolReply {
+    #[serde(default)]
+    text: String,
+    #[serde(default)]
+    is_error: bool,
+}
+
+#[derive(Deserialize)]
+struct ServiceInfo {
+    #[serde(default)]
+    endpoints: Vec<EndpointInfo>,
+}
+
+#[derive(Deserialize)]
+struct EndpointInfo {
+    #[serde(default)]
+    subject: String,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+async fn discover(
+    client: &Client,
+    wait: Duration,
+) -> Result<BTreeMap<String, ToolSpec>, async_nats::Error> {
+    let inbox = client.new_inbox();
+    let mut answers = client.subscribe(inbox.clone()).await?;
+    client
+        .publish_with_reply("$SRV.INFO", inbox, "".into())
+        .await?;
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut found = BTreeMap::new();
+    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
+        let Ok(info) = serde_json::from_slice::<ServiceInfo>(&message.payload) else {
+            continue;
+        };
+        for ep in info.endpoints {
+            let Some(name) = ep.subject.strip_prefix("cyrene.tool.") else {
+                continue;
+            };
+            if ids::validate(ids::IdKind::Tool, name).is_err() {
+                continue;
+            }
+            let meta = ep.metadata.unwrap_or_default();
+            let parameters = meta
+                .get(META_PARAMETERS)
+                .and_then(|p| serde_json::from_str::<Value>(p).ok())
+                .filter(Value::is_object)
+                .unwrap_or_else(|| json!({"type":"object"}));
+            let description = meta.get(META_DESCRIPTION).cloned().unwrap_or_default();
+            found.insert(
+                name.to_owned(),
+                ToolSpec {
+                    name: name.to_owned(),
+                    description,
+                    parameters,
+                },
+            );
+        }
+    }
+    Ok(found)
+}

@@ -1,0 +1,313 @@
+//! The JetStream side: pulling turn jobs from `CYRENE_TURNS`, keeping them alive while they run,
+//! acking, redelivery, and giving up on exhausted jobs.
+//!
+//! # Invariants
+//! - One durable pull consumer shared by every worker: each job runs on one worker at a time.
+//!   A worker pulls no more jobs than it has free slots, so no pulled job waits unheard.
+//! - While a turn runs, an in-progress ack goes out every third of `ack_wait`; a worker that dies
+//!   stops sending them and the job is redelivered to another worker after `ack_wait`.
+//! - A job is acked only after its completion was acknowledged by the orchestrator, so a crash
+//!   between the two re-runs nothing: the redelivered job finds the settled checkpoint and
+//!   reports again (completion is idempotent).
+//! - An exhausted job (`max_deliver` deliveries without an ack) is reported to the orchestrator
+//!   as an `error` completion and a session `error` event, then deleted from the stream.
+//!
+//! # Pitfalls
+//! - The attempt number is the JetStream delivery count; fencing relies on it growing.
+//! - A stale attempt (fenced off) neither acks nor naks: the live attempt owns the job.
+
+use crate::config::Config;
+use crate::nats::NatsPorts;
+use crate::ports::TurnPorts;
+use crate::runner::{RunnerConfig, TurnEnd, run_turn};
+use async_nats::Client;
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use cyrene_bus::{RequestError, request_json, streams};
+use cyrene_protocol::session::{SessionEvent, SessionEventType};
+use cyrene_protocol::turn::{TurnComplete, TurnCompleteAck, TurnJob, TurnOutcome};
+use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
+use futures::StreamExt;
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// How long one pull request waits for jobs.
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+
+/// Consumer config of the shared durable consumer.
+pub fn consumer_config(config: &Config) -> pull::Config {
+    pull::Config {
+        durable_name: Some(config.consumer.clone()),
+        description: Some("Cyrene loop workers (shared)".to_owned()),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: config.ack_wait,
+        max_deliver: i64::from(config.max_deliver),
+        filter_subject: subjects::TURN_RUN.to_owned(),
+        max_ack_pending: 10_000,
+        ..Default::default()
+    }
+}
+
+/// Pulls and runs jobs until `shutdown`.
+pub(crate) async fn pull_loop(
+    config: Arc<Config>,
+    client: Client,
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    ports: Arc<NatsPorts>,
+    shutdown: CancellationToken,
+) {
+    let permits = Arc::new(Semaphore::new(config.concurrency));
+    let mut running = JoinSet::new();
+    'pull: loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let mut slots = vec![first];
+        while let Ok(p) = permits.clone().try_acquire_owned() {
+            slots.push(p);
+        }
+        while running.try_join_next().is_some() {}
+        let batch = consumer
+            .batch()
+            .max_messages(slots.len())
+            .expires(PULL_EXPIRES)
+            .messages();
+        let mut batch = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            b = batch => match b {
+                Ok(b) => b,
+                Err(err) => {
+                    tracing::warn!(error = %err, "pull failed; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => continue 'pull,
+                    }
+                }
+            },
+        };
+        loop {
+            // Jobs already delivered to this batch are run even when shutdown fires meanwhile.
+            let next = batch.next().await;
+            let message = match next {
+                None => break,
+                Some(Err(err)) => {
+                    tracing::debug!(error = %err, "pull batch ended");
+                    break;
+                }
+                Some(Ok(message)) => message,
+            };
+            let Some(slot) = slots.pop() else {
+                // More than asked for cannot happen; leave it to redelivery if it does.
+                tracing::warn!("received more jobs than requested");
+                break;
+            };
+            let (config, client, ports, shutdown) = (
+                config.clone(),
+                client.clone(),
+                ports.clone(),
+                shutdown.clone(),
+            );
+            running.spawn(async move {
+                let _slot = slot;
+                handle_job(message, &config, &client, ports.as_ref(), &shutdown).await;
+            });
+        }
+    }
+    let grace = config.shutdown_grace;
+    let drained = tokio::time::timeout(grace, async {
+        while running.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            "turns still running at shutdown are left to redelivery"
+        );
+        running.abort_all();
+    }
+}
+
+async fn handle_job(
+    message: jetstream::Message,
+    config: &Config,
+    client: &Client,
+    ports: &NatsPorts,
+    shutdown: &CancellationToken,
+) {
+    let attempt = message
+        .info()
+        .map(|i| u32::try_from(i.delivered).unwrap_or(u32::MAX))
+        .unwrap_or(1);
+    let job: TurnJob = match serde_json::from_slice(&message.payload) {
+        Ok(job) => job,
+        Err(err) => {
+            // Nothing can ever run it: terminate it loudly rather than redeliver forever.
+            tracing::error!(error = %err, payload = %String::from_utf8_lossy(&message.payload),
+                "invalid turn job terminated");
+            let _ = message.ack_with(AckKind::Term).await;
+            return;
+        }
+    };
+    let message = Arc::new(message);
+    let heartbeat = tokio::spawn(keep_alive(message.clone(), config.ack_wait / 3));
+    let span = tracing::info_span!("turn", turn = %job.turn_id, session = %job.session_id, attempt);
+    let runner = RunnerConfig {
+        purpose: "chat".to_owned(),
+        max_attempts: config.max_deliver,
+    };
+    let end = tracing::Instrument::instrument(run_turn(ports, &job, attempt, &runner), span).await;
+    match end {
+        TurnEnd::Complete(done) => match report(client, &done, shutdown).await {
+            Reported::Acknowledged => {
+                if let Err(err) = message.double_ack().await {
+                    tracing::warn!(turn = %job.turn_id, error = %err, "job ack failed; a redelivery will report again");
+                }
+            }
+            Reported::Stale => tracing::info!(turn = %job.turn_id, "completion fenced off"),
+            Reported::ShuttingDown => {}
+        },
+        TurnEnd::Retry(err) => {
+            tracing::info!(turn = %job.turn_id, error = %err, "nak for redelivery");
+            let _ = message
+                .ack_with(AckKind::Nak(Some(config.retry_delay)))
+                .await;
+        }
+        TurnEnd::Stale => {}
+    }
+    heartbeat.abort();
+}
+
+async fn keep_alive(message: Arc<jetstream::Message>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.tick().await; // the first tick is immediate
+    loop {
+        tick.tick().await;
+        if let Err(err) = message.ack_with(AckKind::Progress).await {
+            tracing::debug!(error = %err, "in-progress ack failed");
+        }
+    }
+}
+
+enum Reported {
+    Acknowledged,
+    Stale,
+    ShuttingDown,
+}
+
+/// Sends the completion until the orchestrator acknowledges it (idempotent on its side).
+async fn report(client: &Client, done: &TurnComplete, shutdown: &CancellationToken) -> Reported {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let sent: Result<TurnCompleteAck, RequestError> = request_json(
+            client,
+            subjects::TURN_COMPLETE,
+            done,
+            Duration::from_secs(5),
+        )
+        .await;
+        match sent {
+            Ok(ack) => {
+                tracing::info!(turn = %done.turn_id, outcome = ?done.outcome, first = ack.first, "turn completed");
+                return Reported::Acknowledged;
+            }
+            Err(RequestError::Remote(body)) if body.code == ErrorCode::Conflict => {
+                return Reported::Stale;
+            }
+            Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
+                // The orchestrator will never take it; keeping the job would loop forever.
+                tracing::error!(turn = %done.turn_id, error = %body, "completion refused; giving up");
+                return Reported::Acknowledged;
+            }
+            Err(err) => {
+                tracing::warn!(turn = %done.turn_id, error = %err, "completion not acknowledged; retrying")
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Reported::ShuttingDown,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct MaxDeliveriesAdvisory {
+    stream_seq: u64,
+    #[serde(default)]
+    deliveries: u64,
+}
+
+/// Reports jobs JetStream gave up on (`max_deliver` reached without an ack).
+pub(crate) async fn exhausted_jobs(
+    config: Arc<Config>,
+    client: Client,
+    stream: jetstream::stream::Stream,
+    ports: Arc<NatsPorts>,
+    shutdown: CancellationToken,
+) {
+    let subject = format!(
+        "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}",
+        streams::TURNS_STREAM,
+        config.consumer
+    );
+    let mut advisories = match client
+        .queue_subscribe(subject, config.consumer.clone())
+        .await
+    {
+        Ok(sub) => sub,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot watch for exhausted jobs");
+            return;
+        }
+    };
+    loop {
+        let advisory = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            next = advisories.next() => match next { Some(m) => m, None => break },
+        };
+        let Ok(advisory) = serde_json::from_slice::<MaxDeliveriesAdvisory>(&advisory.payload)
+        else {
+            continue;
+        };
+        let job = match stream.get_raw_message(advisory.stream_seq).await {
+            Ok(raw) => serde_json::from_slice::<TurnJob>(&raw.payload),
+            Err(err) => {
+                tracing::warn!(seq = advisory.stream_seq, error = %err, "exhausted job not readable");
+                continue;
+            }
+        };
+        let Ok(job) = job else { continue };
+        let error = ErrorBody::new(
+            ErrorCode::Unavailable,
+            format!(
+                "the turn was given up after {} deliveries",
+                advisory.deliveries
+            ),
+        );
+        tracing::error!(turn = %job.turn_id, deliveries = advisory.deliveries, "turn job exhausted");
+        let mut event = SessionEvent::new(SessionEventType::Error, job.session_id.clone());
+        event.turn_id = job.turn_id.clone();
+        event.leg_id = job.leg_id.clone();
+        event.error = Some(error.clone());
+        ports.publish(event).await;
+        let done = TurnComplete {
+            turn_id: job.turn_id.clone(),
+            session_id: job.session_id.clone(),
+            leg_id: job.leg_id.clone(),
+            attempt: u32::try_from(advisory.deliveries).unwrap_or(u32::MAX),
+            outcome: TurnOutcome::Error,
+            message: None,
+            stop_reason: crate::resume::stop_reason::ERROR.to_owned(),
+            steps: 0,
+            steered_ids: Vec::new(),
+            error: Some(error),
+        };
+        if let Reported::Acknowledged = report(&client, &done, &shutdown).await {
+            let _ = stream.delete_message(advisory.stream_seq).await;
+        }
+    }
+}

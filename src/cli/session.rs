@@ -1,0 +1,317 @@
+//! `cyrene send`, `cyrene events`, `cyrene checkpoints`: thin clients of the wire API.
+
+use super::{CliError, parse_duration};
+use async_nats::Client;
+use clap::Args;
+use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState, ListRequest};
+use cyrene_protocol::message::{Message, Part, Role};
+use cyrene_protocol::session::{
+    HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
+    SessionEventType,
+};
+use cyrene_protocol::{ids, subjects};
+use futures::StreamExt;
+use serde_json::Value;
+use std::time::Duration;
+
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    /// The session to send to.
+    #[arg(long, short)]
+    pub session: String,
+    /// This client's id (parallel policy and idempotency are per client).
+    #[arg(long, default_value = "cli")]
+    pub client: String,
+    /// Idempotency key: resending with the same key gets the first ack back (default: fresh).
+    #[arg(long)]
+    pub key: Option<String>,
+    /// The answering persona (when the session is created).
+    #[arg(long)]
+    pub persona: Option<String>,
+    /// A group/stranger session (when the session is created).
+    #[arg(long)]
+    pub restricted: bool,
+    /// Third-party sender nickname (restricted sessions).
+    #[arg(long)]
+    pub sender: Option<String>,
+    /// Start a parallel leg when another client's turn is in flight (instead of waiting).
+    #[arg(long)]
+    pub parallel: bool,
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// The message text.
+    pub text: String,
+}
+
+pub fn send_request(args: &SendArgs) -> SendRequest {
+    let mut message = Message::text(Role::User, args.text.clone());
+    if let Some(sender) = &args.sender {
+        message.sender_name = sender.clone();
+    }
+    let env = (args.persona.is_some() || args.restricted).then(|| SessionEnv {
+        restricted: args.restricted,
+        persona: args.persona.clone().unwrap_or_default(),
+    });
+    SendRequest {
+        session_id: args.session.clone(),
+        message,
+        client_id: args.client.clone(),
+        idempotency_key: args.key.clone().unwrap_or_else(ids::new_id),
+        env,
+        parallel: args.parallel,
+    }
+}
+
+pub async fn send_message(
+    client: &Client,
+    request: &SendRequest,
+    timeout: Duration,
+) -> Result<SendAck, CliError> {
+    request_json(client, subjects::SESSION_SEND, request, timeout)
+        .await
+        .map_err(request_error)
+}
+
+/// Maps a request failure onto the CLI's exit codes.
+pub fn request_error(err: RequestError) -> CliError {
+    match err {
+        RequestError::Timeout { .. } => CliError::Timeout(err.to_string()),
+        RequestError::NoResponders { .. } => CliError::NoResponder(err.to_string()),
+        RequestError::Remote(body) => CliError::Remote(body.to_string()),
+        other => CliError::Failed(other.to_string()),
+    }
+}
+
+pub async fn send(client: Client, args: SendArgs) -> Result<(), CliError> {
+    let ack = send_message(&client, &send_request(&args), args.timeout).await?;
+    println!("{}", serde_json::to_string(&ack).unwrap_or_default());
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    /// The session to watch; every session when absent.
+    #[arg(long, short)]
+    pub session: Option<String>,
+    /// Print raw JSON lines instead of a readable transcript.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
+    let subject = match &args.session {
+        Some(s) => subjects::session_events(s).map_err(|e| CliError::Failed(e.to_string()))?,
+        None => subjects::SESSION_EVENTS_ALL.to_owned(),
+    };
+    let mut sub = client
+        .subscribe(subject)
+        .await
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    let _ = client.flush().await;
+    let stop = super::agent::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let message = tokio::select! {
+            _ = &mut stop => return Ok(()),
+            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
+        };
+        if args.json {
+            println!("{}", String::from_utf8_lossy(&message.payload));
+            continue;
+        }
+        match serde_json::from_slice::<SessionEvent>(&message.payload) {
+            Ok(event) => {
+                if let Some(line) = describe(&event) {
+                    println!("[{}] {line}", event.session_id);
+                }
+            }
+            Err(_) => println!("{}", String::from_utf8_lossy(&message.payload)),
+        }
+    }
+}
+
+/// One readable line for an event (None for events not worth a line).
+pub fn describe(event: &SessionEvent) -> Option<String> {
+    let leg = if event.leg_id.is_empty() {
+        String::new()
+    } else {
+        format!(" (leg {})", event.leg_id)
+    };
+    Some(match event.kind {
+        SessionEventType::TurnStarted => format!("· turn {} started{leg}", short(&event.turn_id)),
+        SessionEventType::TurnEnded => format!("· turn {} ended{leg}", short(&event.turn_id)),
+        SessionEventType::Step => format!("· step {}{leg}", event.at_step.unwrap_or_default()),
+        SessionEventType::SteerAck => format!(
+            "↪ steered {} message(s) into step {}{leg}",
+            event.message_ids.len(),
+            event.at_step.unwrap_or_default()
+        ),
+        SessionEventType::ToolCall => {
+            let calls: Vec<String> = event
+                .message
+                .iter()
+                .flat_map(|m| &m.content)
+                .filter_map(|p| match p {
+                    Part::ToolCall { name, args, .. } => {
+                        Some(format!("{name}({})", Value::Object(args.clone())))
+                    }
+                    _ => None,
+                })
+                .collect();
+            format!("⚙ {}{leg}", calls.join(", "))
+        }
+        SessionEventType::ToolResult => {
+            let (text, is_error) = event
+                .message
+                .iter()
+                .flat_map(|m| &m.content)
+                .find_map(|p| match p {
+                    Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            format!(
+                "{} {}{leg}",
+                if is_error { "✗" } else { "✓" },
+                one_line(&text, 120)
+            )
+        }
+        SessionEventType::Final => {
+            let m = event.message.as_ref()?;
+            let who = if m.sender_name.is_empty() {
+                "assistant"
+            } else {
+                m.sender_name.as_str()
+            };
+            format!("{who}: {}{leg}", m.text_content())
+        }
+        SessionEventType::Error => format!(
+            "error: {}{leg}",
+            event
+                .error
+                .as_ref()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        ),
+    })
+}
+
+fn short(id: &str) -> &str {
+    id.get(id.len().saturating_sub(8)..).unwrap_or(id)
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c == '\n' { ' ' } else { c })
+        .collect();
+    if flat.chars().count() > max {
+        format!("{}…", flat.chars().take(max).collect::<String>())
+    } else {
+        flat
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct HistoryArgs {
+    /// The session.
+    #[arg(long, short)]
+    pub session: String,
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+    /// Only entries before this seq (paging backwards).
+    #[arg(long)]
+    pub before_seq: Option<u64>,
+    /// Print the entries as JSON lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn history(client: Client, args: HistoryArgs) -> Result<(), CliError> {
+    let request = HistoryRequest {
+        session_id: args.session.clone(),
+        limit: Some(args.limit),
+        before_seq: args.before_seq,
+    };
+    let history: HistoryResponse = request_json(
+        &client,
+        subjects::SESSION_HISTORY,
+        &request,
+        Duration::from_secs(5),
+    )
+    .await
+    .map_err(request_error)?;
+    for entry in &history.messages {
+        if args.json {
+            println!("{}", serde_json::to_string(entry).unwrap_or_default());
+            continue;
+        }
+        let who = match (entry.message.role, entry.message.sender_name.as_str()) {
+            (Role::User, "") => "you".to_owned(),
+            (_, "") => format!("{:?}", entry.message.role).to_lowercase(),
+            (_, name) => name.to_owned(),
+        };
+        println!("#{:<4} {who}: {}", entry.seq, entry.message.text_content());
+    }
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct CheckpointsArgs {
+    /// The owner key: a session id, or `session#leg`.
+    pub owner: String,
+    #[arg(long, default_value_t = 20)]
+    pub limit: u32,
+    /// Print the checkpoints as JSON lines (with their state).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct ListResponse {
+    checkpoints: Vec<Checkpoint>,
+}
+
+pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), CliError> {
+    let request = ListRequest {
+        agent_id: args.owner.clone(),
+        limit: Some(args.limit),
+    };
+    let list: ListResponse = request_json(
+        &client,
+        subjects::CHECKPOINT_LIST,
+        &request,
+        Duration::from_secs(5),
+    )
+    .await
+    .map_err(request_error)?;
+    if list.checkpoints.is_empty() {
+        eprintln!("no checkpoints for {}", args.owner);
+        return Ok(());
+    }
+    for cp in &list.checkpoints {
+        if args.json {
+            println!("{}", serde_json::to_string(cp).unwrap_or_default());
+            continue;
+        }
+        let state: Option<CheckpointState> =
+            serde_json::from_value(Value::Object(cp.state.clone())).ok();
+        let (stop, messages) = state
+            .map(|s| (s.stop_reason, s.messages.len()))
+            .unwrap_or_default();
+        println!(
+            "{:<24} step {:>3}  {:<16} {:>3} messages  turn {} attempt {}  {}",
+            cp.id,
+            cp.step,
+            stop,
+            messages,
+            cp.turn_id.as_deref().map(short).unwrap_or("-"),
+            cp.attempt
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "-".into()),
+            cp.updated_at.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}

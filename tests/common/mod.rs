@@ -1,0 +1,438 @@
+//! A Cyrene stack for cross-service tests: a real nats-server, the real gateway (scripted
+//! provider), the real checkpoint store (SQLite or PostgreSQL), loop workers in-process or as
+//! processes, a test tool, and a test double for the orchestrator's steer/complete endpoints.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // shared by several test crates
+
+use async_nats::jetstream;
+use async_nats::service::ServiceExt;
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_model_gateway::Gateway;
+use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+use cyrene_model_gateway::providers::scripted::RequestLog;
+use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::session::SessionEnv;
+use cyrene_protocol::turn::{
+    SteerRequest, SteerResponse, SteeredMessage, TurnComplete, TurnCompleteAck, TurnJob,
+};
+use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
+use cyrene_test_support::NatsServer;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Services running in this test process; stopped when dropped.
+pub struct Stack {
+    pub server: NatsServer,
+    pub client: async_nats::Client,
+    pub log: RequestLog,
+    pub orchestrator: Arc<FakeOrchestrator>,
+    pub tools: Arc<TestTools>,
+    pub data: tempfile::TempDir,
+    pub shutdown: CancellationToken,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The scripted model config: `rules` as in docs/model-gateway.md.
+pub fn models(rules: Value) -> ModelsConfig {
+    serde_json::from_value(json!({
+        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
+            "script": {"rules": rules, "default_reply": "echo: {input}"}}},
+        "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
+        "active_group": "default"
+    }))
+    .unwrap()
+}
+
+impl Stack {
+    /// Starts everything but the workers. `database_url` None = SQLite in a temp dir.
+    pub async fn start(rules: Value, database_url: Option<String>) -> Stack {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let shutdown = CancellationToken::new();
+        let data = tempfile::tempdir().unwrap();
+
+        let gateway = Gateway::new(
+            models(rules),
+            &Secrets::from_pairs(Vec::<(String, String)>::new()),
+            cyrene_model_gateway::http_client().unwrap(),
+        )
+        .unwrap();
+        let log = gateway.request_log("offline").unwrap();
+        tokio::spawn(cyrene_model_gateway::serve(
+            Arc::new(gateway),
+            client.clone(),
+            ServeOptions::default(),
+            shutdown.clone(),
+        ));
+
+        let mut store = cyrene_checkpoint_store::Config::new(data.path());
+        store.database_url = database_url;
+        tokio::spawn(cyrene_checkpoint_store::run(
+            store,
+            client.clone(),
+            shutdown.clone(),
+        ));
+
+        let orchestrator = FakeOrchestrator::start(&client, shutdown.clone()).await;
+        let tools = TestTools::start(&client, shutdown.clone()).await;
+
+        let js = jetstream::new(client.clone());
+        cyrene_bus::streams::ensure_turns_stream(&js).await.unwrap();
+        wait_for_service(&client, "cyrene-model-gateway").await;
+        wait_for_service(&client, "cyrene-checkpoint-store").await;
+        Stack {
+            server,
+            client,
+            log,
+            orchestrator,
+            tools,
+            data,
+            shutdown,
+        }
+    }
+
+    /// A loop worker in this process (stopped with the stack).
+    pub fn spawn_worker(&self, config: cyrene_loop_worker::Config) {
+        tokio::spawn(cyrene_loop_worker::run(
+            config,
+            self.client.clone(),
+            self.shutdown.clone(),
+        ));
+    }
+
+    /// Publishes a job on CYRENE_TURNS with `Nats-Msg-Id` = turn id.
+    pub async fn dispatch(&self, job: &TurnJob) {
+        let js = jetstream::new(self.client.clone());
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", job.turn_id.as_str());
+        js.publish_with_headers(
+            subjects::TURN_RUN,
+            headers,
+            serde_json::to_vec(job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+
+    /// The checkpoints of an owner, newest first.
+    pub async fn checkpoints(&self, owner: &str) -> Vec<cyrene_protocol::checkpoint::Checkpoint> {
+        let client = cyrene_checkpoint_client::CheckpointClient::new(
+            self.client.clone(),
+            Duration::from_secs(5),
+        );
+        client.list(owner, Some(100)).await.unwrap()
+    }
+}
+
+/// Worker settings for tests: short ack wait so redelivery is quick.
+pub fn worker_config() -> cyrene_loop_worker::Config {
+    cyrene_loop_worker::Config {
+        concurrency: 4,
+        ack_wait: Duration::from_secs(1),
+        retry_delay: Duration::from_millis(100),
+        tool_refresh: Duration::from_millis(200),
+        shutdown_grace: Duration::from_secs(1),
+        ..Default::default()
+    }
+}
+
+/// A job for session `session` answering `text`.
+pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
+    TurnJob {
+        turn_id: turn_id.to_owned(),
+        session_id: session.to_owned(),
+        leg_id: String::new(),
+        env: SessionEnv {
+            restricted: false,
+            persona: "cyrene".into(),
+        },
+        instructions: "You are Cyrene.".into(),
+        persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
+        messages: vec![Message::text(Role::User, text)],
+        message_ids: vec![format!("{turn_id}-m")],
+        base_seq: 1,
+        notice: None,
+        max_steps: 8,
+        deadline_unix_ms: None,
+        tools: vec![],
+    }
+}
+
+/// Waits (bounded) until a micro service named `name` answers `$SRV.PING`.
+pub async fn wait_for_service(client: &async_nats::Client, name: &str) {
+    let subject = format!("$SRV.PING.{name}");
+    let ok = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Ok(Ok(_)) = tokio::time::timeout(
+                Duration::from_millis(200),
+                client.request(subject.clone(), "".into()),
+            )
+            .await
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{name} answers $SRV.PING");
+}
+
+/// Waits (bounded) until `check` holds.
+pub async fn eventually<F: FnMut() -> bool>(what: &str, within: Duration, mut check: F) {
+    let ok = tokio::time::timeout(within, async {
+        while !check() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "timed out waiting for: {what}");
+}
+
+/// The orchestrator's steer/complete endpoints, scripted by the test.
+#[derive(Default)]
+pub struct FakeOrchestrator {
+    /// Messages to hand out at a boundary: (turn, step) → messages.
+    pub steer_at: Mutex<HashMap<(String, u32), Vec<SteeredMessage>>>,
+    claimed: Mutex<HashMap<String, Vec<SteeredMessage>>>,
+    pub steer_calls: Mutex<Vec<(SteerRequest, Instant)>>,
+    attempts: Mutex<HashMap<String, u32>>,
+    pub completions: Mutex<Vec<TurnComplete>>,
+    pub completed: Notify,
+}
+
+impl FakeOrchestrator {
+    async fn start(
+        client: &async_nats::Client,
+        shutdown: CancellationToken,
+    ) -> Arc<FakeOrchestrator> {
+        let fake = Arc::new(FakeOrchestrator::default());
+        let service = client
+            .service_builder()
+            .start("fake-orchestrator", "0.0.0")
+            .await
+            .unwrap();
+        let steer = service
+            .endpoint_builder()
+            .name("steer")
+            .add(subjects::TURN_STEER)
+            .await
+            .unwrap();
+        let complete = service
+            .endpoint_builder()
+            .name("complete")
+            .add(subjects::TURN_COMPLETE)
+            .await
+            .unwrap();
+        let f = fake.clone();
+        tokio::spawn(serve_json(
+            steer,
+            ServeOptions::default(),
+            shutdown.clone(),
+            move |req: SteerRequest, _: RequestContext| {
+                let f = f.clone();
+                async move { f.steer(req) }
+            },
+        ));
+        let f = fake.clone();
+        tokio::spawn(serve_json(
+            complete,
+            ServeOptions::default(),
+            shutdown.clone(),
+            move |req: TurnComplete, _: RequestContext| {
+                let f = f.clone();
+                async move { f.complete(req) }
+            },
+        ));
+        std::mem::forget(service);
+        client.flush().await.unwrap();
+        fake
+    }
+
+    fn fence(&self, turn: &str, attempt: u32) -> Result<(), ErrorBody> {
+        let mut attempts = self.attempts.lock().unwrap();
+        let newest = attempts.entry(turn.to_owned()).or_insert(attempt);
+        if attempt < *newest {
+            return Err(ErrorBody::new(
+                ErrorCode::Conflict,
+                format!("attempt {attempt} < {newest}"),
+            ));
+        }
+        *newest = attempt;
+        Ok(())
+    }
+
+    fn steer(&self, req: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+        self.steer_calls
+            .lock()
+            .unwrap()
+            .push((req.clone(), Instant::now()));
+        self.fence(&req.turn_id, req.attempt)?;
+        let mut claimed = self.claimed.lock().unwrap();
+        let mine = claimed.entry(req.turn_id.clone()).or_default();
+        let mut steer_at = self.steer_at.lock().unwrap();
+        let due: Vec<(String, u32)> = steer_at
+            .keys()
+            .filter(|(t, s)| *t == req.turn_id && *s <= req.step)
+            .cloned()
+            .collect();
+        for key in due {
+            mine.extend(steer_at.remove(&key).unwrap_or_default());
+        }
+        let messages = mine
+            .iter()
+            .filter(|m| m.seq > req.after_seq)
+            .cloned()
+            .collect();
+        Ok(SteerResponse { messages })
+    }
+
+    fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {
+        self.fence(&req.turn_id, req.attempt)?;
+        let mut completions = self.completions.lock().unwrap();
+        let first = !completions.iter().any(|c| c.turn_id == req.turn_id);
+        completions.push(req);
+        self.completed.notify_waiters();
+        Ok(TurnCompleteAck { first })
+    }
+
+    /// Waits (bounded) for the first completion of `turn`.
+    pub async fn wait_completed(&self, turn: &str) -> TurnComplete {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let notified = self.completed.notified();
+                if let Some(c) = self
+                    .completions
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c.turn_id == turn)
+                {
+                    return c.clone();
+                }
+                notified.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("turn {turn} completes"))
+    }
+}
+
+/// External tools on `cyrene.tool.*` that count their executions by call id.
+#[derive(Default)]
+pub struct TestTools {
+    pub runs: Mutex<Vec<(String, String)>>,
+    pub finished: Mutex<Vec<(String, Instant)>>,
+    /// While set, `hold` blocks until released.
+    pub gate: Mutex<Option<Arc<Notify>>>,
+}
+
+impl TestTools {
+    async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
+        let tools = Arc::new(TestTools::default());
+        let service = client
+            .service_builder()
+            .start("test-tools", "0.0.0")
+            .await
+            .unwrap();
+        for (name, description) in [
+            ("count", "counts its executions"),
+            ("hold", "waits until the test releases it"),
+            ("slow", "takes 300 ms"),
+        ] {
+            let metadata: HashMap<String, String> = [
+                ("cyrene.tool.description".to_owned(), description.to_owned()),
+                (
+                    "cyrene.tool.parameters".to_owned(),
+                    r#"{"type":"object"}"#.to_owned(),
+                ),
+            ]
+            .into();
+            let endpoint = service
+                .endpoint_builder()
+                .name(name)
+                .metadata(metadata)
+                .add(format!("cyrene.tool.{name}"))
+                .await
+                .unwrap();
+            let t = tools.clone();
+            let name = name.to_owned();
+            tokio::spawn(serve_json(
+                endpoint,
+                ServeOptions::default(),
+                shutdown.clone(),
+                move |_args: Value, ctx: RequestContext| {
+                    let (t, name) = (t.clone(), name.clone());
+                    async move {
+                        let id = ctx
+                            .headers
+                            .get("Cyrene-Tool-Call-Id")
+                            .map(|v| v.as_str().to_owned())
+                            .unwrap_or_default();
+                        t.runs.lock().unwrap().push((name.clone(), id.clone()));
+                        if name == "hold" {
+                            let gate = t.gate.lock().unwrap().clone();
+                            if let Some(gate) = gate {
+                                gate.notified().await;
+                            }
+                        }
+                        if name == "slow" {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        t.finished
+                            .lock()
+                            .unwrap()
+                            .push((id.clone(), Instant::now()));
+                        Ok::<_, ErrorBody>(
+                            json!({"text": format!("{name} ran as {id}"), "is_error": false}),
+                        )
+                    }
+                },
+            ));
+        }
+        std::mem::forget(service);
+        client.flush().await.unwrap();
+        tools
+    }
+
+    pub fn runs_of(&self, call_id: &str) -> usize {
+        self.runs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, id)| id == call_id)
+            .count()
+    }
+}
+
+/// Path of a workspace binary built next to the `cyrene` binary (`make test` builds them all).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let cyrene = PathBuf::from(env!("CARGO_BIN_EXE_cyrene"));
+    let path = cyrene.with_file_name(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace` (make test does)",
+        path.display()
+    );
+    path
+}
+
+/// Turn ids of every completion, for duplicate checks.
+pub fn completion_counts(fake: &FakeOrchestrator) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for c in fake.completions.lock().unwrap().iter() {
+        *counts.entry(c.turn_id.clone()).or_default() += 1;
+    }
+    counts
+}

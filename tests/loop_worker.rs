@@ -1,0 +1,289 @@
+//! The loop worker over a real nats-server with the real gateway (scripted provider) and the real
+//! checkpoint store; only the orchestrator's steer/complete endpoints are a test double.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+mod common;
+
+use common::{Stack, eventually, job, worker_config, workspace_binary};
+use cyrene_loop_worker::nats::{NatsPorts, Timeouts};
+use cyrene_loop_worker::runner::{RunnerConfig, TurnEnd, run_turn};
+use cyrene_loop_worker::tools::Tools;
+use cyrene_protocol::checkpoint::CheckpointState;
+use cyrene_protocol::message::{Message, Part, Role};
+use cyrene_protocol::session::{SessionEvent, SessionEventType};
+use cyrene_protocol::turn::{SteeredMessage, TurnOutcome};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn rules() -> Value {
+    json!([
+        {"contains": "plan", "tool_calls": [{"name": "count"}], "more_rounds": [[{"name": "count"}]],
+         "after_tools": "done: {tool_results}"},
+        {"contains": "crash", "tool_calls": [{"name": "count"}], "more_rounds": [[{"name": "hold"}]],
+         "after_tools": "survived: {tool_results}"},
+        {"contains": "slow", "tool_calls": [{"name": "slow"}], "after_tools": "slow done"},
+        {"contains": "leg", "tool_calls": [{"name": "count"}], "after_tools": "leg done"}
+    ])
+}
+
+fn state(cp: &cyrene_protocol::checkpoint::Checkpoint) -> CheckpointState {
+    serde_json::from_value(Value::Object(cp.state.clone())).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
+    let stack = Stack::start(rules(), None).await;
+    let mut events = stack
+        .client
+        .subscribe("cyrene.session.s1.events")
+        .await
+        .unwrap();
+    stack.spawn_worker(worker_config());
+    stack.dispatch(&job("t1", "s1", "make a plan")).await;
+
+    let done = stack.orchestrator.wait_completed("t1").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(done.steps, 3);
+    assert_eq!(done.attempt, 1);
+    let answer = done.message.unwrap();
+    assert_eq!(
+        answer.text_content(),
+        "done: count ran as call_1_1\ncount ran as call_2_1"
+    );
+    assert_eq!(answer.sender_name, "cyrene");
+
+    let checkpoints = stack.checkpoints("s1").await;
+    let steps: Vec<u32> = checkpoints.iter().map(|c| c.step).collect();
+    assert_eq!(steps, [3, 2, 1]);
+    assert_eq!(state(&checkpoints[2]).stop_reason, "tool_calls");
+    assert_eq!(state(&checkpoints[0]).stop_reason, "stop");
+    assert_eq!(checkpoints[0].turn_id.as_deref(), Some("t1"));
+    assert_eq!(stack.tools.runs.lock().unwrap().len(), 2);
+
+    let mut kinds = Vec::new();
+    while kinds.last() != Some(&SessionEventType::Final) {
+        let m = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        assert_eq!(event.turn_id, "t1");
+        kinds.push(event.kind);
+    }
+    use SessionEventType::*;
+    assert_eq!(
+        kinds,
+        [
+            Step, ToolCall, ToolResult, Step, ToolCall, ToolResult, Step, Final
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steered_message_reaches_the_model_at_the_next_step_and_never_a_checkpoint() {
+    let stack = Stack::start(rules(), None).await;
+    let steered = Message::text(Role::User, "also tell me a joke");
+    stack.orchestrator.steer_at.lock().unwrap().insert(
+        ("t2".into(), 2),
+        vec![SteeredMessage {
+            id: "m2".into(),
+            seq: 2,
+            message: steered.clone(),
+        }],
+    );
+    stack.spawn_worker(worker_config());
+    stack.dispatch(&job("t2", "s2", "make a plan")).await;
+    let done = stack.orchestrator.wait_completed("t2").await;
+    assert_eq!(done.steered_ids, ["m2"]);
+
+    // Step 1 did not see it; step 2 did, as the last message before nothing else.
+    let requests = stack.log.snapshot();
+    assert!(!requests[0].messages.contains(&steered));
+    assert!(requests[1].messages.contains(&steered));
+    // The steered text becomes the last user text, so the script answers it by default.
+    assert_eq!(
+        done.message.unwrap().text_content(),
+        "echo: also tell me a joke"
+    );
+    for cp in stack.checkpoints("s2").await {
+        assert!(
+            !state(&cp).messages.contains(&steered),
+            "steered text in checkpoint {}",
+            cp.id
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_rerunning_tools() {
+    let stack = Stack::start(rules(), None).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *stack.tools.gate.lock().unwrap() = Some(gate.clone());
+    let worker = |name: &str| {
+        tokio::process::Command::new(workspace_binary("cyrene-loop-worker"))
+            .env("NATS_URL", stack.server.url())
+            .env("CYRENE_WORKER_ACK_WAIT", "1s")
+            .env("RUST_LOG", "warn")
+            .env("OTEL_SERVICE_NAME", name)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    let mut first = worker("first");
+    stack.dispatch(&job("t3", "s3", "crash test")).await;
+
+    // Step 1 (count) is checkpointed and step 2's tool (hold) is running in the first worker.
+    let tools = stack.tools.clone();
+    eventually("step 2's tool started", Duration::from_secs(30), || {
+        tools
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(name, _)| name == "hold")
+    })
+    .await;
+    assert_eq!(stack.checkpoints("s3").await[0].step, 1);
+    first.start_kill().unwrap(); // SIGKILL
+    first.wait().await.unwrap();
+    *stack.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+
+    let _second = worker("second");
+    let done = stack.orchestrator.wait_completed("t3").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert!(
+        done.attempt >= 2,
+        "completed by a redelivery, attempt {}",
+        done.attempt
+    );
+    assert_eq!(done.steps, 3);
+    // Step 1's tool ran exactly once; step 2's was in flight at the crash (at least once).
+    assert_eq!(stack.tools.runs_of("call_1_1"), 1);
+    assert!(stack.tools.runs_of("call_2_1") >= 1);
+    let steps: Vec<u32> = stack
+        .checkpoints("s3")
+        .await
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [3, 2, 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
+    let stack = Stack::start(rules(), None).await;
+    let ports = NatsPorts::new(
+        stack.client.clone(),
+        Tools::new(
+            stack.client.clone(),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        ),
+        Timeouts {
+            model: Duration::from_secs(5),
+            checkpoint: Duration::from_secs(5),
+            steer: Duration::from_secs(2),
+        },
+    );
+    let cfg = RunnerConfig {
+        purpose: "chat".into(),
+        max_attempts: 5,
+    };
+    let j = job("t4", "s4", "leg of a zombie");
+    // Attempt 2 runs the turn to completion first …
+    let live = run_turn(&ports, &j, 2, &cfg).await;
+    assert!(
+        matches!(live, TurnEnd::Complete(ref c) if c.outcome == TurnOutcome::Final),
+        "{live:?}"
+    );
+    // … then the stalled attempt 1 wakes up: it sees the newer attempt and stops.
+    let before = stack.checkpoints("s4").await;
+    let zombie = run_turn(&ports, &j, 1, &cfg).await;
+    assert_eq!(zombie, TurnEnd::Stale);
+    assert_eq!(
+        stack.checkpoints("s4").await,
+        before,
+        "the zombie wrote nothing"
+    );
+    // Had it tried, the store would have refused its writes.
+    let checkpoints = cyrene_checkpoint_client::CheckpointClient::new(
+        stack.client.clone(),
+        Duration::from_secs(5),
+    );
+    let mut stale = before[0].clone();
+    stale.attempt = Some(1);
+    let refused = checkpoints.save(&stale).await.unwrap_err();
+    assert_eq!(refused.code(), cyrene_protocol::ErrorCode::Conflict);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_parallel_legs_keep_separate_checkpoints() {
+    let stack = Stack::start(rules(), None).await;
+    stack.spawn_worker(worker_config());
+    let mut a = job("t5a", "s5", "first leg");
+    a.leg_id = "a".into();
+    let mut b = job("t5b", "s5", "second leg");
+    b.leg_id = "b".into();
+    b.notice = Some(Default::default());
+    stack.dispatch(&a).await;
+    stack.dispatch(&b).await;
+    stack.orchestrator.wait_completed("t5a").await;
+    stack.orchestrator.wait_completed("t5b").await;
+
+    let leg_a = stack.checkpoints("s5#a").await;
+    let leg_b = stack.checkpoints("s5#b").await;
+    assert_eq!(leg_a.len(), 2);
+    assert_eq!(leg_b.len(), 2);
+    assert!(leg_a.iter().all(|c| c.turn_id.as_deref() == Some("t5a")));
+    assert!(leg_b.iter().all(|c| c.turn_id.as_deref() == Some("t5b")));
+    assert_eq!(state(&leg_a[0]).messages[0].text_content(), "first leg");
+    assert_eq!(state(&leg_b[0]).messages[0].text_content(), "second leg");
+    assert!(
+        stack.checkpoints("s5").await.is_empty(),
+        "no rows under the bare session"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tool_is_never_cancelled_by_steering() {
+    let stack = Stack::start(rules(), None).await;
+    // A message is waiting to be steered from the very first boundary on.
+    stack.orchestrator.steer_at.lock().unwrap().insert(
+        ("t6".into(), 2),
+        vec![SteeredMessage {
+            id: "m6".into(),
+            seq: 2,
+            message: Message::text(Role::User, "hurry up"),
+        }],
+    );
+    stack.spawn_worker(worker_config());
+    stack.dispatch(&job("t6", "s6", "slow please")).await;
+    stack.orchestrator.wait_completed("t6").await;
+
+    let finished = stack.tools.finished.lock().unwrap().clone();
+    assert_eq!(finished.len(), 1, "the slow tool ran to its end");
+    let steer_after_tool = stack
+        .orchestrator
+        .steer_calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(r, _)| r.step == 2)
+        .all(|(_, at)| *at >= finished[0].1);
+    assert!(
+        steer_after_tool,
+        "the boundary steer came after the tool finished"
+    );
+    let window = state(&stack.checkpoints("s6").await.last().cloned().unwrap()).messages;
+    let result = window
+        .iter()
+        .flat_map(|m| &m.content)
+        .find_map(|p| match p {
+            Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
+            _ => None,
+        });
+    assert_eq!(result, Some(("slow ran as call_1_1".to_owned(), false)));
+}
