@@ -12,9 +12,9 @@
 //! - Steered messages come back *claimed by this turn* with `seq > after_seq`, so a turn resumed
 //!   on another worker (starting again from the job's `base_seq`) gets them all back.
 
+use crate::ErrorBody;
 use crate::message::Message;
 use crate::session::SessionEnv;
-use crate::ErrorBody;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -188,7 +188,8 @@ mod tests {
         assert_eq!(job.messages[0], Message::text(Role::User, "hi"));
         assert_eq!(serde_json::to_value(&job).unwrap(), doc);
         let min: TurnJob = serde_json::from_value(json!({"turn_id":"t","session_id":"s",
-            "env":{},"messages":[]})).unwrap();
+            "env":{},"messages":[]}))
+        .unwrap();
         assert_eq!(min.max_steps, DEFAULT_MAX_STEPS);
         assert_eq!(min.base_seq, 0);
         assert!(min.notice.is_none());
