@@ -1,9 +1,11 @@
 //! Command definitions and dispatch for the `cyrene` CLI.
 
 mod agent;
+mod chat;
 mod comm;
 mod probe;
 mod session;
+mod up;
 
 use clap::{Parser, Subcommand};
 use cyrene_bus::{BusConfig, ConnectMode};
@@ -36,6 +38,12 @@ pub enum Command {
     Agent(agent::AgentArgs),
     /// List the micro services on the bus ($SRV.INFO and $SRV.STATS), like `nats micro ls`.
     Probe(probe::ProbeArgs),
+    /// Run every service in this process (SQLite and the offline scripted demo by default).
+    Up(up::UpArgs),
+    /// Chat in a session: type while a turn runs and it is steered in; tool calls show live.
+    Chat(chat::ChatArgs),
+    /// Play a short scripted conversation: a tool call, a steered message, the checkpoints.
+    Demo(chat::DemoArgs),
     /// Send one user message to a session and print the ack (message id, seq, disposition).
     Send(session::SendArgs),
     /// Follow live session events (tool calls, steer acks, answers).
@@ -80,6 +88,9 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Emit(args) => comm::emit(client.clone(), args).await,
         Command::Agent(args) => agent::run(client.clone(), args).await,
         Command::Probe(args) => probe::run(client.clone(), args).await,
+        Command::Up(args) => up::run(&cli.nats_url, args).await,
+        Command::Chat(args) => chat::chat(client.clone(), args).await,
+        Command::Demo(args) => chat::demo(client.clone(), args).await,
         Command::Send(args) => session::send(client.clone(), args).await,
         Command::Events(args) => session::events(client.clone(), args).await,
         Command::History(args) => session::history(client.clone(), args).await,
@@ -88,6 +99,32 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
     // Make sure published messages leave before the process exits.
     let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
     result
+}
+
+/// Waits (at most 30 s) until every named micro service answers `$SRV.PING`.
+pub async fn wait_for_services(
+    client: &async_nats::Client,
+    names: &[&str],
+) -> Result<(), CliError> {
+    for name in names {
+        let subject = format!("$SRV.PING.{name}");
+        let answered = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let ping = client.request(subject.clone(), "".into());
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), ping).await {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        if answered.is_err() {
+            return Err(CliError::NoResponder(format!(
+                "{name} did not answer within 30s (is `cyrene up` running?)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Parses `5s`, `250ms`, `1m` (humantime).

@@ -17,7 +17,7 @@
 //!   first), which tests read.
 
 use super::ProviderError;
-use crate::config::{Rule, Script, Step};
+use crate::config::{Rule, Script, ScriptedCall, Step};
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use futures::future::BoxFuture;
@@ -90,35 +90,70 @@ impl ScriptedProvider {
         let input = last_user
             .map(|i| req.messages[i].text_content())
             .unwrap_or_default();
-        let after = last_user.map_or(0, |i| i + 1);
+        let rule = self.script.rules.iter().find(|r| matches(r, &input));
+        // The rounds a rule asks for: `tool_calls`, then each of `more_rounds`.
+        let rounds: Vec<Vec<ScriptedCall>> = match rule {
+            Some(r) if !r.tool_calls.is_empty() => std::iter::once(r.tool_calls.clone())
+                .chain(r.more_rounds.iter().cloned())
+                .collect(),
+            _ => Vec::new(),
+        };
+        // The conversation this input is answered in starts after the last user message that
+        // was already answered by an assistant message. Steered messages sit at the very end of
+        // the view, after the tool rounds of their turn, so "after the last user message" would
+        // never see a round answered for them.
+        let anchor = (0..req.messages.len())
+            .rev()
+            .find(|&i| {
+                req.messages[i].role == Role::User
+                    && req.messages[i + 1..]
+                        .iter()
+                        .any(|m| m.role == Role::Assistant)
+            })
+            .or(last_user);
+        let after = anchor.map_or(0, |i| i + 1);
+        // Rounds already answered: assistant messages after the anchor whose first call is the
+        // next round's first tool, in order; their results feed `{tool_results}`.
+        let mut rounds_done = 0;
+        let mut own_calls: Vec<&str> = Vec::new();
+        for m in req.messages[after..]
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+        {
+            let first = m.content.iter().find_map(|p| match p {
+                Part::ToolCall { name, .. } => Some(name.as_str()),
+                _ => None,
+            });
+            let expected = rounds
+                .get(rounds_done)
+                .and_then(|r| r.first())
+                .map(|c| c.name.as_str());
+            if first.is_some() && first == expected {
+                rounds_done += 1;
+                own_calls.extend(m.content.iter().filter_map(|p| match p {
+                    Part::ToolCall { id, .. } => Some(id.as_str()),
+                    _ => None,
+                }));
+            }
+        }
         let results: Vec<&str> = req.messages[after..]
             .iter()
             .flat_map(|m| &m.content)
             .filter_map(|p| match p {
-                Part::ToolResult { text, .. } => Some(text.as_str()),
+                Part::ToolResult {
+                    tool_call_id, text, ..
+                } if rounds.is_empty() || own_calls.contains(&tool_call_id.as_str()) => {
+                    Some(text.as_str())
+                }
                 _ => None,
             })
             .collect();
-        let rule = self.script.rules.iter().find(|r| matches(r, &input));
         let fill = |template: &str| {
             template
                 .replace("{input}", &input)
                 .replace("{tool_results}", &results.join("\n"))
         };
-        // Assistant messages after the last user text: the tool rounds already answered.
-        let rounds_done = req.messages[after..]
-            .iter()
-            .filter(|m| m.role == Role::Assistant)
-            .count();
-        let round = |r: &Rule| -> Option<Vec<crate::config::ScriptedCall>> {
-            if r.tool_calls.is_empty() {
-                return None;
-            }
-            match rounds_done {
-                0 => Some(r.tool_calls.clone()),
-                k => r.more_rounds.get(k - 1).cloned(),
-            }
-        };
+        let round = |_: &Rule| -> Option<Vec<ScriptedCall>> { rounds.get(rounds_done).cloned() };
         let (text, calls) = match rule {
             Some(r) if round(r).is_some() => {
                 let turn = req
@@ -140,7 +175,7 @@ impl ScriptedProvider {
                     .collect();
                 (String::new(), calls)
             }
-            Some(r) if !r.tool_calls.is_empty() => (
+            Some(r) if !rounds.is_empty() => (
                 fill(r.after_tools.as_deref().unwrap_or("{tool_results}")),
                 Vec::new(),
             ),
@@ -304,6 +339,39 @@ mod tests {
         let three = p.answer(&ask(messages), "s");
         assert!(three.tool_calls.is_empty());
         assert_eq!(three.content, "done: a\nb\nc");
+    }
+
+    #[test]
+    fn a_steered_tool_question_gets_its_own_round_then_its_answer() {
+        // The view of a turn with a steered message: it sits after the turn's tool rounds.
+        let p = provider();
+        let first = p.answer(&ask(vec![Message::text(Role::User, "hi")]), "s");
+        assert!(first.tool_calls.is_empty());
+        let mut view = vec![
+            Message::text(Role::User, "search please"),
+            Message::assistant_tool_calls(&[ToolCall {
+                id: "call_1_1".into(),
+                name: "search".into(),
+                args: Default::default(),
+                args_error: None,
+            }]),
+            Message::tool_result("call_1_1", "search", "found", false),
+            Message::text(Role::User, "and what time is it"),
+        ];
+        let round = p.answer(&ask(view.clone()), "s");
+        assert_eq!(
+            round.tool_calls.len(),
+            1,
+            "the steered question gets its tool round"
+        );
+        assert_eq!(round.tool_calls[0].name, "get_time");
+        let steered = view.pop().unwrap();
+        view.push(round.message.clone());
+        view.push(Message::tool_result("call_2_1", "get_time", "12:00", false));
+        view.push(steered);
+        let answer = p.answer(&ask(view), "s");
+        assert!(answer.tool_calls.is_empty(), "no endless rounds");
+        assert_eq!(answer.content, "It is 12:00.");
     }
 
     #[test]

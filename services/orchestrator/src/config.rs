@@ -1,0 +1,288 @@
+//! Configuration of the orchestrator: the command line / environment ([`Args`], read only by
+//! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
+
+use crate::personas::{Personas, PersonasError};
+use cyrene_protocol::ids::{self, IdKind};
+use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// File name of the default SQLite database inside the data directory.
+pub const DEFAULT_SQLITE_FILE: &str = "orchestrator.db";
+/// Default number of persisted transcript messages seeded into a turn job.
+pub const DEFAULT_WINDOW: usize = 40;
+/// Default largest serialised user message accepted by `send`.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 256 * 1024;
+/// Default byte budget of a turn job (the NATS default `max_payload` is 1 MiB).
+pub const DEFAULT_MAX_JOB_BYTES: usize = 768 * 1024;
+
+/// Everything [`crate::run`] needs besides the NATS client.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `postgres://…` / `postgresql://…` or `sqlite://…`; `None` = an SQLite file
+    /// [`DEFAULT_SQLITE_FILE`] in `data_dir` (created if missing).
+    pub database_url: Option<String>,
+    /// Where the default SQLite database lives.
+    pub data_dir: PathBuf,
+    /// The personas (built-in `cyrene`/昔涟 unless a file is given).
+    pub personas: Personas,
+    /// Persisted transcript messages (user + assistant, newest) seeded into each turn job.
+    pub window: usize,
+    /// Step budget put into every turn job.
+    pub max_steps: u32,
+    /// Sessions under the parallel policy: a message from another client while a turn runs starts
+    /// its own leg.
+    pub parallel_sessions: Vec<String>,
+    /// Clients under the parallel policy (their messages start a leg while another client's turn
+    /// runs).
+    pub parallel_clients: Vec<String>,
+    /// Largest serialised user message `send` accepts (`too_large` above).
+    pub max_message_bytes: usize,
+    /// Byte budget of a turn job: the oldest window messages are left out to stay under it.
+    pub max_job_bytes: usize,
+    /// How long an agent ask waits for the turn that answers it (then `timeout`).
+    pub ask_timeout: Duration,
+    /// Register every persona on the comm protocol (answer `cyrene.agent.*.<persona>.ask`).
+    pub serve_agents: bool,
+    /// How often the sweeper republishes turns whose dispatch was not confirmed.
+    pub sweep_interval: Duration,
+    /// How old an unconfirmed dispatch must be before the sweeper republishes it.
+    pub dispatch_grace: Duration,
+    /// Bound on one database operation; past it the request is answered `unavailable`.
+    pub db_timeout: Duration,
+    /// How long a request waits for a pooled connection (short: fail fast during outages).
+    pub acquire_timeout: Duration,
+    /// Database pool size.
+    pub max_connections: u32,
+    /// Requests handled at once per endpoint.
+    pub max_in_flight: usize,
+}
+
+impl Config {
+    /// Defaults with the given data directory.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Config {
+        Config {
+            database_url: None,
+            data_dir: data_dir.into(),
+            personas: Personas::builtin(),
+            window: DEFAULT_WINDOW,
+            max_steps: DEFAULT_MAX_STEPS,
+            parallel_sessions: Vec::new(),
+            parallel_clients: Vec::new(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            max_job_bytes: DEFAULT_MAX_JOB_BYTES,
+            ask_timeout: Duration::from_secs(120),
+            serve_agents: true,
+            sweep_interval: Duration::from_secs(1),
+            dispatch_grace: Duration::from_secs(2),
+            db_timeout: Duration::from_secs(5),
+            acquire_timeout: Duration::from_secs(2),
+            max_connections: 8,
+            max_in_flight: 256,
+        }
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.personas.validate()?;
+        if self.max_steps == 0 {
+            return Err(ConfigError::Invalid("max_steps must be at least 1".into()));
+        }
+        if self.max_message_bytes == 0 || self.max_job_bytes < self.max_message_bytes {
+            return Err(ConfigError::Invalid(
+                "max_message_bytes must be at least 1 and at most max_job_bytes".into(),
+            ));
+        }
+        for d in [
+            self.ask_timeout,
+            self.sweep_interval,
+            self.db_timeout,
+            self.acquire_timeout,
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::Invalid(
+                    "timeouts and intervals must be longer than zero".into(),
+                ));
+            }
+        }
+        if self.max_connections == 0 || self.max_in_flight == 0 {
+            return Err(ConfigError::Invalid(
+                "max_connections and max_in_flight must be at least 1".into(),
+            ));
+        }
+        for s in &self.parallel_sessions {
+            ids::validate(IdKind::Session, s)
+                .map_err(|e| ConfigError::Invalid(format!("parallel_sessions: {e}")))?;
+        }
+        for c in &self.parallel_clients {
+            ids::validate(IdKind::Client, c)
+                .map_err(|e| ConfigError::Invalid(format!("parallel_clients: {e}")))?;
+        }
+        self.database().map(|_| ())
+    }
+
+    /// Which database to open.
+    pub fn database(&self) -> Result<Database, ConfigError> {
+        match self.database_url.as_deref().map(str::trim) {
+            None | Some("") => Ok(Database::Sqlite(format!(
+                "sqlite://{}",
+                self.data_dir.join(DEFAULT_SQLITE_FILE).display()
+            ))),
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                Ok(Database::Postgres(url.to_owned()))
+            }
+            Some(url) if url.starts_with("sqlite:") => Ok(Database::Sqlite(url.to_owned())),
+            Some(url) => {
+                let scheme = url.split_once(':').map_or("", |(s, _)| s);
+                Err(ConfigError::Invalid(format!(
+                    "DATABASE_URL scheme {scheme:?} is not supported; use postgres:// or sqlite://"
+                )))
+            }
+        }
+    }
+}
+
+/// Which backend a [`Config`] selects, with its URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Database {
+    Postgres(String),
+    Sqlite(String),
+}
+
+/// An invalid configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Personas(#[from] PersonasError),
+}
+
+/// Command line and environment of the `cyrene-orchestrator` binary.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "cyrene-orchestrator",
+    version,
+    about = "Cyrene orchestrator: sessions, exactly-once messages, turn dispatch to CYRENE_TURNS, \
+             agents. Serves cyrene.session.{send,history} and cyrene.turn.{steer,complete}."
+)]
+pub struct Args {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
+    /// orchestrator.db in the data directory.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Directory of the default SQLite database (created if missing).
+    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
+    pub data_dir: PathBuf,
+    /// Personas file (JSON: {"default":"…","personas":[{"id","name","instructions","restricted"}]}).
+    /// Default: the built-in persona cyrene (昔涟).
+    #[arg(long, env = "CYRENE_PERSONAS")]
+    pub personas: Option<PathBuf>,
+    /// Persisted transcript messages seeded into each turn job.
+    #[arg(long, env = "CYRENE_WINDOW", default_value_t = DEFAULT_WINDOW)]
+    pub window: usize,
+    /// Model steps a turn may take.
+    #[arg(long, env = "CYRENE_MAX_STEPS", default_value_t = DEFAULT_MAX_STEPS)]
+    pub max_steps: u32,
+    /// Sessions under the parallel policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_PARALLEL_SESSIONS", value_delimiter = ',')]
+    pub parallel_sessions: Vec<String>,
+    /// Clients under the parallel policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_PARALLEL_CLIENTS", value_delimiter = ',')]
+    pub parallel_clients: Vec<String>,
+    /// Largest serialised user message accepted, in bytes.
+    #[arg(long, env = "CYRENE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
+    /// How long an agent ask waits for its turn (e.g. 120s).
+    #[arg(long, env = "CYRENE_ASK_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    pub ask_timeout: Duration,
+    /// Do not register the personas on the comm protocol.
+    #[arg(long, env = "CYRENE_NO_AGENTS")]
+    pub no_agents: bool,
+    /// Bound on one database operation (e.g. 5s); past it the request gets unavailable.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub db_timeout: Duration,
+    /// Database connection pool size.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_CONNECTIONS", default_value_t = 8)]
+    pub max_connections: u32,
+}
+
+impl Args {
+    /// The service configuration these arguments describe (reads the personas file).
+    pub fn config(&self) -> Result<Config, ConfigError> {
+        let mut config = Config::new(&self.data_dir);
+        config.database_url = self.database_url.clone();
+        if let Some(path) = &self.personas {
+            config.personas = Personas::load(path)?;
+        }
+        config.window = self.window;
+        config.max_steps = self.max_steps;
+        config.parallel_sessions = clean(&self.parallel_sessions);
+        config.parallel_clients = clean(&self.parallel_clients);
+        config.max_message_bytes = self.max_message_bytes;
+        config.ask_timeout = self.ask_timeout;
+        config.serve_agents = !self.no_agents;
+        config.db_timeout = self.db_timeout;
+        config.max_connections = self.max_connections;
+        Ok(config)
+    }
+}
+
+fn clean(list: &[String]) -> Vec<String> {
+    list.iter()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn defaults_are_valid_and_pick_sqlite_in_the_data_dir() {
+        let config = Config::new("/tmp/x");
+        assert!(config.validate().is_ok());
+        assert_eq!(
+            config.database().unwrap(),
+            Database::Sqlite("sqlite:///tmp/x/orchestrator.db".into())
+        );
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        let mut c = Config::new("/tmp/x");
+        c.database_url = Some("mysql://x".into());
+        assert!(c.validate().is_err());
+        let mut c = Config::new("/tmp/x");
+        c.parallel_clients = vec!["a b".into()];
+        assert!(c.validate().is_err());
+        let mut c = Config::new("/tmp/x");
+        c.max_steps = 0;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn flags_build_a_config() {
+        let args = Args::parse_from([
+            "cyrene-orchestrator",
+            "--database-url",
+            "postgres://u@h/db",
+            "--parallel-clients",
+            "phone, watch",
+            "--window",
+            "10",
+        ]);
+        let config = args.config().unwrap();
+        assert_eq!(config.parallel_clients, vec!["phone", "watch"]);
+        assert_eq!(config.window, 10);
+        assert_eq!(
+            config.database().unwrap(),
+            Database::Postgres("postgres://u@h/db".into())
+        );
+    }
+}

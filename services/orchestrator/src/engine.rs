@@ -1,0 +1,461 @@
+//! [`Engine`]: the orchestrator's behaviour behind the endpoints — input checks, the store calls,
+//! session events, turn dispatch to `CYRENE_TURNS`, and the completion notifications of asks.
+//!
+//! # Invariants
+//! - A send is acknowledged only after its message is committed; when the database fails or
+//!   does not answer in time the caller gets `unavailable` (and may resend with the same key).
+//! - Dispatch happens after the turn is committed: the job is published to JetStream with
+//!   `Nats-Msg-Id` = turn id and the publish ack awaited, then the turn is marked dispatched.
+//!   The sweeper ([`Engine::sweep`]) republishes running turns never marked, so a crash or a bus
+//!   failure between commit and publish delays a turn but never loses it; JetStream drops the
+//!   duplicates within its window ([`cyrene_bus::streams::TURNS_DUPLICATE_WINDOW`]).
+//! - `turn_started` is published before the job, `turn_ended` after the completion commits.
+//!
+//! # Pitfalls
+//! - A turn whose publish was acknowledged but not marked (crash in between) is republished by
+//!   the sweeper; past the duplicate window that is a second delivery of a possibly running job,
+//!   which the workers' fencing (`attempt`) and the completed-turn check absorb.
+
+use crate::config::Config;
+use crate::progress::Progress;
+use crate::store::{NewMessage, NewTurn, Store, StoreError};
+use async_nats::jetstream;
+use async_nats::{Client, HeaderMap};
+use bytes::Bytes;
+use cyrene_bus::trace;
+use cyrene_protocol::ids::{self, IdKind};
+use cyrene_protocol::message::{Message, Part, Role};
+use cyrene_protocol::session::{
+    HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
+    SendRequest, SessionEnv, SessionEvent, SessionEventType,
+};
+use cyrene_protocol::subjects;
+use cyrene_protocol::turn::{
+    SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnOutcome,
+};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest idempotency key accepted.
+pub const MAX_IDEMPOTENCY_KEY: usize = 256;
+/// Longest `sender_name` accepted on a user message.
+pub const MAX_SENDER_NAME: usize = 128;
+/// How long a JetStream publish (including its ack) may take.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The completion notification of a turn that answers an ask, published on the ask's private
+/// core NATS subject by whichever replica records the completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnDone {
+    pub turn_id: String,
+    pub outcome: TurnOutcome,
+    /// The final answer's text (empty when there is none).
+    #[serde(default)]
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+/// The orchestrator's shared state.
+#[derive(Debug)]
+pub struct Engine {
+    pub(crate) store: Store,
+    client: Client,
+    js: jetstream::Context,
+    config: Arc<Config>,
+    progress: Arc<Progress>,
+}
+
+/// Runs `op` within `limit`, mapping failures onto the wire error set.
+async fn bounded<T>(
+    limit: Duration,
+    op: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, ErrorBody> {
+    match tokio::time::timeout(limit, op).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => {
+            match err.code() {
+                ErrorCode::Unavailable => tracing::warn!(error = %err, "database unavailable"),
+                ErrorCode::Internal => tracing::error!(error = %err, "database error"),
+                _ => {}
+            }
+            Err(err.to_body())
+        }
+        Err(_) => {
+            tracing::warn!(after = ?limit, "database did not answer in time");
+            Err(ErrorBody::new(
+                ErrorCode::Unavailable,
+                format!("the database did not answer within {limit:?}"),
+            ))
+        }
+    }
+}
+
+fn bad(message: impl Into<String>) -> ErrorBody {
+    ErrorBody::new(ErrorCode::BadRequest, message)
+}
+
+fn check_id(kind: IdKind, field: &str, id: &str) -> Result<(), ErrorBody> {
+    ids::validate(kind, id).map_err(|e| bad(format!("{field}: {e}")))
+}
+
+/// Turn ids are server-issued, but workers send them back: same token rule as other ids.
+fn check_turn_id(id: &str) -> Result<(), ErrorBody> {
+    ids::validate(IdKind::Session, id).map_err(|e| {
+        bad(format!(
+            "turn_id: {}",
+            e.to_string().replace("session id", "turn id")
+        ))
+    })
+}
+
+/// Checks a user message: role, non-empty content of user-side parts, sizes.
+pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), ErrorBody> {
+    if message.role != Role::User {
+        return Err(bad(format!(
+            "message role must be user, not {}",
+            serde_json::to_value(message.role)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default()
+        )));
+    }
+    if !message.tool_call_id.is_empty() || !message.tool_call_name.is_empty() {
+        return Err(bad(
+            "a user message cannot carry tool_call_id or tool_call_name",
+        ));
+    }
+    if message.sender_name.chars().count() > MAX_SENDER_NAME {
+        return Err(bad(format!(
+            "sender_name is longer than {MAX_SENDER_NAME} characters"
+        )));
+    }
+    let mut substantive = false;
+    for part in &message.content {
+        match part {
+            Part::Text { text } => substantive |= !text.trim().is_empty(),
+            Part::ImageUrl { image_url } => {
+                let ok = image_url.starts_with("data:image/")
+                    || image_url.starts_with("https://")
+                    || image_url.starts_with("http://");
+                if !ok {
+                    return Err(bad(
+                        "image_url must be a data:image/… URI or an http(s) URL",
+                    ));
+                }
+                substantive = true;
+            }
+            Part::Document { url, .. } => {
+                if !url.starts_with("cyrene-doc://") {
+                    return Err(bad(
+                        "document url must be a server-issued cyrene-doc:// URL",
+                    ));
+                }
+                substantive = true;
+            }
+            Part::ToolCall { .. } | Part::ToolResult { .. } | Part::Reasoning { .. } => {
+                return Err(bad(
+                    "a user message may only hold text, image_url and document parts",
+                ));
+            }
+        }
+    }
+    if !substantive {
+        return Err(bad("message content is empty"));
+    }
+    let size = serde_json::to_vec(message).map(|v| v.len()).unwrap_or(0);
+    if size > max_bytes {
+        return Err(ErrorBody::new(
+            ErrorCode::TooLarge,
+            format!("message is {size} bytes; the limit is {max_bytes}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Engine {
+    pub fn new(store: Store, client: Client, config: Arc<Config>, progress: Arc<Progress>) -> Self {
+        let js = jetstream::new(client.clone());
+        Engine {
+            store,
+            client,
+            js,
+            config,
+            progress,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// `cyrene.session.send`.
+    pub async fn send(&self, req: SendRequest) -> Result<SendAck, ErrorBody> {
+        check_id(IdKind::Session, "session_id", &req.session_id)?;
+        if !req.client_id.is_empty() {
+            check_id(IdKind::Client, "client_id", &req.client_id)?;
+        }
+        if req.idempotency_key.chars().count() > MAX_IDEMPOTENCY_KEY
+            || req.idempotency_key.chars().any(char::is_control)
+        {
+            return Err(bad(format!(
+                "idempotency_key must be at most {MAX_IDEMPOTENCY_KEY} printable characters"
+            )));
+        }
+        check_user_message(&req.message, self.config.max_message_bytes)?;
+        let env = req.env.clone().unwrap_or_default();
+        if !env.persona.is_empty() && self.config.personas.get(&env.persona).is_none() {
+            return Err(bad(format!(
+                "env.persona: unknown persona {:?}",
+                env.persona
+            )));
+        }
+        let parallel = req.parallel
+            || self.config.parallel_sessions.contains(&req.session_id)
+            || (!req.client_id.is_empty() && self.config.parallel_clients.contains(&req.client_id));
+        let input = NewMessage {
+            session_id: req.session_id,
+            message: req.message,
+            client_id: req.client_id,
+            idempotency_key: (!req.idempotency_key.is_empty()).then_some(req.idempotency_key),
+            env,
+            parallel,
+            solo: false,
+            reply_to: None,
+        };
+        self.store_message(input).await
+    }
+
+    /// Stores a checked message and dispatches the turn it started, if any.
+    pub(crate) async fn store_message(&self, input: NewMessage) -> Result<SendAck, ErrorBody> {
+        let progress = self.progress.clone();
+        let snapshot = move |turn_id: &str| progress.snapshot(turn_id);
+        let sent = bounded(self.config.db_timeout, self.store.send(input, &snapshot)).await?;
+        if sent.duplicate {
+            tracing::debug!(message_id = %sent.ack.message_id, "idempotent resend");
+        }
+        if let Some(turn) = &sent.started {
+            self.dispatch(turn).await;
+        }
+        Ok(sent.ack)
+    }
+
+    /// `cyrene.turn.steer`.
+    pub async fn steer(&self, req: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+        check_id(IdKind::Session, "session_id", &req.session_id)?;
+        check_turn_id(&req.turn_id)?;
+        if !req.leg_id.is_empty() {
+            check_id(IdKind::Leg, "leg_id", &req.leg_id)?;
+        }
+        let messages = bounded(self.config.db_timeout, self.store.steer(&req)).await?;
+        Ok(SteerResponse { messages })
+    }
+
+    /// `cyrene.turn.complete`.
+    pub async fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {
+        check_id(IdKind::Session, "session_id", &req.session_id)?;
+        check_turn_id(&req.turn_id)?;
+        if !req.leg_id.is_empty() {
+            check_id(IdKind::Leg, "leg_id", &req.leg_id)?;
+        }
+        let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
+        if !done.first {
+            return Ok(TurnCompleteAck { first: false });
+        }
+        let mut ended = SessionEvent::new(SessionEventType::TurnEnded, &done.session_id);
+        ended.turn_id = req.turn_id.clone();
+        ended.leg_id = done.leg_id.clone();
+        ended.message = req.message.clone();
+        ended.error = req.error.clone().or_else(|| match req.outcome {
+            TurnOutcome::Final => None,
+            TurnOutcome::BudgetExhausted => Some(ErrorBody::new(
+                ErrorCode::Internal,
+                "the turn ran out of steps",
+            )),
+            TurnOutcome::Cancelled => {
+                Some(ErrorBody::new(ErrorCode::Timeout, "the turn was cancelled"))
+            }
+            TurnOutcome::Error => Some(ErrorBody::new(ErrorCode::Internal, "the turn failed")),
+        });
+        self.publish_event(&ended).await;
+        if !done.reply_to.is_empty() {
+            let note = TurnDone {
+                turn_id: req.turn_id.clone(),
+                outcome: req.outcome,
+                text: req
+                    .message
+                    .as_ref()
+                    .map(Message::text_content)
+                    .unwrap_or_default(),
+                error: ended.error.clone(),
+            };
+            let payload: Bytes = serde_json::to_vec(&note).unwrap_or_default().into();
+            for subject in &done.reply_to {
+                if let Err(err) = self.client.publish(subject.clone(), payload.clone()).await {
+                    tracing::warn!(%subject, error = %err, "could not report an ask's answer");
+                }
+            }
+        }
+        if let Some(next) = &done.next {
+            self.dispatch(next).await;
+        }
+        Ok(TurnCompleteAck { first: true })
+    }
+
+    /// `cyrene.session.history`.
+    pub async fn history(&self, req: HistoryRequest) -> Result<HistoryResponse, ErrorBody> {
+        check_id(IdKind::Session, "session_id", &req.session_id)?;
+        let limit = match req.limit {
+            None => HISTORY_DEFAULT_LIMIT,
+            Some(0) => return Err(bad("limit must be at least 1")),
+            Some(n) => n.min(HISTORY_MAX_LIMIT),
+        };
+        let messages = bounded(
+            self.config.db_timeout,
+            self.store.history(&req.session_id, limit, req.before_seq),
+        )
+        .await?;
+        Ok(HistoryResponse { messages })
+    }
+
+    async fn publish_event(&self, event: &SessionEvent) {
+        let Ok(subject) = subjects::session_events(&event.session_id) else {
+            return;
+        };
+        let payload: Bytes = serde_json::to_vec(event).unwrap_or_default().into();
+        if let Err(err) = self
+            .client
+            .publish_with_headers(subject, trace::current_headers(), payload)
+            .await
+        {
+            tracing::warn!(error = %err, "could not publish a session event");
+        }
+    }
+
+    /// Announces a new turn and publishes its job; marks it dispatched once JetStream has it.
+    pub(crate) async fn dispatch(&self, turn: &NewTurn) {
+        let mut started = SessionEvent::new(SessionEventType::TurnStarted, &turn.session_id);
+        started.turn_id = turn.turn_id.clone();
+        started.leg_id = turn.leg_id.clone();
+        started.message_ids = turn.message_ids.clone();
+        self.publish_event(&started).await;
+        self.publish_job(&turn.turn_id, &turn.job).await;
+    }
+
+    async fn publish_job(&self, turn_id: &str, job: &str) -> bool {
+        let headers: HeaderMap = trace::current_headers();
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(Bytes::from(job.to_owned()))
+            .headers(headers)
+            .message_id(turn_id);
+        let result = tokio::time::timeout(PUBLISH_TIMEOUT, async {
+            let ack = self
+                .js
+                .send_publish(subjects::TURN_RUN, publish)
+                .await
+                .map_err(|e| e.to_string())?;
+            ack.await.map_err(|e| e.to_string())
+        })
+        .await;
+        match result {
+            Ok(Ok(ack)) => {
+                if ack.duplicate {
+                    tracing::debug!(turn_id, "turn job was already in the stream");
+                }
+                match bounded(self.config.db_timeout, self.store.mark_dispatched(turn_id)).await {
+                    Ok(()) => true,
+                    Err(err) => {
+                        tracing::warn!(turn_id, error = %err.message,
+                            "turn published but not marked; the sweeper will republish it");
+                        false
+                    }
+                }
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(turn_id, error = %err, "turn dispatch failed; will retry");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(turn_id, "turn dispatch timed out; will retry");
+                false
+            }
+        }
+    }
+
+    /// Republishes running turns whose dispatch was never confirmed; returns how many were
+    /// published now.
+    pub async fn sweep(&self) -> usize {
+        let turns = match bounded(
+            self.config.db_timeout,
+            self.store.undispatched(self.config.dispatch_grace),
+        )
+        .await
+        {
+            Ok(t) => t,
+            Err(err) => {
+                tracing::debug!(error = %err.message, "sweep skipped");
+                return 0;
+            }
+        };
+        let mut published = 0;
+        for turn in turns {
+            tracing::info!(turn_id = %turn.turn_id, "republishing an unconfirmed turn");
+            if self.publish_job(&turn.turn_id, &turn.job).await {
+                published += 1;
+            }
+        }
+        published
+    }
+
+    /// The env an ask session of `persona` runs with.
+    pub(crate) fn ask_env(&self, persona: &str) -> SessionEnv {
+        SessionEnv {
+            restricted: self
+                .config
+                .personas
+                .get(persona)
+                .is_some_and(|p| p.restricted),
+            persona: persona.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_messages_are_checked() {
+        let ok = Message::text(Role::User, "hi");
+        assert!(check_user_message(&ok, 1000).is_ok());
+        let img = Message::image(Role::User, "", "data:image/png;base64,AAAA");
+        assert!(check_user_message(&img, 1000).is_ok());
+        let cases = [
+            (Message::text(Role::Assistant, "hi"), "role"),
+            (Message::text(Role::User, "  "), "empty"),
+            (Message::with_parts(Role::User, vec![]), "empty"),
+            (
+                Message::image(Role::User, "x", "file:///etc/passwd"),
+                "image_url",
+            ),
+            (Message::tool_result("c", "t", "x", false), "role"),
+        ];
+        for (m, needle) in cases {
+            let err = check_user_message(&m, 1000).unwrap_err();
+            assert_eq!(err.code, ErrorCode::BadRequest);
+            assert!(err.message.contains(needle), "{needle}: {}", err.message);
+        }
+        let big = Message::text(Role::User, "x".repeat(2000));
+        assert_eq!(
+            check_user_message(&big, 1000).unwrap_err().code,
+            ErrorCode::TooLarge
+        );
+    }
+}

@@ -1,0 +1,169 @@
+//! `cyrene-orchestrator`: sessions, transcripts, the pending queue, the per-session turn fence,
+//! turn dispatch to the loop workers, parallel legs and the personas as agents (DESIGN §4, §5,
+//! §6, §9; seed 000), served as the micro service `cyrene-orchestrator`.
+//!
+//! This crate owns:
+//! - the SQL schema and every query ([`store`]; PostgreSQL and SQLite through one code path,
+//!   migrations in `migrations/{postgres,sqlite}` applied at start);
+//! - the behaviour behind the endpoints ([`engine`]): input checks, dispositions, dispatch of
+//!   `TurnJob`s to `CYRENE_TURNS`, session events, the dispatch sweeper;
+//! - the endpoints `send`, `history`, `steer`, `complete` ([`service`]);
+//! - live progress of running legs for parallel notices ([`progress`]);
+//! - the personas ([`personas`]) and their comm agents ([`agents`]);
+//! - the configuration ([`config`]).
+//!
+//! Wire shapes live in `cyrene_protocol::{session, turn}`; `docs/orchestrator.md` documents each
+//! endpoint.
+//!
+//! # Invariants
+//! - I1: in single-leg mode at most one turn per session is `running`; a new turn starts only
+//!   when the previous one has completed (SQL-atomic, safe across replicas).
+//! - I2: every acknowledged user message is consumed by exactly one turn — claimed by the job
+//!   that starts it or at one of its steer boundaries — and appears once in the transcript.
+//! - A message is committed before it is acknowledged; a database outage gets `unavailable`.
+//! - Bad input gets a documented error code and the service keeps serving.
+
+pub mod agents;
+pub mod config;
+pub mod engine;
+pub mod personas;
+pub mod progress;
+pub mod service;
+pub mod store;
+
+pub use config::{Args, Config, ConfigError, Database};
+pub use engine::{Engine, TurnDone};
+pub use personas::{Persona, Personas};
+pub use store::{Backend, JobSettings, Store, StoreError, StoreOptions};
+
+use async_nats::Client;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// The micro service name (`nats micro ls`).
+pub const SERVICE_NAME: &str = "cyrene-orchestrator";
+
+/// How long shutdown lets running ask handlers finish.
+const AGENT_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Why the service could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("nats: {0}")]
+    Bus(String),
+}
+
+/// Opens the store described by `config` (applying the migrations).
+pub async fn open_store(config: &Config) -> Result<Store, Error> {
+    config.validate()?;
+    let url = match config.database()? {
+        Database::Postgres(url) | Database::Sqlite(url) => url,
+    };
+    let options = StoreOptions {
+        acquire_timeout: config.acquire_timeout,
+        max_connections: config.max_connections,
+    };
+    let settings = JobSettings {
+        personas: config.personas.clone(),
+        window: config.window,
+        max_steps: config.max_steps,
+        max_job_bytes: config.max_job_bytes,
+    };
+    Ok(Store::open(&url, &options, settings).await?)
+}
+
+/// Runs the orchestrator until `shutdown` fires: endpoints, agents, the progress listener and the
+/// dispatch sweeper; then drains them and closes the database.
+pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
+    let store = open_store(&config).await?;
+    ensure_stream(&client, &shutdown).await?;
+    let config = Arc::new(config);
+    let progress = Arc::new(progress::Progress::new());
+    let engine = Arc::new(Engine::new(
+        store.clone(),
+        client.clone(),
+        config.clone(),
+        progress.clone(),
+    ));
+
+    let mut tasks = JoinSet::new();
+    // The listener is subscribed before the endpoints answer, so no leg starts blind.
+    let events = client
+        .subscribe(cyrene_protocol::subjects::SESSION_EVENTS_ALL)
+        .await
+        .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
+    tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
+    let service = service::start(engine.clone(), &mut tasks, shutdown.clone()).await?;
+    let agents = if config.serve_agents {
+        agents::serve(engine.clone(), shutdown.clone())
+            .await
+            .map_err(|e| Error::Bus(format!("cannot register the agents: {e}")))?
+    } else {
+        Vec::new()
+    };
+    tasks.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    tracing::info!(
+        backend = store.backend().name(),
+        agents = agents.len(),
+        "orchestrator serving"
+    );
+
+    shutdown.cancelled().await;
+    for agent in agents {
+        agent.stop_within(AGENT_STOP_GRACE).await;
+    }
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(err) = joined {
+            tracing::error!(error = %err, "an orchestrator task failed");
+        }
+    }
+    if let Err(err) = service.stop().await {
+        tracing::debug!(error = %err, "stopping the micro service");
+    }
+    store.close().await;
+    tracing::info!("orchestrator stopped");
+    Ok(())
+}
+
+/// Creates `CYRENE_TURNS` if missing, retrying while JetStream is not reachable yet.
+async fn ensure_stream(client: &Client, shutdown: &CancellationToken) -> Result<(), Error> {
+    let js = async_nats::jetstream::new(client.clone());
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match cyrene_bus::streams::ensure_turns_stream(&js).await {
+            Ok(_) => return Ok(()),
+            Err(err) => tracing::warn!(error = %err, "cannot create the turns stream yet"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                return Err(Error::Bus("stopped before the turns stream existed".into()));
+            }
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.
+async fn sweeper(
+    engine: Arc<Engine>,
+    progress: Arc<progress::Progress>,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(engine.config().sweep_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        engine.sweep().await;
+        progress.prune(Duration::from_secs(3600));
+    }
+}

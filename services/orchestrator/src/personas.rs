@@ -1,0 +1,171 @@
+//! The personas the orchestrator answers as (DESIGN §9 `CYRENE_PERSONAS`): the config file shape,
+//! its validation, and the built-in default used when no file is given.
+//!
+//! # Invariants
+//! - Persona ids are valid agent ids (`[A-Za-z0-9_-]`, 1–128 chars) and unique; the default
+//!   persona is one of them. So an id can be used as a subject token and in the ask session id
+//!   `ask-<id>` as is.
+
+use cyrene_protocol::ids::{self, IdKind};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The id of the built-in persona.
+pub const BUILTIN_PERSONA_ID: &str = "cyrene";
+/// The display name of the built-in persona.
+pub const BUILTIN_PERSONA_NAME: &str = "昔涟";
+const BUILTIN_INSTRUCTIONS: &str = "You are Cyrene (昔涟), a warm and thoughtful companion. \
+Answer in the language the user writes in. Be concise, honest about what you do not know, and \
+use the tools you are given when they help.";
+
+/// One persona: who answers, under which name, with which system prompt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Persona {
+    /// The persona id: the agent id on the comm protocol and the `sender_name` of its answers.
+    pub id: String,
+    /// The display name used in attribution labels `「name」（id）`.
+    pub name: String,
+    /// The system prompt (the first system message of every view).
+    #[serde(default)]
+    pub instructions: String,
+    /// Whether the persona's ask session is restricted (its askers are treated as strangers:
+    /// `env.restricted = true` on the turns it runs for asks).
+    #[serde(default)]
+    pub restricted: bool,
+}
+
+/// The `CYRENE_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Personas {
+    /// The persona answering sessions whose env names none.
+    pub default: String,
+    pub personas: Vec<Persona>,
+}
+
+/// Why a personas document was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("personas: {0}")]
+pub struct PersonasError(pub String);
+
+impl Default for Personas {
+    fn default() -> Self {
+        Personas::builtin()
+    }
+}
+
+impl Personas {
+    /// The built-in configuration: one persona, `cyrene` / 昔涟.
+    pub fn builtin() -> Personas {
+        Personas {
+            default: BUILTIN_PERSONA_ID.to_owned(),
+            personas: vec![Persona {
+                id: BUILTIN_PERSONA_ID.to_owned(),
+                name: BUILTIN_PERSONA_NAME.to_owned(),
+                instructions: BUILTIN_INSTRUCTIONS.to_owned(),
+                restricted: false,
+            }],
+        }
+    }
+
+    /// Parses and validates a JSON document.
+    pub fn from_json(text: &str) -> Result<Personas, PersonasError> {
+        let personas: Personas =
+            serde_json::from_str(text).map_err(|e| PersonasError(e.to_string()))?;
+        personas.validate()?;
+        Ok(personas)
+    }
+
+    /// Reads, parses and validates a JSON file.
+    pub fn load(path: &Path) -> Result<Personas, PersonasError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| PersonasError(format!("cannot read {}: {e}", path.display())))?;
+        Personas::from_json(&text)
+    }
+
+    /// Checks ids, uniqueness and the default.
+    pub fn validate(&self) -> Result<(), PersonasError> {
+        if self.personas.is_empty() {
+            return Err(PersonasError("at least one persona is required".into()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &self.personas {
+            ids::validate(IdKind::Agent, &p.id).map_err(|e| PersonasError(e.to_string()))?;
+            if !seen.insert(p.id.as_str()) {
+                return Err(PersonasError(format!("persona {:?} is listed twice", p.id)));
+            }
+            if p.name.trim().is_empty() {
+                return Err(PersonasError(format!("persona {:?} has no name", p.id)));
+            }
+        }
+        if self.get(&self.default).is_none() {
+            return Err(PersonasError(format!(
+                "the default persona {:?} is not listed",
+                self.default
+            )));
+        }
+        Ok(())
+    }
+
+    /// The persona with `id`.
+    pub fn get(&self, id: &str) -> Option<&Persona> {
+        self.personas.iter().find(|p| p.id == id)
+    }
+
+    /// The persona for `id`, or the default one when `id` is empty.
+    pub fn resolve(&self, id: &str) -> Option<&Persona> {
+        if id.is_empty() {
+            self.get(&self.default)
+        } else {
+            self.get(id)
+        }
+    }
+
+    /// Persona id → display name (for attribution labels in turn jobs).
+    pub fn names(&self) -> BTreeMap<String, String> {
+        self.personas
+            .iter()
+            .map(|p| (p.id.clone(), p.name.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_is_valid_and_resolves_the_default() {
+        let p = Personas::builtin();
+        assert!(p.validate().is_ok());
+        assert_eq!(p.resolve("").map(|p| p.name.as_str()), Some("昔涟"));
+        assert!(p.resolve("nobody").is_none());
+    }
+
+    #[test]
+    fn design_document_parses() {
+        let p = Personas::from_json(
+            r#"{"default":"cyrene","personas":[{"id":"cyrene","name":"昔涟","instructions":"…"},
+               {"id":"hoshi","name":"星","instructions":"…","restricted":true}]}"#,
+        )
+        .unwrap();
+        assert!(p.get("hoshi").unwrap().restricted);
+        assert_eq!(p.names().get("hoshi").map(String::as_str), Some("星"));
+    }
+
+    #[test]
+    fn refuses_bad_documents() {
+        for bad in [
+            r#"{"default":"a","personas":[]}"#,
+            r#"{"default":"a","personas":[{"id":"a.b","name":"x"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x"},{"id":"a","name":"y"}]}"#,
+            r#"{"default":"b","personas":[{"id":"a","name":"x"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":" "}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","colour":"red"}]}"#,
+        ] {
+            assert!(Personas::from_json(bad).is_err(), "{bad}");
+        }
+    }
+}

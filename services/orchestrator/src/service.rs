@@ -1,0 +1,108 @@
+//! The micro service `cyrene-orchestrator`: four named endpoints, each a bounded [`serve_json`]
+//! loop in front of the [`Engine`].
+//!
+//! | endpoint   | subject                   | request          | reply             |
+//! |------------|---------------------------|------------------|-------------------|
+//! | `send`     | `cyrene.session.send`     | `SendRequest`    | `SendAck`         |
+//! | `history`  | `cyrene.session.history`  | `HistoryRequest` | `HistoryResponse` |
+//! | `steer`    | `cyrene.turn.steer`       | `SteerRequest`   | `SteerResponse`   |
+//! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
+//!
+//! # Invariants
+//! - Every request is answered: bad input by the decoder or the engine's checks
+//!   (`bad_request`/`too_large`), database trouble by `unavailable` within `db_timeout`.
+//! - Replicas share the micro service queue group: each request reaches one replica.
+
+use crate::engine::Engine;
+use crate::{Error, SERVICE_NAME};
+use async_nats::service::{Service, ServiceExt};
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_protocol::session::{HistoryRequest, SendRequest};
+use cyrene_protocol::subjects;
+use cyrene_protocol::turn::{SteerRequest, TurnComplete};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Starts the micro service and spawns one serving loop per endpoint into `tasks`.
+pub async fn start(
+    engine: Arc<Engine>,
+    tasks: &mut JoinSet<()>,
+    shutdown: CancellationToken,
+) -> Result<Service, Error> {
+    let config = engine.config().clone();
+    let service = engine
+        .client()
+        .service_builder()
+        .description(
+            "Cyrene sessions: exactly-once messages, the per-session turn fence, turn dispatch \
+             (CYRENE_TURNS), steering and completion, history",
+        )
+        .metadata(HashMap::from([(
+            "cyrene.backend".to_owned(),
+            engine.store.backend().name().to_owned(),
+        )]))
+        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
+    let endpoint = |name: &'static str, subject: &'static str| {
+        let builder = service.endpoint_builder().name(name);
+        async move {
+            builder
+                .add(subject)
+                .await
+                .map_err(|e| Error::Bus(format!("cannot add endpoint {name} on {subject}: {e}")))
+        }
+    };
+    let send = endpoint("send", subjects::SESSION_SEND).await?;
+    let history = endpoint("history", subjects::SESSION_HISTORY).await?;
+    let steer = endpoint("steer", subjects::TURN_STEER).await?;
+    let complete = endpoint("complete", subjects::TURN_COMPLETE).await?;
+
+    let options = ServeOptions {
+        max_in_flight: config.max_in_flight,
+        ..ServeOptions::default()
+    };
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        send,
+        options,
+        shutdown.clone(),
+        move |req: SendRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.send(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        history,
+        options,
+        shutdown.clone(),
+        move |req: HistoryRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.history(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        steer,
+        options,
+        shutdown.clone(),
+        move |req: SteerRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.steer(req).await }
+        },
+    ));
+    let e = engine;
+    tasks.spawn(serve_json(
+        complete,
+        options,
+        shutdown,
+        move |req: TurnComplete, _: RequestContext| {
+            let e = e.clone();
+            async move { e.complete(req).await }
+        },
+    ));
+    Ok(service)
+}

@@ -1,0 +1,253 @@
+//! Personas as agents on the comm protocol, and the parallel policy.
+
+use crate::harness::*;
+use cyrene_comm::{AskError, AskOptions, Probe};
+use cyrene_orchestrator::{Persona, Personas};
+use cyrene_protocol::message::{Message, Role, ToolCall};
+use cyrene_protocol::session::{Disposition, SessionEvent, SessionEventType};
+use cyrene_protocol::subjects;
+use std::time::Duration;
+
+fn two_personas() -> Personas {
+    Personas {
+        default: "cyrene".into(),
+        personas: vec![
+            Persona {
+                id: "cyrene".into(),
+                name: "昔涟".into(),
+                instructions: "be warm".into(),
+                restricted: false,
+            },
+            Persona {
+                id: "hoshi".into(),
+                name: "星".into(),
+                instructions: "be bright".into(),
+                restricted: true,
+            },
+        ],
+    }
+}
+
+async fn ask(probe: &Probe, to: &str, question: &str) -> cyrene_protocol::comm::Reply {
+    let options = || AskOptions {
+        timeout: Some(Duration::from_secs(10)),
+        ..AskOptions::default()
+    };
+    // The agents register just after the endpoints: retry only "nobody listens yet".
+    wait_async("the agent to answer", || async {
+        match probe.ask_with(to, question, options()).await {
+            Ok(reply) => Some(reply),
+            Err(AskError::NoReply { .. }) => None,
+            Err(err) => panic!("ask failed: {err}"),
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ask_to_a_persona_is_answered_by_its_turn() {
+    let world = World::new(Backend::Sqlite).await;
+    let mut config = world.config();
+    config.personas = two_personas();
+    let _orch = Replica::start(&world, config).await;
+    let worker = FakeWorker::start(&world, Duration::from_millis(20), 1).await;
+    let alice = Probe::new(world.client.clone(), "alice");
+    let bob = Probe::new(world.client.clone(), "bob");
+
+    let reply = ask(&alice, "hoshi", "what is the plan?").await;
+    assert_eq!(reply.from, "hoshi");
+    assert_eq!(reply.to, "alice");
+    assert_eq!(reply.text, "echo: what is the plan?");
+
+    // Concurrent asks are answered one turn each, never merged.
+    let (a, b) = tokio::join!(
+        ask(&alice, "hoshi", "question A"),
+        ask(&bob, "hoshi", "question B")
+    );
+    assert_eq!(a.text, "echo: question A");
+    assert_eq!(b.text, "echo: question B");
+
+    let jobs: Vec<_> = {
+        let log = worker.log.lock().unwrap();
+        log.turns.values().filter_map(|t| t.job.clone()).collect()
+    };
+    assert_eq!(jobs.len(), 3);
+    for job in &jobs {
+        assert_eq!(job.session_id, "ask-hoshi");
+        assert_eq!(job.env.persona, "hoshi");
+        assert!(job.env.restricted, "hoshi's askers are strangers");
+        assert_eq!(job.instructions, "be bright");
+        assert_eq!(job.message_ids.len(), 1);
+        let asked = job.messages.last().unwrap();
+        assert!(asked.sender_name == "alice" || asked.sender_name == "bob");
+    }
+    let h = history(&world.client, "ask-hoshi").await;
+    assert_eq!(h.len(), 6, "three questions and three answers");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ask_times_out_when_no_worker_runs_its_turn() {
+    let world = World::new(Backend::Sqlite).await;
+    let mut config = world.config();
+    config.ask_timeout = Duration::from_millis(300);
+    let _orch = Replica::start(&world, config).await;
+    let probe = Probe::new(world.client.clone(), "alice");
+    let err = wait_async("the agent to answer", || async {
+        match probe
+            .ask_with(
+                "cyrene",
+                "anyone?",
+                AskOptions {
+                    timeout: Some(Duration::from_secs(5)),
+                    ..AskOptions::default()
+                },
+            )
+            .await
+        {
+            Err(AskError::NoReply { .. }) => None,
+            other => Some(other),
+        }
+    })
+    .await
+    .unwrap_err();
+    match err {
+        AskError::Remote { error, .. } => {
+            assert_eq!(error.code, cyrene_protocol::ErrorCode::Timeout)
+        }
+        other => panic!("expected a timeout envelope, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
+    let world = World::new(Backend::Sqlite).await;
+    let mut config = world.config();
+    config.parallel_clients = vec!["phone".into()];
+    let _orch = Replica::start(&world, config).await;
+    let mut jobs = JobQueue::new(&world.client).await;
+    let c = &world.client;
+
+    let m1 = send(c, &send_req("s1", "write about the sea", "k1", "desk"))
+        .await
+        .unwrap();
+    assert_eq!(m1.disposition, Disposition::TurnStarted);
+    let (leg1, _) = jobs.next().await;
+    // The live leg reports progress as a worker would.
+    let subject = subjects::session_events("s1").unwrap();
+    let mut step = SessionEvent::new(SessionEventType::Step, "s1");
+    step.turn_id = leg1.turn_id.clone();
+    step.at_step = Some(3);
+    let mut tools = SessionEvent::new(SessionEventType::ToolCall, "s1");
+    tools.turn_id = leg1.turn_id.clone();
+    tools.at_step = Some(3);
+    let call = |name: &str| ToolCall {
+        id: format!("c-{name}"),
+        name: name.into(),
+        args: Default::default(),
+        args_error: None,
+    };
+    tools.message = Some(Message::assistant_tool_calls(&[
+        call("search"),
+        call("read"),
+    ]));
+    for ev in [&step, &tools] {
+        c.publish(subject.clone(), serde_json::to_vec(ev).unwrap().into())
+            .await
+            .unwrap();
+    }
+    c.flush().await.unwrap();
+    // Same client: waits for its own leg.
+    let m2 = send(c, &send_req("s1", "and make it short", "k2", "desk"))
+        .await
+        .unwrap();
+    assert_eq!(m2.disposition, Disposition::Pending);
+
+    // Another client under the parallel policy: a leg of its own, told about the live one.
+    let m3 = send(c, &send_req("s1", "what's the weather", "k3", "phone"))
+        .await
+        .unwrap();
+    assert_eq!(m3.disposition, Disposition::ParallelLeg);
+    let (leg2, _) = jobs.next().await;
+    assert_eq!(leg2.turn_id, m3.turn_id);
+    assert!(!leg2.leg_id.is_empty());
+    assert_eq!(leg2.message_ids, vec![m3.message_id.clone()]);
+    let texts: Vec<String> = leg2.messages.iter().map(|m| m.text_content()).collect();
+    assert_eq!(texts, ["what's the weather"], "no text of the other leg");
+    let notice = leg2.notice.clone().expect("a parallel notice");
+    assert_eq!(notice.other_message_id, m1.message_id);
+    assert_eq!(notice.step, 3);
+    assert_eq!(notice.tool_names, ["search", "read"]);
+    assert_eq!(notice.queued, 1, "the desk's second message waits");
+
+    // Each leg steers its own client's messages.
+    assert!(steer(c, &leg2, 1, 0).await.unwrap().messages.is_empty());
+    let desk = steer(c, &leg1, 1, 0).await.unwrap().messages;
+    assert_eq!(desk.len(), 1);
+    assert_eq!(desk[0].id, m2.message_id);
+    let m4 = send(c, &send_req("s1", "in celsius", "k4", "phone"))
+        .await
+        .unwrap();
+    assert_eq!(
+        m4.disposition,
+        Disposition::Pending,
+        "the phone's leg is running"
+    );
+    let phone = steer(c, &leg2, 1, 0).await.unwrap().messages;
+    assert_eq!(phone.len(), 1);
+    assert_eq!(phone[0].id, m4.message_id);
+
+    // A per-send opt-in from a third client.
+    let mut opt_in = send_req("s1", "me too", "k5", "tablet");
+    opt_in.parallel = true;
+    let m5 = send(c, &opt_in).await.unwrap();
+    assert_eq!(m5.disposition, Disposition::ParallelLeg);
+    let (leg3, _) = jobs.next().await;
+    assert_ne!(leg3.leg_id, leg2.leg_id);
+    assert_eq!(
+        leg3.notice.as_ref().map(|n| n.other_message_id.as_str()),
+        Some(m3.message_id.as_str())
+    );
+
+    for (job, answer) in [(&leg1, "sea"), (&leg2, "sunny"), (&leg3, "you too")] {
+        assert!(
+            complete(c, &completion(job, 1, answer))
+                .await
+                .unwrap()
+                .first
+        );
+    }
+    let h = history(c, "s1").await;
+    assert_eq!(
+        h.iter()
+            .filter(|e| e.message.role == Role::Assistant)
+            .count(),
+        3
+    );
+    assert!(h.iter().all(|e| !e.turn_id.is_empty()));
+    // All legs are done: the session is back to single-leg mode.
+    let next = send(c, &send_req("s1", "thanks", "k6", "desk"))
+        .await
+        .unwrap();
+    assert_eq!(next.disposition, Disposition::TurnStarted);
+    let (job, _) = jobs.next().await;
+    assert!(job.leg_id.is_empty() && job.notice.is_none());
+}
+
+/// The turn of an ask may complete on the other replica: the answer still reaches the asker.
+#[tokio::test(flavor = "multi_thread")]
+async fn asks_are_answered_across_two_replicas() {
+    let world = World::new(Backend::Postgres).await;
+    let _a = Replica::start(&world, world.config()).await;
+    let _b = Replica::start(&world, world.config()).await;
+    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    let probe = Probe::new(world.client.clone(), "alice");
+    for i in 0..6 {
+        let question = format!("question {i}");
+        let reply = ask(&probe, "cyrene", &question).await;
+        assert_eq!(reply.text, format!("echo: {question}"));
+    }
+    let completes = endpoint_requests(&world.client, "complete").await;
+    assert_eq!(completes.iter().sum::<u64>(), 6);
+    worker.stop().await;
+}

@@ -1,0 +1,9 @@
+//! The orchestrator over a real nats-server and real SQL (SQLite files and fresh PostgreSQL
+//! databases), with a fake loop worker or a test playing the worker by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod agents;
+mod bad_input;
+mod fence;
+mod harness;
+mod volume;

@@ -1,0 +1,214 @@
+//! `cyrene up`: every service in one process, for local use.
+//!
+//! Embedded defaults: SQLite files in the data directory, and — unless `--models`/`CYRENE_MODELS`
+//! names a real provider config — the offline scripted provider with a small demo script plus a
+//! demo tool (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
+//! steered into the running turn). Every service gets its own NATS connection, exactly as when
+//! they run as separate processes.
+
+use super::CliError;
+use async_nats::service::ServiceExt;
+use clap::Args;
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::{BusConfig, ConnectMode};
+use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+use cyrene_protocol::ErrorBody;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// The offline demo script used when no model config is given.
+const OFFLINE_MODELS: &str = include_str!("offline-models.json");
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Where the SQLite databases live.
+    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
+    pub data_dir: PathBuf,
+    /// PostgreSQL (or sqlite://) URL for both stores; SQLite files in the data dir when absent.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Model config (JSON, DESIGN §9); the offline scripted demo when absent.
+    #[arg(long, env = "CYRENE_MODELS")]
+    pub models: Option<PathBuf>,
+    /// Personas (JSON, DESIGN §9); 昔涟 (cyrene) and 星 (hoshi) when absent.
+    #[arg(long, env = "CYRENE_PERSONAS")]
+    pub personas: Option<PathBuf>,
+    /// Loop workers to run.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+}
+
+/// Two demo personas, so asks between agents can be shown.
+const DEMO_PERSONAS: &str = r#"{"default":"cyrene","personas":[
+ {"id":"cyrene","name":"昔涟","instructions":"You are 昔涟 (Cyrene), a warm companion. Answer briefly."},
+ {"id":"hoshi","name":"星","instructions":"You are 星 (Hoshi), cheerful and curious. Answer briefly."}]}"#;
+
+pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| CliError::Failed(format!("{what}: {e}"));
+    std::fs::create_dir_all(&args.data_dir).map_err(|e| fail("cannot create the data dir", &e))?;
+    let offline = args.models.is_none();
+    let models = match &args.models {
+        Some(path) => ModelsConfig::from_file(path).map_err(|e| fail("model config", &e))?,
+        None => {
+            serde_json::from_str(OFFLINE_MODELS).map_err(|e| fail("built-in model config", &e))?
+        }
+    };
+    let secrets = Secrets::resolve(&models, |name| std::env::var(name).ok());
+    let personas = match &args.personas {
+        Some(path) => {
+            cyrene_orchestrator::Personas::load(path).map_err(|e| fail("personas", &e))?
+        }
+        None => cyrene_orchestrator::Personas::from_json(DEMO_PERSONAS)
+            .map_err(|e| fail("personas", &e))?,
+    };
+
+    let connect = |name: &'static str| {
+        let config = BusConfig::new(nats_url, name, ConnectMode::Client);
+        async move {
+            cyrene_bus::connect(&config)
+                .await
+                .map_err(|e| CliError::Failed(format!("cannot connect to NATS at {nats_url}: {e}")))
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let mut services: JoinSet<(&'static str, Result<(), String>)> = JoinSet::new();
+
+    let gateway = cyrene_model_gateway::Config {
+        models,
+        secrets,
+        serve: ServeOptions::default(),
+    };
+    let client = connect("cyrene-model-gateway").await?;
+    let s = shutdown.clone();
+    services.spawn(async move {
+        (
+            "model-gateway",
+            cyrene_model_gateway::run(gateway, client, s)
+                .await
+                .map_err(|e| e.to_string()),
+        )
+    });
+
+    let mut store = cyrene_checkpoint_store::Config::new(&args.data_dir);
+    store.database_url = args.database_url.clone();
+    let client = connect("cyrene-checkpoint-store").await?;
+    let s = shutdown.clone();
+    services.spawn(async move {
+        (
+            "checkpoint-store",
+            cyrene_checkpoint_store::run(store, client, s)
+                .await
+                .map_err(|e| e.to_string()),
+        )
+    });
+
+    let mut orchestrator = cyrene_orchestrator::Config::new(&args.data_dir);
+    orchestrator.database_url = args.database_url.clone();
+    orchestrator.personas = personas;
+    let client = connect("cyrene-orchestrator").await?;
+    let s = shutdown.clone();
+    services.spawn(async move {
+        (
+            "orchestrator",
+            cyrene_orchestrator::run(orchestrator, client, s)
+                .await
+                .map_err(|e| e.to_string()),
+        )
+    });
+
+    for _ in 0..args.workers.max(1) {
+        let client = connect("cyrene-loop-worker").await?;
+        let s = shutdown.clone();
+        let config = cyrene_loop_worker::Config {
+            tool_refresh: Duration::from_secs(5),
+            ..Default::default()
+        };
+        services.spawn(async move {
+            (
+                "loop-worker",
+                cyrene_loop_worker::run(config, client, s)
+                    .await
+                    .map_err(|e| e.to_string()),
+            )
+        });
+    }
+    if offline {
+        let client = connect("cyrene-demo-tools").await?;
+        let s = shutdown.clone();
+        services.spawn(async move { ("demo-tools", demo_tools(client, s).await) });
+    }
+
+    eprintln!(
+        "cyrene: up on {nats_url} — model-gateway ({}), checkpoint-store, orchestrator, {} loop worker(s); data in {}. Ctrl-C to stop.",
+        if offline {
+            "offline scripted demo"
+        } else {
+            "configured providers"
+        },
+        args.workers.max(1),
+        args.data_dir.display()
+    );
+    let stop = super::agent::shutdown_signal();
+    tokio::pin!(stop);
+    let mut failed = None;
+    tokio::select! {
+        _ = &mut stop => {}
+        Some(done) = services.join_next() => {
+            if let Ok((name, result)) = done {
+                failed = Some(format!("{name} stopped: {}", result.err().unwrap_or_else(|| "without an error".into())));
+            }
+        }
+    }
+    shutdown.cancel();
+    let drained = tokio::time::timeout(Duration::from_secs(15), async {
+        while services.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        services.abort_all();
+    }
+    match failed {
+        Some(message) => Err(CliError::Failed(message)),
+        None => Ok(()),
+    }
+}
+
+/// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.
+async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> Result<(), String> {
+    let service = client
+        .service_builder()
+        .description("Cyrene demo tools (offline mode)")
+        .start("cyrene-demo-tools", env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| e.to_string())?;
+    let metadata: HashMap<String, String> = [
+        (
+            "cyrene.tool.description".to_owned(),
+            "Search the user's notes (demo; takes 1.5 s).".to_owned(),
+        ),
+        (
+            "cyrene.tool.parameters".to_owned(),
+            r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#
+                .to_owned(),
+        ),
+    ]
+    .into();
+    let endpoint = service
+        .endpoint_builder()
+        .name("search_notes")
+        .metadata(metadata)
+        .add("cyrene.tool.search_notes")
+        .await
+        .map_err(|e| e.to_string())?;
+    serve_json(endpoint, ServeOptions::default(), shutdown, |args: Value, _ctx: RequestContext| async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let query = args.get("query").and_then(Value::as_str).unwrap_or_default().to_owned();
+        Ok::<_, ErrorBody>(json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}))
+    })
+    .await;
+    Ok(())
+}
