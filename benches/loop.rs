@@ -140,33 +140,12 @@ async fn throughput(stack: &Stack, workers: usize, tag: &str) -> f64 {
     rate
 }
 
-async fn postgres_url() -> Option<String> {
-    use sqlx::Connection;
-    let admin = "postgres://postgres@127.0.0.1:5432/test";
-    let mut conn = match tokio::time::timeout(
-        Duration::from_secs(3),
-        sqlx::PgConnection::connect(admin),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        _ => return None,
-    };
-    let name = format!("cyrene_bench_{}", cyrene_protocol::ids::new_id());
-    // `name` is ours (a UUID), not input.
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut conn)
-        .await
-        .ok()?;
-    Some(format!("postgres://postgres@127.0.0.1:5432/{name}"))
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     println!(
         "loop worker: per durable step (scripted model, no-op tool, checkpoint + steer each step)"
     );
-    let pg = postgres_url().await;
+    let pg = common::fresh_postgres("cyrene_bench").await;
     let mut backends = vec![("sqlite", None)];
     match &pg {
         Some(url) => backends.insert(0, ("postgres", Some(url.clone()))),

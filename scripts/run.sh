@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make run`: starts a local nats-server when none answers at $NATS_URL, then shows the comm
-# protocol end to end with the cyrene CLI: a smoke-test agent, an ask, an event, a probe.
+# `make run`: start a local nats-server when none answers at $NATS_URL, run every Cyrene service
+# in one process (`cyrene up`: SQLite + the offline scripted demo unless CYRENE_MODELS names real
+# providers), then `cyrene chat` on a terminal — or, without one, `cyrene demo`: a short scripted
+# conversation showing a tool call, a steered message and the checkpoints.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -8,36 +10,45 @@ NATS_URL="${NATS_URL:-nats://127.0.0.1:4222}"
 export NATS_URL
 cargo build --quiet --bin cyrene
 cyrene="$root/target/debug/cyrene"
+run_dir="$root/.tools/run"
+mkdir -p "$run_dir"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-if ! "$cyrene" probe --wait 100ms >/dev/null 2>&1; then
-  hostport="${NATS_URL#nats://}"
-  echo "== no NATS at $NATS_URL: starting $NATS_SERVER_BIN with JetStream"
-  mkdir -p .tools/run-data
-  "$NATS_SERVER_BIN" -a "${hostport%:*}" -p "${hostport##*:}" -js -sd .tools/run-data \
-    >.tools/run-data/nats.log 2>&1 &
-  pids+=($!)
-  for _ in $(seq 100); do "$cyrene" probe --wait 50ms >/dev/null 2>&1 && break; sleep 0.1; done
+# A server that answers is not enough: it needs JetStream and version 2.10 or newer (read from
+# the INFO line it greets every client with).
+js_ok() {
+  local info
+  info="$(timeout 3 bash -c "exec 3<>/dev/tcp/${1%:*}/${1##*:}; head -n 1 <&3" 2>/dev/null)" || return 1
+  grep -q '"jetstream":true' <<<"$info" || return 1
+  grep -Eq '"version":"(2\.(1[0-9]|[2-9][0-9])|[3-9])' <<<"$info"
+}
+hostport="${NATS_URL#nats://}"
+if ! js_ok "$hostport"; then
+  if timeout 1 bash -c "exec 3<>/dev/tcp/${hostport%:*}/${hostport##*:}" 2>/dev/null; then
+    echo "== $NATS_URL answers but lacks JetStream or is older than 2.10; using 127.0.0.1:4333" >&2
+    hostport="127.0.0.1:4333"; NATS_URL="nats://$hostport"; export NATS_URL
+  fi
+  if ! js_ok "$hostport"; then
+    echo "== starting $NATS_SERVER_BIN on $hostport with JetStream (store in $run_dir/nats)"
+    "$NATS_SERVER_BIN" -a "${hostport%:*}" -p "${hostport##*:}" -js -sd "$run_dir/nats" \
+      >"$run_dir/nats.log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do js_ok "$hostport" && break; sleep 0.1; done
+  fi
 fi
 
-echo "== starting agent 'cyrene' (answers every ask)"
-"$cyrene" agent --id cyrene --reply "你好，我是昔涟。" > .tools/agent.jsonl &
+echo "== cyrene up (logs: $run_dir/up.log)"
+RUST_LOG="${RUST_LOG:-warn}" "$cyrene" up --data-dir "$run_dir/data" >"$run_dir/up.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 100); do
-  "$cyrene" ask --from you --to cyrene --timeout 200ms ping >/dev/null 2>&1 && break
-  sleep 0.1
-done
 
-echo "== cyrene ask --from you --to cyrene 'who are you?'"
-"$cyrene" ask --from you --to cyrene "who are you?"
-echo "== cyrene emit --from you --to cyrene task.progress '{\"pct\":50}'"
-"$cyrene" emit --from you --to cyrene task.progress '{"pct":50}'
-echo "== cyrene ask --from you --to nobody hi   (expected to fail: no responder)"
-"$cyrene" ask --from you --to nobody hi || echo "(exit code $?)"
-sleep 0.2
-echo "== what the agent received (one JSON line each)"
-cat .tools/agent.jsonl
-echo "== cyrene probe   (micro services on the bus; none until the services land)"
-"$cyrene" probe
+if [ -t 0 ] && [ -t 1 ]; then
+  "$cyrene" demo >/dev/null 2>&1 || true # waits until every service answers
+  echo "== cyrene chat — try: 'search my notes', then type while she searches; 'what time is it?'"
+  "$cyrene" chat
+else
+  "$cyrene" demo
+  echo "== cyrene probe"
+  "$cyrene" probe
+fi

@@ -436,3 +436,38 @@ pub fn completion_counts(fake: &FakeOrchestrator) -> BTreeMap<String, usize> {
     }
     counts
 }
+
+/// A fresh PostgreSQL database on the local server, or None when PostgreSQL is unreachable.
+pub async fn fresh_postgres(prefix: &str) -> Option<String> {
+    use sqlx::Connection;
+    let admin = "postgres://postgres@127.0.0.1:5432/test";
+    let mut conn = match tokio::time::timeout(
+        Duration::from_secs(3),
+        sqlx::PgConnection::connect(admin),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        _ => return None,
+    };
+    let name = format!("{prefix}_{}", cyrene_protocol::ids::new_id());
+    // `name` is ours (a UUID), not input.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut conn)
+        .await
+        .ok()?;
+    Some(format!("postgres://postgres@127.0.0.1:5432/{name}"))
+}
+
+/// A service binary as a child process, killed when dropped.
+pub fn service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::process::Child {
+    let mut cmd = tokio::process::Command::new(workspace_binary(name));
+    cmd.env("NATS_URL", nats_url)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.stdout(std::process::Stdio::null());
+    cmd.spawn().unwrap()
+}

@@ -172,7 +172,7 @@ pub struct Args {
     pub nats_url: String,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// orchestrator.db in the data directory.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Directory of the default SQLite database (created if missing).
     #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]

@@ -1,0 +1,472 @@
+//! End to end with the real service binaries over a real nats-server: the orchestrator (one or
+//! two replicas), the checkpoint store and two loop workers as processes; the gateway in this
+//! process so the scripted provider's request log can be read.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+mod common;
+
+use common::{fresh_postgres, service, wait_for_service};
+use cyrene_bus::service::ServeOptions;
+use cyrene_bus::{RequestError, request_json};
+use cyrene_model_gateway::Gateway;
+use cyrene_model_gateway::config::Secrets;
+use cyrene_model_gateway::providers::scripted::RequestLog;
+use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::session::{
+    HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent, SessionEventType,
+};
+use cyrene_protocol::subjects;
+use cyrene_protocol::turn::TurnJob;
+use cyrene_test_support::NatsServer;
+use futures::StreamExt;
+use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::process::Child;
+use tokio_util::sync::CancellationToken;
+
+const SESSIONS: usize = 20;
+const PER_SESSION: usize = 10;
+
+/// Who consumed which message, as seen on the wire: turn jobs and steer acks.
+#[derive(Default)]
+struct Consumption {
+    /// message id → turn ids that took it in
+    by_message: BTreeMap<String, BTreeSet<String>>,
+}
+
+struct World {
+    server: NatsServer,
+    client: async_nats::Client,
+    log: RequestLog,
+    consumption: Arc<Mutex<Consumption>>,
+    database_url: Option<String>,
+    data: tempfile::TempDir,
+    children: Vec<Child>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl World {
+    async fn start(database_url: Option<String>) -> World {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let shutdown = CancellationToken::new();
+        let gateway = Gateway::new(
+            common::models(json!([])),
+            &Secrets::from_pairs(Vec::<(String, String)>::new()),
+            cyrene_model_gateway::http_client().unwrap(),
+        )
+        .unwrap();
+        let log = gateway.request_log("offline").unwrap();
+        tokio::spawn(cyrene_model_gateway::serve(
+            Arc::new(gateway),
+            client.clone(),
+            ServeOptions::default(),
+            shutdown.clone(),
+        ));
+
+        // Watch the wire: every job's message ids, every steer ack's.
+        let consumption = Arc::new(Mutex::new(Consumption::default()));
+        let mut jobs = client.subscribe(subjects::TURN_RUN).await.unwrap();
+        let mut events = client
+            .subscribe(subjects::SESSION_EVENTS_ALL)
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+        let c = consumption.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    Some(m) = jobs.next() => {
+                        let job: TurnJob = serde_json::from_slice(&m.payload).unwrap();
+                        let mut c = c.lock().unwrap();
+                        for id in job.message_ids {
+                            c.by_message.entry(id).or_default().insert(job.turn_id.clone());
+                        }
+                    }
+                    Some(m) = events.next() => {
+                        let e: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+                        if e.kind == SessionEventType::SteerAck {
+                            let mut c = c.lock().unwrap();
+                            for id in e.message_ids {
+                                c.by_message.entry(id).or_default().insert(e.turn_id.clone());
+                            }
+                        }
+                    }
+                    else => break,
+                }
+            }
+        });
+
+        let data = tempfile::tempdir().unwrap();
+        let mut world = World {
+            server,
+            client,
+            log,
+            consumption,
+            database_url,
+            data,
+            children: vec![],
+            shutdown,
+        };
+        let store = world.service("cyrene-checkpoint-store");
+        world.children.push(store);
+        wait_for_service(&world.client, "cyrene-checkpoint-store").await;
+        for _ in 0..2 {
+            let worker = service(
+                "cyrene-loop-worker",
+                &world.server.url(),
+                &[("CYRENE_WORKER_ACK_WAIT", "2s")],
+            );
+            world.children.push(worker);
+        }
+        world
+    }
+
+    /// A service binary with this world's bus, data dir and database.
+    fn service(&self, name: &str) -> Child {
+        let data = self.data.path().display().to_string();
+        let mut envs = vec![("CYRENE_DATA_DIR", data.as_str())];
+        if let Some(url) = &self.database_url {
+            envs.push(("DATABASE_URL", url.as_str()));
+        }
+        service(name, &self.server.url(), &envs)
+    }
+
+    /// An orchestrator process, once it answers `$SRV.PING`.
+    async fn orchestrator(&self) -> Child {
+        let child = self.service("cyrene-orchestrator");
+        wait_for_service(&self.client, "cyrene-orchestrator").await;
+        child
+    }
+
+    /// Sends until acknowledged (idempotent by key: a retry after a lost ack is safe).
+    async fn send(&self, session: &str, text: &str, key: &str) -> SendAck {
+        let request = SendRequest {
+            session_id: session.to_owned(),
+            message: Message::text(Role::User, text),
+            client_id: "e2e".into(),
+            idempotency_key: key.to_owned(),
+            env: None,
+            parallel: false,
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let sent: Result<SendAck, RequestError> = request_json(
+                &self.client,
+                subjects::SESSION_SEND,
+                &request,
+                Duration::from_secs(5),
+            )
+            .await;
+            match sent {
+                Ok(ack) => return ack,
+                Err(err) => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "send {key} never acknowledged: {err}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    async fn history(&self, session: &str) -> HistoryResponse {
+        let request = HistoryRequest {
+            session_id: session.to_owned(),
+            limit: Some(1000),
+            before_seq: None,
+        };
+        request_json(
+            &self.client,
+            subjects::SESSION_HISTORY,
+            &request,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// Sends PER_SESSION messages into each of SESSIONS sessions, all sessions at once.
+    async fn load(self: &Arc<Self>, tag: &str) -> Vec<(String, SendAck, String)> {
+        let mut tasks = Vec::new();
+        for s in 0..SESSIONS {
+            let world = self.clone();
+            let tag = tag.to_owned();
+            tasks.push(tokio::spawn(async move {
+                let session = format!("{tag}-s{s}");
+                let mut acks = Vec::new();
+                for m in 0..PER_SESSION {
+                    let text = format!("{tag} message {m} of session {s}");
+                    let ack = world.send(&session, &text, &format!("{session}-{m}")).await;
+                    acks.push((session.clone(), ack, text));
+                }
+                acks
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    }
+
+    /// Waits until every session's transcript holds each of its messages answered.
+    async fn settle(&self, sent: &[(String, SendAck, String)]) -> HashMap<String, HistoryResponse> {
+        let sessions: BTreeSet<&String> = sent.iter().map(|(s, _, _)| s).collect();
+        let mut histories = HashMap::new();
+        let settled = tokio::time::timeout(Duration::from_secs(120), async {
+            for session in sessions {
+                loop {
+                    let h = self.history(session).await;
+                    let users = h
+                        .messages
+                        .iter()
+                        .filter(|e| e.message.role == Role::User)
+                        .count();
+                    let consumed = h
+                        .messages
+                        .iter()
+                        .filter(|e| e.message.role == Role::User && !e.turn_id.is_empty())
+                        .count();
+                    let last_is_answer = h
+                        .messages
+                        .last()
+                        .is_some_and(|e| e.message.role == Role::Assistant);
+                    if users == PER_SESSION && consumed == users && last_is_answer {
+                        histories.insert(session.clone(), h);
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        })
+        .await;
+        assert!(settled.is_ok(), "every session settles");
+        histories
+    }
+
+    /// The exactly-once checks over what `load` sent.
+    fn assert_exactly_once(
+        &self,
+        sent: &[(String, SendAck, String)],
+        histories: &HashMap<String, HistoryResponse>,
+    ) {
+        let consumption = self.consumption.lock().unwrap();
+        let requests = self.log.snapshot();
+        for (session, ack, text) in sent {
+            // Consumed by exactly one turn (a job's new message or a steer claim) …
+            let turns = consumption
+                .by_message
+                .get(&ack.message_id)
+                .cloned()
+                .unwrap_or_default();
+            assert_eq!(turns.len(), 1, "{text} consumed by {turns:?}");
+            // … it reached the model …
+            assert!(
+                requests.iter().any(|r| r
+                    .messages
+                    .iter()
+                    .any(|m| m.role == Role::User && m.text_content() == *text)),
+                "{text} never reached the model"
+            );
+            // … and the transcript holds it once, attributed to that turn.
+            let entries: Vec<_> = histories[session]
+                .messages
+                .iter()
+                .filter(|e| e.message.role == Role::User && e.message.text_content() == *text)
+                .collect();
+            assert_eq!(
+                entries.len(),
+                1,
+                "{text} in the transcript {} times",
+                entries.len()
+            );
+            assert_eq!(entries[0].id, ack.message_id);
+            assert!(
+                turns.contains(&entries[0].turn_id),
+                "{text}: transcript turn {} vs wire {turns:?}",
+                entries[0].turn_id
+            );
+        }
+        let ids: BTreeSet<&String> = sent.iter().map(|(_, a, _)| &a.message_id).collect();
+        assert_eq!(ids.len(), sent.len(), "every message got its own id");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_messages_into_twenty_sessions_are_each_processed_exactly_once() {
+    let world = Arc::new(World::start(None).await);
+    let _orchestrator = world.orchestrator().await;
+    let sent = world.load("once").await;
+    let histories = world.settle(&sent).await;
+    world.assert_exactly_once(&sent, &histories);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_orchestrator_replicas_on_one_postgres_keep_exactly_once_and_the_fence() {
+    let Some(url) = fresh_postgres("cyrene_e2e").await else {
+        panic!("PostgreSQL at 127.0.0.1:5432 is required for this test");
+    };
+    let world = Arc::new(World::start(Some(url)).await);
+    let _one = world.orchestrator().await;
+    let _two = world.orchestrator().await;
+    let sent = world.load("replicas").await;
+    let histories = world.settle(&sent).await;
+    world.assert_exactly_once(&sent, &histories);
+
+    // Both replicas took part.
+    let inbox = world.client.new_inbox();
+    let mut stats = world.client.subscribe(inbox.clone()).await.unwrap();
+    world
+        .client
+        .publish_with_reply("$SRV.STATS.cyrene-orchestrator", inbox, "".into())
+        .await
+        .unwrap();
+    let mut served = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), stats.next()).await {
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        let send = v["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "send")
+            .unwrap()["num_requests"]
+            .as_u64()
+            .unwrap();
+        served.push(send);
+    }
+    assert_eq!(served.len(), 2, "two replicas answer $SRV.STATS");
+    assert!(
+        served.iter().all(|n| *n > 0),
+        "both replicas served sends: {served:?}"
+    );
+
+    // The fence: in every session, each answer follows the messages of its turn and no turn's
+    // answer interleaves with another's (one turn in flight per session).
+    for h in histories.values() {
+        let mut seen_turns = Vec::new();
+        for e in &h.messages {
+            if e.message.role == Role::Assistant {
+                assert!(
+                    !seen_turns.contains(&e.turn_id),
+                    "turn {} answered twice",
+                    e.turn_id
+                );
+                seen_turns.push(e.turn_id.clone());
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrator_killed_under_load_loses_nothing() {
+    let world = Arc::new(World::start(None).await);
+    // Kill the orchestrator while the load runs; sends retry until a new one answers.
+    let mut victim = world.orchestrator().await;
+    let loader = {
+        let world = world.clone();
+        tokio::spawn(async move { world.load("restart").await })
+    };
+    common::eventually(
+        "some messages acknowledged",
+        Duration::from_secs(30),
+        || world.log.len() >= 10,
+    )
+    .await;
+    victim.start_kill().unwrap(); // SIGKILL mid-load
+    victim.wait().await.unwrap();
+    let replacement = world.service("cyrene-orchestrator");
+    let sent = loader.await.unwrap();
+    let histories = world.settle(&sent).await;
+    world.assert_exactly_once(&sent, &histories);
+    drop(replacement);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
+    let world = World::start(None).await;
+    let _orchestrator = world.orchestrator().await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args([
+            "ask",
+            "--from",
+            "me",
+            "--to",
+            "cyrene",
+            "--timeout",
+            "30s",
+            "are you there?",
+        ])
+        .env("NATS_URL", world.server.url())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "echo: are you there?\n"
+    );
+    // The orchestrator lists its service; the persona is reachable as an agent.
+    let info = world
+        .client
+        .request("$SRV.INFO.cyrene-orchestrator", "".into())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&info.payload).contains("cyrene.session.send"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints() {
+    let server = NatsServer::start();
+    let data = tempfile::tempdir().unwrap();
+    let _up = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["up", "--data-dir"])
+        .arg(data.path())
+        .env("NATS_URL", server.url())
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+            .args(["demo", "--session", "demo1"])
+            .env("NATS_URL", server.url())
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("⚙ search_notes"), "{text}");
+    assert!(
+        text.contains("↪ steered 1 message(s) into step 2"),
+        "{text}"
+    );
+    let checkpoint_line = |id: &str, stop: &str| {
+        text.lines()
+            .any(|l| l.starts_with(&format!("{id} ")) && l.contains(stop))
+    };
+    assert!(checkpoint_line("demo1:1", "tool_calls"), "{text}");
+    assert!(checkpoint_line("demo1:3", "stop"), "{text}");
+    assert!(text.contains("(UTC). — offline scripted reply"), "{text}");
+}
