@@ -7,7 +7,7 @@ use cyrene_bus::request_json;
 use cyrene_checkpoint_client::{CheckpointClient, Error as CheckpointError};
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::message::ToolCall;
-use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
+use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
 use cyrene_protocol::turn::{SteerRequest, SteerResponse};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
@@ -72,6 +72,22 @@ impl TurnPorts for NatsPorts {
         )
         .await
         .map_err(|e| e.to_body())
+    }
+
+    async fn main_model_vision(&self, persona_id: &str) -> Result<bool, ErrorBody> {
+        let request = RouteRequest {
+            persona_id: persona_id.to_owned(),
+            ..Default::default()
+        };
+        let route: RouteResponse = request_json(
+            &self.client,
+            subjects::MODEL_ROUTE,
+            &request,
+            self.timeouts.steer,
+        )
+        .await
+        .map_err(|e| e.to_body())?;
+        Ok(route.main_has_vision())
     }
 
     async fn complete(&self, mut request: ModelRequest) -> Result<ModelResponse, ErrorBody> {

@@ -61,6 +61,13 @@ pub trait TurnPorts: Send + Sync {
         request: SteerRequest,
     ) -> impl Future<Output = Result<SteerResponse, ErrorBody>> + Send;
 
+    /// Whether the model that answers `persona_id` takes images itself (the first step of its
+    /// chain, `cyrene.model.route`).
+    fn main_model_vision(
+        &self,
+        persona_id: &str,
+    ) -> impl Future<Output = Result<bool, ErrorBody>> + Send;
+
     /// One model call through the gateway.
     fn complete(
         &self,

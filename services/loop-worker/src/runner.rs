@@ -37,6 +37,7 @@ use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde_json::{Map, Value};
+use std::collections::HashMap;
 
 /// What the worker does with the job after the runner returns.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,7 +94,18 @@ struct Turn<'a, P> {
     blocks: ContextBlocks,
     speakers: SpeakerEnv,
     names: PersonaNames,
+    /// Whether the main model takes images (asked once per turn, when a view first has one).
+    main_vision: Option<bool>,
+    /// Image URL → its description, so each image is described once per turn.
+    descriptions: HashMap<String, String>,
 }
+
+/// The prompt that asks the vision chain to describe one image (the seeds define no wording).
+pub const IMAGE_PROMPT: &str = "请用一两句话客观描述这张图片的内容，不要推测图片之外的事。";
+/// What replaces an image for a main model without vision: this prefix and the description.
+pub const IMAGE_DESCRIPTION_PREFIX: &str = "[图片描述] ";
+/// What replaces an image that could not be described.
+pub const IMAGE_UNREADABLE: &str = "[图片] （未能识别这张图片）";
 
 /// Runs `job` as delivery `attempt` (1-based).
 pub async fn run_turn<P: TurnPorts>(
@@ -155,6 +167,8 @@ pub async fn run_turn<P: TurnPorts>(
         },
         speakers: SpeakerEnv::new(job.env.restricted, job.env.persona.clone()),
         names,
+        main_vision: None,
+        descriptions: HashMap::new(),
     };
     let (exit, step) = turn.steps(next_step, config).await;
     turn.settle(exit, step, config).await
@@ -173,7 +187,8 @@ impl<P: TurnPorts> Turn<'_, P> {
             if self.past_deadline() {
                 return (Exit::Deadline, step);
             }
-            let response = match self.ports.complete(self.request(config)).await {
+            let request = self.resolve_images(self.request(config)).await;
+            let response = match self.ports.complete(request).await {
                 Ok(response) => response,
                 Err(err) if err.code.is_retryable() => return (Exit::Retry(err), step),
                 Err(err) => return (Exit::Failed(err), step),
@@ -311,6 +326,64 @@ impl<P: TurnPorts> Turn<'_, P> {
             persona_id: self.job.env.persona.clone(),
             tools: self.ports.tool_specs(&self.job.tools),
             ..Default::default()
+        }
+    }
+
+    /// The image resolver: when the view holds images and the main model has no vision, each
+    /// image becomes a text description from the gateway's vision chain. Only the view changes;
+    /// the window (and so every checkpoint) keeps the image itself.
+    async fn resolve_images(&mut self, mut request: ModelRequest) -> ModelRequest {
+        if !request.messages.iter().any(Message::has_image) {
+            return request;
+        }
+        if self.main_vision.is_none() {
+            let vision = match self.ports.main_model_vision(&self.job.env.persona).await {
+                Ok(vision) => vision,
+                Err(err) => {
+                    // The gateway routes image requests to a vision step by itself: let it.
+                    tracing::warn!(error = %err, "cannot tell whether the main model sees images");
+                    true
+                }
+            };
+            self.main_vision = Some(vision);
+        }
+        if self.main_vision == Some(true) {
+            return request;
+        }
+        for message in &mut request.messages {
+            for part in &mut message.content {
+                let Part::ImageUrl { image_url } = part else {
+                    continue;
+                };
+                let text = match self.descriptions.get(image_url.as_str()) {
+                    Some(text) => text.clone(),
+                    None => {
+                        let text = self.describe(image_url).await;
+                        self.descriptions.insert(image_url.clone(), text.clone());
+                        text
+                    }
+                };
+                *part = Part::Text { text };
+            }
+        }
+        request
+    }
+
+    async fn describe(&self, image_url: &str) -> String {
+        let request = ModelRequest {
+            messages: vec![Message::image(Role::User, IMAGE_PROMPT, image_url)],
+            purpose: "vision".to_owned(),
+            ..Default::default()
+        };
+        match self.ports.complete(request).await {
+            Ok(reply) if !reply.content.trim().is_empty() => {
+                format!("{IMAGE_DESCRIPTION_PREFIX}{}", reply.content.trim())
+            }
+            Ok(_) => IMAGE_UNREADABLE.to_owned(),
+            Err(err) => {
+                tracing::warn!(error = %err, "image description failed");
+                IMAGE_UNREADABLE.to_owned()
+            }
         }
     }
 
@@ -534,6 +607,8 @@ mod tests {
         tool_runs: Mutex<Vec<String>>,
         events: Mutex<Vec<SessionEvent>>,
         steer_requests: Mutex<Vec<SteerRequest>>,
+        vision: Mutex<Option<bool>>,
+        vision_asks: Mutex<usize>,
     }
 
     impl TurnPorts for Fake {
@@ -555,7 +630,17 @@ mod tests {
                 .pop_front()
                 .unwrap_or(Ok(SteerResponse::default()))
         }
+        async fn main_model_vision(&self, _persona: &str) -> Result<bool, ErrorBody> {
+            *self.vision_asks.lock().unwrap() += 1;
+            self.vision
+                .lock()
+                .unwrap()
+                .ok_or_else(|| ErrorBody::new(ErrorCode::Unavailable, "no gateway"))
+        }
         async fn complete(&self, request: ModelRequest) -> Result<ModelResponse, ErrorBody> {
+            if request.purpose == "vision" {
+                return reply_text("a red kite over the sea");
+            }
             self.requests.lock().unwrap().push(request);
             self.replies
                 .lock()
@@ -840,6 +925,62 @@ mod tests {
         assert_eq!(run_turn(&zombie, &job(), 2, &CFG).await, TurnEnd::Stale);
         assert!(zombie.requests.lock().unwrap().is_empty());
         assert!(zombie.steer_requests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn images_become_descriptions_for_a_main_model_without_vision() {
+        let fake = Fake::default();
+        *fake.vision.lock().unwrap() = Some(false);
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("a kite!")]);
+        let mut j = job();
+        let photo = Message::image(Role::User, "look", "https://example.invalid/kite.png");
+        j.messages = vec![photo.clone()];
+        let _ = run_turn(&fake, &j, 1, &CFG).await;
+
+        let requests = fake.requests.lock().unwrap();
+        for request in requests.iter() {
+            assert!(
+                !request.messages.iter().any(Message::has_image),
+                "an image reached the model"
+            );
+            let user = request
+                .messages
+                .iter()
+                .find(|m| m.role == Role::User)
+                .unwrap();
+            assert_eq!(
+                user.content[1],
+                Part::text("[图片描述] a red kite over the sea")
+            );
+        }
+        assert_eq!(*fake.vision_asks.lock().unwrap(), 1, "asked once per turn");
+        // The window (checkpoints) keeps the image itself.
+        assert_eq!(state(&fake.saved.lock().unwrap()[0]).messages[0], photo);
+    }
+
+    #[tokio::test]
+    async fn images_pass_through_to_a_main_model_with_vision_or_when_unsure() {
+        for vision in [Some(true), None] {
+            let fake = Fake::default();
+            *fake.vision.lock().unwrap() = vision;
+            fake.replies.lock().unwrap().push_back(reply_text("nice"));
+            let mut j = job();
+            j.messages = vec![Message::image(
+                Role::User,
+                "look",
+                "https://example.invalid/k.png",
+            )];
+            let _ = run_turn(&fake, &j, 1, &CFG).await;
+            assert!(
+                fake.requests.lock().unwrap()[0]
+                    .messages
+                    .iter()
+                    .any(Message::has_image)
+            );
+        }
     }
 
     #[tokio::test]

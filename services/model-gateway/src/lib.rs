@@ -29,7 +29,9 @@ use crate::providers::openai::OpenAiProvider;
 use crate::providers::scripted::{RequestLog, ScriptedProvider};
 use crate::router::Router;
 use cyrene_bus::service::{ServeOptions, serve_json};
-use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
+use cyrene_protocol::model::{
+    CallRecord, ModelRequest, ModelResponse, RouteRequest, RouteResponse, RouteStep,
+};
 use cyrene_protocol::{ErrorBody, subjects};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -43,6 +45,8 @@ pub use crate::config::ConfigError;
 pub const SERVICE_NAME: &str = "cyrene-model-gateway";
 /// The endpoint name of `cyrene.model.complete`.
 pub const ENDPOINT_NAME: &str = "complete";
+/// The endpoint name of `cyrene.model.route`.
+pub const ROUTE_ENDPOINT_NAME: &str = "route";
 
 /// Everything `run` needs; `main` builds it from flags, the config file and the environment.
 #[derive(Debug, Clone)]
@@ -120,6 +124,29 @@ impl Gateway {
 
     pub fn config(&self) -> &ModelsConfig {
         self.router.config()
+    }
+
+    /// The chain a text request of `req.persona_id` (or `req.model`) goes to; its first step is
+    /// the main model. The loop's image resolver asks this to know whether images must become
+    /// text before the main model sees them.
+    pub fn route(&self, req: &RouteRequest) -> Result<RouteResponse, ErrorBody> {
+        let probe = ModelRequest {
+            persona_id: req.persona_id.clone(),
+            model: req.model.clone(),
+            ..Default::default()
+        };
+        let config = self.config();
+        let steps = self.router.route(&probe)?;
+        Ok(RouteResponse {
+            steps: steps
+                .into_iter()
+                .map(|s| RouteStep {
+                    vision: config.caps(&s).is_some_and(|c| c.vision),
+                    provider: s.provider,
+                    model: s.model,
+                })
+                .collect(),
+        })
     }
 
     /// Checks, routes and completes one request.
@@ -201,6 +228,7 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Service(e.to_string()))?;
     tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
+    let gateway_for_route = gateway.clone();
     let handler = move |req: ModelRequest, _ctx| {
         let gateway = gateway.clone();
         let client = client.clone();
@@ -218,7 +246,23 @@ pub async fn serve(
             Ok(response)
         }
     };
-    serve_json(endpoint, options, shutdown, handler).await;
+    let route_endpoint = service
+        .endpoint_builder()
+        .name(ROUTE_ENDPOINT_NAME)
+        .add(subjects::MODEL_ROUTE)
+        .await
+        .map_err(|e| Error::Service(e.to_string()))?;
+    let router = gateway_for_route;
+    let route = serve_json(
+        route_endpoint,
+        options,
+        shutdown.clone(),
+        move |req: RouteRequest, _ctx| {
+            let gateway = router.clone();
+            async move { gateway.route(&req) }
+        },
+    );
+    tokio::join!(serve_json(endpoint, options, shutdown, handler), route);
     if let Err(err) = service.stop().await {
         tracing::debug!(error = %err, "stopping the micro service");
     }

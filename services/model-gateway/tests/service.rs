@@ -4,13 +4,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
+use cyrene_bus::RequestError;
 use cyrene_bus::request::request_json;
 use cyrene_bus::service::ServeOptions;
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
-use cyrene_protocol::subjects::{MODEL_CALLS, MODEL_COMPLETE};
+use cyrene_protocol::model::{
+    CallRecord, ModelRequest, ModelResponse, RouteRequest, RouteResponse, RouteStep,
+};
+use cyrene_protocol::subjects::{MODEL_CALLS, MODEL_COMPLETE, MODEL_ROUTE};
 use cyrene_protocol::{ErrorCode, ErrorEnvelope};
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
@@ -60,7 +63,7 @@ async fn start() -> Running {
           "offline":{"protocol":"scripted","models":{"scripted":{}},"script":{"rules":[
               {"contains":"time","tool_calls":[{"name":"get_time","args":{"tz":"UTC"}}],
                "after_tools":"It is {tool_results}."}]}},
-          "http":{"protocol":"openai","base_url":upstream.uri(),"models":{"m":{}}},
+          "http":{"protocol":"openai","base_url":upstream.uri(),"models":{"m":{},"v":{"vision":true}}},
           "down":{"protocol":"openai","base_url":broken,"models":{"m":{}}}},
         "groups":{"default":[{"provider":"offline","model":"scripted"}]},
         "active_group":"default",
@@ -211,6 +214,55 @@ async fn a_call_through_an_http_provider_is_answered_and_recorded() {
         ("http", "m", 6)
     );
     gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_tells_the_main_model_and_whether_it_sees_images() {
+    let running = start().await;
+    let route = |req: RouteRequest| {
+        let client = running.client.clone();
+        async move {
+            // The route endpoint registers just after `complete`: retry briefly.
+            for _ in 0..50 {
+                match request_json::<_, RouteResponse>(&client, MODEL_ROUTE, &req, WAIT).await {
+                    Err(RequestError::NoResponders { .. }) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    other => return other,
+                }
+            }
+            panic!("no route endpoint");
+        }
+    };
+    let default = route(RouteRequest::default()).await.unwrap();
+    assert_eq!(
+        default.steps,
+        [RouteStep {
+            provider: "offline".into(),
+            model: "scripted".into(),
+            vision: false
+        }]
+    );
+    let persona = route(RouteRequest {
+        persona_id: "wire".into(),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(persona.unwrap().steps[0].provider, "http");
+    let vision = route(RouteRequest {
+        model: "v".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(vision.main_has_vision());
+    let unknown = route(RouteRequest {
+        model: "nope".into(),
+        ..Default::default()
+    })
+    .await;
+    assert!(matches!(unknown, Err(RequestError::Remote(e)) if e.code == ErrorCode::BadRequest));
+    running.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

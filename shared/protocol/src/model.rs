@@ -104,6 +104,41 @@ impl ModelResponse {
     }
 }
 
+/// `cyrene.model.route` request: which chain would serve a text request of this persona (or
+/// this explicit model).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+}
+
+/// One step of a chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteStep {
+    pub provider: String,
+    pub model: String,
+    /// The model accepts image parts.
+    #[serde(default)]
+    pub vision: bool,
+}
+
+/// `cyrene.model.route` reply: the chain in order; its first step is the main model.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RouteResponse {
+    #[serde(default)]
+    pub steps: Vec<RouteStep>,
+}
+
+impl RouteResponse {
+    /// Whether the main model (the chain's first step) takes images itself.
+    pub fn main_has_vision(&self) -> bool {
+        self.steps.first().is_some_and(|s| s.vision)
+    }
+}
+
 /// Published on `cyrene.model.calls` for every successful call; failed attempts publish none.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CallRecord {
@@ -175,6 +210,21 @@ mod tests {
         resp.cache_hit_tokens = 30;
         resp.cache_miss_tokens = 10;
         assert!((resp.cache_hit_rate() - 0.75).abs() < 1e-9);
+    }
+
+    #[test]
+    fn route_shapes_round_trip() {
+        let req: RouteRequest = serde_json::from_value(json!({"persona_id":"hoshi"})).unwrap();
+        assert_eq!(
+            serde_json::to_value(&req).unwrap(),
+            json!({"persona_id":"hoshi"})
+        );
+        let doc = json!({"steps":[{"provider":"primary","model":"deepseek-chat","vision":false},
+            {"provider":"claude","model":"claude-sonnet-4-5","vision":true}]});
+        let resp: RouteResponse = serde_json::from_value(doc.clone()).unwrap();
+        assert!(!resp.main_has_vision());
+        assert_eq!(serde_json::to_value(&resp).unwrap(), doc);
+        assert!(!RouteResponse::default().main_has_vision());
     }
 
     #[test]

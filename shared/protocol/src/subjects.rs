@@ -9,6 +9,8 @@ use crate::ids::{self, IdError, IdKind};
 
 /// Model completions (micro endpoint `complete`).
 pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
+/// Which chain (and main model) serves a persona (micro endpoint `route`).
+pub const MODEL_ROUTE: &str = "cyrene.model.route";
 /// Call records, one per successful model call.
 pub const MODEL_CALLS: &str = "cyrene.model.calls";
 pub const CHECKPOINT_SAVE: &str = "cyrene.checkpoint.save";
