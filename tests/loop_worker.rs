@@ -24,7 +24,8 @@ fn rules() -> Value {
         {"contains": "crash", "tool_calls": [{"name": "count"}], "more_rounds": [[{"name": "hold"}]],
          "after_tools": "survived: {tool_results}"},
         {"contains": "slow", "tool_calls": [{"name": "slow"}], "after_tools": "slow done"},
-        {"contains": "leg", "tool_calls": [{"name": "count"}], "after_tools": "leg done"}
+        {"contains": "leg", "tool_calls": [{"name": "count"}], "after_tools": "leg done"},
+        {"contains": "broken", "tool_calls": [{"name": "broken"}], "after_tools": "saw: {tool_results}"}
     ])
 }
 
@@ -286,4 +287,76 @@ async fn a_slow_tool_is_never_cancelled_by_steering() {
             _ => None,
         });
     assert_eq!(result, Some(("slow ran as call_1_1".to_owned(), false)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_tool_becomes_an_error_result_and_the_turn_goes_on() {
+    let stack = Stack::start(rules(), None).await;
+    stack.spawn_worker(worker_config());
+    stack
+        .dispatch(&job("t7", "s7", "use the broken tool"))
+        .await;
+    let done = stack.orchestrator.wait_completed("t7").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    let window = state(&stack.checkpoints("s7").await[0]).messages;
+    let result = window
+        .iter()
+        .flat_map(|m| &m.content)
+        .find_map(|p| match p {
+            Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
+            _ => None,
+        });
+    let (text, is_error) = result.expect("a tool result");
+    assert!(is_error, "a micro error is an is_error result: {text}");
+    assert!(text.contains("no such record"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_out_of_deliveries_is_reported_as_an_error() {
+    // No gateway: every model call fails retryably, so each delivery naks until the last.
+    let stack = Stack::start_with(rules(), None, false).await;
+    let mut events = stack
+        .client
+        .subscribe("cyrene.session.s8.events")
+        .await
+        .unwrap();
+    let mut config = worker_config();
+    config.max_deliver = 2;
+    config.model_timeout = Duration::from_millis(300);
+    stack.spawn_worker(config);
+    stack.dispatch(&job("t8", "s8", "anyone there?")).await;
+
+    let done = stack.orchestrator.wait_completed("t8").await;
+    assert_eq!(done.outcome, TurnOutcome::Error);
+    assert_eq!(done.attempt, 2, "reported by the last delivery");
+    assert_eq!(
+        done.error.unwrap().code,
+        cyrene_protocol::ErrorCode::Unavailable
+    );
+    let error = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let m = events.next().await.unwrap();
+            let e: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+            if e.kind == SessionEventType::Error {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("an error event");
+    assert_eq!(error.turn_id, "t8");
+    let settled = &stack.checkpoints("s8").await[0];
+    assert_eq!(
+        state(settled).stop_reason,
+        "error",
+        "settled: the next turn starts fresh"
+    );
+    assert_eq!(completion_count(&stack, "t8"), 1);
+}
+
+fn completion_count(stack: &Stack, turn: &str) -> usize {
+    common::completion_counts(&stack.orchestrator)
+        .get(turn)
+        .copied()
+        .unwrap_or(0)
 }

@@ -55,24 +55,31 @@ pub fn models(rules: Value) -> ModelsConfig {
 impl Stack {
     /// Starts everything but the workers. `database_url` None = SQLite in a temp dir.
     pub async fn start(rules: Value, database_url: Option<String>) -> Stack {
+        Stack::start_with(rules, database_url, true).await
+    }
+
+    /// Like [`Stack::start`], optionally without the gateway (a model outage).
+    pub async fn start_with(rules: Value, database_url: Option<String>, gateway: bool) -> Stack {
         let server = NatsServer::start();
         let client = server.connect().await;
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
 
-        let gateway = Gateway::new(
+        let built = Gateway::new(
             models(rules),
             &Secrets::from_pairs(Vec::<(String, String)>::new()),
             cyrene_model_gateway::http_client().unwrap(),
         )
         .unwrap();
-        let log = gateway.request_log("offline").unwrap();
-        tokio::spawn(cyrene_model_gateway::serve(
-            Arc::new(gateway),
-            client.clone(),
-            ServeOptions::default(),
-            shutdown.clone(),
-        ));
+        let log = built.request_log("offline").unwrap();
+        if gateway {
+            tokio::spawn(cyrene_model_gateway::serve(
+                Arc::new(built),
+                client.clone(),
+                ServeOptions::default(),
+                shutdown.clone(),
+            ));
+        }
 
         let mut store = cyrene_checkpoint_store::Config::new(data.path());
         store.database_url = database_url;
@@ -87,7 +94,9 @@ impl Stack {
 
         let js = jetstream::new(client.clone());
         cyrene_bus::streams::ensure_turns_stream(&js).await.unwrap();
-        wait_for_service(&client, "cyrene-model-gateway").await;
+        if gateway {
+            wait_for_service(&client, "cyrene-model-gateway").await;
+        }
         wait_for_service(&client, "cyrene-checkpoint-store").await;
         Stack {
             server,
@@ -350,6 +359,7 @@ impl TestTools {
             ("count", "counts its executions"),
             ("hold", "waits until the test releases it"),
             ("slow", "takes 300 ms"),
+            ("broken", "always fails with a micro error"),
         ] {
             let metadata: HashMap<String, String> = [
                 ("cyrene.tool.description".to_owned(), description.to_owned()),
@@ -389,6 +399,9 @@ impl TestTools {
                         }
                         if name == "slow" {
                             tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        if name == "broken" {
+                            return Err(ErrorBody::new(ErrorCode::NotFound, "no such record"));
                         }
                         t.finished
                             .lock()
