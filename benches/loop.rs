@@ -153,7 +153,7 @@ async fn main() {
     }
     for (name, url) in backends {
         let stack = Stack::start(rules(), url).await;
-        stack.spawn_worker(worker_config());
+        stack.spawn_worker(worker_config()).await;
         let _ = per_step(&stack, &format!("warm-{name}"), 10).await;
         for window_len in [10, 200] {
             let (p50, p99, n) = per_step(&stack, name, window_len).await;

@@ -44,7 +44,10 @@ RUST_LOG="${RUST_LOG:-warn}" "$cyrene" up --data-dir "$run_dir/data" >"$run_dir/
 pids+=($!)
 
 if [ -t 0 ] && [ -t 1 ]; then
-  "$cyrene" demo >/dev/null 2>&1 || true # waits until every service answers
+  for _ in $(seq 150); do # until the four services answer
+    n="$("$cyrene" probe --wait 200ms 2>/dev/null | grep -cE '^cyrene-(model-gateway|checkpoint-store|orchestrator|loop-worker) ' || true)"
+    [ "$n" -ge 4 ] && break
+  done
   echo "== cyrene chat — try: 'search my notes', then type while she searches; 'what time is it?'"
   "$cyrene" chat
 else

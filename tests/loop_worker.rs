@@ -41,7 +41,7 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
         .subscribe("cyrene.session.s1.events")
         .await
         .unwrap();
-    stack.spawn_worker(worker_config());
+    stack.spawn_worker(worker_config()).await;
     stack.dispatch(&job("t1", "s1", "make a plan")).await;
 
     let done = stack.orchestrator.wait_completed("t1").await;
@@ -94,7 +94,7 @@ async fn a_steered_message_reaches_the_model_at_the_next_step_and_never_a_checkp
             message: steered.clone(),
         }],
     );
-    stack.spawn_worker(worker_config());
+    stack.spawn_worker(worker_config()).await;
     stack.dispatch(&job("t2", "s2", "make a plan")).await;
     let done = stack.orchestrator.wait_completed("t2").await;
     assert_eq!(done.steered_ids, ["m2"]);
@@ -223,7 +223,7 @@ async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_parallel_legs_keep_separate_checkpoints() {
     let stack = Stack::start(rules(), None).await;
-    stack.spawn_worker(worker_config());
+    stack.spawn_worker(worker_config()).await;
     let mut a = job("t5a", "s5", "first leg");
     a.leg_id = "a".into();
     let mut b = job("t5b", "s5", "second leg");
@@ -260,7 +260,7 @@ async fn a_slow_tool_is_never_cancelled_by_steering() {
             message: Message::text(Role::User, "hurry up"),
         }],
     );
-    stack.spawn_worker(worker_config());
+    stack.spawn_worker(worker_config()).await;
     stack.dispatch(&job("t6", "s6", "slow please")).await;
     stack.orchestrator.wait_completed("t6").await;
 
@@ -292,7 +292,7 @@ async fn a_slow_tool_is_never_cancelled_by_steering() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_tool_becomes_an_error_result_and_the_turn_goes_on() {
     let stack = Stack::start(rules(), None).await;
-    stack.spawn_worker(worker_config());
+    stack.spawn_worker(worker_config()).await;
     stack
         .dispatch(&job("t7", "s7", "use the broken tool"))
         .await;
@@ -323,7 +323,7 @@ async fn a_job_out_of_deliveries_is_reported_as_an_error() {
     let mut config = worker_config();
     config.max_deliver = 2;
     config.model_timeout = Duration::from_millis(300);
-    stack.spawn_worker(config);
+    stack.spawn_worker(config).await;
     stack.dispatch(&job("t8", "s8", "anyone there?")).await;
 
     let done = stack.orchestrator.wait_completed("t8").await;

@@ -114,7 +114,8 @@ impl Session {
         })
     }
 
-    async fn say(&self, text: &str) -> Result<(), CliError> {
+    /// Sends `text`; `echo` prints it first (the demo; a terminal already shows what was typed).
+    async fn say(&self, text: &str, echo: bool) -> Result<(), CliError> {
         let request = SendRequest {
             session_id: self.id.clone(),
             message: Message::text(Role::User, text),
@@ -123,7 +124,9 @@ impl Session {
             env: None,
             parallel: false,
         };
-        println!("you: {text}");
+        if echo {
+            println!("you: {text}");
+        }
         let ack = send_message(&self.client, &request, Duration::from_secs(10)).await?;
         if let Ok(mut p) = self.progress.lock() {
             match ack.disposition {
@@ -164,6 +167,7 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
     eprintln!(
         "cyrene: chatting in session {id} (Ctrl-D to leave). Type while she works: it is steered in."
     );
+    let interactive = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
         let line = tokio::select! {
@@ -172,7 +176,7 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
         };
         match line {
             Ok(Some(text)) if text.trim().is_empty() => continue,
-            Ok(Some(text)) => session.say(text.trim()).await?,
+            Ok(Some(text)) => session.say(text.trim(), !interactive).await?,
             Ok(None) | Err(_) => break,
         }
     }
@@ -208,7 +212,7 @@ pub async fn demo(client: Client, args: DemoArgs) -> Result<(), CliError> {
     let session = Session::open(client.clone(), id.clone(), "demo".into(), false).await?;
     println!("== session {id}");
     session
-        .say("Could you search my notes about the picnic?")
+        .say("Could you search my notes about the picnic?", true)
         .await?;
     if !session
         .wait(Duration::from_secs(30), |p| p.seen_tool_call)
@@ -216,7 +220,7 @@ pub async fn demo(client: Client, args: DemoArgs) -> Result<(), CliError> {
     {
         return Err(CliError::Timeout("no tool call within 30s".into()));
     }
-    session.say("Oh, and what time is it?").await?;
+    session.say("Oh, and what time is it?", true).await?;
     if !session.wait(Duration::from_secs(60), Progress::idle).await {
         return Err(CliError::Timeout(
             "the conversation did not settle within 60s".into(),

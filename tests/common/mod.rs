@@ -73,9 +73,10 @@ impl Stack {
         .unwrap();
         let log = built.request_log("offline").unwrap();
         if gateway {
+            // Each service on its own connection, as in production.
             tokio::spawn(cyrene_model_gateway::serve(
                 Arc::new(built),
-                client.clone(),
+                server.connect().await,
                 ServeOptions::default(),
                 shutdown.clone(),
             ));
@@ -85,12 +86,12 @@ impl Stack {
         store.database_url = database_url;
         tokio::spawn(cyrene_checkpoint_store::run(
             store,
-            client.clone(),
+            server.connect().await,
             shutdown.clone(),
         ));
 
-        let orchestrator = FakeOrchestrator::start(&client, shutdown.clone()).await;
-        let tools = TestTools::start(&client, shutdown.clone()).await;
+        let orchestrator = FakeOrchestrator::start(&server.connect().await, shutdown.clone()).await;
+        let tools = TestTools::start(&server.connect().await, shutdown.clone()).await;
 
         let js = jetstream::new(client.clone());
         cyrene_bus::streams::ensure_turns_stream(&js).await.unwrap();
@@ -110,10 +111,10 @@ impl Stack {
     }
 
     /// A loop worker in this process (stopped with the stack).
-    pub fn spawn_worker(&self, config: cyrene_loop_worker::Config) {
+    pub async fn spawn_worker(&self, config: cyrene_loop_worker::Config) {
         tokio::spawn(cyrene_loop_worker::run(
             config,
-            self.client.clone(),
+            self.server.connect().await,
             self.shutdown.clone(),
         ));
     }
