@@ -206,6 +206,8 @@ pub async fn demo(client: Client, args: DemoArgs) -> Result<(), CliError> {
             "cyrene-loop-worker",
             "cyrene-model-gateway",
             "cyrene-checkpoint-store",
+            // The offline demo's search_notes tool (`cyrene up` without real providers).
+            "cyrene-demo-tools",
         ],
     )
     .await?;

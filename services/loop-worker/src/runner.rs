@@ -14,6 +14,10 @@
 //!   messages stay pending at the orchestrator and are answered later.
 //! - **Fencing.** A `conflict` from a checkpoint save or a steer means a newer attempt of this
 //!   turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
+//! - **Overlap, never reorder.** After a tool batch, the step's checkpoint save, the next
+//!   boundary's steer and the next model call run together; the next tool batch starts only when
+//!   the save is back. So a step is durable before any later side effect, and a fenced-off
+//!   attempt runs no tool after its refused save (at most one model call overlapped it).
 //! - **Resume never redoes work.** A resumed turn continues after its last completed step; a job
 //!   whose turn already reached a settled checkpoint is reported again (the orchestrator's
 //!   completion is idempotent) instead of being run again.
@@ -174,25 +178,20 @@ pub async fn run_turn<P: TurnPorts>(
     turn.settle(exit, step, config).await
 }
 
-impl<P: TurnPorts> Turn<'_, P> {
+impl<'a, P: TurnPorts> Turn<'a, P> {
     async fn steps(&mut self, first: u32, config: &RunnerConfig) -> (Exit, u32) {
+        let max = self.job.max_steps.max(1);
+        if first > max {
+            return (Exit::Budget, max);
+        }
         // A boundary before the first step: messages that arrived since dispatch, and — for a
         // resumed turn — every message this turn had already claimed.
-        if let Err(exit) = self.steer(first).await {
-            return (exit, first);
-        }
-        let max = self.job.max_steps.max(1);
         let mut step = first;
-        while step <= max {
-            if self.past_deadline() {
-                return (Exit::Deadline, step);
-            }
-            let request = self.resolve_images(self.request(config)).await;
-            let response = match self.ports.complete(request).await {
-                Ok(response) => response,
-                Err(err) if err.code.is_retryable() => return (Exit::Retry(err), step),
-                Err(err) => return (Exit::Failed(err), step),
-            };
+        let mut response = match self.boundary_then_model(step, config).await {
+            Ok(response) => response,
+            Err(exit) => return (exit, step),
+        };
+        loop {
             self.event(SessionEventType::Step, |e| e.at_step = Some(step))
                 .await;
             if response.tool_calls.is_empty() {
@@ -224,21 +223,47 @@ impl<P: TurnPorts> Turn<'_, P> {
             }
             self.window.push(assistant);
             self.window.extend(results);
-            // Both follow the tool batch, so they overlap.
+            if step == max {
+                // Settled below with the whole window as `budget_exhausted`.
+                return (Exit::Budget, step);
+            }
+            // The step's checkpoint, the next boundary's steer and the next model call all
+            // follow the tool batch: the save runs while the steer and the model call do. The
+            // next tool batch starts only once both are back, so no new side effect happens
+            // before this step is durable (or this attempt learns it was fenced off).
+            let ports = self.ports;
             let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS);
-            let (saved, steered) = tokio::join!(
-                self.ports.save_checkpoint(checkpoint),
-                self.steer_request(step + 1)
+            let (saved, next) = tokio::join!(
+                ports.save_checkpoint(checkpoint),
+                self.boundary_then_model(step + 1, config)
             );
             if let Err(exit) = self.saved(saved) {
                 return (exit, step);
             }
-            if let Err(exit) = self.merge(steered, step + 1).await {
-                return (exit, step);
-            }
             step += 1;
+            response = match next {
+                Ok(response) => response,
+                Err(exit) => return (exit, step),
+            };
         }
-        (Exit::Budget, max)
+    }
+
+    /// The boundary before `step` (steer), then its model call.
+    async fn boundary_then_model(
+        &mut self,
+        step: u32,
+        config: &RunnerConfig,
+    ) -> Result<ModelResponse, Exit> {
+        self.steer(step).await?;
+        if self.past_deadline() {
+            return Err(Exit::Deadline);
+        }
+        let request = self.resolve_images(self.request(config)).await;
+        match self.ports.complete(request).await {
+            Ok(response) => Ok(response),
+            Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
+            Err(err) => Err(Exit::Failed(err)),
+        }
     }
 
     /// Settles every exit: a non-resumable checkpoint, an event, the completion to report.
@@ -893,11 +918,13 @@ mod tests {
         *fake.save_error.lock().unwrap() =
             Some(ErrorBody::new(ErrorCode::Conflict, "attempt 1 < 2"));
         assert_eq!(run_turn(&fake, &job(), 1, &CFG).await, TurnEnd::Stale);
+        // The next model call overlaps the refused save, but no tool runs after the refusal.
         assert_eq!(
-            fake.requests.lock().unwrap().len(),
-            1,
-            "no step after the refusal"
+            *fake.tool_runs.lock().unwrap(),
+            ["c1"],
+            "no tool after the refusal"
         );
+        assert!(fake.saved.lock().unwrap().is_empty());
 
         let fenced = Fake::default();
         fenced
