@@ -76,14 +76,11 @@ pub async fn serve<S: CheckpointStore>(
         .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
         .await
         .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
-    let endpoint = |name: &'static str, subject: &'static str| {
-        let builder = service.endpoint_builder().name(name);
-        async move {
-            builder
-                .add(subject)
-                .await
-                .map_err(|e| Error::Bus(format!("cannot add endpoint {name} on {subject}: {e}")))
-        }
+    let service_ref = &service;
+    let endpoint = |name: &'static str, subject: &'static str| async move {
+        cyrene_bus::service::add_endpoint(service_ref, name, subject)
+            .await
+            .map_err(Error::Bus)
     };
     let save = endpoint("save", subjects::CHECKPOINT_SAVE).await?;
     let latest = endpoint("latest", subjects::CHECKPOINT_LATEST).await?;

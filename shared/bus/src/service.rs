@@ -34,6 +34,21 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+/// Adds endpoint `name` on `subject` to `service` (explicit names: a name derived from a
+/// wildcard subject breaks `nats micro ls`).
+pub async fn add_endpoint(
+    service: &async_nats::service::Service,
+    name: &str,
+    subject: &str,
+) -> Result<Endpoint, String> {
+    service
+        .endpoint_builder()
+        .name(name)
+        .add(subject.to_owned())
+        .await
+        .map_err(|e| format!("cannot add endpoint {name} on {subject}: {e}"))
+}
+
 /// The micro error headers for `err`.
 pub fn error_headers(err: &ErrorBody) -> HeaderMap {
     let mut headers = HeaderMap::new();
