@@ -464,13 +464,28 @@ pub async fn fresh_postgres(prefix: &str) -> Option<String> {
         Ok(Ok(c)) => c,
         _ => return None,
     };
+    // Databases left by earlier runs: dropped unless in use (then the drop fails and is ignored).
+    let old: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE $1")
+            .bind(format!("{prefix}\\_%"))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap_or_default();
+    for db in old {
+        // `db` matched our own prefix and is a plain identifier we created.
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+            .execute(&mut conn)
+            .await;
+    }
     let name = format!("{prefix}_{}", cyrene_protocol::ids::new_id());
     // `name` is ours (a UUID), not input.
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut conn)
         .await
         .ok()?;
-    Some(format!("postgres://postgres@127.0.0.1:5432/{name}"))
+    let base = admin.split('?').next().unwrap_or(&admin);
+    let server = base.rsplit_once('/').map_or(base, |(server, _db)| server);
+    Some(format!("{server}/{name}"))
 }
 
 /// A service binary as a child process, killed when dropped.
