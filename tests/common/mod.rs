@@ -483,7 +483,7 @@ pub async fn fresh_postgres(prefix: &str) -> Option<String> {
         .execute(&mut conn)
         .await
         .ok()?;
-    let base = admin.split('?').next().unwrap_or(admin.as_str());
+    let base = admin.split('?').next().unwrap_or_default();
     let server = base.rsplit_once('/').map_or(base, |(server, _db)| server);
     Some(format!("{server}/{name}"))
 }
