@@ -41,6 +41,15 @@ impl BusConfig {
             .collect()
     }
 
+    /// `user:password` of the first URL that carries them.
+    pub fn url_credentials(&self) -> Option<(String, String)> {
+        self.urls().iter().find_map(|url| {
+            let addr: async_nats::ServerAddr = url.parse().ok()?;
+            let user = addr.username()?.to_owned();
+            Some((user, addr.password().unwrap_or_default().to_owned()))
+        })
+    }
+
     /// Per-service inbox prefix (`_INBOX_<name>`), so the server config can grant each service
     /// exactly its own reply subjects.
     pub fn inbox_prefix(&self) -> String {
@@ -74,6 +83,11 @@ pub async fn connect(config: &BusConfig) -> Result<Client, async_nats::ConnectEr
     if config.mode == ConnectMode::Service {
         options = options.retry_on_initial_connect();
     }
+    // Credentials in the URL (`nats://user:pass@host:4222`, e.g. from a Kubernetes secret):
+    // async-nats does not take them from the URL by itself.
+    if let Some((user, pass)) = config.url_credentials() {
+        options = options.user_and_password(user, pass);
+    }
     options.connect(config.urls()).await
 }
 
@@ -90,5 +104,12 @@ mod tests {
         );
         assert_eq!(c.urls(), ["nats://a:1", "nats://b:2"]);
         assert_eq!(c.inbox_prefix(), "_INBOX_cyrene-model-gateway");
+        assert_eq!(c.url_credentials(), None);
+        let with = BusConfig::new(
+            "nats://gw:s3cret@n1:4222,nats://n2:4222",
+            "x",
+            ConnectMode::Client,
+        );
+        assert_eq!(with.url_credentials(), Some(("gw".into(), "s3cret".into())));
     }
 }

@@ -1,0 +1,255 @@
+//! `deploy/nats/cyrene.conf` — the least-privilege server config — run as is (passwords filled
+//! in): the whole system works with each service connected as its own user, and what a user is
+//! not allowed is refused by the server (DESIGN §8).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+mod common;
+
+use async_nats::{ConnectOptions, Event, ServerError};
+use cyrene_bus::service::ServeOptions;
+use cyrene_bus::{BusConfig, ConnectMode, request_json};
+use cyrene_model_gateway::Gateway;
+use cyrene_model_gateway::config::Secrets;
+use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
+use cyrene_protocol::subjects;
+use cyrene_test_support::NatsServer;
+use serde_json::json;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const USERS: [(&str, &str); 6] = [
+    ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
+    ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
+    ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
+    ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
+    ("CYRENE_CLIENT_PASSWORD", "pw-client"),
+    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
+];
+
+fn server() -> NatsServer {
+    let mut config = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/nats/cyrene.conf"
+    ))
+    .unwrap();
+    // The harness gives the server its own store dir (a flag) in place of the deployed one.
+    config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
+    for (var, password) in USERS {
+        config = config.replace(&format!("${var}"), &format!("\"{password}\""));
+    }
+    NatsServer::builder().config(config).start()
+}
+
+fn url(server: &NatsServer, user: &str, password: &str) -> String {
+    format!("nats://{user}:{password}@127.0.0.1:{}", server.port())
+}
+
+/// Connects as `user`; the connection name `name` sets the inbox prefix (`_INBOX_<name>`).
+async fn connect_as(
+    server: &NatsServer,
+    user: &str,
+    password: &str,
+    name: &str,
+) -> async_nats::Client {
+    let config = BusConfig::new(url(server, user, password), name, ConnectMode::Client);
+    cyrene_bus::connect(&config).await.unwrap()
+}
+
+/// A raw connection that records the permission violations the server reports.
+async fn watched(
+    server: &NatsServer,
+    user: &str,
+    password: &str,
+) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
+    let violations = Arc::new(Mutex::new(Vec::new()));
+    let v = violations.clone();
+    let client = ConnectOptions::new()
+        .user_and_password(user.into(), password.into())
+        .custom_inbox_prefix(format!("_INBOX_{user}"))
+        .event_callback(move |event| {
+            let v = v.clone();
+            async move {
+                if let Event::ServerError(ServerError::Other(message)) = event {
+                    v.lock().unwrap().push(message);
+                }
+            }
+        })
+        .connect(format!("nats://127.0.0.1:{}", server.port()))
+        .await
+        .unwrap();
+    (client, violations)
+}
+
+async fn refused(violations: &Arc<Mutex<Vec<String>>>, what: &str) {
+    let v = violations.clone();
+    common::eventually(
+        &format!("the server refuses: {what}"),
+        Duration::from_secs(10),
+        move || {
+            v.lock()
+                .unwrap()
+                .iter()
+                .any(|m| m.to_lowercase().contains("permissions violation"))
+        },
+    )
+    .await;
+    violations.lock().unwrap().clear();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused() {
+    let server = server();
+    let shutdown = CancellationToken::new();
+    let data = tempfile::tempdir().unwrap();
+
+    let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
+                        "after_tools": "It is {tool_results}."}]);
+    let gateway = Gateway::new(
+        common::models(rules),
+        &Secrets::from_pairs(Vec::<(String, String)>::new()),
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap();
+    let client = connect_as(
+        &server,
+        "cyrene-model-gateway",
+        "pw-gateway",
+        "cyrene-model-gateway",
+    )
+    .await;
+    tokio::spawn(cyrene_model_gateway::serve(
+        Arc::new(gateway),
+        client,
+        ServeOptions::default(),
+        shutdown.clone(),
+    ));
+    let client = connect_as(
+        &server,
+        "cyrene-checkpoint-store",
+        "pw-store",
+        "cyrene-checkpoint-store",
+    )
+    .await;
+    tokio::spawn(cyrene_checkpoint_store::run(
+        cyrene_checkpoint_store::Config::new(data.path()),
+        client,
+        shutdown.clone(),
+    ));
+    let client = connect_as(
+        &server,
+        "cyrene-orchestrator",
+        "pw-orchestrator",
+        "cyrene-orchestrator",
+    )
+    .await;
+    tokio::spawn(cyrene_orchestrator::run(
+        cyrene_orchestrator::Config::new(data.path()),
+        client,
+        shutdown.clone(),
+    ));
+    let client = connect_as(
+        &server,
+        "cyrene-loop-worker",
+        "pw-worker",
+        "cyrene-loop-worker",
+    )
+    .await;
+    tokio::spawn(cyrene_loop_worker::run(
+        common::worker_config(),
+        client,
+        shutdown.clone(),
+    ));
+
+    // A person's client: one full turn with a tool call, answered in the transcript.
+    let cli = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
+    for name in [
+        "cyrene-model-gateway",
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        common::wait_for_service(&cli, name).await;
+    }
+    let send = SendRequest {
+        session_id: "p1".into(),
+        message: Message::text(Role::User, "what time is it?"),
+        client_id: "cli".into(),
+        idempotency_key: "k1".into(),
+        env: None,
+        parallel: false,
+    };
+    let ack: SendAck = request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(!ack.turn_id.is_empty());
+    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let history: HistoryResponse = request_json(
+                &cli,
+                subjects::SESSION_HISTORY,
+                &HistoryRequest {
+                    session_id: "p1".into(),
+                    limit: None,
+                    before_seq: None,
+                },
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap();
+            if let Some(answer) = history
+                .messages
+                .iter()
+                .find(|e| e.message.role == Role::Assistant)
+            {
+                return answer.message.text_content();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the turn is answered under least privilege");
+    assert!(answered.starts_with("It is "), "{answered}");
+    // … and no service ran into its limits on the way (the server logs every violation).
+    let log = std::fs::read_to_string(server.log_path()).unwrap();
+    assert!(
+        !log.contains("Violation"),
+        "a service needs more than it is allowed:\n{log}"
+    );
+
+    // What each user may not do.
+    let (gateway, violations) = watched(&server, "cyrene-model-gateway", "pw-gateway").await;
+    gateway
+        .publish(subjects::TURN_RUN, "{}".into())
+        .await
+        .unwrap();
+    gateway.flush().await.unwrap();
+    refused(&violations, "the gateway dispatching a turn").await;
+
+    let (worker, violations) = watched(&server, "cyrene-loop-worker", "pw-worker").await;
+    let _sub = worker.subscribe(subjects::SESSION_SEND).await.unwrap();
+    worker.flush().await.unwrap();
+    refused(&violations, "a worker listening to user messages").await;
+
+    let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
+    client
+        .publish(subjects::TURN_COMPLETE, "{}".into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    refused(&violations, "a client forging a turn completion").await;
+
+    let (hoshi, violations) = watched(&server, "agent-hoshi", "pw-hoshi").await;
+    hoshi
+        .publish("cyrene.agent.cyrene.me.ask", "{}".into())
+        .await
+        .unwrap();
+    hoshi.flush().await.unwrap();
+    refused(&violations, "an agent speaking as another agent").await;
+
+    // The server logged the refusals above (so the clean log earlier meant something).
+    let log = std::fs::read_to_string(server.log_path()).unwrap();
+    assert!(log.contains("Violation"), "{log}");
+    shutdown.cancel();
+}
