@@ -13,51 +13,23 @@
 //!   `nats micro ls` if the subject ever had a wildcard.
 
 use crate::config::Config;
-use crate::store::{CheckpointStore, StoreError};
+use crate::store::CheckpointStore;
 use crate::{Error, SERVICE_NAME};
 use async_nats::Client;
 use async_nats::service::ServiceExt;
 use chrono::Utc;
+use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_protocol::checkpoint::{
     Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
 };
 use cyrene_protocol::subjects;
-use cyrene_protocol::{ErrorBody, ErrorCode};
-use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// Room for the JSON around `state` in a save request (ids, step, fencing fields).
 const SAVE_ENVELOPE_SLACK: usize = 64 * 1024;
-
-/// Runs `op` within `limit`, mapping its failure onto the wire error set and logging what an
-/// operator should see.
-async fn bounded<T>(
-    limit: Duration,
-    op: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, ErrorBody> {
-    match tokio::time::timeout(limit, op).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => {
-            match err.code() {
-                ErrorCode::Unavailable => tracing::warn!(error = %err, "database unavailable"),
-                ErrorCode::Internal => tracing::error!(error = %err, "database error"),
-                _ => {}
-            }
-            Err(err.to_body())
-        }
-        Err(_) => {
-            tracing::warn!(after = ?limit, "database did not answer in time");
-            Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!("the database did not answer within {limit:?}"),
-            ))
-        }
-    }
-}
 
 /// Serves `store` on the bus until `shutdown` fires, then closes it.
 pub async fn serve<S: CheckpointStore>(

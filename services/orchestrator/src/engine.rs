@@ -18,10 +18,11 @@
 
 use crate::config::Config;
 use crate::progress::Progress;
-use crate::store::{NewMessage, NewTurn, Store, StoreError};
+use crate::store::{NewMessage, NewTurn, Store};
 use async_nats::jetstream;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
+use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role};
@@ -35,7 +36,6 @@ use cyrene_protocol::turn::{
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde::{Deserialize, Serialize};
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,31 +67,6 @@ pub struct Engine {
     js: jetstream::Context,
     config: Arc<Config>,
     progress: Arc<Progress>,
-}
-
-/// Runs `op` within `limit`, mapping failures onto the wire error set.
-async fn bounded<T>(
-    limit: Duration,
-    op: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, ErrorBody> {
-    match tokio::time::timeout(limit, op).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => {
-            match err.code() {
-                ErrorCode::Unavailable => tracing::warn!(error = %err, "database unavailable"),
-                ErrorCode::Internal => tracing::error!(error = %err, "database error"),
-                _ => {}
-            }
-            Err(err.to_body())
-        }
-        Err(_) => {
-            tracing::warn!(after = ?limit, "database did not answer in time");
-            Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!("the database did not answer within {limit:?}"),
-            ))
-        }
-    }
 }
 
 fn bad(message: impl Into<String>) -> ErrorBody {

@@ -100,6 +100,12 @@ impl StoreError {
     }
 }
 
+impl cyrene_bus::service::WireError for StoreError {
+    fn to_body(&self) -> ErrorBody {
+        StoreError::to_body(self)
+    }
+}
+
 impl From<sqlx::Error> for StoreError {
     fn from(err: sqlx::Error) -> Self {
         if is_unavailable(&err) {

@@ -109,6 +109,12 @@ impl StoreError {
     }
 }
 
+impl cyrene_bus::service::WireError for StoreError {
+    fn to_body(&self) -> ErrorBody {
+        StoreError::to_body(self)
+    }
+}
+
 /// Failures every backend classifies the same way; `None` means "ask the backend's codes".
 pub(crate) fn classify_common(err: &sqlx::Error) -> Option<bool> {
     use sqlx::Error as E;
