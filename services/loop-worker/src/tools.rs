@@ -67,6 +67,8 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
 #[derive(Debug, Clone)]
 pub struct Tools {
     client: Client,
+    /// Built once: the specs are offered at every step.
+    builtins: Arc<Vec<ToolSpec>>,
     discovered: Arc<RwLock<BTreeMap<String, ToolSpec>>>,
     timeout: Duration,
     ask_timeout: Duration,
@@ -76,6 +78,7 @@ impl Tools {
     pub fn new(client: Client, timeout: Duration, ask_timeout: Duration) -> Tools {
         Tools {
             client,
+            builtins: Arc::new(builtin_specs()),
             discovered: Arc::default(),
             timeout,
             ask_timeout,
@@ -84,7 +87,7 @@ impl Tools {
 
     /// The specs offered to the model; `allowed` empty = all.
     pub fn specs(&self, allowed: &[String]) -> Vec<ToolSpec> {
-        let mut specs = builtin_specs();
+        let mut specs = (*self.builtins).clone();
         if let Ok(found) = self.discovered.read() {
             specs.extend(
                 found

@@ -95,6 +95,18 @@ pub struct ToolCall {
     pub args_error: Option<String>,
 }
 
+impl ToolCall {
+    /// The `tool_call` part carrying this call (what an assistant message holds).
+    pub fn to_part(&self) -> Part {
+        Part::ToolCall {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            args: self.args.clone(),
+            args_error: self.args_error.clone(),
+        }
+    }
+}
+
 /// One conversation turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
@@ -151,15 +163,7 @@ impl Message {
 
     /// An assistant turn declaring the calls it made, so the following tool turns correlate.
     pub fn assistant_tool_calls(calls: &[ToolCall]) -> Message {
-        let parts = calls
-            .iter()
-            .map(|c| Part::ToolCall {
-                id: c.id.clone(),
-                name: c.name.clone(),
-                args: c.args.clone(),
-                args_error: c.args_error.clone(),
-            })
-            .collect();
+        let parts = calls.iter().map(ToolCall::to_part).collect();
         Message::with_parts(Role::Assistant, parts)
     }
 

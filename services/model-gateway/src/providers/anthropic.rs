@@ -352,12 +352,7 @@ pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> 
                     args,
                     args_error,
                 };
-                parts.push(Part::ToolCall {
-                    id: call.id.clone(),
-                    name: call.name.clone(),
-                    args: call.args.clone(),
-                    args_error: call.args_error.clone(),
-                });
+                parts.push(call.to_part());
                 tool_calls.push(call);
             }
             other => {
