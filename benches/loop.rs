@@ -17,8 +17,12 @@ use futures::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
+// The services' allocator, as in their binaries.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ROUNDS: usize = 5;
-const TURNS_PER_CASE: usize = 40;
+const TURNS_PER_CASE: usize = 150;
 const THROUGHPUT_TURNS: usize = 200;
 
 fn rules() -> serde_json::Value {

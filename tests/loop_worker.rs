@@ -30,7 +30,7 @@ fn rules() -> Value {
 }
 
 fn state(cp: &cyrene_protocol::checkpoint::Checkpoint) -> CheckpointState {
-    serde_json::from_value(Value::Object(cp.state.clone())).unwrap()
+    cp.state.parse().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -295,8 +295,7 @@ pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), Cl
             println!("{}", serde_json::to_string(cp).unwrap_or_default());
             continue;
         }
-        let state: Option<CheckpointState> =
-            serde_json::from_value(Value::Object(cp.state.clone())).ok();
+        let state: Option<CheckpointState> = cp.state.parse().ok();
         let (stop, messages) = state
             .map(|s| (s.stop_reason, s.messages.len()))
             .unwrap_or_default();

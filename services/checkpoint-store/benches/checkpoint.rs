@@ -19,6 +19,10 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+// The service's allocator, as in its binary.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Sequential iterations per measured operation.
 const ITERATIONS: u32 = 2000;
 /// Untimed iterations first (connections, statement caches).
@@ -94,7 +98,7 @@ fn body(owner: &str, step: u32) -> Checkpoint {
         id: format!("{owner}:{step}"),
         agent_id: owner.to_owned(),
         step,
-        state: state(step),
+        state: state(step).into(),
         turn_id: None,
         attempt: None,
         created_at: None,

@@ -24,7 +24,6 @@
 
 use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState};
 use cyrene_protocol::message::{Message, Part, Role};
-use serde_json::Value;
 
 /// The step a fresh run starts at.
 pub const FIRST_STEP: u32 = 1;
@@ -149,7 +148,7 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
     let Some(checkpoint) = latest else {
         return ResumeDecision::fresh(FreshReason::NoCheckpoint);
     };
-    let state: CheckpointState = match serde_json::from_value(Value::Object(checkpoint.state)) {
+    let state: CheckpointState = match checkpoint.state.parse() {
         Ok(state) => state,
         Err(err) => {
             return ResumeDecision::fresh(FreshReason::Unparsable {
@@ -174,6 +173,7 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cyrene_protocol::JsonObject;
     use cyrene_protocol::checkpoint::checkpoint_id;
     use cyrene_protocol::message::ToolCall;
     use serde_json::{Map, json};
@@ -215,9 +215,7 @@ mod tests {
             stop_reason: stop_reason.into(),
             turn_id: "t1".into(),
         };
-        let Value::Object(state) = serde_json::to_value(&state).unwrap() else {
-            panic!("state is an object")
-        };
+        let state = JsonObject::encode(&state).unwrap();
         Checkpoint {
             id: checkpoint_id("s1", step),
             agent_id: "s1".into(),
@@ -443,7 +441,7 @@ mod tests {
     #[test]
     fn unparsable_state_starts_fresh() {
         let (mut cp, _) = crash_left(2);
-        cp.state = Map::from_iter([("messages".to_owned(), json!("not a list"))]);
+        cp.state = JsonObject::encode(&json!({"messages": "not a list"})).unwrap();
         let decision = decide(Some(cp), &[user("q1")]);
         assert!(
             matches!(
@@ -460,7 +458,7 @@ mod tests {
     #[test]
     fn empty_state_object_is_unparsable() {
         let (mut cp, _) = crash_left(2);
-        cp.state = Map::new();
+        cp.state = JsonObject::empty();
         assert!(matches!(
             decide(Some(cp), &[user("q1")]),
             ResumeDecision::Fresh {
@@ -583,7 +581,9 @@ mod tests {
     #[test]
     fn unknown_state_fields_are_tolerated() {
         let (mut cp, window) = crash_left(2);
-        cp.state.insert("future_field".into(), json!(true));
+        let mut state = cp.state.to_map();
+        state.insert("future_field".into(), json!(true));
+        cp.state = state.into();
         assert_eq!(
             decide(Some(cp), &[user("q1")]),
             ResumeDecision::Resume {

@@ -34,13 +34,14 @@ use crate::assemble::{
 use crate::attribution::{PersonaNames, SpeakerEnv};
 use crate::ports::{ToolContext, ToolOutput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
-use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState, checkpoint_id, owner_key};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, CheckpointState, CheckpointStateRef, checkpoint_id, owner_key,
+};
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
-use cyrene_protocol::{ErrorBody, ErrorCode};
-use serde_json::{Map, Value};
+use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
 use std::collections::HashMap;
 
 /// What the worker does with the job after the runner returns.
@@ -459,16 +460,14 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     fn checkpoint(&self, step: u32, stop: &str) -> Checkpoint {
-        let state = CheckpointState {
+        let state = CheckpointStateRef {
             step,
-            messages: self.window.clone(),
-            stop_reason: stop.to_owned(),
-            turn_id: self.job.turn_id.clone(),
+            messages: &self.window,
+            stop_reason: stop,
+            turn_id: &self.job.turn_id,
         };
-        let state = match serde_json::to_value(state) {
-            Ok(Value::Object(map)) => map,
-            _ => Map::new(), // unreachable: a struct serialises to an object
-        };
+        // A struct of messages always encodes, and as an object.
+        let state = JsonObject::encode(&state).unwrap_or_default();
         Checkpoint {
             id: checkpoint_id(&self.owner, step),
             agent_id: self.owner.clone(),
@@ -570,8 +569,7 @@ fn already_settled(
     latest: Option<&Checkpoint>,
 ) -> Option<TurnComplete> {
     let checkpoint = latest?;
-    let state: CheckpointState =
-        serde_json::from_value(Value::Object(checkpoint.state.clone())).ok()?;
+    let state: CheckpointState = checkpoint.state.parse().ok()?;
     if state.turn_id != job.turn_id || resume::resumable_stop_reason(&state.stop_reason) {
         return None;
     }
@@ -617,6 +615,7 @@ mod tests {
     use crate::notice::PARALLEL_NOTICE_HEADER;
     use cyrene_protocol::session::SessionEnv;
     use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
+    use serde_json::Map;
     use std::collections::VecDeque;
     use std::sync::Mutex;
 
@@ -742,7 +741,7 @@ mod tests {
     }
 
     fn state(cp: &Checkpoint) -> CheckpointState {
-        serde_json::from_value(Value::Object(cp.state.clone())).unwrap()
+        cp.state.parse().unwrap()
     }
 
     fn completed(end: TurnEnd) -> TurnComplete {

@@ -7,6 +7,10 @@ use cyrene_orchestrator::{Args, Error, SERVICE_NAME, run};
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
+/// mimalloc: glibc's malloc/free were a tenth of the CPU of a loop step.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();

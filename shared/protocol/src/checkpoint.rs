@@ -4,9 +4,9 @@
 //! parallel leg, so two legs never see each other's rows. The row id is `{owner}:{step}`.
 
 use crate::ids::{self, IdError, IdKind};
+use crate::json::JsonObject;
 use crate::message::Message;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 /// One per-step snapshot as saved and returned.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -14,8 +14,9 @@ pub struct Checkpoint {
     pub id: String,
     pub agent_id: String,
     pub step: u32,
-    /// A JSON object; see [`CheckpointState`] for what the loop worker puts there.
-    pub state: Map<String, Value>,
+    /// A JSON object, carried as text; see [`CheckpointState`] for what the loop worker puts
+    /// there.
+    pub state: JsonObject,
     /// Fencing: the turn that wrote it …
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<String>,
@@ -38,6 +39,17 @@ pub struct CheckpointState {
     pub stop_reason: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub turn_id: String,
+}
+
+/// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CheckpointStateRef<'a> {
+    pub step: u32,
+    pub messages: &'a [Message],
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub stop_reason: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub turn_id: &'a str,
 }
 
 /// `cyrene.checkpoint.latest` request.
@@ -182,9 +194,17 @@ mod tests {
             stop_reason: "tool_calls".into(),
             turn_id: "t1".into(),
         };
-        let Value::Object(state) = serde_json::to_value(&state).unwrap() else {
-            panic!()
+        let borrowed = CheckpointStateRef {
+            step: state.step,
+            messages: &state.messages,
+            stop_reason: &state.stop_reason,
+            turn_id: &state.turn_id,
         };
+        assert_eq!(
+            serde_json::to_value(borrowed).unwrap(),
+            serde_json::to_value(&state).unwrap()
+        );
+        let state = JsonObject::encode(&borrowed).unwrap();
         let cp = Checkpoint {
             id: checkpoint_id("s1", 3),
             agent_id: "s1".into(),

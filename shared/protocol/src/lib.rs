@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod error;
 pub mod ids;
+pub mod json;
 pub mod message;
 pub mod model;
 pub mod session;
@@ -22,4 +23,5 @@ pub mod subjects;
 pub mod turn;
 
 pub use error::{ErrorBody, ErrorCode, ErrorEnvelope};
+pub use json::JsonObject;
 pub use message::{Message, Part, Role};

@@ -33,8 +33,7 @@ use cyrene_protocol::checkpoint::{
     validate_owner,
 };
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
-use cyrene_protocol::{ErrorBody, ErrorCode};
-use serde_json::{Map, Value};
+use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
 use std::future::Future;
 use std::time::Duration;
 
@@ -244,8 +243,8 @@ pub(crate) fn prepare_save(
             ));
         }
     };
-    let state = serde_json::to_string(&checkpoint.state)
-        .map_err(|e| StoreError::BadRequest(format!("state: {e}")))?;
+    // Stored as sent: decoding already checked it is one JSON object.
+    let state = checkpoint.state.into_string();
     if state.len() > max_state_bytes {
         return Err(StoreError::TooLarge {
             size: state.len(),
@@ -321,23 +320,33 @@ pub(crate) struct RawRow {
 impl RawRow {
     /// The wire shape; a row that cannot be represented is a corrupt row (`internal`).
     pub fn into_checkpoint(self) -> Result<Checkpoint, StoreError> {
-        let corrupt = |what: &str| StoreError::Internal(format!("row {:?}: {what}", self.id));
-        let step = u32::try_from(self.step).map_err(|_| corrupt("step out of range"))?;
-        let attempt = match self.attempt {
+        let RawRow {
+            id,
+            agent_id,
+            step,
+            state,
+            turn_id,
+            attempt,
+            created_at,
+            updated_at,
+        } = self;
+        let corrupt = |what: &str| StoreError::Internal(format!("row {id:?}: {what}"));
+        let step = u32::try_from(step).map_err(|_| corrupt("step out of range"))?;
+        let attempt = match attempt {
             Some(a) => Some(u32::try_from(a).map_err(|_| corrupt("attempt out of range"))?),
             None => None,
         };
-        let state: Map<String, Value> =
-            serde_json::from_str(&self.state).map_err(|_| corrupt("state is not a JSON object"))?;
+        let state =
+            JsonObject::from_text(state).map_err(|_| corrupt("state is not a JSON object"))?;
         Ok(Checkpoint {
-            id: self.id,
-            agent_id: self.agent_id,
+            id,
+            agent_id,
             step,
             state,
-            turn_id: self.turn_id,
+            turn_id,
             attempt,
-            created_at: Some(self.created_at),
-            updated_at: Some(self.updated_at),
+            created_at: Some(created_at),
+            updated_at: Some(updated_at),
         })
     }
 }
@@ -365,7 +374,7 @@ mod tests {
             id: id.into(),
             agent_id: agent.into(),
             step,
-            state: Map::new(),
+            state: JsonObject::empty(),
             turn_id: None,
             attempt: None,
             created_at: None,
@@ -399,7 +408,7 @@ mod tests {
             ErrorCode::BadRequest
         );
         let mut big = cp("s1:1", "s1", 1);
-        big.state.insert("k".into(), json!("0123456789"));
+        big.state = JsonObject::encode(&json!({"k": "0123456789"})).unwrap();
         let err = prepare_save(big, now, 10).unwrap_err();
         assert_eq!(err.code(), ErrorCode::TooLarge);
         assert!(err.to_string().contains("limit is 10"), "{err}");

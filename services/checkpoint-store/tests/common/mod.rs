@@ -7,9 +7,10 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use cyrene_checkpoint_store::{Config, Error, PgStore, SqliteStore, StoreOptions, run};
+use cyrene_protocol::JsonObject;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::subjects;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use sqlx::{Connection, Executor, PgConnection};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -137,7 +138,7 @@ pub fn checkpoint(owner: &str, step: u32, note: &str) -> Checkpoint {
         id: format!("{owner}:{step}"),
         agent_id: owner.to_owned(),
         step,
-        state,
+        state: state.into(),
         turn_id: None,
         attempt: None,
         created_at: None,
@@ -156,15 +157,20 @@ pub fn fenced(owner: &str, step: u32, note: &str, turn: &str, attempt: u32) -> C
 
 /// The `note` of a checkpoint's state.
 pub fn note(cp: &Checkpoint) -> &str {
-    cp.state.get("note").and_then(Value::as_str).unwrap_or("")
+    #[derive(serde::Deserialize)]
+    struct Note<'a> {
+        #[serde(borrow)]
+        note: Option<&'a str>,
+    }
+    serde_json::from_str::<Note<'_>>(cp.state.as_str())
+        .ok()
+        .and_then(|n| n.note)
+        .unwrap_or("")
 }
 
 /// A state of roughly `bytes` bytes.
-pub fn big_state(bytes: usize) -> Map<String, Value> {
-    let Value::Object(state) = json!({"blob": "x".repeat(bytes)}) else {
-        unreachable!()
-    };
-    state
+pub fn big_state(bytes: usize) -> JsonObject {
+    JsonObject::encode(&json!({"blob": "x".repeat(bytes)})).unwrap()
 }
 
 /// The service running in-process on its own task.
