@@ -251,6 +251,19 @@ impl World {
         })
         .await;
         assert!(settled.is_ok(), "every session settles");
+        // The transcripts are complete, so every job and steer ack was published before: let
+        // the wire watcher (its own task) catch up before anything is asserted on what it saw.
+        let consumption = self.consumption.clone();
+        common::eventually(
+            "the wire watcher saw every message taken into a turn",
+            Duration::from_secs(10),
+            || {
+                let c = consumption.lock().unwrap();
+                sent.iter()
+                    .all(|(_, ack, _)| c.by_message.contains_key(&ack.message_id))
+            },
+        )
+        .await;
         histories
     }
 

@@ -203,30 +203,70 @@ impl Message {
 }
 
 fn content_from_string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Part>, D::Error> {
-    // Not an untagged enum: that would hide the inner error of a bad part.
-    let v = Value::deserialize(d)?;
-    match v {
-        Value::String(s) => Ok(vec![Part::Text { text: s }]),
-        Value::Array(_) => {
-            let parts: Vec<Part> = serde_json::from_value(v).map_err(serde::de::Error::custom)?;
+    // A visitor, not an untagged enum (that would hide the inner error of a bad part) nor a
+    // detour through `Value` (a map per message, on every view of every step).
+    struct Content;
+
+    impl Content {
+        fn refuse<E: serde::de::Error>(kind: &str) -> Result<Vec<Part>, E> {
+            Err(E::custom(format!(
+                "content must be a string or a list of parts, not {kind}"
+            )))
+        }
+    }
+
+    impl<'de> serde::de::Visitor<'de> for Content {
+        type Value = Vec<Part>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a string or a list of parts")
+        }
+
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Vec<Part>, E> {
+            Ok(vec![Part::text(s)])
+        }
+
+        fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Vec<Part>, E> {
+            Ok(vec![Part::Text { text: s }])
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Vec<Part>, A::Error> {
+            let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(64));
+            while let Some(part) = seq.next_element::<Part>()? {
+                parts.push(part);
+            }
             Ok(parts)
         }
-        other => Err(serde::de::Error::custom(format!(
-            "content must be a string or a list of parts, not {}",
-            kind_of(&other)
-        ))),
-    }
-}
 
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Vec<Part>, E> {
+            Self::refuse("null")
+        }
+
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Vec<Part>, E> {
+            Self::refuse("a boolean")
+        }
+
+        fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Vec<Part>, E> {
+            Self::refuse("a number")
+        }
+
+        fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Vec<Part>, E> {
+            Self::refuse("a number")
+        }
+
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Vec<Part>, E> {
+            Self::refuse("a number")
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, _: A) -> Result<Vec<Part>, A::Error> {
+            Self::refuse("an object")
+        }
     }
+
+    d.deserialize_any(Content)
 }
 
 #[cfg(test)]
@@ -340,12 +380,27 @@ mod tests {
 
     #[test]
     fn wrong_content_types_are_refused_with_a_reason() {
-        let err = serde_json::from_str::<Message>(r#"{"role":"user","content":7}"#).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("content must be a string or a list"),
-            "{err}"
-        );
+        for (content, kind) in [
+            ("7", "a number"),
+            ("null", "null"),
+            ("true", "a boolean"),
+            (r#"{"type":"text","text":"x"}"#, "an object"),
+        ] {
+            let doc = format!(r#"{{"role":"user","content":{content}}}"#);
+            let err = serde_json::from_str::<Message>(&doc).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "content must be a string or a list of parts, not {kind}"
+                )),
+                "{err}"
+            );
+        }
+        // A bad part keeps its own reason.
+        let err = serde_json::from_str::<Message>(
+            r#"{"role":"user","content":[{"type":"text","text":1}]}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("invalid type"), "{err}");
         assert!(serde_json::from_str::<Message>(r#"{"role":"boss","content":"x"}"#).is_err());
         assert!(
             serde_json::from_str::<Message>(r#"{"role":"user","content":[{"type":"video"}]}"#)
