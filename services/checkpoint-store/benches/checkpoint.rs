@@ -20,6 +20,7 @@ use cyrene_checkpoint_client::CheckpointClient;
 use cyrene_checkpoint_store::{CheckpointStore, PgStore, SqliteStore, StoreOptions};
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::echo::{ECHO_SUBJECT, EchoProcess, run_echo_if_asked};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,13 +41,7 @@ const IN_FLIGHT: u32 = 16;
 const ROWS: u32 = 100;
 
 fn main() {
-    if let Ok(url) = std::env::var(ECHO_ENV) {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        return runtime.block_on(echo(url));
-    }
+    run_echo_if_asked();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -62,7 +57,7 @@ async fn bench() {
         serde_json::to_string(&state(0)).unwrap().len()
     );
     let nats = NatsServer::start();
-    let echo = Process::echo(&nats.url());
+    let echo = EchoProcess::start(&nats.url()).await;
 
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("bench.db").display());
@@ -110,36 +105,12 @@ impl Process {
         }
         panic!("the checkpoint store did not come up");
     }
-
-    /// This bench binary as a bare echo responder on `bench.echo` (see `main`).
-    fn echo(nats_url: &str) -> Process {
-        let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .env(ECHO_ENV, nats_url)
-            .spawn()
-            .unwrap();
-        Process(child)
-    }
 }
 
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// Set: this process is the echo responder, connected to the URL it holds.
-const ECHO_ENV: &str = "CYRENE_BENCH_ECHO";
-
-/// Answers every request on `bench.echo` with its own payload, as plainly as async-nats allows.
-async fn echo(url: String) {
-    use futures::StreamExt;
-    let client = async_nats::connect(url).await.unwrap();
-    let mut requests = client.subscribe("bench.echo").await.unwrap();
-    while let Some(m) = requests.next().await {
-        if let Some(reply) = m.reply {
-            client.publish(reply, m.payload).await.unwrap();
-        }
     }
 }
 
@@ -210,7 +181,7 @@ async fn run_backend<S: CheckpointStore>(nats: &NatsServer, direct: S) {
         let n_latest = t.elapsed();
         let t = Instant::now();
         raw_client
-            .request("bench.echo", raw_payload.clone())
+            .request(ECHO_SUBJECT, raw_payload.clone())
             .await
             .unwrap();
         let n_raw = t.elapsed();

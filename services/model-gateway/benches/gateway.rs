@@ -6,6 +6,9 @@
 //! - *via gateway*: this process sends the same question over NATS to a `cyrene-model-gateway`
 //!   process (the real binary), which calls the same mock upstream.
 //!
+//! At 1 in flight a third path is interleaved: a raw NATS request of the same payload to a bare
+//! echo responder in its own process — the floor any service behind NATS pays on this machine.
+//!
 //! Added latency = the gateway path's percentile minus the direct path's, at 1 and 32 requests
 //! in flight (the two paths are interleaved so drift hits both alike); throughput = requests per
 //! second one gateway process completes with 64 in flight. Everything shares this machine's
@@ -16,6 +19,7 @@ use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::subjects::MODEL_COMPLETE;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::echo::{ECHO_SUBJECT, EchoProcess, run_echo_if_asked};
 use serde_json::{Value, json};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -172,6 +176,15 @@ impl Paths {
         started.elapsed()
     }
 
+    async fn echo(&self) -> Duration {
+        let started = Instant::now();
+        self.nats
+            .request(ECHO_SUBJECT, self.payload.clone())
+            .await
+            .unwrap();
+        started.elapsed()
+    }
+
     async fn gateway(&self) -> Duration {
         let started = Instant::now();
         let reply = self
@@ -199,6 +212,8 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 struct Figures {
     direct: (f64, f64),
     gateway: (f64, f64),
+    /// p50 of the raw echo, when measured.
+    echo: Option<f64>,
 }
 
 fn figures(mut direct: Vec<Duration>, mut gateway: Vec<Duration>) -> Figures {
@@ -207,17 +222,24 @@ fn figures(mut direct: Vec<Duration>, mut gateway: Vec<Duration>) -> Figures {
     Figures {
         direct: (percentile(&direct, 0.5), percentile(&direct, 0.99)),
         gateway: (percentile(&gateway, 0.5), percentile(&gateway, 0.99)),
+        echo: None,
     }
 }
 
 async fn sequential(paths: &Paths, n: usize) -> Figures {
     let mut direct = Vec::with_capacity(n);
     let mut gateway = Vec::with_capacity(n);
+    let mut echo = Vec::with_capacity(n);
     for _ in 0..n {
         direct.push(paths.direct().await);
         gateway.push(paths.gateway().await);
+        echo.push(paths.echo().await);
     }
-    figures(direct, gateway)
+    echo.sort();
+    Figures {
+        echo: Some(percentile(&echo, 0.5)),
+        ..figures(direct, gateway)
+    }
 }
 
 async fn concurrent(paths: &Paths, workers: usize, per_worker: usize) -> Figures {
@@ -277,6 +299,13 @@ fn report(label: &str, f: &Figures, targets: Option<(f64, f64)>) {
         added.1,
         target(targets.map(|t| t.1)),
     );
+    if let Some(echo) = f.echo {
+        println!(
+            "{label}: raw NATS echo p50 {echo:.3} ms (the floor); the gateway adds {:.3} ms \
+             at p50 over direct + echo",
+            (added.0 - echo).max(0.0)
+        );
+    }
 }
 
 fn main() {
@@ -287,6 +316,7 @@ fn main() {
     {
         return;
     }
+    run_echo_if_asked();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -299,6 +329,7 @@ async fn run() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let _gateway = start_gateway(&server.url(), &upstream, dir.path());
+    let _echo = EchoProcess::start(&server.url()).await;
     let nats = server.connect().await;
     let http = cyrene_model_gateway::http_client().unwrap();
     let paths = Paths {

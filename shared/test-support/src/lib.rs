@@ -73,9 +73,11 @@
 
 mod binary;
 mod cluster;
+pub mod echo;
 mod probe;
 mod server;
 
 pub use binary::nats_server_binary;
 pub use cluster::NatsCluster;
+pub use echo::EchoProcess;
 pub use server::{NatsServer, NatsServerBuilder};
