@@ -8,7 +8,8 @@
 //! as given) or `OTEL_EXPORTER_OTLP_ENDPOINT` (`/v1/traces` appended) is set, with the service
 //! name as `service.name`; `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT` are
 //! honoured by the exporter. Export runs on the batch processor's own thread, off the request
-//! path; an unreachable collector costs dropped spans and a log line, never a request.
+//! path; an unreachable collector costs dropped spans (silently: the SDK's own logs are off), never
+//! a request. At exit the queued spans are flushed, bounded by `OTEL_EXPORTER_OTLP_TIMEOUT`.
 //!
 //! # Pitfalls
 //! - Without the OpenTelemetry layer, spans carry no trace id and nothing is propagated; so the
