@@ -445,3 +445,38 @@ async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S)
         .await
         .unwrap();
 }
+
+/// A database created by the first migration (state as `jsonb`) keeps its rows through the
+/// second (state as `json`), and the store serves them; new saves come back as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_written_as_jsonb_survive_the_move_to_json() {
+    use sqlx::{Connection, Executor, PgConnection};
+    let db = common::PgTestDb::create().await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    conn.execute(sqlx::raw_sql(include_str!(
+        "../migrations/postgres/0001_checkpoints.sql"
+    )))
+    .await
+    .unwrap();
+    conn.execute(
+        "INSERT INTO checkpoints (id, agent_id, step, state, created_at, updated_at) \
+         VALUES ('s1:1', 's1', 1, '{\"note\": \"old\", \"step\": 1}'::jsonb, now(), now())",
+    )
+    .await
+    .unwrap();
+    let _ = conn.close().await;
+
+    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
+        .await
+        .unwrap();
+    let old = store.latest("s1").await.unwrap();
+    assert_eq!(note(&old), "old");
+    let mut new = checkpoint("s1", 2, "new");
+    new.state = cyrene_protocol::JsonObject::from_text(r#"{"note":"new",  "b":1}"#.into()).unwrap();
+    store.save(new, Utc::now()).await.unwrap();
+    assert_eq!(
+        store.latest("s1").await.unwrap().state.as_str(),
+        r#"{"note":"new",  "b":1}"#
+    );
+    store.close().await;
+}

@@ -8,8 +8,7 @@
 //! # Invariants
 //! - The text is always one syntactically valid JSON object (checked by every constructor).
 //! - Equality is JSON equality: the same text is equal at once; otherwise both sides are parsed
-//!   and compared as values (PostgreSQL's `jsonb` gives the same object back with other spacing
-//!   and key order).
+//!   and compared as values (two encodings of one object may differ in spacing and key order).
 
 use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

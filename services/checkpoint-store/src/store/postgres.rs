@@ -1,6 +1,7 @@
 //! The PostgreSQL backend of [`CheckpointStore`] (production).
 //!
-//! `state` is `JSONB` (bound as text and cast, read back as text); timestamps are `TIMESTAMPTZ`.
+//! `state` is `JSON` (bound as text and cast, so PostgreSQL validates it; stored and read back as
+//! that very text — see migration 0002); timestamps are `TIMESTAMPTZ`.
 //!
 //! # Invariants
 //! - A fenced save is **one statement** ([`FENCED_UPSERT`]): the `turn_attempts` upsert, the
@@ -43,7 +44,7 @@ macro_rules! select {
 
 const UPSERT: &str = "INSERT INTO checkpoints \
      (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $7) \
+     VALUES ($1, $2, $3, $4::json, $5, $6, $7, $7) \
      ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
      attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
      RETURNING created_at, updated_at";
@@ -58,7 +59,7 @@ const FENCED_UPSERT: &str = "WITH fence AS ( \
        RETURNING max_attempt), \
      saved AS ( \
        INSERT INTO checkpoints (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
-       SELECT $1, $2, $3, $4::jsonb, $5, $6, $7, $7 FROM fence WHERE fence.max_attempt <= $6 \
+       SELECT $1, $2, $3, $4::json, $5, $6, $7, $7 FROM fence WHERE fence.max_attempt <= $6 \
        ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
        attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
        RETURNING created_at, updated_at) \
