@@ -252,6 +252,12 @@ pub enum ConfigError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("invalid model config {origin}: {source}")]
+    ParseToml {
+        origin: String,
+        #[source]
+        source: toml::de::Error,
+    },
     /// Every problem found, one per line.
     #[error("invalid model config:\n  - {}", .0.join("\n  - "))]
     Invalid(Vec<String>),
@@ -266,13 +272,29 @@ impl ModelsConfig {
         })
     }
 
-    /// Reads and parses a JSON config file.
+    /// Parses a TOML config: the same document as the JSON one, in TOML.
+    pub fn from_toml(text: &str, origin: &str) -> Result<ModelsConfig, ConfigError> {
+        toml::from_str(text).map_err(|source| ConfigError::ParseToml {
+            origin: origin.to_owned(),
+            source,
+        })
+    }
+
+    /// Reads and parses a config file: TOML when its name ends in `.toml`, JSON otherwise.
     pub fn from_file(path: &Path) -> Result<ModelsConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        ModelsConfig::from_json(&text, &path.display().to_string())
+        let origin = path.display().to_string();
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
+        {
+            ModelsConfig::from_toml(&text, &origin)
+        } else {
+            ModelsConfig::from_json(&text, &origin)
+        }
     }
 
     /// The built-in offline config: one scripted provider, echoing what it is told.
@@ -540,6 +562,98 @@ mod tests {
         assert_eq!(config.providers["primary"].vendor(), Vendor::Deepseek);
         assert_eq!(config.default_chain().len(), 2);
         config.validate(&|_| true).unwrap();
+    }
+
+    /// The example of docs/model-gateway.md …
+    const DOCS_EXAMPLE: &str = r#"{"providers":{
+   "primary":{"protocol":"openai","base_url":"https://api.deepseek.com","api_key_env":"DEEPSEEK_API_KEY",
+              "models":{"deepseek-chat":{"vision":false}},
+              "timeout_ms":20000,"cooldown":{"failures":3,"cooldown_ms":30000}},
+   "claude":{"protocol":"anthropic","base_url":"https://api.anthropic.com","api_key_env":"ANTHROPIC_API_KEY",
+             "models":{"claude-sonnet-4-5":{"vision":true},"claude-opus-4-6":{"vision":true,"thinking":"adaptive"}}},
+   "local":{"protocol":"openai","base_url":"http://127.0.0.1:11434/v1","models":{"qwen3":{}}},
+   "offline":{"protocol":"scripted","models":{"scripted":{}},
+              "script":{"rules":[
+                 {"contains":"time","tool_calls":[{"name":"get_time","args":{"tz":"UTC"}}],
+                  "after_tools":"It is {tool_results}."},
+                 {"equals":"hi","reply":"hello!"}],
+               "default_reply":"(offline) you said: {input}"}}},
+ "groups":{"default":[{"provider":"primary","model":"deepseek-chat"},{"provider":"claude","model":"claude-sonnet-4-5"}]},
+ "active_group":"default",
+ "persona_providers":{"hoshi":[{"provider":"claude","model":"claude-sonnet-4-5"}]},
+ "vision":[{"provider":"claude","model":"claude-sonnet-4-5"}],
+ "default_timeout_ms":60000}"#;
+
+    /// … written as TOML.
+    const TOML_EXAMPLE: &str = r#"active_group = "default"
+default_timeout_ms = 60000
+
+[providers.primary]
+protocol = "openai"
+base_url = "https://api.deepseek.com"
+api_key_env = "DEEPSEEK_API_KEY"
+timeout_ms = 20000
+cooldown = { failures = 3, cooldown_ms = 30000 }
+models = { "deepseek-chat" = { vision = false } }
+
+[providers.claude]
+protocol = "anthropic"
+base_url = "https://api.anthropic.com"
+api_key_env = "ANTHROPIC_API_KEY"
+
+[providers.claude.models]
+"claude-sonnet-4-5" = { vision = true }
+"claude-opus-4-6" = { vision = true, thinking = "adaptive" }
+
+[providers.local]
+protocol = "openai"
+base_url = "http://127.0.0.1:11434/v1"
+models = { qwen3 = {} }
+
+[providers.offline]
+protocol = "scripted"
+models = { scripted = {} }
+
+[providers.offline.script]
+default_reply = "(offline) you said: {input}"
+
+[[providers.offline.script.rules]]
+contains = "time"
+tool_calls = [{ name = "get_time", args = { tz = "UTC" } }]
+after_tools = "It is {tool_results}."
+
+[[providers.offline.script.rules]]
+equals = "hi"
+reply = "hello!"
+
+[groups]
+default = [
+  { provider = "primary", model = "deepseek-chat" },
+  { provider = "claude", model = "claude-sonnet-4-5" },
+]
+
+[persona_providers]
+hoshi = [{ provider = "claude", model = "claude-sonnet-4-5" }]
+
+[[vision]]
+provider = "claude"
+model = "claude-sonnet-4-5"
+"#;
+
+    #[test]
+    fn a_toml_config_is_the_same_document() {
+        let from_toml = ModelsConfig::from_toml(TOML_EXAMPLE, "example.toml").unwrap();
+        let from_json = ModelsConfig::from_json(DOCS_EXAMPLE, "example.json").unwrap();
+        assert_eq!(from_toml, from_json);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("models.toml");
+        std::fs::write(&path, TOML_EXAMPLE).unwrap();
+        assert_eq!(ModelsConfig::from_file(&path).unwrap(), from_json);
+
+        std::fs::write(&path, "active_group = 3").unwrap();
+        let err = ModelsConfig::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("models.toml"), "{err}");
     }
 
     #[test]

@@ -18,8 +18,8 @@ struct Args {
     /// NATS server URL(s), comma-separated.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
-    /// Path to the model config (JSON). Absent: a built-in offline config whose only provider is
-    /// the scripted one (replies are marked offline).
+    /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
+    /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_MODELS")]
     models: Option<PathBuf>,
     /// Requests handled at once.
