@@ -151,6 +151,8 @@ async fn steer_claims_once_replays_and_is_fenced(backend: Backend) {
     let later = steer(c, &job, 1, m3.seq).await.unwrap().messages;
     assert_eq!(later.len(), 1);
     assert_eq!(later[0].id, m4.message_id);
+    // Nothing new since the cursor: nothing.
+    assert!(steer(c, &job, 1, m4.seq).await.unwrap().messages.is_empty());
 
     // Attempt 2 takes over; attempt 1 is fenced off from steering and completing.
     let resumed = steer(c, &job, 2, 0).await.unwrap().messages;
