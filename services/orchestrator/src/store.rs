@@ -911,6 +911,7 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
+        Self::release_unsteered(&mut tx, req).await?;
         let rows = sqlx::query(
             "SELECT reply_to FROM orch_messages \
              WHERE claimed_by_turn = $1 AND reply_to IS NOT NULL ORDER BY seq",
@@ -944,6 +945,38 @@ impl Store {
             reply_to,
             next,
         })
+    }
+
+    /// Gives back to pending every message this turn claimed at a boundary but never took in
+    /// (absent from `steered_ids`): a steer whose reply was lost, or that the worker gave up on,
+    /// after the claim committed, with no later boundary to hand it back. Pending again, it is
+    /// answered as its own turn (I2: never lost).
+    async fn release_unsteered(
+        tx: &mut Transaction<'static, Any>,
+        req: &TurnComplete,
+    ) -> Result<(), StoreError> {
+        let rows =
+            sqlx::query("SELECT id FROM orch_messages WHERE claimed_by_turn = $1 AND steered = 1")
+                .bind(&req.turn_id)
+                .fetch_all(&mut **tx)
+                .await?;
+        for row in &rows {
+            let id: String = row.try_get(0)?;
+            if req.steered_ids.contains(&id) {
+                continue;
+            }
+            tracing::warn!(turn = %req.turn_id, message = %id,
+                "a message claimed at a boundary never reached the turn; it is pending again");
+            sqlx::query(
+                "UPDATE orch_messages SET claimed_by_turn = NULL, steered = 0 \
+                 WHERE id = $1 AND claimed_by_turn = $2",
+            )
+            .bind(&id)
+            .bind(&req.turn_id)
+            .execute(&mut **tx)
+            .await?;
+        }
+        Ok(())
     }
 
     /// The transcript of a session, oldest→newest: at most `limit` entries before `before_seq`.

@@ -4,7 +4,7 @@ use crate::harness::*;
 use cyrene_comm::{AskError, AskOptions, Probe};
 use cyrene_orchestrator::{Persona, Personas};
 use cyrene_protocol::message::{Message, Role, ToolCall};
-use cyrene_protocol::session::{Disposition, SessionEvent, SessionEventType};
+use cyrene_protocol::session::{Disposition, SendAck, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use std::time::Duration;
 
@@ -209,13 +209,15 @@ async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
         Some(m3.message_id.as_str())
     );
 
-    for (job, answer) in [(&leg1, "sea"), (&leg2, "sunny"), (&leg3, "you too")] {
-        assert!(
-            complete(c, &completion(job, 1, answer))
-                .await
-                .unwrap()
-                .first
-        );
+    let took = |m: &SendAck| vec![m.message_id.clone()];
+    for (job, answer, steered) in [
+        (&leg1, "sea", took(&m2)),
+        (&leg2, "sunny", took(&m4)),
+        (&leg3, "you too", vec![]),
+    ] {
+        let mut done = completion(job, 1, answer);
+        done.steered_ids = steered;
+        assert!(complete(c, &done).await.unwrap().first);
     }
     let h = history(c, "s1").await;
     assert_eq!(

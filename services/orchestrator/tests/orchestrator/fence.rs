@@ -165,7 +165,9 @@ async fn steer_claims_once_replays_and_is_fenced(backend: Backend) {
         .await
         .unwrap_err();
     assert_eq!(code(&stale), ErrorCode::Conflict);
-    let first = complete(c, &completion(&job, 2, "all four")).await.unwrap();
+    let mut done = completion(&job, 2, "all four");
+    done.steered_ids = resumed.iter().map(|m| m.id.clone()).collect();
+    let first = complete(c, &done).await.unwrap();
     assert!(first.first);
     let second = complete(c, &completion(&job, 2, "a retry")).await.unwrap();
     assert!(!second.first, "a second completion changes nothing");
@@ -201,6 +203,43 @@ async fn steer_claims_once_replays_and_is_fenced(backend: Backend) {
         code(&complete(c, &completion(&ghost, 1, "x")).await.unwrap_err()),
         ErrorCode::NotFound
     );
+}
+
+/// I2 when a steer's reply is lost after its claim committed and the turn has no later boundary:
+/// the message is not in the completion's `steered_ids`, so it goes back to pending and becomes
+/// the next turn — answered, never dropped.
+async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(backend: Backend) {
+    let world = World::new(backend).await;
+    let _orch = Replica::start(&world, world.config()).await;
+    let mut jobs = JobQueue::new(&world.client).await;
+    let c = &world.client;
+
+    send_ok(c, "s1", "start").await;
+    let (job, _) = jobs.next().await;
+    let late = send_ok(c, "s1", "late").await;
+    let claimed = steer(c, &job, 1, job.base_seq).await.unwrap().messages;
+    assert_eq!(claimed.len(), 1, "claimed (and, say, the reply is lost)");
+    let done = complete(c, &completion(&job, 1, "answer to start"))
+        .await
+        .unwrap();
+    assert!(done.first);
+
+    let (next, _) = jobs.next().await;
+    assert_ne!(next.turn_id, job.turn_id);
+    assert_eq!(next.message_ids, vec![late.message_id.clone()]);
+    let h = history(c, "s1").await;
+    let late_entry = h.iter().find(|e| e.id == late.message_id).unwrap();
+    assert_eq!(late_entry.turn_id, next.turn_id);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_sqlite() {
+    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_postgres() {
+    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(Backend::Postgres).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
