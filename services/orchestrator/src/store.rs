@@ -744,6 +744,9 @@ impl Store {
     /// claimed by it at a boundary with `seq > after_seq`, in seq order.
     pub async fn steer(&self, req: &SteerRequest) -> Result<Vec<SteeredMessage>, StoreError> {
         let after = to_i64(req.after_seq)?;
+        if self.nothing_to_steer(req, after).await? {
+            return Ok(Vec::new());
+        }
         let mut tx = self.begin().await?;
         if self.lock_session(&mut tx, &req.session_id).await?.is_none() {
             return Err(StoreError::NotFound(format!(
@@ -808,6 +811,42 @@ impl Store {
         }
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// The common boundary, read in one statement without a lock or a commit to flush: the turn
+    /// is in its session, running, at exactly this attempt, no steerable message waits in its
+    /// session and it holds none beyond `after`. Anything else (something to claim or hand
+    /// back, a newer or stale attempt, an unknown or completed turn) takes the locked path,
+    /// which also produces the errors. A message that arrives just after this read stays
+    /// pending for the next boundary or the next turn, as it would after the locked path.
+    async fn nothing_to_steer(&self, req: &SteerRequest, after: i64) -> Result<bool, StoreError> {
+        let row = sqlx::query(
+            "SELECT t.session_id, t.status, t.attempt, \
+             CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_messages m \
+               WHERE m.session_id = t.session_id AND m.claimed_by_turn IS NULL \
+               AND m.solo = 0 AND m.seq > t.base_seq) THEN 1 ELSE 0 END AS BIGINT), \
+             CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_messages m \
+               WHERE m.claimed_by_turn = t.turn_id AND m.steered = 1 AND m.seq > $2) \
+               THEN 1 ELSE 0 END AS BIGINT) \
+             FROM orch_turns t WHERE t.turn_id = $1",
+        )
+        .bind(&req.turn_id)
+        .bind(after)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else {
+            return Ok(false);
+        };
+        let session: String = row.try_get(0)?;
+        let status: String = row.try_get(1)?;
+        let attempt: i64 = row.try_get(2)?;
+        let pending: i64 = row.try_get(3)?;
+        let held_beyond_after: i64 = row.try_get(4)?;
+        Ok(session == req.session_id
+            && status == "running"
+            && attempt == i64::from(req.attempt)
+            && pending == 0
+            && held_beyond_after == 0)
     }
 
     /// Checks the `{turn_id, attempt}` fence and raises the recorded attempt.
