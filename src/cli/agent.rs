@@ -40,31 +40,7 @@ pub async fn run(client: Client, args: AgentArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     eprintln!("cyrene: agent {:?} is listening (Ctrl-C to stop)", args.id);
-    shutdown_signal().await;
+    cyrene_bus::signal::signalled().await;
     handle.stop().await;
     Ok(())
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {},
-                    _ = term.recv() => {},
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
 }

@@ -171,7 +171,7 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
         let line = tokio::select! {
-            _ = super::agent::shutdown_signal() => break,
+            _ = cyrene_bus::signal::signalled() => break,
             line = lines.next_line() => line,
         };
         match line {

@@ -109,7 +109,7 @@ pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let _ = client.flush().await;
-    let stop = super::agent::shutdown_signal();
+    let stop = cyrene_bus::signal::signalled();
     tokio::pin!(stop);
     loop {
         let message = tokio::select! {

@@ -152,7 +152,7 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
         args.workers.max(1),
         args.data_dir.display()
     );
-    let stop = super::agent::shutdown_signal();
+    let stop = cyrene_bus::signal::signalled();
     tokio::pin!(stop);
     let mut failed = None;
     tokio::select! {

@@ -24,7 +24,7 @@ async fn main() -> ExitCode {
         }
     };
     let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    tokio::spawn(cyrene_bus::signal::cancel_on_signal(shutdown.clone()));
     match run(args.config(), client, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -36,22 +36,4 @@ async fn main() -> ExitCode {
             })
         }
     }
-}
-
-/// Cancels `shutdown` on SIGINT or SIGTERM.
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            shutdown.cancel();
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
-    shutdown.cancel();
 }

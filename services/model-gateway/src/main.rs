@@ -71,26 +71,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     ))
     .await?;
     let shutdown = CancellationToken::new();
-    let signal = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        signal.cancel();
-    });
+    tokio::spawn(cyrene_bus::signal::cancel_on_signal(shutdown.clone()));
     cyrene_model_gateway::run(config, client, shutdown).await?;
     Ok(())
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {},
-                _ = term.recv() => {},
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }

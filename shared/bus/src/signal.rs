@@ -1,9 +1,9 @@
-//! Process signals as a shutdown token, for service mains.
+//! Process signals: a future for the CLI, a shutdown token for service mains.
 
 use tokio_util::sync::CancellationToken;
 
-/// Cancels `shutdown` on SIGINT (Ctrl-C) or SIGTERM (Kubernetes), whichever comes first.
-pub async fn cancel_on_signal(shutdown: CancellationToken) {
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (Kubernetes), whichever comes first.
+pub async fn signalled() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
@@ -13,7 +13,6 @@ pub async fn cancel_on_signal(shutdown: CancellationToken) {
                 tokio::select! {
                     _ = ctrl_c => {},
                     _ = term.recv() => {},
-                    _ = shutdown.cancelled() => return,
                 }
             }
             Err(_) => {
@@ -24,6 +23,14 @@ pub async fn cancel_on_signal(shutdown: CancellationToken) {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+/// Cancels `shutdown` on SIGINT or SIGTERM; returns at once if `shutdown` is cancelled first.
+pub async fn cancel_on_signal(shutdown: CancellationToken) {
+    tokio::select! {
+        _ = signalled() => {},
+        _ = shutdown.cancelled() => return,
     }
     tracing::info!("shutdown signal received");
     shutdown.cancel();
