@@ -108,43 +108,11 @@ impl cyrene_bus::service::WireError for StoreError {
 
 impl From<sqlx::Error> for StoreError {
     fn from(err: sqlx::Error) -> Self {
-        if is_unavailable(&err) {
+        if cyrene_bus::sql::is_unavailable(&err) {
             StoreError::Unavailable(err.to_string())
         } else {
             StoreError::Internal(err.to_string())
         }
-    }
-}
-
-/// Whether `err` means "the database is down, busy or going away" (retryable).
-fn is_unavailable(err: &sqlx::Error) -> bool {
-    use sqlx::Error as E;
-    match err {
-        E::Io(_)
-        | E::Tls(_)
-        | E::Protocol(_)
-        | E::PoolTimedOut
-        | E::PoolClosed
-        | E::WorkerCrashed
-        | E::BeginFailed => true,
-        E::Database(db) => {
-            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            // PostgreSQL: connection exceptions (08), insufficient resources (53), operator
-            // intervention (57: shutdown, cannot connect now), unknown database (3D000),
-            // serialisation failure and deadlock (40001, 40P01).
-            code.starts_with("08")
-                || code.starts_with("53")
-                || code.starts_with("57")
-                || code == "3D000"
-                || code == "40001"
-                || code == "40P01"
-                // SQLite: BUSY (5), LOCKED (6), IOERR (10), FULL (13), CANTOPEN (14) and their
-                // extended codes (low byte).
-                || code
-                    .parse::<i64>()
-                    .is_ok_and(|c| matches!(c & 0xff, 5 | 6 | 10 | 13 | 14))
-        }
-        _ => false,
     }
 }
 
@@ -1154,8 +1122,8 @@ mod tests {
 
     #[test]
     fn database_outages_map_to_unavailable() {
-        assert!(is_unavailable(&sqlx::Error::PoolTimedOut));
-        assert!(!is_unavailable(&sqlx::Error::RowNotFound));
+        assert!(cyrene_bus::sql::is_unavailable(&sqlx::Error::PoolTimedOut));
+        assert!(!cyrene_bus::sql::is_unavailable(&sqlx::Error::RowNotFound));
         assert_eq!(
             StoreError::from(sqlx::Error::PoolClosed).code(),
             ErrorCode::Unavailable

@@ -15,6 +15,8 @@ pub mod guard;
 pub mod request;
 pub mod service;
 pub mod signal;
+#[cfg(feature = "sql")]
+pub mod sql;
 pub mod streams;
 pub mod trace;
 

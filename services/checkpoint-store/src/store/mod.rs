@@ -114,25 +114,10 @@ impl cyrene_bus::service::WireError for StoreError {
     }
 }
 
-/// Failures every backend classifies the same way; `None` means "ask the backend's codes".
-pub(crate) fn classify_common(err: &sqlx::Error) -> Option<bool> {
-    use sqlx::Error as E;
-    match err {
-        E::Io(_)
-        | E::Tls(_)
-        | E::Protocol(_)
-        | E::PoolTimedOut
-        | E::PoolClosed
-        | E::WorkerCrashed
-        | E::BeginFailed => Some(true),
-        E::Database(_) => None,
-        _ => Some(false),
-    }
-}
-
-/// Wraps `err` as `Unavailable` when `unavailable`, else as `Internal`.
-pub(crate) fn wrap(err: sqlx::Error, unavailable: bool) -> StoreError {
-    if unavailable {
+/// Maps a database failure: `Unavailable` when the database is down, busy or going away
+/// ([`cyrene_bus::sql::is_unavailable`]), else `Internal`.
+pub(crate) fn classify(err: sqlx::Error) -> StoreError {
+    if cyrene_bus::sql::is_unavailable(&err) {
         StoreError::Unavailable(err)
     } else {
         StoreError::Internal(err.to_string())

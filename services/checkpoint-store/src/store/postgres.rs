@@ -18,9 +18,8 @@
 //!   fresh row; retention is meant for owners idle far longer than any turn.
 
 use super::{
-    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify_common,
-    cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
-    wrap,
+    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify, cutoff,
+    fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -71,22 +70,6 @@ const FENCED_UPSERT: &str = "WITH fence AS ( \
 pub struct PgStore {
     pool: PgPool,
     max_state_bytes: usize,
-}
-
-/// Maps a PostgreSQL failure: connection exceptions (class 08), insufficient resources (53),
-/// operator intervention (57: shutdown, cannot connect now), and serialisation failures or
-/// deadlocks (40) are retryable.
-fn classify(err: sqlx::Error) -> StoreError {
-    let unavailable = classify_common(&err).unwrap_or_else(|| {
-        err.as_database_error()
-            .and_then(|db| db.code())
-            .is_some_and(|code| {
-                ["08", "53", "57", "40"]
-                    .iter()
-                    .any(|class| code.starts_with(class))
-            })
-    });
-    wrap(err, unavailable)
 }
 
 impl PgStore {

@@ -14,9 +14,8 @@
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
 use super::{
-    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify_common,
-    cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
-    wrap,
+    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify, cutoff,
+    fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -65,18 +64,6 @@ const RAISE_ATTEMPT: &str = "INSERT INTO turn_attempts (turn_id, max_attempt, up
 pub struct SqliteStore {
     pool: SqlitePool,
     max_state_bytes: usize,
-}
-
-/// Maps an SQLite failure: BUSY (5), LOCKED (6), IOERR (10), FULL (13) and CANTOPEN (14) —
-/// primary codes of the extended code — are retryable.
-fn classify(err: sqlx::Error) -> StoreError {
-    let unavailable = classify_common(&err).unwrap_or_else(|| {
-        err.as_database_error()
-            .and_then(|db| db.code())
-            .and_then(|code| code.parse::<i32>().ok())
-            .is_some_and(|code| matches!(code & 0xff, 5 | 6 | 10 | 13 | 14))
-    });
-    wrap(err, unavailable)
 }
 
 impl SqliteStore {
