@@ -169,11 +169,32 @@ pub trait CheckpointStore: Send + Sync + 'static {
 pub(crate) struct SaveRow {
     pub id: String,
     pub agent_id: String,
-    pub step: i64,
-    /// `state` serialised as JSON text.
-    pub state: String,
+    pub step: u32,
+    /// Checked once, when the request was decoded; bound as its text.
+    pub state: JsonObject,
     pub fence: Option<Fence>,
     pub now: DateTime<Utc>,
+}
+
+impl SaveRow {
+    /// The row as stored, with the timestamps the database gave it: the saved values moved
+    /// back out (the state is not checked again).
+    pub fn stored(self, created_at: String, updated_at: String) -> Checkpoint {
+        let (turn_id, attempt) = match self.fence {
+            Some(f) => (Some(f.turn_id), u32::try_from(f.attempt).ok()),
+            None => (None, None),
+        };
+        Checkpoint {
+            id: self.id,
+            agent_id: self.agent_id,
+            step: self.step,
+            state: self.state,
+            turn_id,
+            attempt,
+            created_at: Some(created_at),
+            updated_at: Some(updated_at),
+        }
+    }
 }
 
 /// The fencing token of a save.
@@ -229,17 +250,17 @@ pub(crate) fn prepare_save(
         }
     };
     // Stored as sent: decoding already checked it is one JSON object.
-    let state = checkpoint.state.into_string();
-    if state.len() > max_state_bytes {
+    let state = checkpoint.state;
+    if state.as_str().len() > max_state_bytes {
         return Err(StoreError::TooLarge {
-            size: state.len(),
+            size: state.as_str().len(),
             max: max_state_bytes,
         });
     }
     Ok(SaveRow {
         id: checkpoint.id,
         agent_id: checkpoint.agent_id,
-        step: i64::from(checkpoint.step),
+        step: checkpoint.step,
         state,
         fence,
         now,

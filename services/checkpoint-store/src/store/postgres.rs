@@ -102,15 +102,15 @@ impl PgStore {
         &self.pool
     }
 
-    async fn upsert<'c, E>(executor: E, row: &SaveRow) -> Result<Checkpoint, StoreError>
+    async fn upsert<'c, E>(executor: E, row: SaveRow) -> Result<Checkpoint, StoreError>
     where
         E: Executor<'c, Database = Postgres>,
     {
         let stored = sqlx::query(UPSERT)
             .bind(&row.id)
             .bind(&row.agent_id)
-            .bind(row.step)
-            .bind(&row.state)
+            .bind(i64::from(row.step))
+            .bind(row.state.as_str())
             .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
             .bind(row.fence.as_ref().map(|f| f.attempt))
             .bind(row.now)
@@ -119,28 +119,18 @@ impl PgStore {
             .map_err(classify)?;
         let created: DateTime<Utc> = stored.try_get("created_at").map_err(classify)?;
         let updated: DateTime<Utc> = stored.try_get("updated_at").map_err(classify)?;
-        RawRow {
-            id: row.id.clone(),
-            agent_id: row.agent_id.clone(),
-            step: row.step,
-            state: row.state.clone(),
-            turn_id: row.fence.as_ref().map(|f| f.turn_id.clone()),
-            attempt: row.fence.as_ref().map(|f| f.attempt),
-            created_at: format_ts(created),
-            updated_at: format_ts(updated),
-        }
-        .into_checkpoint()
+        Ok(row.stored(format_ts(created), format_ts(updated)))
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
         let Some(fence) = &row.fence else {
-            return Self::upsert(&self.pool, &row).await;
+            return Self::upsert(&self.pool, row).await;
         };
         let stored = sqlx::query(FENCED_UPSERT)
             .bind(&row.id)
             .bind(&row.agent_id)
-            .bind(row.step)
-            .bind(&row.state)
+            .bind(i64::from(row.step))
+            .bind(row.state.as_str())
             .bind(&fence.turn_id)
             .bind(fence.attempt)
             .bind(row.now)
@@ -156,17 +146,7 @@ impl PgStore {
         if recorded > fence.attempt {
             return Err(fenced(fence, recorded));
         }
-        RawRow {
-            id: row.id.clone(),
-            agent_id: row.agent_id.clone(),
-            step: row.step,
-            state: row.state.clone(),
-            turn_id: Some(fence.turn_id.clone()),
-            attempt: Some(fence.attempt),
-            created_at: format_ts(created),
-            updated_at: format_ts(updated),
-        }
-        .into_checkpoint()
+        Ok(row.stored(format_ts(created), format_ts(updated)))
     }
 }
 

@@ -106,7 +106,7 @@ impl SqliteStore {
         &self.pool
     }
 
-    async fn upsert<'c, E>(executor: E, row: &SaveRow) -> Result<Checkpoint, StoreError>
+    async fn upsert<'c, E>(executor: E, row: SaveRow) -> Result<Checkpoint, StoreError>
     where
         E: Executor<'c, Database = Sqlite>,
     {
@@ -114,30 +114,22 @@ impl SqliteStore {
         let stored = sqlx::query(UPSERT)
             .bind(&row.id)
             .bind(&row.agent_id)
-            .bind(row.step)
-            .bind(&row.state)
+            .bind(i64::from(row.step))
+            .bind(row.state.as_str())
             .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
             .bind(row.fence.as_ref().map(|f| f.attempt))
             .bind(&now)
             .fetch_one(executor)
             .await
             .map_err(classify)?;
-        RawRow {
-            id: row.id.clone(),
-            agent_id: row.agent_id.clone(),
-            step: row.step,
-            state: row.state.clone(),
-            turn_id: row.fence.as_ref().map(|f| f.turn_id.clone()),
-            attempt: row.fence.as_ref().map(|f| f.attempt),
-            created_at: stored.try_get("created_at").map_err(classify)?,
-            updated_at: stored.try_get("updated_at").map_err(classify)?,
-        }
-        .into_checkpoint()
+        let created: String = stored.try_get("created_at").map_err(classify)?;
+        let updated: String = stored.try_get("updated_at").map_err(classify)?;
+        Ok(row.stored(created, updated))
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
         let Some(fence) = &row.fence else {
-            return Self::upsert(&self.pool, &row).await;
+            return Self::upsert(&self.pool, row).await;
         };
         let mut tx = self
             .pool
@@ -155,7 +147,7 @@ impl SqliteStore {
             let _ = tx.rollback().await;
             return Err(fenced(fence, recorded));
         }
-        let saved = Self::upsert(&mut *tx, &row).await?;
+        let saved = Self::upsert(&mut *tx, row).await?;
         tx.commit().await.map_err(classify)?;
         Ok(saved)
     }
