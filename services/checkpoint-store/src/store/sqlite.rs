@@ -85,9 +85,6 @@ impl SqliteStore {
         let pool = SqlitePoolOptions::new()
             .max_connections(options.max_connections.max(1))
             .acquire_timeout(options.acquire_timeout)
-            // No ping on acquire: a broken connection fails its query once (→ `unavailable`)
-            // and is dropped when released; a ping per query would double the round trips.
-            .test_before_acquire(false)
             .connect_with(connect)
             .await
             .map_err(|e| StoreError::Open(format!("sqlite: {e}")))?;
