@@ -478,11 +478,17 @@ async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints()
         text.contains("↪ steered 1 message(s) into step 2"),
         "{text}"
     );
-    let checkpoint_line = |id: &str, stop: &str| {
-        text.lines()
-            .any(|l| l.starts_with(&format!("{id} ")) && l.contains(stop))
+    // One row per step of the turn: `demo1:<turn id>:<step>`.
+    let checkpoint_line = |step: u32, stop: &str| {
+        text.lines().any(|l| {
+            l.starts_with("demo1:")
+                && l.split_whitespace()
+                    .next()
+                    .is_some_and(|id| id.ends_with(&format!(":{step}")))
+                && l.contains(&format!("step {step:>3}  {stop}"))
+        })
     };
-    assert!(checkpoint_line("demo1:1", "tool_calls"), "{text}");
-    assert!(checkpoint_line("demo1:3", "stop"), "{text}");
+    assert!(checkpoint_line(1, "tool_calls"), "{text}");
+    assert!(checkpoint_line(3, "stop"), "{text}");
     assert!(text.contains("(UTC). — offline scripted reply"), "{text}");
 }

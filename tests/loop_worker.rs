@@ -173,6 +173,130 @@ async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_reru
     assert_eq!(steps, [3, 2, 1]);
 }
 
+/// Issue 10's bug: a session's second turn, killed after its step 1, must resume from its own
+/// step 1 — not start over because the first turn's step 3 is the owner's highest step.
+async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Option<String>) {
+    let stack = Stack::start(rules(), database_url).await;
+    let worker = |name: &str| {
+        tokio::process::Command::new(workspace_binary("cyrene-loop-worker"))
+            .env("NATS_URL", stack.server.url())
+            .env("CYRENE_WORKER_ACK_WAIT", "1s")
+            .env("RUST_LOG", "warn")
+            .env("OTEL_SERVICE_NAME", name)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    let count_runs = |tools: &common::TestTools| {
+        let runs = tools.runs.lock().unwrap();
+        runs.iter().filter(|(name, _)| name == "count").count()
+    };
+    let mut first = worker("first");
+    // Turn 1: two tool steps, then the answer (steps 1, 2, 3).
+    stack.dispatch(&job("turn1", "s", "make a plan")).await;
+    assert_eq!(stack.orchestrator.wait_completed("turn1").await.steps, 3);
+    assert_eq!(count_runs(&stack.tools), 2);
+
+    // Turn 2: step 1 runs `count` and is checkpointed; step 2's tool holds until the kill.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *stack.tools.gate.lock().unwrap() = Some(gate.clone());
+    stack.dispatch(&job("turn2", "s", "crash test")).await;
+    let tools = stack.tools.clone();
+    eventually("turn 2's step 2 started", Duration::from_secs(30), || {
+        tools
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(name, _)| name == "hold")
+    })
+    .await;
+    let rows = stack.checkpoints("s").await;
+    assert_eq!(
+        (rows[0].id.as_str(), rows[0].step),
+        ("s:turn2:1", 1),
+        "the latest is the last write: turn 2's step 1"
+    );
+    assert_eq!(rows.len(), 4, "turn 1's three rows are all still there");
+    first.start_kill().unwrap(); // SIGKILL
+    first.wait().await.unwrap();
+    *stack.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+
+    let _second = worker("second");
+    let done = stack.orchestrator.wait_completed("turn2").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert!(
+        done.attempt >= 2,
+        "finished by a redelivery, attempt {}",
+        done.attempt
+    );
+    assert_eq!(done.steps, 3, "resumed at step 2, not started over");
+    assert_eq!(
+        count_runs(&stack.tools),
+        3,
+        "turn 2's step-1 tool ran again"
+    );
+    let turn2: Vec<u32> = stack
+        .checkpoints("s")
+        .await
+        .iter()
+        .filter(|c| c.turn_id.as_deref() == Some("turn2"))
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(turn2, [3, 2, 1]);
+    assert_eq!(
+        completion_count(&stack, "turn1"),
+        1,
+        "turn 1 was not run again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_turn_killed_after_its_first_step_resumes_it_on_sqlite() {
+    a_second_turn_killed_after_its_first_step_resumes_it(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_turn_killed_after_its_first_step_resumes_it_on_postgres() {
+    let url = common::fresh_postgres("cyrene_lw")
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432 (make test starts one)");
+    a_second_turn_killed_after_its_first_step_resumes_it(Some(url)).await;
+}
+
+/// Failover is bounded by a short `ack_wait`, but a live worker waiting far longer than that (on
+/// a tool here; a model call is the same to the heartbeat) keeps its job: no redelivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_five_times_the_ack_wait_is_no_failover() {
+    let stack = Stack::start(rules(), None).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *stack.tools.gate.lock().unwrap() = Some(gate.clone());
+    let mut config = worker_config();
+    config.ack_wait = Duration::from_millis(400);
+    stack.spawn_worker(config).await;
+    stack.dispatch(&job("tw", "sw", "crash test")).await;
+    let tools = stack.tools.clone();
+    eventually("the held tool started", Duration::from_secs(30), || {
+        tools
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(name, _)| name == "hold")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    *stack.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+    let done = stack.orchestrator.wait_completed("tw").await;
+    assert_eq!(
+        done.attempt, 1,
+        "the job was redelivered while its worker was alive"
+    );
+    assert_eq!(stack.tools.runs_of("call_2_1"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
     let stack = Stack::start(rules(), None).await;

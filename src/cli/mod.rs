@@ -50,7 +50,7 @@ pub enum Command {
     Events(session::EventsArgs),
     /// Print a session's transcript.
     History(session::HistoryArgs),
-    /// List the checkpoints of a session (or `session#leg`), newest step first.
+    /// List the checkpoints of a session (or `session#leg`), most recently written first.
     Checkpoints(session::CheckpointsArgs),
 }
 

@@ -13,11 +13,13 @@
 //! `cyrene-checkpoint-client`; `docs/checkpoint-store.md` documents each endpoint.
 //!
 //! # Invariants
-//! - Save is an upsert on `{agent_id}:{step}`; reads never delete; only `retain` deletes.
+//! - Save is an upsert on the row id — `{agent_id}:{turn_id}:{step}` for a turn's save,
+//!   `{agent_id}:{step}` otherwise — so the turns of one owner never overwrite each other; reads
+//!   never delete; only `retain` deletes; `latest` is the most recent write (see [`store`]).
 //! - Owner keys (`session` or `session#leg`) are validated at every entry point, and rows are only
 //!   addressed by their owner key, so parallel legs never see each other's snapshots.
-//! - A save from an older attempt of a turn, once a newer attempt has written, is refused with
-//!   `conflict` (fencing), atomically with the upsert.
+//! - A save from an older attempt of a turn, once a newer attempt has read (fenced) or written, is
+//!   refused with `conflict` (fencing), atomically with the upsert.
 //! - Bad input gets a documented error code and the service keeps serving; database trouble gets
 //!   `unavailable` within a bounded time, and the pool reconnects by itself.
 

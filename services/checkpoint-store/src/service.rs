@@ -13,7 +13,7 @@
 //!   `nats micro ls` if the subject ever had a wildcard.
 
 use crate::config::Config;
-use crate::store::CheckpointStore;
+use crate::store::{CheckpointStore, StoreError};
 use crate::{Error, SERVICE_NAME};
 use async_nats::Client;
 use async_nats::service::ServiceExt;
@@ -87,7 +87,19 @@ pub async fn serve<S: CheckpointStore>(
         shutdown.clone(),
         move |req: LatestRequest, _: RequestContext| {
             let s = s.clone();
-            async move { bounded(limit, s.latest(&req.agent_id)).await }
+            async move {
+                match (req.turn_id.as_deref(), req.attempt) {
+                    (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
+                    (Some(turn), attempt) => {
+                        let read = s.latest_of_turn(&req.agent_id, turn, attempt, Utc::now());
+                        bounded(limit, read).await
+                    }
+                    (None, Some(_)) => Err(StoreError::BadRequest(
+                        "attempt needs turn_id: a fenced read is of one turn".into(),
+                    )
+                    .to_body()),
+                }
+            }
         },
     ));
     let s = store.clone();

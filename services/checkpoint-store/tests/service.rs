@@ -66,13 +66,13 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
     let saved = json_req(
         &c,
         subjects::CHECKPOINT_SAVE,
-        json!({"id":"s1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
+        json!({"id":"s1:t1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
             {"role":"user","content":[{"type":"text","text":"hi"}]}],"stop_reason":"tool_calls",
             "turn_id":"t1"},"turn_id":"t1","attempt":1}),
     )
     .await
     .unwrap();
-    assert_eq!(saved["id"], "s1:3");
+    assert_eq!(saved["id"], "s1:t1:3");
     assert_eq!(saved["attempt"], 1);
     assert_eq!(saved["state"]["stop_reason"], "tool_calls");
     assert!(saved["created_at"].as_str().unwrap().ends_with('Z'));
@@ -89,7 +89,34 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
         .await
         .unwrap();
     assert_eq!(latest["step"], 4);
-    let got = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:3"}))
+    let of_turn = json_req(
+        &c,
+        subjects::CHECKPOINT_LATEST,
+        json!({"agent_id":"s1","turn_id":"t1","attempt":2}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(of_turn, saved, "the turn's own latest, read fenced");
+    assert_eq!(
+        json_req(
+            &c,
+            subjects::CHECKPOINT_LATEST,
+            json!({"agent_id":"s1","turn_id":"t1","attempt":1})
+        )
+        .await,
+        Err(ErrorCode::Conflict),
+        "attempt 2 has read: attempt 1 is fenced off"
+    );
+    assert_eq!(
+        json_req(
+            &c,
+            subjects::CHECKPOINT_LATEST,
+            json!({"agent_id":"s1","attempt":1})
+        )
+        .await,
+        Err(ErrorCode::BadRequest)
+    );
+    let got = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:3"}))
         .await
         .unwrap();
     assert_eq!(got, saved);
@@ -133,7 +160,7 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
         Err(ErrorCode::NotFound)
     );
     assert_eq!(
-        json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:3"})).await,
+        json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:3"})).await,
         Err(ErrorCode::NotFound),
         "retention deleted step 3"
     );
@@ -317,7 +344,7 @@ async fn fenced_saves_over_nats_answer_conflict() {
         .await,
         Err(ErrorCode::Conflict)
     );
-    let row = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:1"}))
+    let row = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:1"}))
         .await
         .unwrap();
     assert_eq!(row["state"]["note"], "a2");
@@ -418,7 +445,13 @@ async fn typed_client_round_trip(store: &CheckpointClient) {
     store.save(&checkpoint("s1#leg", 9, "leg")).await.unwrap();
     assert_eq!(note(&store.latest("s1").await.unwrap()), "step 3");
     assert_eq!(note(&store.latest("s1#leg").await.unwrap()), "leg");
-    assert_eq!(note(&store.get("s1:2").await.unwrap()), "step 2");
+    let of_turn = store.latest_of_turn("s1", "t1", Some(1)).await.unwrap();
+    assert_eq!(note(&of_turn), "step 3");
+    assert!(matches!(
+        store.latest_of_turn("s1", "t9", Some(1)).await,
+        Err(ClientError::NotFound(_))
+    ));
+    assert_eq!(note(&store.get("s1:t1:2").await.unwrap()), "step 2");
     let steps: Vec<u32> = store
         .list("s1", Some(2))
         .await

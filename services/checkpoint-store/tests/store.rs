@@ -56,9 +56,11 @@ macro_rules! for_both_backends {
 for_both_backends!(
     save_returns_the_stored_row_with_timestamps,
     save_is_an_upsert_that_keeps_created_at,
-    latest_is_the_highest_step_not_the_last_write,
+    latest_is_the_last_write_not_the_highest_step,
+    turns_of_one_owner_never_overwrite_or_mask_each_other,
+    a_fenced_read_shuts_out_older_attempts,
     reads_of_missing_rows_are_not_found,
-    list_is_newest_step_first_and_limited,
+    list_is_most_recent_write_first_and_limited,
     legs_never_see_each_others_rows,
     reads_never_delete,
     fencing_refuses_older_attempts_of_a_turn,
@@ -103,18 +105,133 @@ async fn save_is_an_upsert_that_keeps_created_at<S: CheckpointStore>(store: &S) 
     assert_eq!(rows[0], second);
 }
 
-async fn latest_is_the_highest_step_not_the_last_write<S: CheckpointStore>(store: &S) {
+async fn latest_is_the_last_write_not_the_highest_step<S: CheckpointStore>(store: &S) {
+    store.save(checkpoint("s1", 5, "five"), t(0)).await.unwrap();
+    // Written later by a replica whose clock is behind: write order wins, not the clock.
     store
-        .save(checkpoint("s1", 5, "five"), t(10))
-        .await
-        .unwrap();
-    store
-        .save(checkpoint("s1", 3, "three"), t(0))
+        .save(checkpoint("s1", 3, "three"), t(10))
         .await
         .unwrap();
     let latest = store.latest("s1").await.unwrap();
-    assert_eq!(latest.step, 5);
-    assert_eq!(note(&latest), "five");
+    assert_eq!((latest.step, note(&latest)), (3, "three"));
+    // Overwriting a row makes it the latest again.
+    store
+        .save(checkpoint("s1", 5, "five again"), t(0))
+        .await
+        .unwrap();
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "five again");
+}
+
+/// The bug this identity fixes: turn 1 ran three steps; turn 2's step 1 used to overwrite `s1:1`
+/// while turn 1's step 3 stayed "latest", so a crashed turn 2 started over.
+async fn turns_of_one_owner_never_overwrite_or_mask_each_other<S: CheckpointStore>(store: &S) {
+    for (step, note) in [(1, "t1 tools"), (2, "t1 tools 2"), (3, "t1 answer")] {
+        store
+            .save(fenced("s1", step, note, "turn1", 1), t(0))
+            .await
+            .unwrap();
+    }
+    let second = store
+        .save(fenced("s1", 1, "t2 tools", "turn2", 1), t(0))
+        .await
+        .unwrap();
+    assert_eq!(second.id, "s1:turn2:1");
+
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "t2 tools");
+    let turn2 = store
+        .latest_of_turn("s1", "turn2", None, t(0))
+        .await
+        .unwrap();
+    assert_eq!((turn2.step, note(&turn2)), (1, "t2 tools"));
+    let turn1 = store
+        .latest_of_turn("s1", "turn1", None, t(0))
+        .await
+        .unwrap();
+    assert_eq!((turn1.step, note(&turn1)), (3, "t1 answer"));
+    // Every row of the earlier turn is still there, by id and in the list.
+    assert_eq!(note(&store.get("s1:turn1:1").await.unwrap()), "t1 tools");
+    let ids: Vec<String> = store
+        .list("s1", None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    assert_eq!(
+        ids,
+        ["s1:turn2:1", "s1:turn1:3", "s1:turn1:2", "s1:turn1:1"]
+    );
+    // A turn of another owner with the same id is not this owner's.
+    assert_eq!(
+        store
+            .latest_of_turn("s1#a", "turn1", None, t(0))
+            .await
+            .unwrap_err()
+            .code(),
+        ErrorCode::NotFound
+    );
+}
+
+async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
+    store
+        .save(fenced("s1", 1, "a1 step1", "turn1", 1), t(0))
+        .await
+        .unwrap();
+    // Attempt 2 (a redelivery) reads before it writes anything.
+    let read = store
+        .latest_of_turn("s1", "turn1", Some(2), t(0))
+        .await
+        .unwrap();
+    assert_eq!(note(&read), "a1 step1");
+    // Attempt 1's save still in flight lands after the read: refused, so the read was the truth.
+    let late = store
+        .save(fenced("s1", 2, "a1 step2", "turn1", 1), t(0))
+        .await
+        .unwrap_err();
+    assert_eq!(late.code(), ErrorCode::Conflict, "{late}");
+    assert_eq!(
+        store
+            .latest_of_turn("s1", "turn1", Some(1), t(0))
+            .await
+            .unwrap_err()
+            .code(),
+        ErrorCode::Conflict,
+        "an older attempt's read is refused too"
+    );
+    // The same attempt may read again; an unfenced read changes nothing.
+    store
+        .latest_of_turn("s1", "turn1", Some(2), t(0))
+        .await
+        .unwrap();
+    store
+        .latest_of_turn("s1", "turn1", None, t(0))
+        .await
+        .unwrap();
+    // A turn with no rows yet: not found, but its attempt is recorded all the same.
+    assert_eq!(
+        store
+            .latest_of_turn("s1", "turn9", Some(3), t(0))
+            .await
+            .unwrap_err()
+            .code(),
+        ErrorCode::NotFound
+    );
+    let err = store
+        .save(fenced("s1", 1, "old", "turn9", 2), t(0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Conflict);
+    for (owner, turn) in [("s.1", "turn1"), ("s1", "t.1"), ("s1", "")] {
+        assert_eq!(
+            store
+                .latest_of_turn(owner, turn, Some(1), t(0))
+                .await
+                .unwrap_err()
+                .code(),
+            ErrorCode::BadRequest,
+            "{owner} {turn}"
+        );
+    }
 }
 
 async fn reads_of_missing_rows_are_not_found<S: CheckpointStore>(store: &S) {
@@ -129,7 +246,7 @@ async fn reads_of_missing_rows_are_not_found<S: CheckpointStore>(store: &S) {
     assert!(store.list("nobody", None).await.unwrap().is_empty());
 }
 
-async fn list_is_newest_step_first_and_limited<S: CheckpointStore>(store: &S) {
+async fn list_is_most_recent_write_first_and_limited<S: CheckpointStore>(store: &S) {
     for step in 1..=60 {
         store
             .save(checkpoint("s1", step, "x"), t(100 - i64::from(step)))
@@ -148,6 +265,15 @@ async fn list_is_newest_step_first_and_limited<S: CheckpointStore>(store: &S) {
         [60, 59, 58]
     );
     assert_eq!(store.list("s1", Some(5000)).await.unwrap().len(), 60);
+    store
+        .save(checkpoint("s1", 7, "again"), t(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        steps(store.list("s1", Some(3)).await.unwrap()),
+        [7, 60, 59],
+        "an overwrite is the most recent write"
+    );
 }
 
 async fn legs_never_see_each_others_rows<S: CheckpointStore>(store: &S) {
@@ -219,9 +345,9 @@ async fn fencing_refuses_older_attempts_of_a_turn<S: CheckpointStore>(store: &S)
         .await
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
-    assert_eq!(note(&store.get("s1:1").await.unwrap()), "a2");
+    assert_eq!(note(&store.get("s1:turn1:1").await.unwrap()), "a2");
     assert_eq!(
-        store.get("s1:2").await.unwrap_err().code(),
+        store.get("s1:turn1:2").await.unwrap_err().code(),
         ErrorCode::NotFound
     );
 
@@ -260,6 +386,7 @@ async fn fencing_is_per_turn_and_optional<S: CheckpointStore>(store: &S) {
     assert_eq!(plain.turn_id, None);
     assert_eq!(plain.attempt, None);
     assert_eq!(note(&store.get("s1:1").await.unwrap()), "plain");
+    assert_eq!(note(&store.get("s1:turn1:1").await.unwrap()), "t1");
 }
 
 async fn concurrent_attempts_leave_the_newest_attempts_row<S: CheckpointStore>(store: &S) {
@@ -277,7 +404,7 @@ async fn concurrent_attempts_leave_the_newest_attempts_row<S: CheckpointStore>(s
         }
     }
     assert!(results[0].is_ok(), "the newest attempt is never fenced off");
-    let row = store.get("s1:1").await.unwrap();
+    let row = store.get("s1:turn1:1").await.unwrap();
     assert_eq!(row.attempt, Some(8));
     assert_eq!(note(&row), "attempt 8");
 }
@@ -331,7 +458,9 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
             ErrorCode::BadRequest
         );
     }
-    for id in ["s1", "s1:", "s1:x", "s1:01", "s.1:1", ":1"] {
+    for id in [
+        "s1", "s1:", "s1:x", "s1:01", "s.1:1", ":1", "s1::1", "s1:t.1:1",
+    ] {
         assert_eq!(
             store.get(id).await.unwrap_err().code(),
             ErrorCode::BadRequest,
@@ -478,5 +607,109 @@ async fn postgres_rows_written_as_jsonb_survive_the_move_to_json() {
         store.latest("s1").await.unwrap().state.as_str(),
         r#"{"note":"new",  "b":1}"#
     );
+    store.close().await;
+}
+
+/// Rows written before checkpoints had per-turn ids are carried over: numbered in the order they
+/// were last written (so `latest` is the last write), still readable by their old ids, and a new
+/// turn's step 1 no longer collides with an old `s1:1`.
+async fn old_rows_survive_the_move_to_turn_rows<S: CheckpointStore>(store: &S) {
+    let latest = store.latest("s1").await.unwrap();
+    assert_eq!(
+        (latest.id.as_str(), note(&latest)),
+        ("s1:1", "written last")
+    );
+    assert_eq!(note(&store.get("s1:2").await.unwrap()), "written first");
+    // An in-flight turn from before the upgrade still finds its own rows by turn id.
+    let old_turn = store
+        .latest_of_turn("s1", "old-turn", Some(2), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(old_turn.id, "s1:2");
+    store
+        .save(fenced("s1", 1, "new turn", "turn2", 1), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "new turn");
+    assert_eq!(store.list("s1", None).await.unwrap().len(), 3);
+}
+
+const OLD_ROWS: &str = "INSERT INTO checkpoints \
+     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) VALUES \
+     ('s1:2', 's1', 2, '{\"note\":\"written first\"}', 'old-turn', 1, \
+      '2026-01-01T00:00:01.000000Z', '2026-01-01T00:00:01.000000Z'), \
+     ('s1:1', 's1', 1, '{\"note\":\"written last\"}', NULL, NULL, \
+      '2026-01-01T00:00:00.000000Z', '2026-01-01T00:00:09.000000Z')";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_rows_from_before_turn_rows_are_carried_over() {
+    use sqlx::{Connection, Executor, SqliteConnection};
+    let db = SqliteTestDb::new();
+    let mut conn = SqliteConnection::connect(&format!("{}?mode=rwc", db.url))
+        .await
+        .unwrap();
+    conn.execute(sqlx::raw_sql(include_str!(
+        "../migrations/sqlite/0001_checkpoints.sql"
+    )))
+    .await
+    .unwrap();
+    // Recorded as applied, as a store of the previous release would have left it.
+    let first = &cyrene_checkpoint_store::store::sqlite::MIGRATOR.migrations[0];
+    conn.execute(sqlx::raw_sql(
+        "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, description TEXT NOT NULL, \
+         installed_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP, success BOOLEAN NOT NULL, \
+         checksum BLOB NOT NULL, execution_time BIGINT NOT NULL)",
+    ))
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES (?1, ?2, 1, ?3, 0)",
+    )
+    .bind(first.version)
+    .bind(first.description.as_ref())
+    .bind(first.checksum.as_ref())
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn.execute(OLD_ROWS).await.unwrap();
+    let _ = conn.close().await;
+    let store = db.open(&options()).await;
+    old_rows_survive_the_move_to_turn_rows(&store).await;
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_from_before_turn_rows_are_carried_over() {
+    use sqlx::{Connection, Executor, PgConnection};
+    let db = common::PgTestDb::create().await;
+    // Everything before 0003, through the migrator, as the previous release left it.
+    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
+        .await
+        .unwrap();
+    store.close().await;
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    conn.execute(sqlx::raw_sql(
+        "DROP TABLE checkpoints; DROP SEQUENCE IF EXISTS checkpoints_write_seq; \
+         DELETE FROM _sqlx_migrations WHERE version >= 3;",
+    ))
+    .await
+    .unwrap();
+    conn.execute(sqlx::raw_sql(include_str!(
+        "../migrations/postgres/0001_checkpoints.sql"
+    )))
+    .await
+    .unwrap();
+    conn.execute(sqlx::raw_sql(include_str!(
+        "../migrations/postgres/0002_state_json.sql"
+    )))
+    .await
+    .unwrap();
+    conn.execute(OLD_ROWS).await.unwrap();
+    let _ = conn.close().await;
+    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
+        .await
+        .unwrap();
+    old_rows_survive_the_move_to_turn_rows(&store).await;
     store.close().await;
 }

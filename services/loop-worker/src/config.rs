@@ -2,6 +2,13 @@
 
 use std::time::Duration;
 
+/// In-progress acks per `ack_wait`: one every quarter, so three can be lost or late before a
+/// live job is redelivered.
+pub const PROGRESS_EVERY: u32 = 4;
+
+/// The default `ack_wait`: failover within about a second (docs/loop-worker.md, "Failover").
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_millis(800);
+
 /// Everything `run` needs; tests build it directly, `main` from flags and env.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -9,8 +16,10 @@ pub struct Config {
     pub concurrency: usize,
     /// The durable consumer shared by all workers.
     pub consumer: String,
-    /// Redelivery after this long without an ack or an in-progress ack (kept short: a crashed
-    /// worker's turn moves on quickly; a live one sends in-progress acks every third of it).
+    /// Redelivery after this long without an ack or an in-progress ack. It bounds failover: a
+    /// SIGKILLed worker's turn moves to another worker within `ack_wait`. A live worker sends an
+    /// in-progress ack every [`PROGRESS_EVERY`]th of it whatever it is waiting on, so a slow model
+    /// call or tool never looks like a dead worker.
     pub ack_wait: Duration,
     /// Deliveries of one job before it is given up and reported as an error.
     pub max_deliver: u32,
@@ -33,8 +42,8 @@ impl Default for Config {
         Config {
             concurrency: 8,
             consumer: "cyrene-loop-worker".to_owned(),
-            ack_wait: Duration::from_secs(10),
-            max_deliver: 5,
+            ack_wait: DEFAULT_ACK_WAIT,
+            max_deliver: 10,
             retry_delay: Duration::from_secs(1),
             model_timeout: Duration::from_secs(120),
             checkpoint_timeout: Duration::from_secs(5),
@@ -58,7 +67,7 @@ impl Config {
             problems.push("max_deliver must be at least 1");
         }
         if self.ack_wait < Duration::from_millis(300) {
-            problems.push("ack_wait must be at least 300ms (in-progress acks go every third)");
+            problems.push("ack_wait must be at least 300ms (in-progress acks go every quarter)");
         }
         if problems.is_empty() {
             Ok(())

@@ -58,8 +58,9 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     })
     .await?;
     let consumer_config = worker::consumer_config(&config);
+    // Create or update: a changed ack_wait or max_deliver must reach the existing consumer.
     let consumer = retry_until(&shutdown, "create the worker consumer", || {
-        stream.get_or_create_consumer(&config.consumer, consumer_config.clone())
+        stream.create_consumer(consumer_config.clone())
     })
     .await?;
 

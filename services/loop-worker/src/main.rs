@@ -17,11 +17,12 @@ struct Args {
     /// Turns this process runs at once.
     #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
     concurrency: usize,
-    /// Redelivery delay of a job whose worker stopped acking (e.g. 10s).
-    #[arg(long, env = "CYRENE_WORKER_ACK_WAIT", default_value = "10s", value_parser = humantime::parse_duration)]
+    /// Redelivery delay of a job whose worker stopped acking: the failover time after a worker
+    /// dies (live workers send in-progress acks every quarter of it).
+    #[arg(long, env = "CYRENE_WORKER_ACK_WAIT", default_value = "800ms", value_parser = humantime::parse_duration)]
     ack_wait: Duration,
     /// Deliveries of a job before it is reported as failed.
-    #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 5)]
+    #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]
     max_deliver: u32,
     /// Deadline of one model call.
     #[arg(long, env = "CYRENE_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]

@@ -47,8 +47,16 @@ fn checkpoint_error(err: CheckpointError) -> ErrorBody {
 }
 
 impl TurnPorts for NatsPorts {
-    async fn latest_checkpoint(&self, owner: &str) -> Result<Option<Checkpoint>, ErrorBody> {
-        match self.checkpoints.latest(owner).await {
+    async fn turn_checkpoint(
+        &self,
+        owner: &str,
+        turn_id: &str,
+        attempt: u32,
+    ) -> Result<Option<Checkpoint>, ErrorBody> {
+        let read = self
+            .checkpoints
+            .latest_of_turn(owner, turn_id, Some(attempt));
+        match read.await {
             Ok(checkpoint) => Ok(Some(checkpoint)),
             Err(CheckpointError::NotFound(_)) => Ok(None),
             Err(err) => Err(checkpoint_error(err)),

@@ -43,10 +43,15 @@ impl ToolOutput {
 
 /// The runner's view of the bus. Every method is bounded by its implementation's timeouts.
 pub trait TurnPorts: Send + Sync {
-    /// The owner's newest checkpoint; `Ok(None)` when it has none.
-    fn latest_checkpoint(
+    /// The most recently written checkpoint of `turn_id` under `owner`, read fenced as delivery
+    /// `attempt`: `Ok(None)` when the turn has none; `conflict` when a newer attempt of the turn
+    /// has already read or written (this one is stale). After it returns, no older attempt can
+    /// save.
+    fn turn_checkpoint(
         &self,
         owner: &str,
+        turn_id: &str,
+        attempt: u32,
     ) -> impl Future<Output = Result<Option<Checkpoint>, ErrorBody>> + Send;
 
     /// Saves one checkpoint; `conflict` means a newer attempt of the turn has written.

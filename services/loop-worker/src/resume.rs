@@ -214,10 +214,11 @@ mod tests {
             messages,
             stop_reason: stop_reason.into(),
             turn_id: "t1".into(),
+            steered_ids: vec![],
         };
         let state = JsonObject::encode(&state).unwrap();
         Checkpoint {
-            id: checkpoint_id("s1", step),
+            id: checkpoint_id("s1", Some("t1"), step),
             agent_id: "s1".into(),
             step,
             state,

@@ -18,9 +18,11 @@
 //!   boundary's steer and the next model call run together; the next tool batch starts only when
 //!   the save is back. So a step is durable before any later side effect, and a fenced-off
 //!   attempt runs no tool after its refused save (at most one model call overlapped it).
-//! - **Resume never redoes work.** A resumed turn continues after its last completed step; a job
-//!   whose turn already reached a settled checkpoint is reported again (the orchestrator's
-//!   completion is idempotent) instead of being run again.
+//! - **Resume never redoes work.** A delivery reads only its own turn's latest checkpoint, fenced
+//!   (no older attempt can save after the read). A resumed turn continues after its last
+//!   completed step; a job whose turn already reached a settled checkpoint is reported again
+//!   (the orchestrator's completion is idempotent) instead of being run again; a failed read
+//!   hands the job back for redelivery and never means "start fresh".
 //!
 //! # Pitfalls
 //! - A checkpoint save failure other than `conflict` never fails the turn (WARN): losing a
@@ -120,24 +122,20 @@ pub async fn run_turn<P: TurnPorts>(
     config: &RunnerConfig,
 ) -> TurnEnd {
     let owner = owner_key(&job.session_id, Some(job.leg_id.as_str()));
-    let latest = match ports.latest_checkpoint(&owner).await {
+    // This turn's own checkpoints only: another turn of the owner is never resumed or reported.
+    let latest = match ports.turn_checkpoint(&owner, &job.turn_id, attempt).await {
         Ok(latest) => latest,
-        Err(err) => {
-            tracing::warn!(owner = %owner, error = %err, "checkpoint load failed; starting fresh");
-            None
-        }
-    };
-    if let Some(newer) = latest
-        .as_ref()
-        .and_then(|c| c.attempt)
-        .filter(|a| *a > attempt)
-    {
-        let same_turn = latest.as_ref().and_then(|c| c.turn_id.as_deref()) == Some(&job.turn_id);
-        if same_turn {
-            tracing::warn!(turn = %job.turn_id, attempt, newer, "a newer attempt owns this turn");
+        Err(err) if err.code == ErrorCode::Conflict => {
+            tracing::warn!(turn = %job.turn_id, attempt, error = %err, "a newer attempt owns this turn");
             return TurnEnd::Stale;
         }
-    }
+        Err(err) => {
+            // Starting fresh could run a completed step's tools again: hand the job back. On the
+            // last delivery JetStream gives up on it and the turn is reported as failed.
+            tracing::warn!(turn = %job.turn_id, error = %err, "checkpoint load failed; the job will be redelivered");
+            return TurnEnd::Retry(err);
+        }
+    };
     if let Some(done) = already_settled(job, attempt, latest.as_ref()) {
         tracing::info!(turn = %job.turn_id, "turn already settled; reporting it again");
         return TurnEnd::Complete(Box::new(done));
@@ -460,16 +458,18 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     fn checkpoint(&self, step: u32, stop: &str) -> Checkpoint {
+        let steered_ids: Vec<String> = self.steered.iter().map(|s| s.id.clone()).collect();
         let state = CheckpointStateRef {
             step,
             messages: &self.window,
             stop_reason: stop,
             turn_id: &self.job.turn_id,
+            steered_ids: &steered_ids,
         };
         // A struct of messages always encodes, and as an object.
         let state = JsonObject::encode(&state).unwrap_or_default();
         Checkpoint {
-            id: checkpoint_id(&self.owner, step),
+            id: checkpoint_id(&self.owner, Some(&self.job.turn_id), step),
             agent_id: self.owner.clone(),
             step,
             state,
@@ -562,7 +562,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 }
 
-/// A redelivered job whose turn already reached a settled checkpoint: rebuild its completion.
+/// A redelivered job whose turn already reached a settled checkpoint: rebuild its completion,
+/// steered messages included, exactly as the first report said it.
 fn already_settled(
     job: &TurnJob,
     attempt: u32,
@@ -597,7 +598,7 @@ fn already_settled(
         message,
         stop_reason: state.stop_reason,
         steps: checkpoint.step,
-        steered_ids: Vec::new(),
+        steered_ids: state.steered_ids,
         error,
     })
 }
@@ -625,6 +626,7 @@ mod tests {
         replies: Mutex<VecDeque<Result<ModelResponse, ErrorBody>>>,
         steers: Mutex<VecDeque<Result<SteerResponse, ErrorBody>>>,
         latest: Mutex<Option<Checkpoint>>,
+        load_error: Mutex<Option<ErrorBody>>,
         save_error: Mutex<Option<ErrorBody>>,
         requests: Mutex<Vec<ModelRequest>>,
         saved: Mutex<Vec<Checkpoint>>,
@@ -636,8 +638,22 @@ mod tests {
     }
 
     impl TurnPorts for Fake {
-        async fn latest_checkpoint(&self, _owner: &str) -> Result<Option<Checkpoint>, ErrorBody> {
-            Ok(self.latest.lock().unwrap().clone())
+        /// Like the store: the turn's own latest row, fenced by the attempts that wrote it.
+        async fn turn_checkpoint(
+            &self,
+            _owner: &str,
+            turn_id: &str,
+            attempt: u32,
+        ) -> Result<Option<Checkpoint>, ErrorBody> {
+            if let Some(err) = self.load_error.lock().unwrap().clone() {
+                return Err(err);
+            }
+            let latest = self.latest.lock().unwrap().clone();
+            let latest = latest.filter(|c| c.turn_id.as_deref() == Some(turn_id));
+            if latest.as_ref().and_then(|c| c.attempt) > Some(attempt) {
+                return Err(ErrorBody::new(ErrorCode::Conflict, "a newer attempt read"));
+            }
+            Ok(latest)
         }
         async fn save_checkpoint(&self, checkpoint: Checkpoint) -> Result<(), ErrorBody> {
             if let Some(err) = self.save_error.lock().unwrap().clone() {
@@ -774,7 +790,10 @@ mod tests {
 
         let saved = fake.saved.lock().unwrap();
         assert_eq!(saved.len(), 2);
-        assert_eq!((saved[0].id.as_str(), saved[0].attempt), ("s1:1", Some(1)));
+        assert_eq!(
+            (saved[0].id.as_str(), saved[0].attempt),
+            ("s1:t1:1", Some(1))
+        );
         assert_eq!(state(&saved[0]).stop_reason, "tool_calls");
         // user, assistant tool calls, two results in call order
         let window = state(&saved[0]).messages;
@@ -883,7 +902,7 @@ mod tests {
             "step 1's tool ran again"
         );
         assert_eq!(second.requests.lock().unwrap().len(), 1);
-        assert_eq!(second.saved.lock().unwrap()[0].id, "s1:2");
+        assert_eq!(second.saved.lock().unwrap()[0].id, "s1:t1:2");
         assert_eq!(second.saved.lock().unwrap()[0].attempt, Some(2));
     }
 
@@ -905,6 +924,77 @@ mod tests {
         assert_eq!(done.message.unwrap().text_content(), "It is noon.");
         assert!(again.requests.lock().unwrap().is_empty());
         assert!(again.saved.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_settled_turn_is_reported_again_with_its_steered_messages() {
+        let first = Fake::default();
+        first.steers.lock().unwrap().push_back(Ok(SteerResponse {
+            messages: vec![SteeredMessage {
+                id: "m2".into(),
+                seq: 2,
+                message: Message::text(Role::User, "and the weather?"),
+            }],
+        }));
+        first
+            .replies
+            .lock()
+            .unwrap()
+            .push_back(reply_text("Noon, and sunny."));
+        let reported = completed(run_turn(&first, &job(), 1, &CFG).await);
+        assert_eq!(reported.steered_ids, ["m2"]);
+        let settled = first.saved.lock().unwrap().last().cloned();
+
+        // The report never arrived; the worker died; the redelivery must say the same.
+        let again = Fake::default();
+        *again.latest.lock().unwrap() = settled;
+        let done = completed(run_turn(&again, &job(), 2, &CFG).await);
+        assert_eq!(
+            done.steered_ids,
+            ["m2"],
+            "its steered message would be answered twice"
+        );
+        assert!(again.requests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn another_turns_checkpoint_is_never_resumed_or_reported() {
+        let earlier = Fake::default();
+        earlier
+            .replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let _ = run_turn(&earlier, &job(), 1, &CFG).await;
+        let other_turn = earlier.saved.lock().unwrap()[0].clone();
+
+        let fake = Fake::default();
+        *fake.latest.lock().unwrap() = Some(other_turn);
+        fake.replies.lock().unwrap().push_back(reply_text("fresh"));
+        let mut next = job();
+        next.turn_id = "t2".into();
+        let done = completed(run_turn(&fake, &next, 1, &CFG).await);
+        assert_eq!((done.steps, done.turn_id.as_str()), (1, "t2"));
+        assert_eq!(fake.saved.lock().unwrap()[0].id, "s1:t2:1");
+    }
+
+    #[tokio::test]
+    async fn a_failed_checkpoint_read_hands_the_job_back_instead_of_starting_fresh() {
+        let fake = Fake::default();
+        *fake.load_error.lock().unwrap() =
+            Some(ErrorBody::new(ErrorCode::Unavailable, "store down"));
+        fake.replies.lock().unwrap().push_back(reply_tools(&["c1"]));
+        let end = run_turn(&fake, &job(), 2, &CFG).await;
+        assert!(
+            matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
+            "{end:?}"
+        );
+        assert!(
+            fake.requests.lock().unwrap().is_empty(),
+            "the model was asked"
+        );
+        assert!(fake.tool_runs.lock().unwrap().is_empty(), "a tool ran");
+        assert!(fake.steer_requests.lock().unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -4,8 +4,11 @@
 //! # Invariants
 //! - One durable pull consumer shared by every worker: each job runs on one worker at a time.
 //!   A worker pulls no more jobs than it has free slots, so no pulled job waits unheard.
-//! - While a turn runs, an in-progress ack goes out every third of `ack_wait`; a worker that dies
-//!   stops sending them and the job is redelivered to another worker after `ack_wait`.
+//! - While a turn runs, an in-progress ack goes out every quarter of `ack_wait` from its own task,
+//!   whatever the turn is waiting on; a worker that dies stops sending them and the job is
+//!   redelivered to another worker within `ack_wait` (the failover time; 800 ms by default).
+//! - The consumer is created **or updated** at start, so a changed `ack_wait` or `max_deliver`
+//!   takes effect; every worker of a deployment should run with the same values.
 //! - A job is acked only after its completion was acknowledged by the orchestrator, so a crash
 //!   between the two re-runs nothing: the redelivered job finds the settled checkpoint and
 //!   reports again (completion is idempotent).
@@ -153,7 +156,8 @@ async fn handle_job(
         }
     };
     let message = Arc::new(message);
-    let heartbeat = tokio::spawn(keep_alive(message.clone(), config.ack_wait / 3));
+    let every = config.ack_wait / crate::config::PROGRESS_EVERY;
+    let heartbeat = tokio::spawn(keep_alive(message.clone(), every));
     let span = tracing::info_span!("turn", turn = %job.turn_id, session = %job.session_id, attempt);
     let runner = RunnerConfig {
         purpose: "chat".to_owned(),

@@ -112,27 +112,43 @@ impl CheckpointClient {
         Ok(request_json(&self.client, subject, body, self.timeout).await?)
     }
 
-    /// Upserts `checkpoint` (`id` must be `{agent_id}:{step}`; give `turn_id` and `attempt` for
-    /// a fenced save) and returns the stored row with its timestamps.
+    /// Upserts `checkpoint` and returns the stored row with its timestamps. A fenced save gives
+    /// `turn_id` and `attempt` and the id `{agent_id}:{turn_id}:{step}`; an unfenced one neither,
+    /// and the id `{agent_id}:{step}` (`cyrene_protocol::checkpoint::checkpoint_id`).
     pub async fn save(&self, checkpoint: &Checkpoint) -> Result<Checkpoint, Error> {
         self.call(subjects::CHECKPOINT_SAVE, checkpoint).await
     }
 
-    /// The owner's checkpoint with the highest step; [`Error::NotFound`] when none.
+    /// The owner's most recently written checkpoint; [`Error::NotFound`] when none.
     pub async fn latest(&self, agent_id: &str) -> Result<Checkpoint, Error> {
+        let req = LatestRequest::owner(agent_id);
+        self.call(subjects::CHECKPOINT_LATEST, &req).await
+    }
+
+    /// The most recently written checkpoint of one turn; [`Error::NotFound`] when it has none.
+    /// With `attempt`, a fenced read: [`Error::Conflict`] when a newer attempt of the turn has
+    /// already read or written, and no older attempt can write afterwards.
+    pub async fn latest_of_turn(
+        &self,
+        agent_id: &str,
+        turn_id: &str,
+        attempt: Option<u32>,
+    ) -> Result<Checkpoint, Error> {
         let req = LatestRequest {
             agent_id: agent_id.to_owned(),
+            turn_id: Some(turn_id.to_owned()),
+            attempt,
         };
         self.call(subjects::CHECKPOINT_LATEST, &req).await
     }
 
-    /// One checkpoint by id (`{owner}:{step}`).
+    /// One checkpoint by id (`{owner}:{turn_id}:{step}` or `{owner}:{step}`).
     pub async fn get(&self, id: &str) -> Result<Checkpoint, Error> {
         let req = GetRequest { id: id.to_owned() };
         self.call(subjects::CHECKPOINT_GET, &req).await
     }
 
-    /// The owner's checkpoints, newest step first (default 50, at most 1000).
+    /// The owner's checkpoints, most recently written first (default 50, at most 1000).
     pub async fn list(&self, agent_id: &str, limit: Option<u32>) -> Result<Vec<Checkpoint>, Error> {
         let req = ListRequest {
             agent_id: agent_id.to_owned(),

@@ -1,7 +1,12 @@
 //! `cyrene.checkpoint.*` shapes (DESIGN §3, §5, §9; seed 003).
 //!
 //! The owner key (`agent_id`) is the session id for a single leg and `{session}#{leg}` for a true
-//! parallel leg, so two legs never see each other's rows. The row id is `{owner}:{step}`.
+//! parallel leg, so two legs never see each other's rows.
+//!
+//! A row written by a turn (a fenced save, carrying `turn_id` and `attempt`) has the id
+//! `{owner}:{turn_id}:{step}`, so the turns of one owner never overwrite or mask each other; an
+//! unfenced save keeps `{owner}:{step}`. `latest` is the owner's most recently *written* row, and
+//! can be narrowed to one turn (docs/checkpoint-store.md).
 
 use crate::ids::{self, IdError, IdKind};
 use crate::json::JsonObject;
@@ -39,6 +44,10 @@ pub struct CheckpointState {
     pub stop_reason: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub turn_id: String,
+    /// The ids of the messages steered into the turn so far (they live only in the view, never in
+    /// `messages`), so a settled turn can be reported again exactly as it ended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steered_ids: Vec<String>,
 }
 
 /// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window.
@@ -50,13 +59,35 @@ pub struct CheckpointStateRef<'a> {
     pub stop_reason: &'a str,
     #[serde(skip_serializing_if = "str::is_empty")]
     pub turn_id: &'a str,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    pub steered_ids: &'a [String],
 }
 
 /// `cyrene.checkpoint.latest` request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Without `turn_id`: the owner's most recently written checkpoint. With `turn_id`: the most
+/// recently written checkpoint of that turn. With `turn_id` and `attempt` (a *fenced read*, what
+/// a loop worker does before it runs a delivery): the store first records `attempt` as the turn's
+/// newest, so no older attempt can write after the read, and answers `conflict` when a newer
+/// attempt already has.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LatestRequest {
     pub agent_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+}
+
+impl LatestRequest {
+    /// The owner's most recently written checkpoint.
+    pub fn owner(agent_id: impl Into<String>) -> Self {
+        LatestRequest {
+            agent_id: agent_id.into(),
+            ..LatestRequest::default()
+        }
+    }
 }
 
 /// `cyrene.checkpoint.get` request.
@@ -66,7 +97,7 @@ pub struct GetRequest {
     pub id: String,
 }
 
-/// `cyrene.checkpoint.list` request (newest step first).
+/// `cyrene.checkpoint.list` request (most recently written first).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListRequest {
@@ -80,7 +111,7 @@ pub const LIST_DEFAULT_LIMIT: u32 = 50;
 /// `cyrene.checkpoint.list` largest page; a larger `limit` is clamped to it.
 pub const LIST_MAX_LIMIT: u32 = 1000;
 
-/// `cyrene.checkpoint.list` reply: newest step first.
+/// `cyrene.checkpoint.list` reply: most recently written first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListResponse {
     pub checkpoints: Vec<Checkpoint>,
@@ -88,8 +119,8 @@ pub struct ListResponse {
 
 /// `cyrene.checkpoint.retain` request: one of two explicit retention operations.
 ///
-/// - `{"agent_id":"s1","keep_last":10}`: keep the newest `keep_last` steps of that owner, delete
-///   the rest (`keep_last: 0` deletes every row of the owner);
+/// - `{"agent_id":"s1","keep_last":10}`: keep the `keep_last` most recently written rows of that
+///   owner, delete the rest (`keep_last: 0` deletes every row of the owner);
 /// - `{"older_than_secs":86400}`: delete every row of each owner whose newest row was last
 ///   written more than that long ago.
 ///
@@ -108,7 +139,7 @@ pub struct RetainRequest {
 /// What a [`RetainRequest`] asks for, once checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RetainMode {
-    /// Keep the newest `keep_last` steps of `agent_id`.
+    /// Keep the `keep_last` most recently written rows of `agent_id`.
     KeepLast { agent_id: String, keep_last: u32 },
     /// Drop owners whose newest row is older than this many seconds.
     OlderThan { secs: u64 },
@@ -164,9 +195,13 @@ pub fn owner_key(session_id: &str, leg_id: Option<&str>) -> String {
     }
 }
 
-/// The row id of an owner's step.
-pub fn checkpoint_id(owner: &str, step: u32) -> String {
-    format!("{owner}:{step}")
+/// The row id of an owner's step: `{owner}:{turn_id}:{step}` for a turn's (fenced) save,
+/// `{owner}:{step}` for an unfenced one.
+pub fn checkpoint_id(owner: &str, turn_id: Option<&str>, step: u32) -> String {
+    match turn_id {
+        Some(turn) => format!("{owner}:{turn}:{step}"),
+        None => format!("{owner}:{step}"),
+    }
 }
 
 /// Validates an owner key: `session` or `session#leg`, each part a valid id.
@@ -193,12 +228,14 @@ mod tests {
             messages: vec![Message::text(Role::User, "hi")],
             stop_reason: "tool_calls".into(),
             turn_id: "t1".into(),
+            steered_ids: vec![],
         };
         let borrowed = CheckpointStateRef {
             step: state.step,
             messages: &state.messages,
             stop_reason: &state.stop_reason,
             turn_id: &state.turn_id,
+            steered_ids: &state.steered_ids,
         };
         assert_eq!(
             serde_json::to_value(borrowed).unwrap(),
@@ -206,7 +243,7 @@ mod tests {
         );
         let state = JsonObject::encode(&borrowed).unwrap();
         let cp = Checkpoint {
-            id: checkpoint_id("s1", 3),
+            id: checkpoint_id("s1", None, 3),
             agent_id: "s1".into(),
             step: 3,
             state,
@@ -233,7 +270,13 @@ mod tests {
     #[test]
     fn requests_match_design() {
         let l: LatestRequest = serde_json::from_value(json!({"agent_id":"s1"})).unwrap();
+        assert_eq!(l, LatestRequest::owner("s1"));
         assert_eq!(serde_json::to_value(&l).unwrap(), json!({"agent_id":"s1"}));
+        let fenced = json!({"agent_id":"s1","turn_id":"t1","attempt":2});
+        let l: LatestRequest = serde_json::from_value(fenced.clone()).unwrap();
+        assert_eq!(l.turn_id.as_deref(), Some("t1"));
+        assert_eq!(l.attempt, Some(2));
+        assert_eq!(serde_json::to_value(&l).unwrap(), fenced);
         let g: GetRequest = serde_json::from_value(json!({"id":"s1:3"})).unwrap();
         assert_eq!(serde_json::to_value(&g).unwrap(), json!({"id":"s1:3"}));
         let doc = json!({"agent_id":"s1","limit":50});
@@ -287,6 +330,17 @@ mod tests {
             assert!(r.mode().is_err(), "{bad}");
         }
         assert!(serde_json::from_value::<RetainRequest>(json!({"keep":1})).is_err());
+    }
+
+    #[test]
+    fn turn_rows_have_their_own_ids() {
+        assert_eq!(checkpoint_id("s1", Some("t1"), 3), "s1:t1:3");
+        assert_eq!(checkpoint_id("s1#a", Some("t1"), 3), "s1#a:t1:3");
+        assert_eq!(checkpoint_id("s1", None, 3), "s1:3");
+        assert_ne!(
+            checkpoint_id("s1", Some("t1"), 1),
+            checkpoint_id("s1", Some("t2"), 1)
+        );
     }
 
     #[test]

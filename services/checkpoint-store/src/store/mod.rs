@@ -5,18 +5,28 @@
 //! - Every backend validates its input through the helpers here first ([`prepare_save`],
 //!   [`check_owner`], [`parse_id`], [`list_limit`]), so both refuse exactly the same requests with
 //!   exactly the same errors.
+//! - **Identity.** A turn's row is `{owner}:{turn_id}:{step}`, an unfenced row `{owner}:{step}`
+//!   ([`checkpoint_id`]): two turns of one owner never overwrite or mask each other, and every
+//!   earlier turn's rows stay readable (`get`, `list`) until retention removes them.
+//! - **Write order.** Every save (insert or overwrite) gives its row a new `write_seq`, larger than
+//!   every other row's; `latest` is the owner's (or the turn's) row with the highest `write_seq` —
+//!   the most recently written, never the highest step — and `list` and `keep_last` go by it too.
 //! - A save is an upsert on `id`: `created_at` is kept from the first write, everything else is
-//!   replaced. Reads (`latest`, `get`, `list`) never write or delete; only `retain` deletes.
+//!   replaced. Plain reads (`latest`, `get`, `list`) never write or delete; only `retain` deletes.
 //! - Rows of one owner key are only ever addressed by that key, so the legs `s1#a` and `s1#b` (and
 //!   the single-leg owner `s1`) never see each other's rows.
 //! - Fencing: a save carrying `{turn_id, attempt}` raises `turn_attempts.max_attempt` and upserts
-//!   the row in one transaction; if the recorded max is above `attempt` the transaction is rolled
-//!   back and the save is refused with [`StoreError::Conflict`].
+//!   the row in one transaction; if the recorded max is above `attempt` the save is refused with
+//!   [`StoreError::Conflict`]. A *fenced read* ([`CheckpointStore::latest_of_turn`] with an
+//!   attempt) raises the record **before** it reads, so once a new delivery has looked at its
+//!   turn's checkpoints, a save still in flight from the dead one can no longer land behind its
+//!   back.
 //!
 //! # Pitfalls
 //! - Timestamps are produced by the caller (`now`), not by the database, so the same code path
 //!   works on both backends and tests can write "old" rows without sleeping. SQLite keeps them as
-//!   fixed-width RFC 3339 text ([`format_ts`]), so comparing text compares time.
+//!   fixed-width RFC 3339 text ([`format_ts`]), so comparing text compares time. Write order is
+//!   `write_seq`, not a timestamp, so clock skew between store replicas cannot reorder writes.
 //! - A connection that dies mid-query surfaces as an I/O or protocol error; those, pool timeouts
 //!   and the backends' "server is going away / busy" codes map to [`StoreError::Unavailable`]
 //!   (retryable), everything else to [`StoreError::Internal`].
@@ -136,14 +146,26 @@ pub trait CheckpointStore: Send + Sync + 'static {
         now: DateTime<Utc>,
     ) -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
 
-    /// The owner's checkpoint with the highest step; `NotFound` when it has none.
+    /// The owner's most recently written checkpoint; `NotFound` when it has none.
     fn latest(&self, agent_id: &str)
     -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
 
-    /// One checkpoint by id (`{owner}:{step}`).
+    /// The most recently written checkpoint of one turn of the owner; `NotFound` when the turn
+    /// has none. With `attempt` it is a fenced read: `attempt` is recorded as the turn's newest
+    /// first (`Conflict` when a newer one already is), so no older attempt writes afterwards.
+    fn latest_of_turn(
+        &self,
+        agent_id: &str,
+        turn_id: &str,
+        attempt: Option<u32>,
+        now: DateTime<Utc>,
+    ) -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
+
+    /// One checkpoint by id (`{owner}:{turn_id}:{step}` or `{owner}:{step}`).
     fn get(&self, id: &str) -> impl Future<Output = Result<Checkpoint, StoreError>> + Send;
 
-    /// The owner's checkpoints, newest step first, at most `limit` (default 50, clamped to 1000).
+    /// The owner's checkpoints, most recently written first, at most `limit` (default 50, clamped
+    /// to 1000).
     fn list(
         &self,
         agent_id: &str,
@@ -210,7 +232,7 @@ pub(crate) fn check_owner(agent_id: &str) -> Result<(), StoreError> {
 }
 
 /// Checks a turn id: 1–128 characters of `[A-Za-z0-9_-]` like every other id.
-fn check_turn_id(turn_id: &str) -> Result<(), StoreError> {
+pub(crate) fn check_turn_id(turn_id: &str) -> Result<(), StoreError> {
     let len = turn_id.chars().count();
     if len == 0 || len > MAX_ID_LEN || !turn_id.chars().all(ids::is_token_char) {
         return Err(StoreError::BadRequest(format!(
@@ -227,13 +249,6 @@ pub(crate) fn prepare_save(
     max_state_bytes: usize,
 ) -> Result<SaveRow, StoreError> {
     check_owner(&checkpoint.agent_id)?;
-    let expected = checkpoint_id(&checkpoint.agent_id, checkpoint.step);
-    if checkpoint.id != expected {
-        let shown: String = checkpoint.id.chars().take(300).collect();
-        return Err(StoreError::BadRequest(format!(
-            "id {shown:?} must be \"{{agent_id}}:{{step}}\", here {expected:?}"
-        )));
-    }
     let fence = match (checkpoint.turn_id, checkpoint.attempt) {
         (Some(turn_id), Some(attempt)) => {
             check_turn_id(&turn_id)?;
@@ -249,6 +264,19 @@ pub(crate) fn prepare_save(
             ));
         }
     };
+    let turn_id = fence.as_ref().map(|f| f.turn_id.as_str());
+    let expected = checkpoint_id(&checkpoint.agent_id, turn_id, checkpoint.step);
+    if checkpoint.id != expected {
+        let shown: String = checkpoint.id.chars().take(300).collect();
+        let shape = if turn_id.is_some() {
+            "{agent_id}:{turn_id}:{step}"
+        } else {
+            "{agent_id}:{step}"
+        };
+        return Err(StoreError::BadRequest(format!(
+            "id {shown:?} must be \"{shape}\", here {expected:?}"
+        )));
+    }
     // Stored as sent: decoding already checked it is one JSON object.
     let state = checkpoint.state;
     if state.as_str().len() > max_state_bytes {
@@ -267,19 +295,35 @@ pub(crate) fn prepare_save(
     })
 }
 
-/// Splits and checks a row id `{owner}:{step}`; only the canonical spelling is accepted.
+/// Checks a row id, `{owner}:{turn_id}:{step}` or `{owner}:{step}`; only the canonical spelling
+/// is accepted. Returns the owner and the step.
 pub(crate) fn parse_id(id: &str) -> Result<(&str, u32), StoreError> {
     let bad = || {
         let shown: String = id.chars().take(300).collect();
-        StoreError::BadRequest(format!("id {shown:?} must be \"{{agent_id}}:{{step}}\""))
+        StoreError::BadRequest(format!(
+            "id {shown:?} must be \"{{agent_id}}:{{turn_id}}:{{step}}\" or \"{{agent_id}}:{{step}}\""
+        ))
     };
-    let (owner, step) = id.rsplit_once(':').ok_or_else(bad)?;
-    check_owner(owner)?;
+    let (rest, step) = id.rsplit_once(':').ok_or_else(bad)?;
     let step: u32 = step.parse().map_err(|_| bad())?;
-    if checkpoint_id(owner, step) != id {
+    let (owner, turn) = match rest.split_once(':') {
+        Some((owner, turn)) => {
+            check_turn_id(turn).map_err(|_| bad())?;
+            (owner, Some(turn))
+        }
+        None => (rest, None),
+    };
+    check_owner(owner)?;
+    if checkpoint_id(owner, turn, step) != id {
         return Err(bad());
     }
     Ok((owner, step))
+}
+
+/// Checks the turn and attempt of a turn-scoped `latest`.
+pub(crate) fn check_turn_read(agent_id: &str, turn_id: &str) -> Result<(), StoreError> {
+    check_owner(agent_id)?;
+    check_turn_id(turn_id)
 }
 
 /// The effective page size of a list: default 50, at least 1, at most 1000.
@@ -392,6 +436,13 @@ mod tests {
     fn save_checks_owner_id_fence_and_size() {
         let now = Utc::now();
         assert!(prepare_save(cp("s1#a:3", "s1#a", 3), now, 10).is_ok());
+        let mut turn = cp("s1:t1:3", "s1", 3);
+        turn.turn_id = Some("t1".into());
+        turn.attempt = Some(1);
+        assert!(prepare_save(turn.clone(), now, 10).is_ok());
+        turn.id = "s1:3".into();
+        let err = prepare_save(turn, now, 10).unwrap_err();
+        assert!(err.to_string().contains("s1:t1:3"), "{err}");
         for bad in [
             cp("s1:4", "s1", 3),
             cp("s.1:3", "s.1", 3),
@@ -423,8 +474,11 @@ mod tests {
     #[test]
     fn ids_must_be_canonical() {
         assert_eq!(parse_id("s1#leg:12").unwrap(), ("s1#leg", 12));
+        assert_eq!(parse_id("s1#leg:t-1:12").unwrap(), ("s1#leg", 12));
+        assert_eq!(parse_id("s1:3:4").unwrap(), ("s1", 4));
         for bad in [
-            "s1", "s1:", ":3", "s1:03", "s1:-1", "s1:x", "s.1:3", "s1:3:4",
+            "s1", "s1:", ":3", "s1:03", "s1:-1", "s1:x", "s.1:3", "s1::4", "s1:t.1:4", "s1:t:1:4",
+            ":t:4", "s1:t:04",
         ] {
             assert!(parse_id(bad).is_err(), "{bad}");
         }

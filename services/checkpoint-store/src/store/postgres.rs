@@ -4,12 +4,17 @@
 //! that very text — see migration 0002); timestamps are `TIMESTAMPTZ`.
 //!
 //! # Invariants
+//! - `write_seq` comes from the sequence `checkpoints_write_seq` (migration 0003): the column
+//!   default on insert, `nextval` again on overwrite, so the most recent write has the highest.
 //! - A fenced save is **one statement** ([`FENCED_UPSERT`]): the `turn_attempts` upsert, the
 //!   check and the checkpoint upsert in data-modifying CTEs — atomic, and one round trip instead
 //!   of four (BEGIN, raise, upsert, COMMIT) on the loop worker's per-step path. The
 //!   `ON CONFLICT DO UPDATE` on `turn_attempts` row-locks the turn, so concurrent saves of one
 //!   turn serialise: once attempt N has committed, attempt N-1 sees `max_attempt >= N` and writes
 //!   no checkpoint.
+//! - A fenced read is two statements on purpose: the `turn_attempts` raise commits (waiting on the
+//!   row lock of any save of the turn still running), and only then the read takes its snapshot,
+//!   so it sees every row an older attempt managed to write — none can be written after it.
 //!
 //! # Pitfalls
 //! - The pool reconnects by itself: after an outage the broken connections fail once (I/O error →
@@ -18,8 +23,9 @@
 //!   fresh row; retention is meant for owners idle far longer than any turn.
 
 use super::{
-    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify, cutoff,
-    fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
+    CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner,
+    check_turn_read, classify, cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id,
+    prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -44,9 +50,18 @@ macro_rules! select {
 const UPSERT: &str = "INSERT INTO checkpoints \
      (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
      VALUES ($1, $2, $3, $4::json, $5, $6, $7, $7) \
-     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
+     ON CONFLICT (id) DO UPDATE SET write_seq = nextval('checkpoints_write_seq'), \
+     state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
      attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
      RETURNING created_at, updated_at";
+
+/// Records an attempt as its turn's newest unless a newer one is; returns the recorded newest.
+const RAISE_ATTEMPT: &str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
+     VALUES ($1, $2, $3) \
+     ON CONFLICT (turn_id) DO UPDATE SET \
+     max_attempt = GREATEST(turn_attempts.max_attempt, EXCLUDED.max_attempt), \
+     updated_at = EXCLUDED.updated_at \
+     RETURNING max_attempt";
 
 /// Raise the turn's attempt record, then upsert the checkpoint only if this attempt is not older
 /// than the record; one row back: the recorded attempt and, when written, the timestamps.
@@ -59,7 +74,8 @@ const FENCED_UPSERT: &str = "WITH fence AS ( \
      saved AS ( \
        INSERT INTO checkpoints (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
        SELECT $1, $2, $3, $4::json, $5, $6, $7, $7 FROM fence WHERE fence.max_attempt <= $6 \
-       ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
+       ON CONFLICT (id) DO UPDATE SET write_seq = nextval('checkpoints_write_seq'), \
+       state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
        attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
        RETURNING created_at, updated_at) \
      SELECT fence.max_attempt, saved.created_at, saved.updated_at \
@@ -174,14 +190,56 @@ impl CheckpointStore for PgStore {
 
     async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
         check_owner(agent_id)?;
-        let row = sqlx::query(select!("WHERE agent_id = $1 ORDER BY step DESC LIMIT 1"))
-            .bind(agent_id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(classify)?;
+        let row = sqlx::query(select!(
+            "WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT 1"
+        ))
+        .bind(agent_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(classify)?;
         match row {
             Some(row) => raw(&row)?.into_checkpoint(),
             None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
+        }
+    }
+
+    async fn latest_of_turn(
+        &self,
+        agent_id: &str,
+        turn_id: &str,
+        attempt: Option<u32>,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        check_turn_read(agent_id, turn_id)?;
+        if let Some(attempt) = attempt {
+            let fence = Fence {
+                turn_id: turn_id.to_owned(),
+                attempt: i64::from(attempt),
+            };
+            let recorded: i64 = sqlx::query_scalar(RAISE_ATTEMPT)
+                .bind(turn_id)
+                .bind(fence.attempt)
+                .bind(now)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(classify)?;
+            if recorded > fence.attempt {
+                return Err(fenced(&fence, recorded));
+            }
+        }
+        let row = sqlx::query(select!(
+            "WHERE turn_id = $2 AND agent_id = $1 ORDER BY write_seq DESC LIMIT 1"
+        ))
+        .bind(agent_id)
+        .bind(turn_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(classify)?;
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!(
+                "agent_id {agent_id} turn {turn_id}"
+            ))),
         }
     }
 
@@ -205,12 +263,14 @@ impl CheckpointStore for PgStore {
     ) -> Result<Vec<Checkpoint>, StoreError> {
         check_owner(agent_id)?;
         let limit = list_limit(limit)?;
-        let rows = sqlx::query(select!("WHERE agent_id = $1 ORDER BY step DESC LIMIT $2"))
-            .bind(agent_id)
-            .bind(limit)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(classify)?;
+        let rows = sqlx::query(select!(
+            "WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT $2"
+        ))
+        .bind(agent_id)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(classify)?;
         rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
     }
 
@@ -221,9 +281,9 @@ impl CheckpointStore for PgStore {
                 keep_last,
             } => {
                 let done = sqlx::query(
-                    "DELETE FROM checkpoints WHERE agent_id = $1 AND step NOT IN \
-                     (SELECT step FROM checkpoints WHERE agent_id = $1 \
-                      ORDER BY step DESC LIMIT $2)",
+                    "DELETE FROM checkpoints WHERE agent_id = $1 AND write_seq NOT IN \
+                     (SELECT write_seq FROM checkpoints WHERE agent_id = $1 \
+                      ORDER BY write_seq DESC LIMIT $2)",
                 )
                 .bind(&agent_id)
                 .bind(i64::from(keep_last))

@@ -4,9 +4,12 @@
 //! `state` is JSON text (checked by `json_valid`); timestamps are fixed-width RFC 3339 text.
 //!
 //! # Invariants
+//! - `write_seq` is the rowid (migration 0002): a new row gets max + 1, an overwrite moves its row
+//!   to max + 1, so the most recent write has the highest.
 //! - A fenced save runs `turn_attempts` upsert → check → checkpoint upsert in one
 //!   `BEGIN IMMEDIATE` transaction: it takes SQLite's write lock up front, so concurrent saves of
-//!   one turn serialise (no read-then-upgrade `SQLITE_BUSY_SNAPSHOT`).
+//!   one turn serialise (no read-then-upgrade `SQLITE_BUSY_SNAPSHOT`). A fenced read raises the
+//!   record and reads in one such transaction.
 //!
 //! # Pitfalls
 //! - WAL mode lets readers run beside the single writer; writers queue on the lock for up to
@@ -14,8 +17,9 @@
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
 use super::{
-    CheckpointStore, RawRow, SaveRow, StoreError, StoreOptions, check_owner, classify, cutoff,
-    fenced, format_ts, list_limit, no_checkpoint, parse_id, prepare_save, retain_mode,
+    CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner,
+    check_turn_read, classify, cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id,
+    prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -48,7 +52,8 @@ macro_rules! select {
 const UPSERT: &str = "INSERT INTO checkpoints \
      (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) \
-     ON CONFLICT (id) DO UPDATE SET state = excluded.state, turn_id = excluded.turn_id, \
+     ON CONFLICT (id) DO UPDATE SET write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
+     state = excluded.state, turn_id = excluded.turn_id, \
      attempt = excluded.attempt, updated_at = excluded.updated_at \
      RETURNING created_at, updated_at";
 
@@ -175,14 +180,71 @@ impl CheckpointStore for SqliteStore {
 
     async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
         check_owner(agent_id)?;
-        let row = sqlx::query(select!("WHERE agent_id = ?1 ORDER BY step DESC LIMIT 1"))
-            .bind(agent_id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(classify)?;
+        let row = sqlx::query(select!(
+            "WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT 1"
+        ))
+        .bind(agent_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(classify)?;
         match row {
             Some(row) => raw(&row)?.into_checkpoint(),
             None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
+        }
+    }
+
+    async fn latest_of_turn(
+        &self,
+        agent_id: &str,
+        turn_id: &str,
+        attempt: Option<u32>,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        check_turn_read(agent_id, turn_id)?;
+        let query = select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
+        let row = match attempt {
+            None => sqlx::query(query)
+                .bind(agent_id)
+                .bind(turn_id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(classify)?,
+            Some(attempt) => {
+                let fence = Fence {
+                    turn_id: turn_id.to_owned(),
+                    attempt: i64::from(attempt),
+                };
+                let mut tx = self
+                    .pool
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(classify)?;
+                let recorded: i64 = sqlx::query_scalar(RAISE_ATTEMPT)
+                    .bind(turn_id)
+                    .bind(fence.attempt)
+                    .bind(format_ts(now))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                if recorded > fence.attempt {
+                    let _ = tx.rollback().await;
+                    return Err(fenced(&fence, recorded));
+                }
+                let row = sqlx::query(query)
+                    .bind(agent_id)
+                    .bind(turn_id)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
+                row
+            }
+        };
+        match row {
+            Some(row) => raw(&row)?.into_checkpoint(),
+            None => Err(no_checkpoint(&format!(
+                "agent_id {agent_id} turn {turn_id}"
+            ))),
         }
     }
 
@@ -206,12 +268,14 @@ impl CheckpointStore for SqliteStore {
     ) -> Result<Vec<Checkpoint>, StoreError> {
         check_owner(agent_id)?;
         let limit = list_limit(limit)?;
-        let rows = sqlx::query(select!("WHERE agent_id = ?1 ORDER BY step DESC LIMIT ?2"))
-            .bind(agent_id)
-            .bind(limit)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(classify)?;
+        let rows = sqlx::query(select!(
+            "WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT ?2"
+        ))
+        .bind(agent_id)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(classify)?;
         rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
     }
 
@@ -222,9 +286,9 @@ impl CheckpointStore for SqliteStore {
                 keep_last,
             } => {
                 let done = sqlx::query(
-                    "DELETE FROM checkpoints WHERE agent_id = ?1 AND step NOT IN \
-                     (SELECT step FROM checkpoints WHERE agent_id = ?1 \
-                      ORDER BY step DESC LIMIT ?2)",
+                    "DELETE FROM checkpoints WHERE agent_id = ?1 AND write_seq NOT IN \
+                     (SELECT write_seq FROM checkpoints WHERE agent_id = ?1 \
+                      ORDER BY write_seq DESC LIMIT ?2)",
                 )
                 .bind(&agent_id)
                 .bind(i64::from(keep_last))

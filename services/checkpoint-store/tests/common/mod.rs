@@ -149,6 +149,7 @@ pub fn checkpoint(owner: &str, step: u32, note: &str) -> Checkpoint {
 /// `checkpoint` with a fencing token.
 pub fn fenced(owner: &str, step: u32, note: &str, turn: &str, attempt: u32) -> Checkpoint {
     Checkpoint {
+        id: cyrene_protocol::checkpoint::checkpoint_id(owner, Some(turn), step),
         turn_id: Some(turn.to_owned()),
         attempt: Some(attempt),
         ..checkpoint(owner, step, note)
