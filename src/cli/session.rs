@@ -4,7 +4,7 @@ use super::{CliError, parse_duration};
 use async_nats::Client;
 use clap::Args;
 use cyrene_bus::{RequestError, request_json};
-use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState, ListRequest};
+use cyrene_protocol::checkpoint::{CheckpointState, ListRequest, ListResponse};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
@@ -268,15 +268,11 @@ pub struct CheckpointsArgs {
     pub json: bool,
 }
 
-#[derive(Debug, serde::Deserialize)]
-struct ListResponse {
-    checkpoints: Vec<Checkpoint>,
-}
-
 pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), CliError> {
     let request = ListRequest {
         agent_id: args.owner.clone(),
         limit: Some(args.limit),
+        before: None,
     };
     let list: ListResponse = request_json(
         &client,

@@ -50,7 +50,19 @@ pub enum Error {
 
 /// Opens the configured database (applying its migrations) and serves it until `shutdown` fires.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
-    let options = config.store_options();
+    let mut options = config.store_options();
+    // Never accept a state that could not be read back: a save's ack and every later read carry
+    // the whole state in one message.
+    let carried = cyrene_bus::service::reply_budget(&client);
+    if options.max_state_bytes > carried {
+        tracing::warn!(
+            configured = options.max_state_bytes,
+            limit = carried,
+            "the bus's max_payload is smaller than --max-state-bytes: states are limited to what \
+             a reply can carry (raise max_payload in the nats-server config for larger ones)"
+        );
+        options.max_state_bytes = carried;
+    }
     match config.database()? {
         Database::Postgres(url) => {
             let store = PgStore::connect(&url, &options).await?;

@@ -19,7 +19,7 @@ use async_nats::Client;
 use async_nats::service::ServiceExt;
 use chrono::Utc;
 use cyrene_bus::service::database_call as bounded;
-use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::service::{RequestContext, ServeOptions, page_within, reply_budget, serve_json};
 use cyrene_protocol::checkpoint::{
     Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
 };
@@ -61,6 +61,7 @@ pub async fn serve<S: CheckpointStore>(
     let retain = endpoint("retain", subjects::CHECKPOINT_RETAIN).await?;
 
     let limit = config.db_timeout;
+    let budget = reply_budget(&client);
     let small = ServeOptions {
         max_in_flight: config.max_in_flight,
         ..ServeOptions::default()
@@ -120,8 +121,20 @@ pub async fn serve<S: CheckpointStore>(
         move |req: ListRequest, _: RequestContext| {
             let s = s.clone();
             async move {
-                let checkpoints = bounded(limit, s.list(&req.agent_id, req.limit)).await?;
-                Ok(ListResponse { checkpoints })
+                let count = crate::store::list_limit(req.limit).map_err(|e| e.to_body())?;
+                // One row more than asked tells whether another page follows.
+                let read = s.list_before(&req.agent_id, count + 1, req.before.as_deref());
+                let mut rows = bounded(limit, read).await?;
+                let more = rows.len() > count as usize;
+                rows.truncate(count as usize);
+                let (checkpoints, cut) = page_within(rows, budget);
+                let next_before = (more || cut)
+                    .then(|| checkpoints.last().map(|c| c.id.clone()))
+                    .flatten();
+                Ok(ListResponse {
+                    checkpoints,
+                    next_before,
+                })
             }
         },
     ));

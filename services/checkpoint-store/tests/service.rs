@@ -503,3 +503,68 @@ async fn typed_client_round_trip(store: &CheckpointClient) {
         Err(ClientError::NotFound(_))
     ));
 }
+
+/// Whatever the store accepts, it can give back: a state too large for a reply is refused at
+/// save (not stored and then unreadable), and a listing is paged by bytes as well as by count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stored_checkpoint_can_be_read_back_over_the_bus() {
+    let nats = NatsServer::start(); // max_payload: the default 1 MiB
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::new(dir.path().join("data")); // --max-state-bytes: 4 MiB
+    let service = RunningService::start(&nats.url(), config).await;
+    let c = nats.connect().await;
+    let store = CheckpointClient::new(c.clone(), Duration::from_secs(10));
+
+    // Just under 1 MiB fits a request but not the ack: refused, nothing stored.
+    let mut almost = checkpoint("big", 1, "");
+    almost.state = big_state(1024 * 1024 - 6 * 1024);
+    let err = store.save(&almost).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::TooLarge, "{err}");
+    assert!(matches!(
+        store.latest("big").await,
+        Err(ClientError::NotFound(_))
+    ));
+    // What is accepted comes back, by latest and by get.
+    let mut fits = checkpoint("big", 1, "");
+    fits.state = big_state(1000 * 1024);
+    store.save(&fits).await.unwrap();
+    assert_eq!(store.latest("big").await.unwrap().state, fits.state);
+    assert_eq!(store.get("big:1").await.unwrap().state, fits.state);
+
+    // Three 400 KB states: the default page (50 rows) would be 1.2 MB; it stops at what fits.
+    for step in 1..=3 {
+        let mut cp = checkpoint("wide", step, "");
+        cp.state = big_state(400 * 1024);
+        store.save(&cp).await.unwrap();
+    }
+    let first = store.list_page("wide", None, None).await.unwrap();
+    let ids: Vec<&str> = first.checkpoints.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["wide:3", "wide:2"]);
+    assert_eq!(first.next_before.as_deref(), Some("wide:2"));
+    let rest = store
+        .list_page("wide", None, first.next_before.as_deref())
+        .await
+        .unwrap();
+    let ids: Vec<&str> = rest.checkpoints.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!((ids, rest.next_before), (vec!["wide:1"], None));
+    // Paging by count says where to go on too; a cursor of another owner is refused.
+    let one = store.list_page("wide", Some(1), None).await.unwrap();
+    assert_eq!(one.next_before.as_deref(), Some("wide:3"));
+    assert_eq!(
+        store
+            .list_page("wide", None, Some("big:1"))
+            .await
+            .unwrap_err()
+            .code(),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        store
+            .list_page("wide", None, Some("wide:9"))
+            .await
+            .unwrap_err()
+            .code(),
+        ErrorCode::NotFound
+    );
+    service.stop().await.unwrap();
+}

@@ -23,6 +23,7 @@ use async_nats::jetstream;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
 use cyrene_bus::service::database_call as bounded;
+use cyrene_bus::service::{page_within, reply_budget};
 use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role};
@@ -292,12 +293,28 @@ impl Engine {
             Some(0) => return Err(bad("limit must be at least 1")),
             Some(n) => n.min(HISTORY_MAX_LIMIT),
         };
-        let messages = bounded(
+        // One entry more than asked tells whether an older page exists.
+        let mut newest_last = bounded(
             self.config.db_timeout,
-            self.store.history(&req.session_id, limit, req.before_seq),
+            self.store
+                .history(&req.session_id, limit + 1, req.before_seq),
         )
         .await?;
-        Ok(HistoryResponse { messages })
+        let more = newest_last.len() > limit as usize;
+        if more {
+            newest_last.remove(0);
+        }
+        // The page is oldest → newest; when the bus cannot carry all of it, keep the newest.
+        newest_last.reverse();
+        let (mut messages, cut) = page_within(newest_last, reply_budget(&self.client));
+        messages.reverse();
+        let next_before_seq = (more || cut)
+            .then(|| messages.first().map(|m| m.seq))
+            .flatten();
+        Ok(HistoryResponse {
+            messages,
+            next_before_seq,
+        })
     }
 
     async fn publish_event(&self, event: &SessionEvent) {

@@ -5,6 +5,8 @@
 //! - Every request gets exactly one reply: the handler's value, or an error envelope. Malformed
 //!   JSON, wrong types and oversized bodies are answered with `bad_request`/`too_large` and never
 //!   reach the handler, so a bad client cannot take the service down.
+//! - Every reply fits the bus: error messages are bounded (`ErrorBody::new`), and a value too
+//!   large for the connection's `max_payload` is answered with `too_large` instead ([`respond`]).
 //! - At most `max_in_flight` handlers run at once; the endpoint stream is read no faster than that
 //!   (back-pressure goes to NATS, where a slow service shows up as request timeouts).
 //!
@@ -137,6 +139,9 @@ pub fn decode<T: DeserializeOwned>(payload: &[u8], max: usize) -> Result<T, Erro
 }
 
 /// Answers `request` with `result` as JSON or as the error envelope plus headers.
+///
+/// A reply the connection cannot carry (over the server's `max_payload`) is replaced by a
+/// `too_large` error, so the caller always hears back instead of waiting out its deadline.
 pub async fn respond<T: Serialize>(
     request: &Request,
     result: Result<T, ErrorBody>,
@@ -152,7 +157,60 @@ pub async fn respond<T: Serialize>(
         Ok(bytes) => (Bytes::from(bytes), HeaderMap::new()),
         Err(err) => (error_payload(&err), error_headers(&err)),
     };
-    request.respond_with_headers(Ok(payload), headers).await
+    let size = payload.len();
+    match request.respond_with_headers(Ok(payload), headers).await {
+        Err(err) if err.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
+            tracing::warn!(
+                size,
+                "reply over the connection's max_payload; answered too_large"
+            );
+            let err = ErrorBody::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the reply is {size} bytes, more than the bus carries (its max_payload); \
+                     ask for less (a smaller limit or page)"
+                ),
+            );
+            request
+                .respond_with_headers(Ok(error_payload(&err)), error_headers(&err))
+                .await
+        }
+        sent => sent,
+    }
+}
+
+/// Room kept in a reply for what surrounds its items: the page's own fields, the JSON envelope,
+/// the headers the server adds.
+pub const REPLY_SLACK: usize = 8 * 1024;
+
+/// The largest reply `client`'s connection carries, less [`REPLY_SLACK`]: the byte budget of a
+/// page of results. The server's `max_payload` when known, else the NATS default (1 MiB).
+pub fn reply_budget(client: &async_nats::Client) -> usize {
+    let max = match client.server_info().max_payload {
+        0 => guard::DEFAULT_MAX_PAYLOAD,
+        known => known,
+    };
+    max.saturating_sub(REPLY_SLACK)
+}
+
+/// The longest prefix of `items` whose JSON fits in `budget` bytes (always at least one item: a
+/// single item too large for the bus is answered `too_large` by [`respond`]), and whether any
+/// item was left out.
+pub fn page_within<T: Serialize>(mut items: Vec<T>, budget: usize) -> (Vec<T>, bool) {
+    let mut used = 0usize;
+    let mut keep = 0usize;
+    for item in &items {
+        // `,` between items; an item that cannot be encoded is left to the reply to report.
+        let size = serde_json::to_vec(item).map_or(0, |v| v.len()) + 1;
+        if keep > 0 && used + size > budget {
+            break;
+        }
+        used += size;
+        keep += 1;
+    }
+    let cut = keep < items.len();
+    items.truncate(keep);
+    (items, cut)
 }
 
 /// What a handler sees besides the decoded body.
@@ -309,6 +367,24 @@ mod tests {
             decode::<Body>(&[b' '; 101], 100).unwrap_err().code,
             ErrorCode::TooLarge
         );
+    }
+
+    #[test]
+    fn pages_stop_at_the_byte_budget_but_never_come_back_empty() {
+        let items: Vec<String> = (0..10).map(|i| format!("{i}").repeat(98)).collect();
+        // Each item is 100 bytes of JSON (`"…"`) plus a comma.
+        let (page, cut) = page_within(items.clone(), 350);
+        assert_eq!((page.len(), cut), (3, true));
+        let (page, cut) = page_within(items.clone(), 10_000);
+        assert_eq!((page.len(), cut), (10, false));
+        let (page, cut) = page_within(items, 5);
+        assert_eq!(
+            (page.len(), cut),
+            (1, true),
+            "one item even when it alone is over"
+        );
+        let (page, cut) = page_within(Vec::<String>::new(), 5);
+        assert!(page.is_empty() && !cut);
     }
 
     #[test]

@@ -31,6 +31,13 @@ async fn greet(req: Greet, ctx: RequestContext) -> Result<Greeting, ErrorBody> {
     if req.name == "nobody" {
         return Err(ErrorBody::new(ErrorCode::NotFound, "nobody is here"));
     }
+    if req.name == "everybody" {
+        // A valid value the bus cannot carry (the test server's max_payload is 1 MiB).
+        return Ok(Greeting {
+            text: "hello ".repeat(300_000),
+            traceparent: None,
+        });
+    }
     let traceparent = ctx
         .headers
         .get("traceparent")
@@ -128,6 +135,39 @@ async fn bad_input_gets_a_structured_error_and_the_service_keeps_serving() {
         .await
         .unwrap();
     assert_eq!(ok.text, "hello bo");
+}
+
+#[tokio::test]
+async fn every_reply_fits_the_bus_whatever_the_request_echoes() {
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 1024 * 1024).await;
+    // A 600 KB field name is quoted by the decoder's error: cut, header and body alike.
+    let field = "f".repeat(600_000);
+    let reply = client
+        .request(
+            "test.greet",
+            format!(r#"{{"{field}":1}}"#).into_bytes().into(),
+        )
+        .await
+        .unwrap();
+    assert!(reply.payload.len() < 2048, "{} bytes", reply.payload.len());
+    let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(body["error"]["code"], "bad_request");
+    let header = reply.headers.unwrap();
+    assert!(header.get("Nats-Service-Error").unwrap().as_str().len() <= 1024);
+
+    // A reply over max_payload becomes a structured too_large instead of silence.
+    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"everybody"}), T)
+        .await
+        .unwrap_err();
+    match err {
+        RequestError::Remote(body) => assert_eq!(body.code, ErrorCode::TooLarge, "{body}"),
+        other => panic!("expected too_large, got {other:?}"),
+    }
+    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"cy"}), T)
+        .await
+        .unwrap();
+    assert_eq!(ok.text, "hello cy");
 }
 
 #[tokio::test]

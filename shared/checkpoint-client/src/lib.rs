@@ -150,12 +150,23 @@ impl CheckpointClient {
 
     /// The owner's checkpoints, most recently written first (default 50, at most 1000).
     pub async fn list(&self, agent_id: &str, limit: Option<u32>) -> Result<Vec<Checkpoint>, Error> {
+        Ok(self.list_page(agent_id, limit, None).await?.checkpoints)
+    }
+
+    /// One page of the owner's checkpoints written before the row `before` (from the newest when
+    /// `None`); the reply's `next_before` continues the listing.
+    pub async fn list_page(
+        &self,
+        agent_id: &str,
+        limit: Option<u32>,
+        before: Option<&str>,
+    ) -> Result<ListResponse, Error> {
         let req = ListRequest {
             agent_id: agent_id.to_owned(),
             limit,
+            before: before.map(str::to_owned),
         };
-        let resp: ListResponse = self.call(subjects::CHECKPOINT_LIST, &req).await?;
-        Ok(resp.checkpoints)
+        self.call(subjects::CHECKPOINT_LIST, &req).await
     }
 
     /// Runs one retention operation; returns how many rows were deleted.

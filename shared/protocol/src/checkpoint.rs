@@ -98,12 +98,16 @@ pub struct GetRequest {
 }
 
 /// `cyrene.checkpoint.list` request (most recently written first).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListRequest {
     pub agent_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
+    /// Continue a listing: only rows written before the row with this id (a previous page's
+    /// `next_before`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before: Option<String>,
 }
 
 /// `cyrene.checkpoint.list` default page size when `limit` is absent.
@@ -111,10 +115,14 @@ pub const LIST_DEFAULT_LIMIT: u32 = 50;
 /// `cyrene.checkpoint.list` largest page; a larger `limit` is clamped to it.
 pub const LIST_MAX_LIMIT: u32 = 1000;
 
-/// `cyrene.checkpoint.list` reply: most recently written first.
+/// `cyrene.checkpoint.list` reply: most recently written first. A page holds at most `limit`
+/// rows and at most what the bus carries in one message; `next_before` is set when more rows
+/// follow (pass it as `before` for the next page).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListResponse {
     pub checkpoints: Vec<Checkpoint>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_before: Option<String>,
 }
 
 /// `cyrene.checkpoint.retain` request: one of two explicit retention operations.

@@ -103,13 +103,36 @@ pub struct ErrorBody {
     pub message: String,
 }
 
+/// The longest error message sent, in bytes: messages may quote client input (a field name, a
+/// value), so they are cut — on a character boundary — to keep every error reply small whatever
+/// the request held.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+
+/// What ends a message that was cut.
+const CUT_MARK: &str = " …(truncated)";
+
 impl ErrorBody {
+    /// An error; `message` is cut to [`MAX_ERROR_MESSAGE_BYTES`].
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         ErrorBody {
             code,
-            message: message.into(),
+            message: bounded_message(message.into()),
         }
     }
+}
+
+/// `message` unchanged when it fits, else its longest prefix that fits with the cut mark.
+fn bounded_message(mut message: String) -> String {
+    if message.len() <= MAX_ERROR_MESSAGE_BYTES {
+        return message;
+    }
+    let mut end = MAX_ERROR_MESSAGE_BYTES - CUT_MARK.len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str(CUT_MARK);
+    message
 }
 
 impl fmt::Display for ErrorBody {
@@ -143,6 +166,26 @@ mod tests {
         let back: ErrorEnvelope =
             serde_json::from_str(r#"{"error":{"code":"too_large","message":"x"}}"#).unwrap();
         assert_eq!(back.error.code, ErrorCode::TooLarge);
+    }
+
+    #[test]
+    fn messages_are_cut_on_a_character_boundary() {
+        let short = ErrorBody::new(ErrorCode::BadRequest, "unknown field `x`");
+        assert_eq!(short.message, "unknown field `x`");
+        for filler in ["x", "é", "昔", "🦀"] {
+            let long = ErrorBody::new(
+                ErrorCode::BadRequest,
+                format!("unknown field `{}`", filler.repeat(600_000)),
+            );
+            assert!(long.message.len() <= MAX_ERROR_MESSAGE_BYTES, "{filler}");
+            assert!(long.message.starts_with("unknown field `"));
+            assert!(long.message.ends_with("…(truncated)"));
+        }
+        let exact = "a".repeat(MAX_ERROR_MESSAGE_BYTES);
+        assert_eq!(
+            ErrorBody::new(ErrorCode::Internal, exact.clone()).message,
+            exact
+        );
     }
 
     #[test]

@@ -145,6 +145,10 @@ pub struct HistoryEntry {
 pub struct HistoryResponse {
     #[serde(default)]
     pub messages: Vec<HistoryEntry>,
+    /// Set when older entries were left out of this page (by `limit` or because the page
+    /// reached what the bus carries in one message): pass it as `before_seq` for the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_before_seq: Option<u64>,
 }
 
 #[cfg(test)]

@@ -170,6 +170,20 @@ pub trait CheckpointStore: Send + Sync + 'static {
         &self,
         agent_id: &str,
         limit: Option<u32>,
+    ) -> impl Future<Output = Result<Vec<Checkpoint>, StoreError>> + Send {
+        async move {
+            let count = list_limit(limit)?;
+            self.list_before(agent_id, count, None).await
+        }
+    }
+
+    /// At most `count` of the owner's checkpoints written before the row `before` (all when
+    /// `None`), most recently written first. `NotFound` when `before` is not a row of the owner.
+    fn list_before(
+        &self,
+        agent_id: &str,
+        count: u32,
+        before: Option<&str>,
     ) -> impl Future<Output = Result<Vec<Checkpoint>, StoreError>> + Send;
 
     /// Runs one explicit retention operation and returns how many checkpoint rows it deleted.
@@ -327,12 +341,28 @@ pub(crate) fn check_turn_read(agent_id: &str, turn_id: &str) -> Result<(), Store
 }
 
 /// The effective page size of a list: default 50, at least 1, at most 1000.
-pub(crate) fn list_limit(limit: Option<u32>) -> Result<i64, StoreError> {
+pub fn list_limit(limit: Option<u32>) -> Result<u32, StoreError> {
     match limit {
-        None => Ok(i64::from(LIST_DEFAULT_LIMIT)),
+        None => Ok(LIST_DEFAULT_LIMIT),
         Some(0) => Err(StoreError::BadRequest("limit must be at least 1".into())),
-        Some(n) => Ok(i64::from(n.min(LIST_MAX_LIMIT))),
+        Some(n) => Ok(n.min(LIST_MAX_LIMIT)),
     }
+}
+
+/// Checks the owner and the cursor of a page.
+pub(crate) fn check_page(agent_id: &str, before: Option<&str>) -> Result<(), StoreError> {
+    check_owner(agent_id)?;
+    match before {
+        Some(id) if parse_id(id)?.0 != agent_id => Err(StoreError::BadRequest(format!(
+            "before: {id:?} is not a checkpoint of {agent_id}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The answer to a cursor that names no row (deleted by retention since the last page).
+pub(crate) fn cursor_gone(id: &str) -> StoreError {
+    StoreError::NotFound(format!("before: no checkpoint {id} (deleted since?)"))
 }
 
 /// A validated retention request.
@@ -487,6 +517,9 @@ mod tests {
     #[test]
     fn list_limit_defaults_and_clamps() {
         assert_eq!(list_limit(None).unwrap(), 50);
+        assert!(check_page("s1", Some("s1:t:3")).is_ok());
+        assert!(check_page("s1", Some("s2:t:3")).is_err());
+        assert!(check_page("s1", Some("s1")).is_err());
         assert_eq!(list_limit(Some(7)).unwrap(), 7);
         assert_eq!(list_limit(Some(5000)).unwrap(), 1000);
         assert!(list_limit(Some(0)).is_err());

@@ -23,8 +23,8 @@
 //!   fresh row; retention is meant for owners idle far longer than any turn.
 
 use super::{
-    CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner,
-    check_turn_read, classify, cutoff, fenced, format_ts, list_limit, no_checkpoint, parse_id,
+    CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner, check_page,
+    check_turn_read, classify, cursor_gone, cutoff, fenced, format_ts, no_checkpoint, parse_id,
     prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
@@ -256,18 +256,28 @@ impl CheckpointStore for PgStore {
         }
     }
 
-    async fn list(
+    async fn list_before(
         &self,
         agent_id: &str,
-        limit: Option<u32>,
+        count: u32,
+        before: Option<&str>,
     ) -> Result<Vec<Checkpoint>, StoreError> {
-        check_owner(agent_id)?;
-        let limit = list_limit(limit)?;
+        check_page(agent_id, before)?;
+        let below = match before {
+            None => i64::MAX,
+            Some(id) => sqlx::query_scalar("SELECT write_seq FROM checkpoints WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(classify)?
+                .ok_or_else(|| cursor_gone(id))?,
+        };
         let rows = sqlx::query(select!(
-            "WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT $2"
+            "WHERE agent_id = $1 AND write_seq < $2 ORDER BY write_seq DESC LIMIT $3"
         ))
         .bind(agent_id)
-        .bind(limit)
+        .bind(below)
+        .bind(i64::from(count))
         .fetch_all(&self.pool)
         .await
         .map_err(classify)?;

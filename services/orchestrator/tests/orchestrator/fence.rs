@@ -308,9 +308,60 @@ async fn history_pages_backwards() {
         limit: Some(limit),
         before_seq,
     };
-    let last2 = history_raw(c, &req(2, None)).await.unwrap().messages;
-    assert_eq!(last2.iter().map(|e| e.seq).collect::<Vec<_>>(), [4, 5]);
-    let before = history_raw(c, &req(2, Some(4))).await.unwrap().messages;
-    assert_eq!(before.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
+    let last2 = history_raw(c, &req(2, None)).await.unwrap();
+    assert_eq!(
+        last2.messages.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [4, 5]
+    );
+    assert_eq!(last2.next_before_seq, Some(4));
+    let before = history_raw(c, &req(2, Some(4))).await.unwrap();
+    assert_eq!(
+        before.messages.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [2, 3]
+    );
+    let first = history_raw(c, &req(2, Some(2))).await.unwrap();
+    assert_eq!(
+        first.messages.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [1]
+    );
+    assert_eq!(first.next_before_seq, None, "nothing older");
     assert!(history(c, "unknown").await.is_empty());
+}
+
+/// Five 240 KB messages: the default page (50 entries, 1.2 MB) would not fit one NATS message, so a
+/// user could make their own history unreadable. The page stops at what fits, newest kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_history_page_never_outgrows_the_bus() {
+    let world = World::new(Backend::Sqlite).await;
+    let _orch = Replica::start(&world, world.config()).await;
+    let c = &world.client;
+    for i in 0..5 {
+        send_ok(c, "big", &format!("{i}{}", "x".repeat(240 * 1024))).await;
+    }
+    let req = |before_seq| cyrene_protocol::session::HistoryRequest {
+        session_id: "big".into(),
+        limit: None,
+        before_seq,
+    };
+    let mut seqs = Vec::new();
+    let mut before = None;
+    for _page in 0..5 {
+        let page = history_raw(c, &req(before)).await.unwrap();
+        assert!(!page.messages.is_empty());
+        let mut these: Vec<u64> = page.messages.iter().map(|e| e.seq).collect();
+        these.extend(seqs);
+        seqs = these;
+        before = page.next_before_seq;
+        if before.is_none() {
+            break;
+        }
+    }
+    assert_eq!(
+        seqs,
+        [1, 2, 3, 4, 5],
+        "every entry once, by following next_before_seq"
+    );
+    let newest = history_raw(c, &req(None)).await.unwrap();
+    assert!(newest.messages.len() < 5 && newest.next_before_seq.is_some());
+    assert_eq!(newest.messages.last().map(|e| e.seq), Some(5));
 }
