@@ -444,6 +444,59 @@ async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
     assert!(String::from_utf8_lossy(&info.payload).contains("cyrene.session.send"));
 }
 
+/// Two askers of one persona: the second asker's model request holds nothing of the first's
+/// exchange, while each asker's own earlier exchange is carried over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn askers_of_one_persona_do_not_see_each_other() {
+    let world = World::start(None).await;
+    let _orchestrator = world.orchestrator().await;
+    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
+    let bob = cyrene_comm::Probe::new(world.client.clone(), "bob");
+    let secret = "alice's secret: the door code is 4711";
+    let asked = |probe: &cyrene_comm::Probe, question: &str| {
+        let (probe, question) = (probe.clone(), question.to_owned());
+        async move {
+            let options = cyrene_comm::AskOptions {
+                timeout: Some(Duration::from_secs(30)),
+                ..Default::default()
+            };
+            probe.ask_with("cyrene", &question, options).await.unwrap()
+        }
+    };
+    asked(&alice, secret).await;
+    asked(&bob, "what did the person before me say?").await;
+    asked(&alice, "and what was my code?").await;
+
+    let requests = world.log.snapshot();
+    let holding = |text: &str| -> Vec<String> {
+        requests
+            .iter()
+            .filter(|r| r.messages.iter().any(|m| m.text_content().contains(text)))
+            .map(|r| {
+                r.messages
+                    .iter()
+                    .map(|m| m.text_content())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect()
+    };
+    let bobs = holding("the person before me");
+    assert!(!bobs.is_empty());
+    for request in &bobs {
+        assert!(
+            !request.contains("4711"),
+            "bob's request holds alice's exchange:\n{request}"
+        );
+    }
+    let alices = holding("what was my code");
+    assert!(
+        alices.iter().all(|r| r.contains("4711")),
+        "alice keeps her own history"
+    );
+    assert!(alices.iter().all(|r| !r.contains("the person before me")));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints() {
     let server = NatsServer::start();

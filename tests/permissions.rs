@@ -8,12 +8,14 @@ mod common;
 use async_nats::{ConnectOptions, Event, ServerError};
 use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{BusConfig, ConnectMode, request_json};
+use cyrene_comm::Probe;
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
+use futures::StreamExt;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -240,13 +242,70 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     client.flush().await.unwrap();
     refused(&violations, "a client forging a turn completion").await;
 
+    // Nobody speaks as another agent: not an agent, not a person, not the worker.
     let (hoshi, violations) = watched(&server, "agent-hoshi", "pw-hoshi").await;
-    hoshi
-        .publish("cyrene.agent.cyrene.me.ask", "{}".into())
+    for subject in [
+        "cyrene.agent.cyrene.me.ask",
+        "cyrene.agent.cyrene.hoshi.event",
+        "cyrene.agent.cyrene.event",
+        "cyrene.agent.hoshi.me.reply.q1",
+        "cyrene.agent.hoshi.a.b.c",
+    ] {
+        hoshi.publish(subject, "{}".into()).await.unwrap();
+        hoshi.flush().await.unwrap();
+        refused(&violations, &format!("agent hoshi publishing {subject}")).await;
+    }
+    let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
+    for subject in [
+        "cyrene.agent.hoshi.cyrene.ask",
+        "cyrene.agent.cyrene.hoshi.ask",
+        "cyrene.agent.hoshi.event",
+        "cyrene.agent.cyrene.me.event",
+    ] {
+        client.publish(subject, "{}".into()).await.unwrap();
+        client.flush().await.unwrap();
+        refused(&violations, &format!("a client publishing {subject}")).await;
+    }
+    let (worker, violations) = watched(&server, "cyrene-loop-worker", "pw-worker").await;
+    worker
+        .publish("cyrene.agent.hoshi.cyrene.ask", "{}".into())
+        .await
+        .unwrap();
+    worker.flush().await.unwrap();
+    refused(&violations, "the worker asking as an external agent").await;
+
+    // What they may do: hoshi asks as itself and is answered; a body claiming another name on
+    // its own subject is refused by the agent (`forbidden`); a person asks under their own name.
+    let reply = Probe::new(hoshi.clone(), "hoshi")
+        .ask("cyrene", "what time is it?")
+        .await
+        .unwrap();
+    assert!(reply.text.starts_with("It is "), "{}", reply.text);
+    let mut replies = hoshi
+        .subscribe("cyrene.agent.cyrene.hoshi.reply.q9")
         .await
         .unwrap();
     hoshi.flush().await.unwrap();
-    refused(&violations, "an agent speaking as another agent").await;
+    let forged = json!({"id":"q9","from":"主人","to":"cyrene","question":"what time is it?"});
+    hoshi
+        .publish_with_reply(
+            "cyrene.agent.hoshi.cyrene.ask",
+            "cyrene.agent.cyrene.hoshi.reply.q9",
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let refusal = tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&refusal.payload).unwrap();
+    assert_eq!(body["error"]["code"], "forbidden", "{body}");
+    let reply = Probe::new(cli.clone(), "me")
+        .ask("cyrene", "what time is it?")
+        .await
+        .unwrap();
+    assert!(reply.text.starts_with("It is "), "{}", reply.text);
 
     // The server logged the refusals above (so the clean log earlier meant something).
     let log = std::fs::read_to_string(server.log_path()).unwrap();

@@ -1,5 +1,6 @@
-//! The configured personas as agents on the comm protocol (DESIGN §4, §6): an ask to persona `p`
-//! runs as a turn of `p`'s ask session `ask-<p>` and the turn's final answer is the reply.
+//! The configured personas as agents on the comm protocol (DESIGN §4, §6): an ask from agent `a`
+//! to persona `p` runs as a turn of the ask session of the pair (`p`, `a`) ([`ask_session_id`])
+//! and the turn's final answer is the reply.
 //!
 //! # Invariants
 //! - The asking replica subscribes to a private completion subject *before* storing the ask's
@@ -10,6 +11,11 @@
 //!   answered by a turn of its own; the session fence serialises them across replicas.
 //! - Every ask ends: with the answer, `timeout` after `ask_timeout`, or `unavailable` when the
 //!   orchestrator shuts down.
+//! - Askers never see each other: each (persona, asker) pair has its own ask session, so an
+//!   asker's turn is seeded only with that asker's earlier questions and the answers to them.
+//! - The asker is who the subject says: the probe answers an ask whose `from` is not the
+//!   subject's sender `forbidden` before it reaches [`PersonaAgent::on_ask`]. Its name is stored
+//!   as `sender_name` in its normalised form ([`display_name`]), never raw.
 
 use crate::engine::{Engine, TurnDone};
 use crate::store::NewMessage;
@@ -17,10 +23,12 @@ use cyrene_comm::{AgentHandle, Answer, CommError, Handler, Probe};
 use cyrene_protocol::comm::Ask;
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
 use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::names::display_name;
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::TurnOutcome;
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use futures::StreamExt;
+use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -30,12 +38,26 @@ pub const ASK_DONE_PREFIX: &str = "cyrene.orchestrator.ask";
 /// The client id recorded on ask messages.
 pub const ASK_CLIENT_ID: &str = "comm";
 
-/// The ask session of a persona: `ask-<persona id>` (bounded to the id length limit).
-pub fn ask_session_id(persona: &str) -> String {
-    let token = subjects::token(persona);
-    let room = MAX_ID_LEN - "ask-".len();
-    let token: String = token.chars().take(room).collect();
-    format!("ask-{token}")
+/// How many characters of the persona and of the asker token a session id shows.
+const ASK_SESSION_PART: usize = 40;
+
+/// The ask session of asker `from` with `persona`:
+/// `ask-<persona token>-<asker token>-<digest>`, each token cut to 40 characters, the digest the
+/// first 128 bits of SHA-256 over `persona`, a NUL and the raw `from`, in hex (at most 117
+/// characters, all valid id characters). The readable parts are for operators; the digest
+/// makes the id one per pair even when tokens are cut, contain `-`, or two ids sanitise alike
+/// (`阿明` and `主人` are both `__` on the wire but two askers).
+pub fn ask_session_id(persona: &str, from: &str) -> String {
+    let part = |s: &str| -> String { subjects::token(s).chars().take(ASK_SESSION_PART).collect() };
+    let mut hasher = Sha256::new();
+    hasher.update(persona.as_bytes());
+    hasher.update([0]);
+    hasher.update(from.as_bytes());
+    let digest = hasher.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    let id = format!("ask-{}-{}-{hex}", part(persona), part(from));
+    debug_assert!(id.chars().count() <= MAX_ID_LEN);
+    id
 }
 
 /// Answers asks to one persona.
@@ -54,7 +76,17 @@ impl Handler for PersonaAgent {
                 "the question is empty",
             ));
         }
-        let session_id = ask_session_id(&self.persona);
+        // The probe has checked that `from` is the sender's own id; what reaches a prompt is its
+        // normalised form, and a name with nothing printable left is refused (an empty label
+        // would read as the owner in a restricted session).
+        let asker = display_name(&ask.from);
+        if asker.is_empty() {
+            return Err(ErrorBody::new(
+                ErrorCode::BadRequest,
+                "`from` has no printable characters",
+            ));
+        }
+        let session_id = ask_session_id(&self.persona, &ask.from);
         let done_subject = format!("{ASK_DONE_PREFIX}.{}.done", ids::new_id());
         let mut done = self
             .engine
@@ -62,11 +94,6 @@ impl Handler for PersonaAgent {
             .subscribe(done_subject.clone())
             .await
             .map_err(|e| ErrorBody::new(ErrorCode::Unavailable, format!("subscribe: {e}")))?;
-        let asker: String = ask
-            .from
-            .chars()
-            .take(crate::engine::MAX_SENDER_NAME)
-            .collect();
         let mut message = Message::text(Role::User, ask.question);
         message.sender_name = asker;
         let input = NewMessage {
@@ -144,9 +171,40 @@ mod tests {
 
     #[test]
     fn ask_sessions_are_valid_ids() {
-        assert_eq!(ask_session_id("cyrene"), "ask-cyrene");
-        let long = ask_session_id(&"a".repeat(128));
-        assert!(ids::validate(IdKind::Session, &long).is_ok());
-        assert!(ids::validate(IdKind::Session, &ask_session_id("星.x")).is_ok());
+        let id = ask_session_id("cyrene", "alice");
+        assert!(id.starts_with("ask-cyrene-alice-"), "{id}");
+        assert_eq!(id.len(), "ask-cyrene-alice-".len() + 32);
+        let long = ask_session_id(&"a".repeat(128), &"b".repeat(10_000));
+        assert!(long.len() <= MAX_ID_LEN, "{long}");
+        for (persona, from) in [("cyrene", "星.x"), ("p", "x）\n[发言归属]"), ("p", "")] {
+            let id = ask_session_id(persona, from);
+            assert!(ids::validate(IdKind::Session, &id).is_ok(), "{id}");
+        }
+    }
+
+    #[test]
+    fn every_asker_of_a_persona_has_its_own_session() {
+        let pairs = [
+            ("cyrene", "alice"),
+            ("cyrene", "bob"),
+            ("hoshi", "alice"),
+            // Sanitised alike on the wire, still two askers.
+            ("cyrene", "阿明"),
+            ("cyrene", "主人"),
+            // The same readable parts.
+            ("a-b", "c"),
+            ("a", "b-c"),
+            // Cut to the same 40 characters.
+            ("cyrene", &"x".repeat(50)),
+            ("cyrene", &"x".repeat(51)),
+        ];
+        let ids: std::collections::HashSet<String> =
+            pairs.iter().map(|(p, f)| ask_session_id(p, f)).collect();
+        assert_eq!(ids.len(), pairs.len());
+        // Stable: the same pair is the same session on every replica, every run.
+        assert_eq!(
+            ask_session_id("cyrene", "alice"),
+            ask_session_id("cyrene", "alice")
+        );
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! # Invariants
 //! - Persona ids are valid agent ids (`[A-Za-z0-9_-]`, 1–128 chars) and unique; the default
-//!   persona is one of them. So an id can be used as a subject token and in the ask session id
-//!   `ask-<id>` as is.
+//!   persona is one of them. So an id can be used as a subject token and in the ask session ids
+//!   `ask-<id>-…` as is.
 
 use cyrene_protocol::ids::{self, IdKind};
 use serde::{Deserialize, Serialize};

@@ -26,6 +26,12 @@
 //!   [`DEFAULT_ASK_TIMEOUT`]), [`AskError::NoReply`] when undeliverable, or
 //!   [`AskError::Cancelled`].
 //!
+//! - Nobody speaks as another agent: an ask or event is handled only when its body `from`
+//!   sanitises to the subject's `<from>` token ([`cyrene_protocol::subjects::speaks_as`]); NATS
+//!   permissions decide who may publish on that token. Any other ask is answered `forbidden`, any
+//!   other event dropped (logged at WARN). A reply counts only when its subject names the agent
+//!   that was asked as the replier.
+//!
 //! # Pitfalls
 //! - Asks with no reply-to cannot be answered; they are logged at WARN, never silently dropped.
 //! - A malformed ask that has a reply-to is answered with a `bad_request` error envelope.

@@ -112,13 +112,17 @@ pub struct Probe {
 ///   propagates to every route; the shared subscription is how NATS clients do requests.
 #[derive(Debug)]
 struct ReplyMux {
-    waiting: Mutex<HashMap<String, oneshot::Sender<Message>>>,
+    /// Ask id → (the token of the agent asked, the waiting ask). A reply counts only when it
+    /// arrives on a subject whose replier token is that agent's: nobody answers for another.
+    waiting: Mutex<HashMap<String, Waiter>>,
     /// Stops the dispatch task when the last probe clone is gone.
     _stop: tokio_util::sync::DropGuard,
 }
 
+type Waiter = (String, oneshot::Sender<Message>);
+
 impl ReplyMux {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<Message>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Waiter>> {
         // The map stays consistent even if a holder panicked: every operation is one call.
         self.waiting
             .lock()
@@ -206,9 +210,21 @@ impl Probe {
                         };
                         let Some(mux) = weak.upgrade() else { break };
                         let ask_id = message.subject.rsplit('.').next().unwrap_or_default();
-                        let waiter = mux.lock().remove(ask_id);
+                        let replier = subjects::agent_sender(&message.subject).unwrap_or_default();
+                        let waiter = {
+                            let mut waiting = mux.lock();
+                            match waiting.get(ask_id) {
+                                Some((asked, _)) if asked == replier => waiting.remove(ask_id),
+                                Some(_) => {
+                                    tracing::warn!(subject = %message.subject,
+                                        "reply from an agent that was not asked; dropped");
+                                    continue;
+                                }
+                                None => None,
+                            }
+                        };
                         match waiter {
-                            Some(tx) => {
+                            Some((_, tx)) => {
                                 let _ = tx.send(message);
                             }
                             None => tracing::debug!(subject = %message.subject,
@@ -257,7 +273,7 @@ impl Probe {
         // Register the private reply subject first, then publish: the reply cannot outrun it.
         let mux = self.replies().await.map_err(|e| no_reply(e.to_string()))?;
         let (tx, rx) = oneshot::channel();
-        mux.lock().insert(ask_id.clone(), tx);
+        mux.lock().insert(ask_id.clone(), (subjects::token(to), tx));
         let _pending = PendingReply {
             mux,
             ask_id: &ask_id,
@@ -348,9 +364,32 @@ impl Probe {
             shutdown.clone(),
         ));
         let events = futures::stream::select(broadcasts, directs);
-        tasks.spawn(serve_events(events, handler, shutdown.clone()));
+        tasks.spawn(serve_events(
+            self.client.clone(),
+            events,
+            handler,
+            shutdown.clone(),
+        ));
         Ok(AgentHandle { shutdown, tasks })
     }
+}
+
+/// The `forbidden` refusal of a message whose body `from` is not its subject's sender.
+fn impersonation(subject: &str, what: &str, from: &str) -> ErrorBody {
+    // Both are echoed bounded: a refusal must always fit in a reply.
+    let shown: String = from.chars().take(64).collect();
+    let sender: String = subjects::agent_sender(subject)
+        .unwrap_or_default()
+        .chars()
+        .take(128)
+        .collect();
+    ErrorBody::new(
+        ErrorCode::Forbidden,
+        format!(
+            "{what} from {shown:?} sent on the subject of agent {sender:?}: \
+             `from` must be the sender's own id (it sanitises to the subject's <from> token)"
+        ),
+    )
 }
 
 fn encode<T: serde::Serialize>(value: &T) -> Bytes {
@@ -414,6 +453,11 @@ impl Probe {
                 let err = ErrorBody::new(ErrorCode::BadRequest, format!("invalid ask: {e}"));
                 (service::error_headers(&err), service::error_payload(&err))
             }
+            Ok(ask) if !subjects::speaks_as(&message.subject, &ask.from) => {
+                let err = impersonation(&message.subject, "ask", &ask.from);
+                tracing::warn!(subject = %message.subject, error = %err, "ask refused");
+                (service::error_headers(&err), service::error_payload(&err))
+            }
             Ok(ask) => {
                 let (ask_id, asker) = (ask.id.clone(), ask.from.clone());
                 match handler.on_ask(ask).await {
@@ -444,8 +488,12 @@ impl Probe {
 }
 
 /// Receives events; each runs in its own task, at most [`MAX_CONCURRENT_EVENTS`] at once.
-async fn serve_events<H, S>(mut events: S, handler: Arc<H>, shutdown: CancellationToken)
-where
+async fn serve_events<H, S>(
+    client: Client,
+    mut events: S,
+    handler: Arc<H>,
+    shutdown: CancellationToken,
+) where
     H: Handler,
     S: futures::Stream<Item = Message> + Unpin,
 {
@@ -469,6 +517,21 @@ where
                 continue;
             }
         };
+        if !subjects::speaks_as(&message.subject, &event.from) {
+            let err = impersonation(&message.subject, "event", &event.from);
+            tracing::warn!(subject = %message.subject, error = %err, "event refused");
+            // Events have no reply; one sent as a request still learns why it was refused.
+            if let Some(reply_to) = message.reply.clone() {
+                let _ = client
+                    .publish_with_headers(
+                        reply_to,
+                        service::error_headers(&err),
+                        service::error_payload(&err),
+                    )
+                    .await;
+            }
+            continue;
+        }
         let span = tracing::info_span!("event", subject = %message.subject, name = %event.name);
         trace::set_parent(&span, message.headers.as_ref());
         let handler = handler.clone();

@@ -393,3 +393,148 @@ async fn a_probe_keeps_working_after_the_server_restarts() {
     assert_eq!(answered.text, "after");
     agent.stop().await;
 }
+
+/// The error code of a failed reply, from its body.
+fn error_code(message: &async_nats::Message) -> String {
+    let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+    body["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn an_ask_whose_from_is_not_the_subject_sender_is_forbidden() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let echo = Arc::new(Echo::default());
+    let agent = Probe::new(client.clone(), "b")
+        .serve(echo.clone())
+        .await
+        .unwrap();
+
+    // hoshi's subject, cyrene's name; and a made-up owner name on hoshi's subject.
+    for from in ["cyrene", "主人", "hoshi2", ""] {
+        let ask = json!({"id":"q1","from":from,"to":"b","question":"who am I?"});
+        let message = client
+            .request(
+                "cyrene.agent.hoshi.b.ask",
+                serde_json::to_vec(&ask).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        let headers = message.headers.clone().expect("error headers");
+        assert_eq!(
+            headers.get("Nats-Service-Error-Code").map(|v| v.as_str()),
+            Some("403"),
+            "{from}"
+        );
+        assert_eq!(error_code(&message), "forbidden", "{from}");
+    }
+    assert_eq!(
+        echo.asks.load(Ordering::SeqCst),
+        0,
+        "the handler never saw them"
+    );
+
+    // The sender's own id — also one that is sanitised into its token — is answered.
+    for (subject, from) in [
+        ("cyrene.agent.hoshi.b.ask", "hoshi"),
+        ("cyrene.agent.a_b.b.ask", "a.b"),
+    ] {
+        let ask = json!({"id":"q2","from":from,"to":"b","question":"me"});
+        let message = client
+            .request(subject, serde_json::to_vec(&ask).unwrap().into())
+            .await
+            .unwrap();
+        let reply: Reply = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(reply.to, from);
+    }
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn an_event_whose_from_is_not_the_subject_sender_is_dropped() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let echo = Arc::new(Echo::default());
+    let agent = Probe::new(client.clone(), "b")
+        .serve(echo.clone())
+        .await
+        .unwrap();
+
+    // Directed and broadcast, each claiming to be cyrene on hoshi's subject.
+    let forged = json!({"from":"cyrene","name":"forged"});
+    for subject in ["cyrene.agent.hoshi.b.event", "cyrene.agent.hoshi.event"] {
+        client
+            .publish(subject, serde_json::to_vec(&forged).unwrap().into())
+            .await
+            .unwrap();
+    }
+    // Sent as a request, the refusal is answered.
+    let message = client
+        .request(
+            "cyrene.agent.hoshi.b.event",
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(error_code(&message), "forbidden");
+    // Then an honest one: once it is in, the forged ones (sent before it) are known dropped.
+    Probe::new(client.clone(), "hoshi")
+        .emit("b", "honest", json!(null))
+        .await
+        .unwrap();
+    let events = wait_for_events(&echo, 1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let events_now = echo.events.lock().await.clone();
+    assert_eq!(events_now, events);
+    assert_eq!(
+        events_now
+            .iter()
+            .map(|e| (e.from.as_str(), e.name.as_str()))
+            .collect::<Vec<_>>(),
+        vec![("hoshi", "honest")]
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn a_reply_from_an_agent_that_was_not_asked_is_ignored() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    // `b` exists but answers slowly; `mallory` watches the wire and answers first in b's name.
+    let agent = Probe::new(client.clone(), "b")
+        .serve(Arc::new(Slow))
+        .await
+        .unwrap();
+    let mut asks = client.subscribe("cyrene.agent.a.b.ask").await.unwrap();
+    client.flush().await.unwrap();
+    let spy = client.clone();
+    let forger = tokio::spawn(async move {
+        let ask = asks.next().await.unwrap();
+        let ask: Ask = serde_json::from_slice(&ask.payload).unwrap();
+        let forged = json!({"ask_id":ask.id,"from":"b","to":"a","text":"forged"});
+        spy.publish(
+            format!("cyrene.agent.mallory.a.reply.{}", ask.id),
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap();
+        spy.flush().await.unwrap();
+    });
+    let reply = Probe::new(client, "a").ask("b", "hello").await.unwrap();
+    forger.await.unwrap();
+    assert_eq!(reply.text, "slow hello");
+    agent.stop().await;
+}
+
+/// Answers after a pause, long enough for a forged reply to arrive first.
+struct Slow;
+
+impl Handler for Slow {
+    async fn on_ask(&self, ask: Ask) -> Result<Answer, ErrorBody> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(Answer::text(format!("slow {}", ask.question)))
+    }
+}

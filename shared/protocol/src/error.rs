@@ -13,6 +13,9 @@ use std::fmt;
 pub enum ErrorCode {
     /// Malformed JSON, wrong types, missing or unknown fields, invalid ids.
     BadRequest,
+    /// The caller may not do this: e.g. it speaks as someone else (a comm message whose `from`
+    /// is not the sender's subject token).
+    Forbidden,
     /// The addressed thing does not exist.
     NotFound,
     /// A write lost a race or was fenced off (an older attempt, a duplicate).
@@ -31,8 +34,9 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in documentation order.
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 9] = [
         ErrorCode::BadRequest,
+        ErrorCode::Forbidden,
         ErrorCode::NotFound,
         ErrorCode::Conflict,
         ErrorCode::Unavailable,
@@ -46,6 +50,7 @@ impl ErrorCode {
     pub const fn as_str(self) -> &'static str {
         match self {
             ErrorCode::BadRequest => "bad_request",
+            ErrorCode::Forbidden => "forbidden",
             ErrorCode::NotFound => "not_found",
             ErrorCode::Conflict => "conflict",
             ErrorCode::Unavailable => "unavailable",
@@ -60,6 +65,7 @@ impl ErrorCode {
     pub const fn status(self) -> u16 {
         match self {
             ErrorCode::BadRequest => 400,
+            ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::Conflict => 409,
             ErrorCode::TooLarge => 413,
@@ -74,6 +80,7 @@ impl ErrorCode {
     pub fn from_status(status: u16) -> ErrorCode {
         match status {
             400 => ErrorCode::BadRequest,
+            403 => ErrorCode::Forbidden,
             404 => ErrorCode::NotFound,
             409 => ErrorCode::Conflict,
             413 => ErrorCode::TooLarge,

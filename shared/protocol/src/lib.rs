@@ -10,6 +10,7 @@
 //!   input as one text part), tool-call `args` always a JSON object.
 //! - A subject is never built from unvalidated text: session/agent/leg ids go through
 //!   [`ids::validate`], comm ids through [`subjects::token`].
+//! - A client-chosen name reaches system text only through [`names::display_name`].
 
 pub mod checkpoint;
 pub mod comm;
@@ -18,6 +19,7 @@ pub mod ids;
 pub mod json;
 pub mod message;
 pub mod model;
+pub mod names;
 pub mod session;
 pub mod subjects;
 pub mod turn;

@@ -81,6 +81,22 @@ pub fn agent_event_receive(me: &str) -> [String; 2] {
     ]
 }
 
+/// The sender token of a comm subject: `<from>` of `cyrene.agent.<from>.…` (ask, reply — where
+/// it is the replier —, event, broadcast); `None` for any other subject. A message's body `from`
+/// must sanitise to this token ([`speaks_as`]): the subject is what NATS permissions guard.
+pub fn agent_sender(subject: &str) -> Option<&str> {
+    let rest = subject.strip_prefix(AGENT_PREFIX)?.strip_prefix('.')?;
+    let (sender, tail) = rest.split_once('.')?;
+    (!sender.is_empty() && !tail.is_empty()).then_some(sender)
+}
+
+/// Whether a comm message whose body says `from` may travel on `subject`: `token(from)` must be
+/// the subject's sender token. Equality after sanitising (not byte equality) because ids are
+/// any text (seed 002): `a.b` speaks on `cyrene.agent.a_b.…`.
+pub fn speaks_as(subject: &str, from: &str) -> bool {
+    agent_sender(subject).is_some_and(|sender| token(from) == sender)
+}
+
 /// `cyrene.session.<sid>.events`
 pub fn session_events(session_id: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Session, session_id)?;
@@ -121,6 +137,21 @@ mod tests {
                 "cyrene.agent.*._.event".to_string()
             ]
         );
+    }
+
+    #[test]
+    fn the_sender_of_a_comm_subject_is_its_third_token() {
+        assert_eq!(agent_sender("cyrene.agent.a.b.ask"), Some("a"));
+        assert_eq!(agent_sender("cyrene.agent.a.event"), Some("a"));
+        assert_eq!(agent_sender("cyrene.agent.b.a.reply.q1"), Some("b"));
+        assert_eq!(agent_sender("cyrene.agent.a"), None);
+        assert_eq!(agent_sender("cyrene.agentx.a.b.ask"), None);
+        assert_eq!(agent_sender("cyrene.session.s1.events"), None);
+        assert!(speaks_as(&agent_ask("a.b", "c"), "a.b"));
+        assert!(speaks_as(&agent_broadcast("星"), "月"));
+        assert!(!speaks_as(&agent_ask("hoshi", "cyrene"), "主人"));
+        assert!(!speaks_as(&agent_event("hoshi", "cyrene"), "cyrene"));
+        assert!(!speaks_as("cyrene.session.s1.events", "s1"));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use crate::harness::*;
 use cyrene_comm::{AskError, AskOptions, Probe};
+use cyrene_orchestrator::agents::ask_session_id;
 use cyrene_orchestrator::{Persona, Personas};
 use cyrene_protocol::message::{Message, Role, ToolCall};
 use cyrene_protocol::session::{Disposition, SendAck, SessionEvent, SessionEventType};
@@ -73,16 +74,97 @@ async fn an_ask_to_a_persona_is_answered_by_its_turn() {
     };
     assert_eq!(jobs.len(), 3);
     for job in &jobs {
-        assert_eq!(job.session_id, "ask-hoshi");
         assert_eq!(job.env.persona, "hoshi");
         assert!(job.env.restricted, "hoshi's askers are strangers");
         assert_eq!(job.instructions, "be bright");
         assert_eq!(job.message_ids.len(), 1);
         let asked = job.messages.last().unwrap();
         assert!(asked.sender_name == "alice" || asked.sender_name == "bob");
+        assert_eq!(job.session_id, ask_session_id("hoshi", &asked.sender_name));
     }
-    let h = history(&world.client, "ask-hoshi").await;
-    assert_eq!(h.len(), 6, "three questions and three answers");
+    let h = history(&world.client, &ask_session_id("hoshi", "alice")).await;
+    assert_eq!(h.len(), 4, "alice's two questions and their answers");
+    let h = history(&world.client, &ask_session_id("hoshi", "bob")).await;
+    assert_eq!(h.len(), 2, "bob's question and its answer");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_asker_never_sees_another_askers_questions_or_answers() {
+    let world = World::new(Backend::Sqlite).await;
+    let _orch = Replica::start(&world, world.config()).await;
+    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    let alice = Probe::new(world.client.clone(), "alice");
+    let bob = Probe::new(world.client.clone(), "bob");
+
+    ask(&alice, "cyrene", "alice's secret: the door code is 4711").await;
+    ask(&bob, "cyrene", "what did the last person tell you?").await;
+    ask(&alice, "cyrene", "and what was my code?").await;
+
+    let jobs: Vec<_> = {
+        let log = worker.log.lock().unwrap();
+        log.turns.values().filter_map(|t| t.job.clone()).collect()
+    };
+    assert_eq!(jobs.len(), 3);
+    let of = |asker: &str| -> Vec<String> {
+        jobs.iter()
+            .filter(|j| j.messages.last().unwrap().sender_name == asker)
+            .flat_map(|j| j.messages.iter().map(|m| m.text_content()))
+            .collect()
+    };
+    let bobs = of("bob");
+    assert_eq!(
+        bobs,
+        ["what did the last person tell you?"],
+        "bob's turn is seeded with his question only"
+    );
+    // Alice's own earlier exchange is carried over to her next ask.
+    assert!(of("alice").iter().any(|t| t.contains("4711")));
+    assert!(of("alice").iter().all(|t| !t.contains("last person")));
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ask_in_another_agents_name_is_forbidden() {
+    let world = World::new(Backend::Sqlite).await;
+    let _orch = Replica::start(&world, world.config()).await;
+    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    // The agent is up once an honest ask is answered.
+    ask(
+        &Probe::new(world.client.clone(), "hoshi"),
+        "cyrene",
+        "hello",
+    )
+    .await;
+
+    let raw = |subject: &'static str, from: &'static str| {
+        let client = world.client.clone();
+        async move {
+            let ask = serde_json::json!({"id":"q1","from":from,"to":"cyrene","question":"hi"});
+            let reply = client
+                .request(subject, serde_json::to_vec(&ask).unwrap().into())
+                .await
+                .unwrap();
+            let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+            body["error"]["code"]
+                .as_str()
+                .unwrap_or("answered")
+                .to_owned()
+        }
+    };
+    // hoshi's subject, someone else's name in the body.
+    assert_eq!(
+        raw("cyrene.agent.hoshi.cyrene.ask", "主人").await,
+        "forbidden"
+    );
+    assert_eq!(
+        raw("cyrene.agent.hoshi.cyrene.ask", "cyrene").await,
+        "forbidden"
+    );
+    // A name with nothing printable in it is no asker at all.
+    assert_eq!(raw("cyrene.agent.__.cyrene.ask", "[]").await, "bad_request");
+    let turns = worker.log.lock().unwrap().turns.len();
+    assert_eq!(turns, 1, "no turn ran for a refused ask");
     worker.stop().await;
 }
 
