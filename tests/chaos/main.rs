@@ -154,7 +154,9 @@ async fn chaos_loop(
         if done && faults.is_empty() {
             break;
         }
-        let fault_at = faults.last().map(|(at, _)| if done { Instant::now() } else { *at });
+        let fault_at = faults
+            .last()
+            .map(|(at, _)| if done { Instant::now() } else { *at });
         let kill = if done { None } else { kill_at };
         let wake = match (fault_at, kill) {
             (Some(f), Some(k)) => f.min(k),
@@ -325,7 +327,11 @@ fn assert_clean(figures: &Figures) {
             max.as_secs_f64()
         ));
     }
-    assert!(problems.is_empty(), "chaos run failed: {}", problems.join("; "));
+    assert!(
+        problems.is_empty(),
+        "chaos run failed: {}",
+        problems.join("; ")
+    );
 }
 
 /// One chaos run: load, faults, quiescence, figures.
@@ -335,7 +341,12 @@ async fn run(options: Options, load: Load, chaos: Chaos, settle_within: Duration
         "chaos: {} — seed {seed} (CHAOS_SEED={seed} replays the schedule), {} sessions × {} messages over ~{:?}",
         options.label, load.sessions, load.per_session, load.span
     );
-    let pg = if options.postgres && chaos.faults.iter().any(|(_, f)| matches!(f, Fault::Postgres)) {
+    let pg = if options.postgres
+        && chaos
+            .faults
+            .iter()
+            .any(|(_, f)| matches!(f, Fault::Postgres))
+    {
         LocalPostgres::find()
     } else {
         None
@@ -355,7 +366,8 @@ async fn run(options: Options, load: Load, chaos: Chaos, settle_within: Duration
     ));
     let mut drivers = Vec::new();
     for i in 0..load.sessions {
-        let parallel = load.parallel_every > 0 && i % load.parallel_every == load.parallel_every - 1;
+        let parallel =
+            load.parallel_every > 0 && i % load.parallel_every == load.parallel_every - 1;
         let session = format!("{}-{run_id}-s{i:02}", options.label);
         drivers.push(tokio::spawn(drive_session(
             world.clone(),
@@ -393,7 +405,11 @@ fn options(label: &str, cluster: bool, postgres: bool) -> Options {
 /// The scenario of issue 10: turn 2's worker dies during step 2's model call, after step 1's
 /// tool completed; the redelivered turn must resume at step 2 and run step 1's tool once.
 async fn two_turn_scenario(postgres: bool) {
-    let label = if postgres { "twoturn_pg" } else { "twoturn_sqlite" };
+    let label = if postgres {
+        "twoturn_pg"
+    } else {
+        "twoturn_sqlite"
+    };
     let mut opts = options(label, false, postgres);
     opts.workers = 1;
     let world = World::start(opts).await;
@@ -438,15 +454,13 @@ async fn two_turn_scenario(postgres: bool) {
     // Give step 1's checkpoint save (which overlaps the held call) time to be acknowledged.
     let saved = wait_until(Duration::from_secs(10), || {
         let log = world.wire.log.lock().unwrap();
-        log.saves
-            .iter()
-            .any(|s| s.step == 1 && s.saved_at.is_some() && s.stop_reason == "tool_calls" && {
-                world
-                    .tools
-                    .executions()
-                    .iter()
-                    .any(|e| e.key.starts_with(&format!("{m2}/k0/")) && s.results.contains(&e.call_id))
-            })
+        log.saves.iter().any(|s| {
+            s.step == 1 && s.saved_at.is_some() && s.stop_reason == "tool_calls" && {
+                world.tools.executions().iter().any(|e| {
+                    e.key.starts_with(&format!("{m2}/k0/")) && s.results.contains(&e.call_id)
+                })
+            }
+        })
     })
     .await;
     assert!(saved, "turn 2's step 1 was checkpointed before the kill");
@@ -459,7 +473,8 @@ async fn two_turn_scenario(postgres: bool) {
     hold.release();
     wait_answered(&world, &session, &m2, Duration::from_secs(90)).await;
 
-    let histories: BTreeMap<_, _> = [(session.clone(), world.history(&session).await.unwrap())].into();
+    let histories: BTreeMap<_, _> =
+        [(session.clone(), world.history(&session).await.unwrap())].into();
     let figures = figures_of(&world, &sent, &histories);
 
     let step1_runs: Vec<_> = world
@@ -479,12 +494,19 @@ async fn two_turn_scenario(postgres: bool) {
         "two-turn: turn 2's step-1 tool executions {} (logical steps {}); model requests after the kill (round, tool calls): {:?}",
         step1_runs.len(),
         step1_keys.len(),
-        after.iter().map(|c| (c.round, c.tool_calls)).collect::<Vec<_>>()
+        after
+            .iter()
+            .map(|c| (c.round, c.tool_calls))
+            .collect::<Vec<_>>()
     );
     assert_eq!(
         step1_runs.len(),
         step1_keys.len(),
-        "turn 2's step-1 tool ran exactly once: {step1_runs:?}"
+        "turn 2's step-1 tool ran exactly once per call; executions (key, call id): {:?}",
+        step1_runs
+            .iter()
+            .map(|e| (&e.key, &e.call_id))
+            .collect::<Vec<_>>()
     );
     assert_eq!(
         after.first().map(|c| c.round),

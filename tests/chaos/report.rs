@@ -261,7 +261,10 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     let turn_of_primary = |primary: &str| turn_of_marker.get(primary).cloned();
     for r in &inputs.wire.model_requests {
         if let Some(t) = turn_of_primary(&r.primary) {
-            activity.entry(t).or_default().push((r.at, r.inbox.as_str()));
+            activity
+                .entry(t)
+                .or_default()
+                .push((r.at, r.inbox.as_str()));
         }
     }
     for r in inputs.wire.steers.iter().chain(&inputs.wire.completes) {
@@ -278,7 +281,10 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     }
     for e in inputs.executions {
         if let Some(t) = turn_of_primary(script::primary_of_key(&e.key)) {
-            activity.entry(t).or_default().push((e.started, e.inbox.as_str()));
+            activity
+                .entry(t)
+                .or_default()
+                .push((e.started, e.inbox.as_str()));
         }
     }
     for a in activity.values_mut() {
@@ -289,7 +295,9 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     for kill in inputs.kills {
         let Some(inbox) = &kill.inbox else { continue };
         for (turn, acts) in &activity {
-            let open = dispatched.get(turn.as_str()).is_some_and(|at| *at <= kill.at)
+            let open = dispatched
+                .get(turn.as_str())
+                .is_some_and(|at| *at <= kill.at)
                 && ended.get(turn).is_none_or(|at| *at > kill.at);
             if !open {
                 continue;

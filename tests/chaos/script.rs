@@ -93,7 +93,7 @@ pub fn segment(view: &[ViewMessage]) -> Segment {
 /// The logical keys of round `round` of the turn with primary marker `primary`: one call, or
 /// two (a concurrent batch) for some rounds.
 pub fn round_keys(primary: &str, round: usize) -> Vec<String> {
-    let calls = if hash(&format!("{primary}/k{round}")) % 4 == 0 {
+    let calls = if hash(&format!("{primary}/k{round}")).is_multiple_of(4) {
         2
     } else {
         1
@@ -111,7 +111,7 @@ pub fn primary_of_key(key: &str) -> &str {
 /// How long the tool runs for `key`: mostly 50–300 ms, one call in five 1–2.5 s.
 pub fn tool_duration(key: &str) -> Duration {
     let h = hash(key);
-    if h % 5 == 0 {
+    if h.is_multiple_of(5) {
         Duration::from_millis(1_000 + (h >> 8) % 1_500)
     } else {
         Duration::from_millis(50 + (h >> 8) % 250)
@@ -201,7 +201,10 @@ mod tests {
         assert_eq!(s.markers, ["s1-m001-r2", "s1-m002-r0"]);
         assert_eq!(s.round, 1);
         assert_eq!(rounds_of(s.primary().unwrap()), 2);
-        assert_eq!(primary_of_key(&round_keys("s1-m001-r2", 1)[0]), "s1-m001-r2");
+        assert_eq!(
+            primary_of_key(&round_keys("s1-m001-r2", 1)[0]),
+            "s1-m001-r2"
+        );
         assert_eq!(
             answered_markers(&answer_text(&s.markers)),
             ["s1-m001-r2", "s1-m002-r0"]

@@ -17,7 +17,9 @@ use crate::tools::ToolService;
 use crate::wire::{WORKER_INBOX_PREFIX, Wire};
 use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest};
+use cyrene_protocol::session::{
+    HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest,
+};
 use cyrene_protocol::subjects;
 use cyrene_test_support::{NatsCluster, NatsServer};
 use std::collections::BTreeSet;
@@ -115,9 +117,17 @@ impl World {
     pub async fn start(options: Options) -> Arc<World> {
         let started = Instant::now();
         let bus = if options.cluster {
-            Bus::Cluster(tokio::task::spawn_blocking(|| NatsCluster::start(3)).await.unwrap())
+            Bus::Cluster(
+                tokio::task::spawn_blocking(|| NatsCluster::start(3))
+                    .await
+                    .unwrap(),
+            )
         } else {
-            Bus::Single(tokio::task::spawn_blocking(NatsServer::start).await.unwrap())
+            Bus::Single(
+                tokio::task::spawn_blocking(NatsServer::start)
+                    .await
+                    .unwrap(),
+            )
         };
         // The harness watches through the first node, which the cluster variant never kills.
         let (nats_url, watch_url) = match &bus {
@@ -134,8 +144,11 @@ impl World {
         let tools = ToolService::start(&client).await;
         let wire = Wire::start(&client).await;
 
-        let logs = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("chaos-{}-{}", options.label, std::process::id()));
+        let logs = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+            "chaos-{}-{}",
+            options.label,
+            std::process::id()
+        ));
         std::fs::create_dir_all(&logs).unwrap();
         println!("chaos: service logs in {}", logs.display());
         let data = tempfile::tempdir().unwrap();
@@ -145,7 +158,9 @@ impl World {
             Some(
                 fresh_postgres(&format!("cyrene_chaos_{}", options.label))
                     .await
-                    .expect("PostgreSQL at 127.0.0.1:5432 (or CYRENE_TEST_POSTGRES_URL) is required"),
+                    .expect(
+                        "PostgreSQL at 127.0.0.1:5432 (or CYRENE_TEST_POSTGRES_URL) is required",
+                    ),
             )
         } else {
             None
@@ -200,10 +215,7 @@ impl World {
         cmd.env("NATS_URL", &self.nats_url)
             .env("RUST_LOG", "info")
             .env("CYRENE_DATA_DIR", self.data.path())
-            .env(
-                "CYRENE_TURNS_REPLICAS",
-                replicas(&self.options).to_string(),
-            )
+            .env("CYRENE_TURNS_REPLICAS", replicas(&self.options).to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -257,7 +269,10 @@ impl World {
         let n = procs.next_worker;
         procs.next_worker += 1;
         let mut cmd = self.command("cyrene-loop-worker", &format!("worker-{n}"));
-        cmd.env("CYRENE_WORKER_MAX_DELIVER", env_or("CHAOS_WORKER_MAX_DELIVER", "20"));
+        cmd.env(
+            "CYRENE_WORKER_MAX_DELIVER",
+            env_or("CHAOS_WORKER_MAX_DELIVER", "20"),
+        );
         if let Ok(ack_wait) = std::env::var("CHAOS_WORKER_ACK_WAIT") {
             cmd.env("CYRENE_WORKER_ACK_WAIT", ack_wait);
         }
@@ -268,7 +283,9 @@ impl World {
         let pid = child.id().unwrap_or_default();
         let inbox = self.learn_worker_inbox().await;
         if inbox.is_none() {
-            self.note(format!("worker {n} (pid {pid}): inbox not learnt; its kills are not timed"));
+            self.note(format!(
+                "worker {n} (pid {pid}): inbox not learnt; its kills are not timed"
+            ));
         }
         procs.workers.push(WorkerProc {
             n,
@@ -422,7 +439,13 @@ impl World {
 }
 
 /// A user message request.
-pub fn send_request(session: &str, text: &str, client: &str, key: &str, parallel: bool) -> SendRequest {
+pub fn send_request(
+    session: &str,
+    text: &str,
+    client: &str,
+    key: &str,
+    parallel: bool,
+) -> SendRequest {
     SendRequest {
         session_id: session.to_owned(),
         message: Message::text(Role::User, text),
@@ -442,7 +465,10 @@ fn worker_inboxes(bus: &Bus) -> Vec<String> {
         };
         let connections = connz["connections"].as_array().cloned().unwrap_or_default();
         for c in connections {
-            let subs = c["subscriptions_list"].as_array().cloned().unwrap_or_default();
+            let subs = c["subscriptions_list"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
             for s in subs {
                 if let Some(sub) = s.as_str()
                     && sub.starts_with(WORKER_INBOX_PREFIX)
@@ -496,13 +522,11 @@ fn postgres_admin_url() -> String {
 pub async fn fresh_postgres(prefix: &str) -> Option<String> {
     use sqlx::Connection;
     let admin = postgres_admin_url();
-    let mut conn = tokio::time::timeout(
-        Duration::from_secs(3),
-        sqlx::PgConnection::connect(&admin),
-    )
-    .await
-    .ok()?
-    .ok()?;
+    let mut conn =
+        tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&admin))
+            .await
+            .ok()?
+            .ok()?;
     let prefix = prefix.replace('-', "_");
     let old: Vec<String> =
         sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE $1")
