@@ -144,11 +144,15 @@ impl World {
         let tools = ToolService::start(&client).await;
         let wire = Wire::start(&client).await;
 
-        let logs = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-            "chaos-{}-{}",
-            options.label,
-            std::process::id()
-        ));
+        let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        // Logs of earlier runs with this label go (each run keeps only its own).
+        let earlier = format!("chaos-{}-", options.label);
+        for entry in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&earlier) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let logs = tmp.join(format!("chaos-{}-{}", options.label, std::process::id()));
         std::fs::create_dir_all(&logs).unwrap();
         println!("chaos: service logs in {}", logs.display());
         let data = tempfile::tempdir().unwrap();
