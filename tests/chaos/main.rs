@@ -175,7 +175,7 @@ async fn chaos_loop(
             let (_, fault) = faults.pop().unwrap();
             inject(&world, fault, pg.as_ref()).await;
         } else if kill.is_some() {
-            let index = rng.below(workers as u64) as usize;
+            let index = rng.below(1 << 16) as usize;
             if let Some(k) = world.kill_worker(index).await {
                 world.note(format!("SIGKILL worker {} (pid {})", k.n, k.pid));
             }

@@ -325,13 +325,36 @@ impl World {
         self.procs.lock().await.workers.len()
     }
 
-    /// SIGKILLs the `index`-th running worker (modulo their number); returns the kill.
-    pub async fn kill_worker(&self, index: usize) -> Option<WorkerKill> {
+    /// SIGKILLs a worker: the `pick`-th (modulo their number) of those that sent a model
+    /// request in the last second (so the kill lands mid-turn), else of all; returns the kill.
+    pub async fn kill_worker(&self, pick: usize) -> Option<WorkerKill> {
         let mut procs = self.procs.lock().await;
         if procs.workers.is_empty() {
             return None;
         }
-        let index = index % procs.workers.len();
+        let busy: BTreeSet<String> = {
+            let log = self.wire.log.lock().unwrap();
+            let since = Instant::now() - Duration::from_secs(1);
+            log.model_requests
+                .iter()
+                .rev()
+                .take_while(|r| r.at >= since)
+                .map(|r| r.inbox.clone())
+                .collect()
+        };
+        let candidates: Vec<usize> = (0..procs.workers.len())
+            .filter(|i| {
+                procs.workers[*i]
+                    .inbox
+                    .as_ref()
+                    .is_some_and(|inbox| busy.contains(inbox))
+            })
+            .collect();
+        let index = if candidates.is_empty() {
+            pick % procs.workers.len()
+        } else {
+            candidates[pick % candidates.len()]
+        };
         let mut worker = procs.workers.remove(index);
         let _ = worker.child.start_kill();
         let at = Instant::now();
