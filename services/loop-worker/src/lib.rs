@@ -54,7 +54,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         .map_err(|e| Error::Service(e.to_string()))?;
     let js = async_nats::jetstream::new(client.clone());
     let stream = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {
-        cyrene_bus::streams::ensure_turns_stream(&js)
+        cyrene_bus::streams::ensure_turns_stream_replicas(&js, config.turns_replicas)
     })
     .await?;
     let consumer_config = worker::consumer_config(&config);

@@ -30,6 +30,9 @@ struct Args {
     /// Deadline of one external tool call.
     #[arg(long, env = "CYRENE_TOOL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     tool_timeout: Duration,
+    /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); the orchestrator's value.
+    #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
+    turns_replicas: usize,
 }
 
 /// mimalloc: glibc's malloc/free were a tenth of the CPU of a loop step.
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
             max_deliver: args.max_deliver,
             model_timeout: args.model_timeout,
             tool_timeout: args.tool_timeout,
+            turns_replicas: args.turns_replicas,
             ..Config::default()
         };
         let bus = BusConfig::new(&args.nats_url, "cyrene-loop-worker", ConnectMode::Service);

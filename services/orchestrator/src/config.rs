@@ -56,6 +56,9 @@ pub struct Config {
     pub max_connections: u32,
     /// Requests handled at once per endpoint.
     pub max_in_flight: usize,
+    /// Replicas of the `CYRENE_TURNS` stream (3 on a 3-node cluster); the same value must be
+    /// given to every process that creates it (see `cyrene_bus::streams`).
+    pub turns_replicas: usize,
 }
 
 impl Config {
@@ -79,6 +82,7 @@ impl Config {
             acquire_timeout: Duration::from_secs(2),
             max_connections: 8,
             max_in_flight: 256,
+            turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
         }
     }
 
@@ -105,9 +109,9 @@ impl Config {
                 ));
             }
         }
-        if self.max_connections == 0 || self.max_in_flight == 0 {
+        if self.max_connections == 0 || self.max_in_flight == 0 || self.turns_replicas == 0 {
             return Err(ConfigError::Invalid(
-                "max_connections and max_in_flight must be at least 1".into(),
+                "max_connections, max_in_flight and turns_replicas must be at least 1".into(),
             ));
         }
         for s in &self.parallel_sessions {
@@ -208,6 +212,10 @@ pub struct Args {
     /// Database connection pool size.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_CONNECTIONS", default_value_t = 8)]
     pub max_connections: u32,
+    /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); give the loop workers
+    /// the same value.
+    #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
+    pub turns_replicas: usize,
 }
 
 impl Args {
@@ -227,6 +235,7 @@ impl Args {
         config.serve_agents = !self.no_agents;
         config.db_timeout = self.db_timeout;
         config.max_connections = self.max_connections;
+        config.turns_replicas = self.turns_replicas;
         Ok(config)
     }
 }

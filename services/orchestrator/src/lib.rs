@@ -82,7 +82,7 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
 /// dispatch sweeper; then drains them and closes the database.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let store = open_store(&config).await?;
-    ensure_stream(&client, &shutdown).await?;
+    ensure_stream(&client, config.turns_replicas, &shutdown).await?;
     let config = Arc::new(config);
     let progress = Arc::new(progress::Progress::new());
     let engine = Arc::new(Engine::new(
@@ -132,11 +132,15 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
 }
 
 /// Creates `CYRENE_TURNS` if missing, retrying while JetStream is not reachable yet.
-async fn ensure_stream(client: &Client, shutdown: &CancellationToken) -> Result<(), Error> {
+async fn ensure_stream(
+    client: &Client,
+    replicas: usize,
+    shutdown: &CancellationToken,
+) -> Result<(), Error> {
     let js = async_nats::jetstream::new(client.clone());
     let mut delay = Duration::from_millis(100);
     loop {
-        match cyrene_bus::streams::ensure_turns_stream(&js).await {
+        match cyrene_bus::streams::ensure_turns_stream_replicas(&js, replicas).await {
             Ok(_) => return Ok(()),
             Err(err) => tracing::warn!(error = %err, "cannot create the turns stream yet"),
         }

@@ -210,6 +210,12 @@ impl NatsServer {
         self.monitor_port
     }
 
+    /// `GET path` on the monitoring port (e.g. `/connz?subs=1`), parsed as JSON; `None` when the
+    /// server is killed or the endpoint does not answer 200 with JSON.
+    pub fn monitor_json(&self, path: &str) -> Option<serde_json::Value> {
+        probe::http_json(self.monitor_port?, path)
+    }
+
     /// Whether JetStream is enabled.
     pub fn jetstream_enabled(&self) -> bool {
         self.jetstream

@@ -1,0 +1,416 @@
+//! The figures of a run, computed from the transcripts (what a user sees), the wire (timing and
+//! which worker did what), the tool's execution log and the mock model's request log.
+//!
+//! Definitions (docs/chaos.md):
+//! - **lost**: an acknowledged message that no answer in its session's transcript names;
+//! - **duplicated**: a message twice in a transcript, named by two answers, or a turn with two
+//!   answers;
+//! - **tool re-run**: an execution of a logical tool step (same key; same or new call id) that
+//!   started after an earlier execution of that step had its result in a checkpoint the store
+//!   acknowledged — a *completed* step's tool ran again;
+//! - **in-flight re-run**: an execution of a step whose earlier execution was never checkpointed
+//!   (the worker died mid-step): at-least-once, counted but not a failure;
+//! - **stuck**: a turn that started and neither ended on the wire nor answered in a transcript;
+//! - **failover**: a worker's SIGKILL → the first model request of a turn it was running, from
+//!   another worker.
+
+use crate::script;
+use crate::tools::Execution;
+use crate::wire::WireLog;
+use crate::world::WorkerKill;
+use cyrene_protocol::message::Role;
+use cyrene_protocol::session::{HistoryEntry, SendAck, SessionEventType};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+/// One message the driver sent.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub session: String,
+    pub marker: String,
+    pub parallel: bool,
+    pub ack: Option<SendAck>,
+}
+
+/// Everything the report reads.
+#[derive(Debug)]
+pub struct Inputs<'a> {
+    pub sent: &'a [Sent],
+    pub histories: &'a BTreeMap<String, Vec<HistoryEntry>>,
+    pub wire: &'a WireLog,
+    pub executions: &'a [Execution],
+    pub kills: &'a [WorkerKill],
+    pub model_calls: usize,
+    pub faults: &'a [(f64, String)],
+}
+
+/// The figures; `failed()` when any of lost, duplicated, re-run or stuck is not zero.
+#[derive(Debug, Default)]
+pub struct Figures {
+    pub sent: usize,
+    pub acknowledged: usize,
+    pub lost: Vec<String>,
+    pub duplicated: Vec<String>,
+    pub reruns: Vec<String>,
+    pub rerun_turns: BTreeSet<String>,
+    pub inflight_reruns: usize,
+    pub stuck: Vec<String>,
+    pub interrupted: usize,
+    pub failovers: Vec<Duration>,
+    /// Interrupted turns whose next model request went back behind their last checkpoint.
+    pub resumed_behind: usize,
+    pub text: String,
+}
+
+impl Figures {
+    pub fn failed(&self) -> bool {
+        !(self.lost.is_empty()
+            && self.duplicated.is_empty()
+            && self.reruns.is_empty()
+            && self.stuck.is_empty())
+    }
+
+    /// The median failover, if any was measured.
+    pub fn failover_p50(&self) -> Option<Duration> {
+        percentile(&self.failovers, 50)
+    }
+}
+
+fn percentile(values: &[Duration], p: usize) -> Option<Duration> {
+    let mut v = values.to_vec();
+    v.sort();
+    if v.is_empty() {
+        return None;
+    }
+    let i = ((v.len() - 1) * p).div_ceil(100);
+    Some(v[i])
+}
+
+fn secs(d: Option<Duration>) -> String {
+    d.map_or("n/a".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()))
+}
+
+/// Computes and renders the figures.
+pub fn figures(inputs: &Inputs<'_>) -> Figures {
+    let mut f = Figures {
+        sent: inputs.sent.len(),
+        ..Default::default()
+    };
+    let acked: Vec<&Sent> = inputs.sent.iter().filter(|s| s.ack.is_some()).collect();
+    f.acknowledged = acked.len();
+
+    // Message id → marker, and marker → turn (from every job's messages and steer acks).
+    let marker_of_id: HashMap<&str, &str> = acked
+        .iter()
+        .filter_map(|s| Some((s.ack.as_ref()?.message_id.as_str(), s.marker.as_str())))
+        .collect();
+    let mut turn_of_marker: HashMap<String, String> = HashMap::new();
+    // When each turn's job was first published.
+    let mut dispatched: HashMap<&str, Instant> = HashMap::new();
+    let mut legs = BTreeSet::new();
+    let mut turns = BTreeSet::new();
+    for j in &inputs.wire.jobs {
+        turns.insert(j.job.turn_id.clone());
+        dispatched.entry(j.job.turn_id.as_str()).or_insert(j.at);
+        if !j.job.leg_id.is_empty() {
+            legs.insert(j.job.turn_id.clone());
+        }
+        for id in &j.job.message_ids {
+            if let Some(m) = marker_of_id.get(id.as_str()) {
+                turn_of_marker
+                    .entry((*m).to_owned())
+                    .or_insert(j.job.turn_id.clone());
+            }
+        }
+    }
+    let mut steered = 0;
+    let mut errored = BTreeSet::new();
+    let ended = inputs.wire.ended();
+    for e in &inputs.wire.events {
+        match e.event.kind {
+            SessionEventType::SteerAck => steered += e.event.message_ids.len(),
+            SessionEventType::TurnStarted => {
+                turns.insert(e.event.turn_id.clone());
+            }
+            SessionEventType::TurnEnded if e.event.error.is_some() => {
+                errored.insert(e.event.turn_id.clone());
+            }
+            _ => {}
+        }
+    }
+
+    // Lost and duplicated, from the transcripts.
+    let mut answered_by: HashMap<String, Vec<String>> = HashMap::new();
+    let mut answered_turns: HashMap<String, usize> = HashMap::new();
+    for entries in inputs.histories.values() {
+        let mut seen_ids: HashMap<&str, usize> = HashMap::new();
+        for e in entries {
+            match e.message.role {
+                Role::Assistant => {
+                    *answered_turns.entry(e.turn_id.clone()).or_default() += 1;
+                    for m in script::answered_markers(&e.message.text_content()) {
+                        answered_by.entry(m).or_default().push(e.turn_id.clone());
+                    }
+                }
+                Role::User => {
+                    turns.extend((!e.turn_id.is_empty()).then(|| e.turn_id.clone()));
+                    *seen_ids.entry(e.id.as_str()).or_default() += 1;
+                }
+                _ => {}
+            }
+        }
+        for (id, n) in seen_ids {
+            if n > 1 {
+                f.duplicated
+                    .push(format!("message {id} is {n} times in its transcript"));
+            }
+        }
+    }
+    for s in &acked {
+        let Some(ack) = &s.ack else { continue };
+        let entry = inputs.histories.get(&s.session).and_then(|h| {
+            h.iter()
+                .find(|e| e.id == ack.message_id && e.message.role == Role::User)
+        });
+        match answered_by.get(&s.marker) {
+            Some(by) if by.len() > 1 => f
+                .duplicated
+                .push(format!("{} answered by turns {by:?}", s.marker)),
+            Some(_) => {}
+            None => {
+                let why = match entry {
+                    None => "not in its transcript".to_owned(),
+                    Some(e) if e.turn_id.is_empty() => "still pending".to_owned(),
+                    Some(e) if errored.contains(&e.turn_id) => {
+                        format!("its turn {} ended with an error", e.turn_id)
+                    }
+                    Some(e) => format!("its turn {} has no answer", e.turn_id),
+                };
+                f.lost.push(format!("{} ({why})", s.marker));
+            }
+        }
+    }
+    for (turn, n) in &answered_turns {
+        if *n > 1 {
+            f.duplicated.push(format!("turn {turn} answered {n} times"));
+        }
+    }
+
+    // Stuck: started, never ended on the wire, never answered.
+    for t in &turns {
+        if !ended.contains_key(t) && !answered_turns.contains_key(t) {
+            f.stuck.push(t.clone());
+        }
+    }
+
+    // Tool re-runs. A call id counts as checkpointed from the first acknowledged save holding
+    // its result.
+    let mut saved_at: HashMap<&str, Instant> = HashMap::new();
+    for s in &inputs.wire.saves {
+        if let Some(at) = s.saved_at {
+            for id in &s.results {
+                let e = saved_at.entry(id.as_str()).or_insert(at);
+                *e = (*e).min(at);
+            }
+        }
+    }
+    let mut by_key: BTreeMap<&str, Vec<&Execution>> = BTreeMap::new();
+    for e in inputs.executions {
+        by_key.entry(e.key.as_str()).or_default().push(e);
+    }
+    for (key, mut runs) in by_key {
+        runs.sort_by_key(|e| e.started);
+        for (i, e) in runs.iter().enumerate().skip(1) {
+            let earlier = &runs[..i];
+            let completed = earlier.iter().find(|x| {
+                saved_at
+                    .get(x.call_id.as_str())
+                    .is_some_and(|at| *at < e.started)
+            });
+            match completed {
+                Some(x) => {
+                    let how = if x.call_id == e.call_id {
+                        "same call id"
+                    } else {
+                        "new call id"
+                    };
+                    f.reruns.push(format!(
+                        "{key}: ran again as {} ({how}) {:.1} s after {} was checkpointed",
+                        e.call_id,
+                        e.started
+                            .saturating_duration_since(saved_at[x.call_id.as_str()])
+                            .as_secs_f64(),
+                        x.call_id
+                    ));
+                    f.rerun_turns.insert(
+                        turn_of_marker
+                            .get(script::primary_of_key(key))
+                            .cloned()
+                            .unwrap_or_else(|| script::primary_of_key(key).to_owned()),
+                    );
+                }
+                None => f.inflight_reruns += 1,
+            }
+        }
+    }
+
+    // Failover: who was running what when a worker died, and when the turn's next model request
+    // came from someone else.
+    let mut activity: HashMap<String, Vec<(Instant, &str)>> = HashMap::new();
+    let turn_of_primary = |primary: &str| turn_of_marker.get(primary).cloned();
+    for r in &inputs.wire.model_requests {
+        if let Some(t) = turn_of_primary(&r.primary) {
+            activity
+                .entry(t)
+                .or_default()
+                .push((r.at, r.inbox.as_str()));
+        }
+    }
+    for r in inputs.wire.steers.iter().chain(&inputs.wire.completes) {
+        activity
+            .entry(r.turn_id.clone())
+            .or_default()
+            .push((r.at, r.inbox.as_str()));
+    }
+    for s in &inputs.wire.saves {
+        activity
+            .entry(s.turn_id.clone())
+            .or_default()
+            .push((s.at, s.inbox.as_str()));
+    }
+    for e in inputs.executions {
+        if let Some(t) = turn_of_primary(script::primary_of_key(&e.key)) {
+            activity
+                .entry(t)
+                .or_default()
+                .push((e.started, e.inbox.as_str()));
+        }
+    }
+    for a in activity.values_mut() {
+        a.sort_by_key(|(at, _)| *at);
+    }
+    let mut unmeasured = 0;
+    let mut fresh = 0;
+    for kill in inputs.kills {
+        let Some(inbox) = &kill.inbox else { continue };
+        for (turn, acts) in &activity {
+            let open = dispatched
+                .get(turn.as_str())
+                .is_some_and(|at| *at <= kill.at)
+                && ended.get(turn).is_none_or(|at| *at > kill.at);
+            if !open {
+                continue;
+            }
+            let last = acts.iter().rev().find(|(at, _)| *at <= kill.at);
+            if last.is_none_or(|(_, by)| by != inbox) {
+                continue;
+            }
+            f.interrupted += 1;
+            let next = inputs.wire.model_requests.iter().find(|r| {
+                r.at > kill.at
+                    && r.inbox != *inbox
+                    && turn_of_primary(&r.primary).as_deref() == Some(turn)
+            });
+            let Some(next) = next else {
+                unmeasured += 1;
+                continue;
+            };
+            f.failovers.push(next.at - kill.at);
+            let checkpointed = inputs
+                .wire
+                .saves
+                .iter()
+                .filter(|s| {
+                    s.turn_id == *turn
+                        && s.stop_reason == "tool_calls"
+                        && s.saved_at.is_some_and(|at| at <= kill.at)
+                })
+                .map(|s| s.step as usize)
+                .max()
+                .unwrap_or(0);
+            if next.round < checkpointed {
+                f.resumed_behind += 1;
+                if next.round == 0 {
+                    fresh += 1;
+                }
+            }
+        }
+    }
+
+    // Render.
+    let mut t = String::new();
+    let max = f.failovers.iter().max().copied();
+    let _ = writeln!(t, "== chaos figures ==");
+    let _ = writeln!(
+        t,
+        "messages sent {}, acknowledged {} ({} never acknowledged)",
+        f.sent,
+        f.acknowledged,
+        f.sent - f.acknowledged
+    );
+    let _ = writeln!(
+        t,
+        "turns {} (parallel legs {}), messages steered into running turns {}, turns ended with an error {}",
+        turns.len(),
+        legs.len(),
+        steered,
+        errored.len()
+    );
+    let _ = writeln!(
+        t,
+        "model requests {}, tool executions {}, worker SIGKILLs {}",
+        inputs.model_calls,
+        inputs.executions.len(),
+        inputs.kills.len()
+    );
+    let _ = writeln!(t, "LOST {}", f.lost.len());
+    let _ = writeln!(t, "DUPLICATED {}", f.duplicated.len());
+    let _ = writeln!(
+        t,
+        "TOOL RE-RUNS {} (completed steps' tools executed again, in {} turns)",
+        f.reruns.len(),
+        f.rerun_turns.len()
+    );
+    let _ = writeln!(
+        t,
+        "in-flight tool re-runs {} (at-least-once: the step was not checkpointed when its worker died)",
+        f.inflight_reruns
+    );
+    let _ = writeln!(t, "STUCK {}", f.stuck.len());
+    let _ = writeln!(
+        t,
+        "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request)",
+        secs(f.failover_p50()),
+        secs(max),
+        f.interrupted,
+        f.failovers.len(),
+        unmeasured
+    );
+    let _ = writeln!(
+        t,
+        "interrupted turns that went back behind their last checkpoint {} (of which started from scratch {})",
+        f.resumed_behind, fresh
+    );
+    for (what, list) in [
+        ("lost", &f.lost),
+        ("duplicated", &f.duplicated),
+        ("re-run", &f.reruns),
+        ("stuck", &f.stuck),
+    ] {
+        for line in list.iter().take(10) {
+            let _ = writeln!(t, "  {what}: {line}");
+        }
+        if list.len() > 10 {
+            let _ = writeln!(t, "  {what}: … and {} more", list.len() - 10);
+        }
+    }
+    let _ = writeln!(t, "faults injected:");
+    for (at, what) in inputs.faults {
+        if !what.starts_with("SIGKILL worker") {
+            let _ = writeln!(t, "  {at:7.1}s {what}");
+        }
+    }
+    f.text = t;
+    f
+}

@@ -1,0 +1,120 @@
+//! The external tool the mock model calls: a micro endpoint `cyrene.tool.chaos_tool` with the
+//! metadata the loop workers discover, recording every execution by `Cyrene-Tool-Call-Id` and by
+//! logical key, with start and finish times and the caller's inbox (which worker asked).
+
+use crate::provider::TOOL;
+use async_nats::service::ServiceExt;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One execution of the tool.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    pub key: String,
+    pub call_id: String,
+    /// The caller's request inbox (`_INBOX_<service>.<id>`): one per worker connection.
+    pub inbox: String,
+    pub started: Instant,
+    pub finished: Option<Instant>,
+}
+
+/// The running tool service.
+#[derive(Debug, Clone)]
+pub struct ToolService {
+    executions: Arc<Mutex<Vec<Execution>>>,
+    _service: Arc<async_nats::service::Service>,
+}
+
+/// `_INBOX_x.<id>` of a reply subject `_INBOX_x.<id>.<token>`.
+pub fn inbox_of(reply: &str) -> String {
+    let mut parts = reply.splitn(3, '.');
+    match (parts.next(), parts.next()) {
+        (Some(a), Some(b)) => format!("{a}.{b}"),
+        _ => reply.to_owned(),
+    }
+}
+
+impl ToolService {
+    pub async fn start(client: &async_nats::Client) -> ToolService {
+        let service = client
+            .service_builder()
+            .description("chaos suite: the tool the mock model calls")
+            .start("chaos-tools", "0.0.0")
+            .await
+            .unwrap();
+        let metadata: HashMap<String, String> = [
+            (
+                "cyrene.tool.description".to_owned(),
+                "Looks something up (chaos suite; counts its executions)".to_owned(),
+            ),
+            (
+                "cyrene.tool.parameters".to_owned(),
+                json!({"type": "object", "properties": {"key": {"type": "string"},
+                    "ms": {"type": "integer"}}})
+                .to_string(),
+            ),
+        ]
+        .into();
+        let mut endpoint = service
+            .endpoint_builder()
+            .name(TOOL)
+            .metadata(metadata)
+            .add(format!("cyrene.tool.{TOOL}"))
+            .await
+            .unwrap();
+        let executions: Arc<Mutex<Vec<Execution>>> = Arc::default();
+        let log = executions.clone();
+        tokio::spawn(async move {
+            while let Some(request) = endpoint.next().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let args: Value =
+                        serde_json::from_slice(&request.message.payload).unwrap_or(Value::Null);
+                    let key = args["key"].as_str().unwrap_or_default().to_owned();
+                    let ms = args["ms"].as_u64().unwrap_or(0);
+                    let call_id = request
+                        .message
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("Cyrene-Tool-Call-Id"))
+                        .map(|v| v.as_str().to_owned())
+                        .unwrap_or_default();
+                    let inbox = request
+                        .message
+                        .reply
+                        .as_ref()
+                        .map(|r| inbox_of(r.as_str()))
+                        .unwrap_or_default();
+                    let index = {
+                        let mut log = log.lock().unwrap();
+                        log.push(Execution {
+                            key: key.clone(),
+                            call_id,
+                            inbox,
+                            started: Instant::now(),
+                            finished: None,
+                        });
+                        log.len() - 1
+                    };
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    log.lock().unwrap()[index].finished = Some(Instant::now());
+                    let reply = json!({"text": format!("done {key}"), "is_error": false});
+                    let _ = request.respond(Ok(reply.to_string().into())).await;
+                });
+            }
+        });
+        client.flush().await.unwrap();
+        ToolService {
+            executions,
+            _service: Arc::new(service),
+        }
+    }
+
+    /// Every execution so far, in start order.
+    pub fn executions(&self) -> Vec<Execution> {
+        self.executions.lock().unwrap().clone()
+    }
+}
