@@ -273,10 +273,9 @@ impl World {
         let n = procs.next_worker;
         procs.next_worker += 1;
         let mut cmd = self.command("cyrene-loop-worker", &format!("worker-{n}"));
-        cmd.env(
-            "CYRENE_WORKER_MAX_DELIVER",
-            env_or("CHAOS_WORKER_MAX_DELIVER", "20"),
-        );
+        if let Ok(max_deliver) = std::env::var("CHAOS_WORKER_MAX_DELIVER") {
+            cmd.env("CYRENE_WORKER_MAX_DELIVER", max_deliver);
+        }
         if let Ok(ack_wait) = std::env::var("CHAOS_WORKER_ACK_WAIT") {
             cmd.env("CYRENE_WORKER_ACK_WAIT", ack_wait);
         }
