@@ -109,6 +109,25 @@ async fn refused(violations: &Arc<Mutex<Vec<String>>>, what: &str) {
     violations.lock().unwrap().clear();
 }
 
+/// The transcript of `session`.
+async fn history(
+    cli: &async_nats::Client,
+    session: &str,
+) -> Result<HistoryResponse, cyrene_bus::RequestError> {
+    let request = HistoryRequest {
+        session_id: session.into(),
+        limit: None,
+        before_seq: None,
+    };
+    request_json(
+        cli,
+        subjects::SESSION_HISTORY,
+        &request,
+        Duration::from_secs(5),
+    )
+    .await
+}
+
 /// The services answering one `$SRV.PING`, by name (what `nats micro ls` gathers).
 async fn discovered(operator: &async_nats::Client) -> Vec<String> {
     let inbox = operator.new_inbox();
@@ -218,18 +237,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     assert!(!ack.turn_id.is_empty());
     let answered = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            let history: HistoryResponse = request_json(
-                &cli,
-                subjects::SESSION_HISTORY,
-                &HistoryRequest {
-                    session_id: "p1".into(),
-                    limit: None,
-                    before_seq: None,
-                },
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap();
+            let history = history(&cli, "p1").await.unwrap();
             if let Some(answer) = history
                 .messages
                 .iter()
@@ -389,18 +397,9 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
             assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
         }
         assert_eq!(discovered(&operator).await, SERVICES, "{what}");
-        let history: HistoryResponse = request_json(
-            &cli,
-            subjects::SESSION_HISTORY,
-            &HistoryRequest {
-                session_id: "p1".into(),
-                limit: None,
-                before_seq: None,
-            },
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap_or_else(|err| panic!("{what}: the orchestrator stopped answering: {err}"));
+        let history = history(&cli, "p1")
+            .await
+            .unwrap_or_else(|err| panic!("{what}: the orchestrator stopped answering: {err}"));
         assert!(!history.messages.is_empty(), "{what}");
         let mut now = server.connection_ids();
         now.retain(|id| connections.contains(id));
