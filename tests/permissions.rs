@@ -1,6 +1,7 @@
 //! `deploy/nats/cyrene.conf` — the least-privilege server config — run as is (passwords filled
-//! in): the whole system works with each service connected as its own user, and what a user is
-//! not allowed is refused by the server (DESIGN §8).
+//! in): the whole system works with each service connected as its own user, what a user is not
+//! allowed is refused by the server (DESIGN §8), only operators reach `$SRV.>`, and no malformed
+//! header block a user may publish costs a service its connection (issue 12, item 1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
 mod common;
@@ -14,20 +15,28 @@ use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::subjects;
-use cyrene_test_support::NatsServer;
+use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection};
 use futures::StreamExt;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-const USERS: [(&str, &str); 6] = [
+const USERS: [(&str, &str); 7] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
     ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
     ("CYRENE_CLIENT_PASSWORD", "pw-client"),
     ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
+    ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
+];
+
+const SERVICES: [&str; 4] = [
+    "cyrene-checkpoint-store",
+    "cyrene-loop-worker",
+    "cyrene-model-gateway",
+    "cyrene-orchestrator",
 ];
 
 fn server() -> NatsServer {
@@ -100,6 +109,48 @@ async fn refused(violations: &Arc<Mutex<Vec<String>>>, what: &str) {
     violations.lock().unwrap().clear();
 }
 
+/// The transcript of `session`.
+async fn history(
+    cli: &async_nats::Client,
+    session: &str,
+) -> Result<HistoryResponse, cyrene_bus::RequestError> {
+    let request = HistoryRequest {
+        session_id: session.into(),
+        limit: None,
+        before_seq: None,
+    };
+    request_json(
+        cli,
+        subjects::SESSION_HISTORY,
+        &request,
+        Duration::from_secs(5),
+    )
+    .await
+}
+
+/// The services answering one `$SRV.PING`, by name (what `nats micro ls` gathers).
+async fn discovered(operator: &async_nats::Client) -> Vec<String> {
+    let inbox = operator.new_inbox();
+    let mut replies = operator.subscribe(inbox.clone()).await.unwrap();
+    operator
+        .publish_with_reply("$SRV.PING", inbox, "".into())
+        .await
+        .unwrap();
+    let mut names = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while names.len() < SERVICES.len() {
+            let Some(reply) = replies.next().await else {
+                return;
+            };
+            let info: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+            names.push(info["name"].as_str().unwrap_or_default().to_owned());
+        }
+    })
+    .await;
+    names.sort();
+    names
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused() {
     let server = server();
@@ -164,16 +215,14 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         shutdown.clone(),
     ));
 
+    // An operator (as `cyrene probe` connects) waits for the services.
+    let operator = connect_as(&server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
+    for name in SERVICES {
+        common::wait_for_service(&operator, name).await;
+    }
+
     // A person's client: one full turn with a tool call, answered in the transcript.
     let cli = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
-    for name in [
-        "cyrene-model-gateway",
-        "cyrene-checkpoint-store",
-        "cyrene-orchestrator",
-        "cyrene-loop-worker",
-    ] {
-        common::wait_for_service(&cli, name).await;
-    }
     let send = SendRequest {
         session_id: "p1".into(),
         message: Message::text(Role::User, "what time is it?"),
@@ -188,18 +237,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     assert!(!ack.turn_id.is_empty());
     let answered = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            let history: HistoryResponse = request_json(
-                &cli,
-                subjects::SESSION_HISTORY,
-                &HistoryRequest {
-                    session_id: "p1".into(),
-                    limit: None,
-                    before_seq: None,
-                },
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap();
+            let history = history(&cli, "p1").await.unwrap();
             if let Some(answer) = history
                 .messages
                 .iter()
@@ -307,8 +345,68 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         .unwrap();
     assert!(reply.text.starts_with("It is "), "{}", reply.text);
 
+    // Discovery reaches every service with one message: operators only.
+    let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
+    client.publish("$SRV.PING", "".into()).await.unwrap();
+    client.flush().await.unwrap();
+    refused(&violations, "a client pinging every service").await;
+    client
+        .publish("$SRV.INFO.cyrene-orchestrator", "".into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    refused(&violations, "a client asking a service for its info").await;
+    assert_eq!(discovered(&operator).await, SERVICES);
+
     // The server logged the refusals above (so the clean log earlier meant something).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
     assert!(log.contains("Violation"), "{log}");
+
+    // Every malformed header block, on every subject a client or an agent may publish and on
+    // discovery: no service loses its connection, and each still answers.
+    let connections = server.connection_ids();
+    let port = server.port();
+    let mut as_client = RawConnection::connect(port, Some(("cyrene-client", "pw-client"))).await;
+    let mut as_hoshi = RawConnection::connect(port, Some(("agent-hoshi", "pw-hoshi"))).await;
+    let mut as_operator =
+        RawConnection::connect(port, Some(("cyrene-operator", "pw-operator"))).await;
+    let client_subjects = [
+        subjects::SESSION_SEND,
+        subjects::SESSION_HISTORY,
+        "cyrene.checkpoint.latest",
+        "cyrene.checkpoint.get",
+        "cyrene.checkpoint.list",
+        "cyrene.agent.cli.cyrene.ask",
+        "cyrene.agent.cli.cyrene.event",
+        "cyrene.agent.cli.event",
+    ];
+    for (what, block) in MALFORMED_HEADER_BLOCKS {
+        for subject in client_subjects {
+            let reply = Some("_INBOX_cyrene-cli.raw");
+            as_client.hpub(subject, reply, block, b"{}").await;
+        }
+        as_hoshi
+            .hpub("cyrene.agent.hoshi.cyrene.ask", None, block, b"{}")
+            .await;
+        for subject in ["$SRV.PING", "$SRV.INFO", "$SRV.STATS"] {
+            let reply = Some("_INBOX_cyrene-operator.raw");
+            as_operator.hpub(subject, reply, block, b"").await;
+        }
+        for raw in [&mut as_client, &mut as_hoshi, &mut as_operator] {
+            let errors = raw.round_trip().await;
+            assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+        }
+        assert_eq!(discovered(&operator).await, SERVICES, "{what}");
+        let history = history(&cli, "p1")
+            .await
+            .unwrap_or_else(|err| panic!("{what}: the orchestrator stopped answering: {err}"));
+        assert!(!history.messages.is_empty(), "{what}");
+        let mut now = server.connection_ids();
+        now.retain(|id| connections.contains(id));
+        assert_eq!(
+            now, connections,
+            "{what}: a connection was dropped or replaced"
+        );
+    }
     shutdown.cancel();
 }

@@ -42,10 +42,12 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
     wait_for_service(&client, "cyrene-checkpoint-store").await;
 
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(
+    cyrene_bus::headers::insert(
+        &mut headers,
         "traceparent",
-        format!("00-{TRACE_ID}-00f067aa0ba902b7-01").as_str(),
-    );
+        &format!("00-{TRACE_ID}-00f067aa0ba902b7-01"),
+    )
+    .unwrap();
     let reply = client
         .request_with_headers(
             "cyrene.checkpoint.latest",

@@ -123,7 +123,7 @@ impl Stack {
     pub async fn dispatch(&self, job: &TurnJob) {
         let js = jetstream::new(self.client.clone());
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", job.turn_id.as_str());
+        cyrene_bus::headers::insert(&mut headers, "Nats-Msg-Id", &job.turn_id).unwrap();
         js.publish_with_headers(
             subjects::TURN_RUN,
             headers,

@@ -170,7 +170,10 @@ impl Tools {
             Err(err) => return ToolOutput::error(format!("no such tool {name:?}: {err}")),
         };
         let mut headers = HeaderMap::new();
-        headers.insert(TOOL_CALL_ID_HEADER, call.id.as_str());
+        // The id is the model's text: one with a line break cannot be sent as a header.
+        if let Err(err) = cyrene_bus::headers::insert(&mut headers, TOOL_CALL_ID_HEADER, &call.id) {
+            return ToolOutput::error(format!("tool {name} was not called: {err}"));
+        }
         trace::inject_current(&mut headers);
         let payload = serde_json::to_vec(&call.args).unwrap_or_else(|_| b"{}".to_vec());
         match request_raw(&self.client, &subject, headers, payload, self.timeout).await {

@@ -2,8 +2,8 @@
 //!
 //! Owns: connecting from config ([`connect`]), turning typed errors into the micro error headers
 //! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back
-//! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]) and the payload size
-//! guard ([`guard`]).
+//! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
+//! without panicking ([`headers`]) and the payload size guard ([`guard`]).
 //!
 //! # Invariants
 //! - Every request has a deadline; no helper here waits without one.
@@ -12,6 +12,7 @@
 
 pub mod connect;
 pub mod guard;
+pub mod headers;
 pub mod request;
 pub mod service;
 pub mod signal;

@@ -19,7 +19,7 @@
 //!   client library (async-nats endpoints cannot be drained), so its caller sees a timeout and
 //!   must retry; that is why every Cyrene request has a deadline and idempotent writes.
 
-use crate::{guard, trace};
+use crate::{guard, headers, trace};
 use async_nats::service::endpoint::Endpoint;
 use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE, Request};
 use async_nats::{HeaderMap, Message};
@@ -89,10 +89,12 @@ pub fn error_headers(err: &ErrorBody) -> HeaderMap {
     let mut headers = HeaderMap::new();
     // Header values cannot hold line breaks.
     let one_line: String = err.message.replace(['\r', '\n'], " ");
-    headers.insert(NATS_SERVICE_ERROR, one_line.as_str());
-    headers.insert(
+    // Neither can fail: constant names, no line break left in either value.
+    let _ = headers::insert(&mut headers, NATS_SERVICE_ERROR, &one_line);
+    let _ = headers::insert(
+        &mut headers,
         NATS_SERVICE_ERROR_CODE,
-        err.code.status().to_string().as_str(),
+        &err.code.status().to_string(),
     );
     headers
 }
@@ -398,5 +400,18 @@ mod tests {
             headers.get(NATS_SERVICE_ERROR).map(|v| v.as_str()),
             Some("no such")
         );
+        // Echoed junk never panics the reply: line breaks, controls, a megabyte (cut to the bound).
+        let huge = "é".repeat(1 << 19);
+        for message in [
+            "\r",
+            "a\r\n\r\nInjected: yes",
+            "\0\u{7f}\u{2028}",
+            huge.as_str(),
+        ] {
+            let headers = error_headers(&ErrorBody::new(ErrorCode::BadRequest, message));
+            let text = headers.get(NATS_SERVICE_ERROR).unwrap().as_str();
+            assert!(!text.contains(['\r', '\n']), "{text:.40}");
+            assert!(text.len() <= cyrene_protocol::error::MAX_ERROR_MESSAGE_BYTES);
+        }
     }
 }

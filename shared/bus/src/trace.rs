@@ -16,7 +16,8 @@ struct HeaderInjector<'a>(&'a mut HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        self.0.insert(key, value.as_str());
+        // The trace state is propagated from a received header: never let it panic a publish.
+        let _ = crate::headers::insert(self.0, key, &value);
     }
 }
 
@@ -89,6 +90,45 @@ mod tests {
         let back = extract(Some(&headers));
         assert_eq!(back.span().span_context().trace_id(), sc.trace_id());
         assert_eq!(back.span().span_context().span_id(), sc.span_id());
+    }
+
+    #[test]
+    fn junk_trace_context_is_ignored_and_never_propagated() {
+        let huge = "f".repeat(1 << 20);
+        let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let junk_parents = [
+            "junk",
+            "00-xyz-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra-昔涟",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "\0\t\u{7f}",
+            huge.as_str(),
+        ];
+        for parent in junk_parents {
+            let mut headers = HeaderMap::new();
+            crate::headers::insert(&mut headers, "traceparent", parent).unwrap();
+            crate::headers::insert(&mut headers, "tracestate", parent).unwrap();
+            let cx = extract(Some(&headers));
+            assert!(!cx.span().span_context().is_valid(), "{parent:.40}");
+            let mut out = HeaderMap::new();
+            inject(&cx, &mut out);
+            assert!(out.is_empty(), "{parent:.40}");
+        }
+        // A valid parent with a junk or huge trace state: the parent is kept, the state is not
+        // echoed unbounded.
+        for state in ["a=昔涟", "=,=,=", huge.as_str(), &format!("k={huge}")] {
+            let mut headers = HeaderMap::new();
+            crate::headers::insert(&mut headers, "traceparent", valid).unwrap();
+            crate::headers::insert(&mut headers, "tracestate", state).unwrap();
+            let cx = extract(Some(&headers));
+            assert!(cx.span().span_context().is_valid(), "{state:.40}");
+            let mut out = HeaderMap::new();
+            inject(&cx, &mut out);
+            assert_eq!(out.get("traceparent").map(|v| v.as_str()), Some(valid));
+            let kept = out.get("tracestate").map_or(0, |v| v.as_str().len());
+            assert!(kept < 1024, "{state:.40}: {kept} bytes of trace state");
+        }
     }
 
     #[test]

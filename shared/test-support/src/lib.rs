@@ -9,6 +9,8 @@
 //!   and store directory, so connected clients reconnect and JetStream data
 //!   survives ([`NatsServer::restart`], [`NatsServer::kill`],
 //!   [`NatsServer::start_again`]);
+//! - [`RawConnection`]: a hand-written client connection for publishing what a
+//!   client library will not (malformed header blocks, [`MALFORMED_HEADER_BLOCKS`]);
 //! - [`NatsCluster`]: several JetStream nodes routed into one cluster, each
 //!   node a [`NatsServer`] that can be killed and restarted on its own.
 //!
@@ -75,9 +77,11 @@ mod binary;
 mod cluster;
 pub mod echo;
 mod probe;
+pub mod raw;
 mod server;
 
 pub use binary::nats_server_binary;
 pub use cluster::NatsCluster;
 pub use echo::EchoProcess;
+pub use raw::{MALFORMED_HEADER_BLOCKS, RawConnection};
 pub use server::{NatsServer, NatsServerBuilder};

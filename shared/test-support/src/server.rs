@@ -216,6 +216,24 @@ impl NatsServer {
         probe::http_json(self.monitor_port?, path)
     }
 
+    /// The ids (`cid`) of the client connections open now, ascending (`/connz`; blocking). A
+    /// client that lost its connection and reconnected has a new id, so an unchanged list means
+    /// no client reconnected.
+    pub fn connection_ids(&self) -> Vec<u64> {
+        let monitor = self.monitor_port.expect("the server is running");
+        let (status, body) = probe::http_get(monitor, "/connz?limit=1024").expect("GET /connz");
+        assert_eq!(status, 200, "GET /connz: {body}");
+        let connz: serde_json::Value = serde_json::from_str(&body).expect("/connz is JSON");
+        let mut ids: Vec<u64> = connz["connections"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["cid"].as_u64())
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Whether JetStream is enabled.
     pub fn jetstream_enabled(&self) -> bool {
         self.jetstream

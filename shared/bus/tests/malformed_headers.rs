@@ -1,0 +1,158 @@
+//! A malformed header block costs one message, never the connection (issue 12, item 1): a raw
+//! client publishes every block of `MALFORMED_HEADER_BLOCKS` to a plain subscriber, to a micro
+//! endpoint served by `serve_json` and to `$SRV.PING`; the receiving connection never drops and
+//! every message is delivered without headers (and so answered), as nats.go does.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+use async_nats::service::ServiceExt;
+use async_nats::{Client, ConnectOptions, Event};
+use cyrene_bus::request_json;
+use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_protocol::ErrorBody;
+use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const T: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Echo {
+    text: String,
+}
+
+async fn echo(req: Echo, ctx: RequestContext) -> Result<Echo, ErrorBody> {
+    Ok(Echo {
+        text: format!("{} ({} headers)", req.text, ctx.headers.len()),
+    })
+}
+
+/// A client that counts its disconnections.
+async fn watched(server: &NatsServer) -> (Client, Arc<AtomicUsize>) {
+    let drops = Arc::new(AtomicUsize::new(0));
+    let counter = drops.clone();
+    let client = ConnectOptions::new()
+        .event_callback(move |event| {
+            let counter = counter.clone();
+            async move {
+                if matches!(event, Event::Disconnected) {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .connect(server.url())
+        .await
+        .unwrap();
+    (client, drops)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_without_headers() {
+    let server = NatsServer::start();
+    let (service_client, service_drops) = watched(&server).await;
+    let service = service_client
+        .service_builder()
+        .start("echoer", "0.1.0")
+        .await
+        .unwrap();
+    let endpoint = service
+        .endpoint_builder()
+        .name("echo")
+        .add("test.echo")
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    tokio::spawn(serve_json(
+        endpoint,
+        ServeOptions::default(),
+        shutdown.clone(),
+        echo,
+    ));
+    let (subscriber, subscriber_drops) = watched(&server).await;
+    let mut plain = subscriber.subscribe("test.plain").await.unwrap();
+    let mut replies = subscriber.subscribe("raw.reply.>").await.unwrap();
+    subscriber.flush().await.unwrap();
+    service_client.flush().await.unwrap();
+    let connections = server.connection_ids();
+
+    let mut raw = RawConnection::connect(server.port(), None).await;
+    for (i, (what, block)) in MALFORMED_HEADER_BLOCKS.iter().enumerate() {
+        let payload = format!(r#"{{"text":"case {i}"}}"#);
+        raw.hpub("test.plain", None, block, payload.as_bytes())
+            .await;
+        raw.hpub(
+            "test.echo",
+            Some(&format!("raw.reply.echo.{i}")),
+            block,
+            payload.as_bytes(),
+        )
+        .await;
+        raw.hpub(
+            "$SRV.PING",
+            Some(&format!("raw.reply.ping.{i}")),
+            block,
+            b"",
+        )
+        .await;
+        let errors = raw.round_trip().await;
+        assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+
+        // The plain subscriber gets the message, payload intact, headers dropped.
+        let message = tokio::time::timeout(T, plain.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the subscriber got nothing"))
+            .unwrap();
+        assert_eq!(message.payload, payload.as_bytes(), "{what}");
+        assert!(message.headers.is_none(), "{what}: {:?}", message.headers);
+
+        // The endpoint and the service's discovery answer the raw requests.
+        let mut answered = Vec::new();
+        for _ in 0..2 {
+            let reply = tokio::time::timeout(T, replies.next())
+                .await
+                .unwrap_or_else(|_| panic!("{what}: unanswered, got {answered:?}"))
+                .unwrap();
+            answered.push(reply.subject.to_string());
+            if reply.subject.as_str() == format!("raw.reply.echo.{i}") {
+                let body: Echo = serde_json::from_slice(&reply.payload).unwrap();
+                assert_eq!(body.text, format!("case {i} (0 headers)"), "{what}");
+            }
+        }
+        answered.sort();
+        assert_eq!(
+            answered,
+            [format!("raw.reply.echo.{i}"), format!("raw.reply.ping.{i}")],
+            "{what}"
+        );
+
+        // Both connections are the ones from before, and still serve well-formed traffic.
+        let ok: Echo = request_json(&subscriber, "test.echo", &json!({"text": "ok"}), T)
+            .await
+            .unwrap_or_else(|err| panic!("{what}: the endpoint stopped answering: {err}"));
+        assert!(ok.text.starts_with("ok ("), "{what}: {}", ok.text);
+        assert_eq!(
+            service_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: service reconnected"
+        );
+        assert_eq!(
+            subscriber_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: subscriber reconnected"
+        );
+        let mut now = server.connection_ids();
+        now.retain(|id| connections.contains(id));
+        assert_eq!(now, connections, "{what}: a connection was replaced");
+    }
+    assert_eq!(
+        service_client.statistics().connects.load(Ordering::SeqCst),
+        1
+    );
+    assert_eq!(subscriber.statistics().connects.load(Ordering::SeqCst), 1);
+    shutdown.cancel();
+    drop(service);
+}
