@@ -153,7 +153,7 @@ async fn main() {
     let pg = common::fresh_postgres("cyrene_bench").await;
     let mut backends = vec![("sqlite", None)];
     match &pg {
-        Some(url) => backends.insert(0, ("postgres", Some(url.clone()))),
+        Some(db) => backends.insert(0, ("postgres", Some(db.url.clone()))),
         None => println!("  (PostgreSQL at 127.0.0.1:5432 unreachable: skipped)"),
     }
     for (name, url) in backends {

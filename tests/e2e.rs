@@ -326,10 +326,10 @@ async fn two_hundred_messages_into_twenty_sessions_are_each_processed_exactly_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_orchestrator_replicas_on_one_postgres_keep_exactly_once_and_the_fence() {
-    let Some(url) = fresh_postgres("cyrene_e2e").await else {
+    let Some(db) = fresh_postgres("cyrene_e2e").await else {
         panic!("PostgreSQL at 127.0.0.1:5432 is required for this test");
     };
-    let world = Arc::new(World::start(Some(url)).await);
+    let world = Arc::new(World::start(Some(db.url.clone())).await);
     let _one = world.orchestrator().await;
     let _two = world.orchestrator().await;
     let sent = world.load("replicas").await;

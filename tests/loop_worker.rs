@@ -259,10 +259,10 @@ async fn a_second_turn_killed_after_its_first_step_resumes_it_on_sqlite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_turn_killed_after_its_first_step_resumes_it_on_postgres() {
-    let url = common::fresh_postgres("cyrene_lw")
+    let db = common::fresh_postgres("cyrene_lw")
         .await
         .expect("PostgreSQL at 127.0.0.1:5432 (make test starts one)");
-    a_second_turn_killed_after_its_first_step_resumes_it(Some(url)).await;
+    a_second_turn_killed_after_its_first_step_resumes_it(Some(db.url.clone())).await;
 }
 
 /// Failover is bounded by a short `ack_wait`, but a live worker waiting far longer than that (on

@@ -96,6 +96,8 @@ pub struct World {
     pub tools: ToolService,
     pub wire: Wire,
     pub database_url: Option<String>,
+    /// The run's PostgreSQL database, dropped with the world.
+    _database: Option<cyrene_sql::testing::TestDatabase>,
     pub logs: PathBuf,
     pub started: Instant,
     data: tempfile::TempDir,
@@ -158,17 +160,13 @@ impl World {
         let data = tempfile::tempdir().unwrap();
         let models = data.path().join("models.json");
         std::fs::write(&models, provider.models_config().to_string()).unwrap();
-        let database_url = if options.postgres {
-            Some(
-                fresh_postgres(&format!("cyrene_chaos_{}", options.label))
-                    .await
-                    .expect(
-                        "PostgreSQL at 127.0.0.1:5432 (or CYRENE_TEST_POSTGRES_URL) is required",
-                    ),
-            )
+        let database = if options.postgres {
+            let prefix = format!("cyrene_chaos_{}", options.label.replace('-', "_"));
+            Some(cyrene_sql::testing::TestDatabase::create(&prefix).await)
         } else {
             None
         };
+        let database_url = database.as_ref().map(|db| db.url.clone());
         let workers = options.workers;
         let world = Arc::new(World {
             options,
@@ -179,6 +177,7 @@ impl World {
             tools,
             wire,
             database_url,
+            _database: database,
             logs,
             started,
             data,
@@ -535,50 +534,6 @@ fn extra_env(name: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The admin URL of the test PostgreSQL.
-fn postgres_admin_url() -> String {
-    env_or(
-        "CYRENE_TEST_POSTGRES_URL",
-        "postgres://postgres@127.0.0.1:5432/test",
-    )
-}
-
-/// A fresh database on the test PostgreSQL (earlier runs' databases with this prefix are
-/// dropped), or `None` when PostgreSQL does not answer.
-pub async fn fresh_postgres(prefix: &str) -> Option<String> {
-    use sqlx::Connection;
-    let admin = postgres_admin_url();
-    let mut conn =
-        tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&admin))
-            .await
-            .ok()?
-            .ok()?;
-    let prefix = prefix.replace('-', "_");
-    let old: Vec<String> =
-        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE $1")
-            .bind(format!("{prefix}\\_%"))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap_or_default();
-    for db in old {
-        // `db` matched our own prefix: a plain identifier this suite created.
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-        )))
-        .execute(&mut conn)
-        .await;
-    }
-    let name = format!("{prefix}_{}", cyrene_protocol::ids::new_id());
-    // `name` is ours (a prefix and a UUID), not input.
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut conn)
-        .await
-        .ok()?;
-    let base = admin.split('?').next().unwrap_or_default();
-    let server = base.rsplit_once('/').map_or(base, |(server, _db)| server);
-    Some(format!("{server}/{name}"))
-}
-
 /// The machine's PostgreSQL cluster, when the tests use it and this process may restart it.
 #[derive(Debug, Clone)]
 pub struct LocalPostgres {
@@ -588,7 +543,7 @@ pub struct LocalPostgres {
 impl LocalPostgres {
     /// The local cluster `main` (Debian's `pg_ctlcluster`), when the test database is local.
     pub fn find() -> Option<LocalPostgres> {
-        let admin = postgres_admin_url();
+        let admin = cyrene_sql::testing::admin_url();
         if !(admin.contains("@127.0.0.1:5432/") || admin.contains("@localhost:5432/")) {
             return None;
         }

@@ -451,41 +451,12 @@ pub fn completion_counts(fake: &FakeOrchestrator) -> BTreeMap<String, usize> {
     counts
 }
 
-/// A fresh PostgreSQL database on the local server, or None when PostgreSQL is unreachable.
-pub async fn fresh_postgres(prefix: &str) -> Option<String> {
-    use sqlx::Connection;
-    let admin = "postgres://postgres@127.0.0.1:5432/test";
-    let mut conn = match tokio::time::timeout(
-        Duration::from_secs(3),
-        sqlx::PgConnection::connect(admin),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        _ => return None,
-    };
-    // Databases left by earlier runs: dropped unless in use (then the drop fails and is ignored).
-    let old: Vec<String> =
-        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE $1")
-            .bind(format!("{prefix}\\_%"))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap_or_default();
-    for db in old {
-        // `db` matched our own prefix and is a plain identifier we created.
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-            .execute(&mut conn)
-            .await;
-    }
-    let name = format!("{prefix}_{}", cyrene_protocol::ids::new_id());
-    // `name` is ours (a UUID), not input.
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .execute(&mut conn)
+/// A fresh PostgreSQL database (`<prefix>_<uuid>` on `CYRENE_TEST_POSTGRES_URL`'s server), dropped
+/// with the value; `None` when PostgreSQL is unreachable.
+pub async fn fresh_postgres(prefix: &str) -> Option<cyrene_sql::testing::TestDatabase> {
+    cyrene_sql::testing::TestDatabase::try_create(prefix)
         .await
-        .ok()?;
-    let base = admin.split('?').next().unwrap_or_default();
-    let server = base.rsplit_once('/').map_or(base, |(server, _db)| server);
-    Some(format!("{server}/{name}"))
+        .ok()
 }
 
 /// A service binary as a child process, killed when dropped.

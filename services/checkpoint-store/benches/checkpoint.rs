@@ -68,7 +68,7 @@ async fn bench() {
     run_backend(&nats, direct).await;
     drop(service);
 
-    match PgTestDb::try_create().await {
+    match PgTestDb::try_create(common::PG_PREFIX).await {
         Ok(db) => {
             let service = Process::store(&nats, dir.path(), &db.url).await;
             let direct = PgStore::connect(&db.url, &StoreOptions::default())

@@ -2,6 +2,7 @@
 //! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
 
 use crate::store::{DEFAULT_MAX_STATE_BYTES, StoreOptions};
+pub use cyrene_sql::Database;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -55,22 +56,12 @@ impl Config {
                 "max_connections and max_in_flight must be at least 1".into(),
             ));
         }
-        match self.database_url.as_deref().map(str::trim) {
-            None | Some("") => Ok(Database::Sqlite(format!(
-                "sqlite://{}",
-                self.data_dir.join(DEFAULT_SQLITE_FILE).display()
-            ))),
-            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-                Ok(Database::Postgres(url.to_owned()))
-            }
-            Some(url) if url.starts_with("sqlite:") => Ok(Database::Sqlite(url.to_owned())),
-            Some(url) => {
-                let scheme = url.split_once(':').map_or("", |(s, _)| s);
-                Err(ConfigError(format!(
-                    "DATABASE_URL scheme {scheme:?} is not supported; use postgres:// or sqlite://"
-                )))
-            }
-        }
+        Database::resolve(
+            self.database_url.as_deref(),
+            &self.data_dir,
+            DEFAULT_SQLITE_FILE,
+        )
+        .map_err(|e| ConfigError(e.to_string()))
     }
 
     /// The pool settings for the store.
@@ -81,13 +72,6 @@ impl Config {
             max_connections: self.max_connections,
         }
     }
-}
-
-/// Which backend a [`Config`] selects, with its URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Database {
-    Postgres(String),
-    Sqlite(String),
 }
 
 /// An invalid configuration value.

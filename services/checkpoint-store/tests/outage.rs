@@ -26,7 +26,7 @@ fn outage_config(dir: &tempfile::TempDir, url: String) -> Config {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
-    let db = PgTestDb::create().await;
+    let db = PgTestDb::create(common::PG_PREFIX).await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let nats = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
@@ -72,7 +72,7 @@ async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_postgres_answers_unavailable_within_the_bound_and_recovers() {
-    let db = PgTestDb::create().await;
+    let db = PgTestDb::create(common::PG_PREFIX).await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let nats = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();

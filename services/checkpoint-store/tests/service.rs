@@ -415,7 +415,7 @@ async fn the_typed_client_speaks_to_the_running_service() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_and_client_work_on_postgres() {
     let nats = NatsServer::start();
-    let db = PgTestDb::create().await;
+    let db = PgTestDb::create(common::PG_PREFIX).await;
     let dir = tempfile::tempdir().unwrap();
     let mut config = sqlite_config(&dir);
     config.database_url = Some(db.url.clone());

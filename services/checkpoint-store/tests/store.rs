@@ -580,7 +580,7 @@ async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_rows_written_as_jsonb_survive_the_move_to_json() {
     use sqlx::{Connection, Executor, PgConnection};
-    let db = common::PgTestDb::create().await;
+    let db = common::PgTestDb::create(common::PG_PREFIX).await;
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
     conn.execute(sqlx::raw_sql(include_str!(
         "../migrations/postgres/0001_checkpoints.sql"
@@ -682,7 +682,7 @@ async fn sqlite_rows_from_before_turn_rows_are_carried_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_rows_from_before_turn_rows_are_carried_over() {
     use sqlx::{Connection, Executor, PgConnection};
-    let db = common::PgTestDb::create().await;
+    let db = common::PgTestDb::create(common::PG_PREFIX).await;
     // Everything before 0003, through the migrator, as the previous release left it.
     let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
         .await

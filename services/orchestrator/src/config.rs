@@ -4,6 +4,7 @@
 use crate::personas::{Personas, PersonasError};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
+pub use cyrene_sql::Database;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -127,30 +128,13 @@ impl Config {
 
     /// Which database to open.
     pub fn database(&self) -> Result<Database, ConfigError> {
-        match self.database_url.as_deref().map(str::trim) {
-            None | Some("") => Ok(Database::Sqlite(format!(
-                "sqlite://{}",
-                self.data_dir.join(DEFAULT_SQLITE_FILE).display()
-            ))),
-            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-                Ok(Database::Postgres(url.to_owned()))
-            }
-            Some(url) if url.starts_with("sqlite:") => Ok(Database::Sqlite(url.to_owned())),
-            Some(url) => {
-                let scheme = url.split_once(':').map_or("", |(s, _)| s);
-                Err(ConfigError::Invalid(format!(
-                    "DATABASE_URL scheme {scheme:?} is not supported; use postgres:// or sqlite://"
-                )))
-            }
-        }
+        Database::resolve(
+            self.database_url.as_deref(),
+            &self.data_dir,
+            DEFAULT_SQLITE_FILE,
+        )
+        .map_err(|e| ConfigError::Invalid(e.to_string()))
     }
-}
-
-/// Which backend a [`Config`] selects, with its URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Database {
-    Postgres(String),
-    Sqlite(String),
 }
 
 /// An invalid configuration.

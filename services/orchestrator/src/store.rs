@@ -108,7 +108,7 @@ impl cyrene_bus::service::WireError for StoreError {
 
 impl From<sqlx::Error> for StoreError {
     fn from(err: sqlx::Error) -> Self {
-        if cyrene_bus::sql::is_unavailable(&err) {
+        if cyrene_sql::is_unavailable(&err) {
             StoreError::Unavailable(err.to_string())
         } else {
             StoreError::Internal(err.to_string())
@@ -1119,8 +1119,8 @@ mod tests {
 
     #[test]
     fn database_outages_map_to_unavailable() {
-        assert!(cyrene_bus::sql::is_unavailable(&sqlx::Error::PoolTimedOut));
-        assert!(!cyrene_bus::sql::is_unavailable(&sqlx::Error::RowNotFound));
+        assert!(cyrene_sql::is_unavailable(&sqlx::Error::PoolTimedOut));
+        assert!(!cyrene_sql::is_unavailable(&sqlx::Error::RowNotFound));
         assert_eq!(
             StoreError::from(sqlx::Error::PoolClosed).code(),
             ErrorCode::Unavailable

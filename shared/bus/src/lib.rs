@@ -16,8 +16,6 @@ pub mod headers;
 pub mod request;
 pub mod service;
 pub mod signal;
-#[cfg(feature = "sql")]
-pub mod sql;
 pub mod streams;
 pub mod trace;
 

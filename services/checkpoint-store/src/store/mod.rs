@@ -125,9 +125,9 @@ impl cyrene_bus::service::WireError for StoreError {
 }
 
 /// Maps a database failure: `Unavailable` when the database is down, busy or going away
-/// ([`cyrene_bus::sql::is_unavailable`]), else `Internal`.
+/// ([`cyrene_sql::is_unavailable`]), else `Internal`.
 pub(crate) fn classify(err: sqlx::Error) -> StoreError {
-    if cyrene_bus::sql::is_unavailable(&err) {
+    if cyrene_sql::is_unavailable(&err) {
         StoreError::Unavailable(err)
     } else {
         StoreError::Internal(err.to_string())

@@ -11,7 +11,6 @@ use cyrene_protocol::JsonObject;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::subjects;
 use serde_json::{Value, json};
-use sqlx::{Connection, Executor, PgConnection};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,88 +19,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// The maintenance database tests connect to in order to create their own.
-pub fn pg_admin_url() -> String {
-    std::env::var("CYRENE_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
+/// A fresh PostgreSQL database per fixture (`cyrene_ckpt_test_<uuid>`), dropped afterwards.
+pub use cyrene_sql::testing::TestDatabase as PgTestDb;
 
-/// A freshly created PostgreSQL database, dropped on `Drop`.
-#[derive(Debug)]
-pub struct PgTestDb {
-    pub name: String,
-    /// `postgres://…/<name>`.
-    pub url: String,
-    admin_url: String,
-}
-
-impl PgTestDb {
-    /// Creates a fresh database; `Err` when PostgreSQL cannot be reached within 5 s.
-    pub async fn try_create() -> Result<PgTestDb, String> {
-        let admin_url = pg_admin_url();
-        let mut admin =
-            tokio::time::timeout(Duration::from_secs(5), PgConnection::connect(&admin_url))
-                .await
-                .map_err(|_| format!("no answer from {admin_url} within 5s"))?
-                .map_err(|e| format!("{admin_url}: {e}"))?;
-        let name = format!("cyrene_ckpt_test_{}", uuid::Uuid::now_v7().simple());
-        admin
-            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .map_err(|e| format!("CREATE DATABASE {name}: {e}"))?;
-        let _ = admin.close().await;
-        let (base, _) = admin_url
-            .split_once('?')
-            .map_or((admin_url.as_str(), ""), |(b, q)| (b, q));
-        let (server, _) = base
-            .rsplit_once('/')
-            .expect("the admin url names a database");
-        Ok(PgTestDb {
-            url: format!("{server}/{name}"),
-            name,
-            admin_url,
-        })
-    }
-
-    /// Creates a fresh database or panics (tests require the local PostgreSQL).
-    pub async fn create() -> PgTestDb {
-        match Self::try_create().await {
-            Ok(db) => db,
-            Err(err) => panic!("PostgreSQL is required for this test: {err}"),
-        }
-    }
-
-    /// The same database reached through `host:port` (a proxy).
-    pub fn url_via(&self, addr: SocketAddr) -> String {
-        format!("postgres://postgres@{addr}/{}", self.name)
-    }
-}
-
-impl Drop for PgTestDb {
-    fn drop(&mut self) {
-        let admin_url = self.admin_url.clone();
-        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        // Drop runs inside a Tokio runtime: do the async cleanup on a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let connect = PgConnection::connect(&admin_url);
-                if let Ok(Ok(mut admin)) =
-                    tokio::time::timeout(Duration::from_secs(5), connect).await
-                {
-                    let _ = admin.execute(sqlx::AssertSqlSafe(sql)).await;
-                    let _ = admin.close().await;
-                }
-            });
-        })
-        .join();
-    }
-}
+/// The name prefix of this crate's test databases.
+pub const PG_PREFIX: &str = "cyrene_ckpt_test";
 
 /// An SQLite database file in a temporary directory.
 #[derive(Debug)]
@@ -124,7 +46,7 @@ impl SqliteTestDb {
 
 /// Opens a store on a fresh PostgreSQL database.
 pub async fn pg_store(options: &StoreOptions) -> (PgStore, PgTestDb) {
-    let db = PgTestDb::create().await;
+    let db = PgTestDb::create(PG_PREFIX).await;
     let store = PgStore::connect(&db.url, options).await.unwrap();
     (store, db)
 }

@@ -17,7 +17,6 @@ use cyrene_protocol::turn::{
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
-use sqlx::Connection;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,7 +24,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub const TIMEOUT: Duration = Duration::from_secs(5);
-const PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -33,63 +31,8 @@ pub enum Backend {
     Postgres,
 }
 
-/// A fresh PostgreSQL database, dropped (forcefully) with this value.
-pub struct PgDb {
-    pub name: String,
-    pub url: String,
-}
-
-impl PgDb {
-    pub async fn create() -> PgDb {
-        let admin = std::env::var("CYRENE_TEST_POSTGRES_URL").unwrap_or(PG_ADMIN_URL.into());
-        let name = format!("cyrene_orch_{}", new_id());
-        let mut conn = sqlx::PgConnection::connect(&admin)
-            .await
-            .expect("PostgreSQL at 127.0.0.1:5432 (user postgres, database test)");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        let _ = conn.close().await;
-        let base = admin.rsplit_once('/').map_or(admin.as_str(), |(b, _)| b);
-        PgDb {
-            url: format!("{base}/{name}"),
-            name,
-        }
-    }
-
-    /// Drops the database now (connections are terminated).
-    pub async fn drop_now(&self) {
-        drop_database(&self.name).await;
-    }
-}
-
-async fn drop_database(name: &str) {
-    let admin = std::env::var("CYRENE_TEST_POSTGRES_URL").unwrap_or(PG_ADMIN_URL.into());
-    if let Ok(mut conn) = sqlx::PgConnection::connect(&admin).await {
-        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(&mut conn)
-            .await;
-        let _ = conn.close().await;
-    }
-}
-
-impl Drop for PgDb {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        // Drop runs inside a runtime: use a thread with its own.
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                rt.block_on(drop_database(&name));
-            }
-        })
-        .join();
-    }
-}
+/// A fresh PostgreSQL database (`cyrene_orch_<uuid>`), dropped (forcefully) with this value.
+pub use cyrene_sql::testing::TestDatabase as PgDb;
 
 /// One test's world: a nats-server, a database, a client.
 pub struct World {
@@ -108,7 +51,7 @@ impl World {
         let dir = tempfile::tempdir().unwrap();
         let pg = match backend {
             Backend::Sqlite => None,
-            Backend::Postgres => Some(PgDb::create().await),
+            Backend::Postgres => Some(PgDb::create("cyrene_orch").await),
         };
         let events = Arc::new(Mutex::new(Vec::new()));
         let mut sub = client

@@ -1,4 +1,4 @@
-//! sqlx failures, classified once for every SQL-backed service (feature `sql`).
+//! sqlx failures, classified once for every SQL-backed service.
 //!
 //! "Unavailable" means the database is down, busy or going away: the request may succeed later,
 //! so callers answer `unavailable` (retryable) instead of `internal`.
