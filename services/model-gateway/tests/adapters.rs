@@ -864,7 +864,7 @@ async fn the_request_deadline_bounds_the_whole_call() {
     reply_with(&never, "/chat/completions", openai_text_reply("never")).await;
     let gw = gateway(chain_of(&[("slow", &slow), ("never", &never)], json!({})));
     let mut req = ask(vec![user("x")]);
-    req.timeout_ms = Some(200);
+    req.total_timeout_ms = Some(200);
     let err = gw.complete(&req).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Timeout);
     assert!(
@@ -878,6 +878,53 @@ async fn the_request_deadline_bounds_the_whole_call() {
         err.message
     );
     assert_eq!(hits(&never).await, 0);
+}
+
+async fn slow_then_fast() -> (MockServer, MockServer) {
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(openai_text_reply("late"))
+                .set_delay(Duration::from_secs(5)),
+        )
+        .mount(&slow)
+        .await;
+    let fast = MockServer::start().await;
+    reply_with(&fast, "/chat/completions", openai_text_reply("fast")).await;
+    (slow, fast)
+}
+
+#[tokio::test]
+async fn the_request_timeout_bounds_one_call_and_each_step_gets_its_own() {
+    let (slow, fast) = slow_then_fast().await;
+    let gw = gateway(chain_of(&[("slow", &slow), ("fast", &fast)], json!({})));
+    let mut req = ask(vec![user("x")]);
+    req.timeout_ms = Some(300); // seed 004 `Options.Timeout`: one HTTP call, not the chain
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
+    assert_eq!((hits(&slow).await, hits(&fast).await), (1, 1));
+
+    // It overrides the provider's own timeout for that call.
+    let (slow, fast) = slow_then_fast().await;
+    let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
+    config["providers"]["slow"]["timeout_ms"] = json!(60_000);
+    let gw = gateway(config);
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
+}
+
+#[tokio::test]
+async fn a_zero_request_timeout_is_the_provider_default() {
+    let (slow, fast) = slow_then_fast().await;
+    let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
+    config["providers"]["slow"]["timeout_ms"] = json!(200);
+    let gw = gateway(config);
+    let mut req = ask(vec![user("x")]);
+    req.timeout_ms = Some(0);
+    req.total_timeout_ms = Some(0);
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
 }
 
 #[tokio::test]
