@@ -39,7 +39,7 @@ pub struct ModelsConfig {
     /// Serves image-bearing requests when the routed chain has no vision-capable step.
     #[serde(default)]
     pub vision: Vec<Step>,
-    /// Whole-request deadline when the request gives no `timeout_ms`.
+    /// Whole-request deadline when the request gives no `total_timeout_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_timeout_ms: Option<u64>,
 }
@@ -107,7 +107,8 @@ pub struct ProviderConfig {
     /// OpenAI-compatible vendor; inferred from `base_url` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vendor: Option<Vendor>,
-    /// Per-attempt timeout at this provider (bounded by the request deadline).
+    /// Per-attempt timeout at this provider when the request gives no `timeout_ms` (always
+    /// bounded by the request deadline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     #[serde(default)]

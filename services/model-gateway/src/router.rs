@@ -14,8 +14,10 @@
 //!   the count. After a cooldown one failure is enough to cool down again (half-open probe).
 //! - Cooling steps are skipped — unless *every* step of the chain is cooling, in which case all
 //!   are tried in order anyway: a request is never refused without at least one attempt.
-//! - The whole request, all attempts included, is bounded by its deadline (`timeout_ms`, else the
-//!   config default); each attempt also by its provider's `timeout_ms`.
+//! - The whole request, all attempts included, is bounded by its deadline (`total_timeout_ms`,
+//!   else the config default). Each attempt — one HTTP call — is also bounded by the request's
+//!   `timeout_ms` (seed 004 `Options.Timeout`), else by its provider's `timeout_ms`; a per-call
+//!   timeout of 0 means that provider default.
 //!
 //! # Pitfalls
 //! - Health is per gateway process: replicas learn about a failing provider independently.
@@ -137,9 +139,15 @@ impl Router {
     pub async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ErrorBody> {
         let chain = self.route(req)?;
         let timeout = req
-            .timeout_ms
+            .total_timeout_ms
+            .filter(|ms| *ms > 0)
             .map(Duration::from_millis)
             .unwrap_or_else(|| self.config.default_timeout());
+        // One HTTP call; 0 = the provider's own timeout (seed 004 `Options.Timeout`).
+        let per_call = req
+            .timeout_ms
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis);
         let deadline = Instant::now() + timeout;
         let now = Instant::now();
         let mut causes: Vec<String> = Vec::new();
@@ -163,7 +171,7 @@ impl Router {
                 causes.push(format!("{step}: not tried, request deadline passed"));
                 continue;
             }
-            let attempt_deadline = match entry.timeout {
+            let attempt_deadline = match per_call.or(entry.timeout) {
                 Some(t) => deadline.min(started + t),
                 None => deadline,
             };
@@ -265,9 +273,6 @@ fn bad_request(message: impl Into<String>) -> ErrorBody {
 pub fn check_request(req: &ModelRequest) -> Result<(), ErrorBody> {
     if req.messages.is_empty() {
         return Err(bad_request("messages must not be empty"));
-    }
-    if req.timeout_ms == Some(0) {
-        return Err(bad_request("timeout_ms must be positive"));
     }
     if req.max_tokens == Some(0) {
         return Err(bad_request("max_tokens must be positive"));
@@ -456,8 +461,13 @@ mod tests {
                 .message
                 .contains("tool_result part cannot appear on a user message")
         );
-        let mut zero = ok;
-        zero.timeout_ms = Some(0);
+        let mut zero = ok.clone();
+        zero.max_tokens = Some(0);
         assert!(check_request(&zero).is_err());
+        // A per-call timeout of 0 is the provider's default (seed 004), not an error.
+        let mut default_timeout = ok;
+        default_timeout.timeout_ms = Some(0);
+        default_timeout.total_timeout_ms = Some(0);
+        assert!(check_request(&default_timeout).is_ok());
     }
 }

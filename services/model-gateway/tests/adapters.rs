@@ -8,7 +8,9 @@ use cyrene_protocol::ErrorCode;
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking, ToolSpec};
 use serde_json::{Map, Value, json};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
@@ -90,6 +92,38 @@ fn user(text: &str) -> Message {
 
 fn obj(v: Value) -> Map<String, Value> {
     v.as_object().unwrap().clone()
+}
+
+/// A `Write` into a shared buffer, for capturing log lines.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Completes `req` and returns the reply with the WARN lines logged meanwhile.
+async fn complete_logging_warnings(
+    gw: &Gateway,
+    req: &ModelRequest,
+) -> (Result<ModelResponse, cyrene_protocol::ErrorBody>, String) {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let result = gw.complete(req).with_subscriber(subscriber).await;
+    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    (result, logs)
 }
 
 fn openai_text_reply(text: &str) -> Value {
@@ -429,6 +463,83 @@ async fn openai_effort_whitelist_and_max_completion_tokens() {
     assert!(sent[1].get("reasoning_effort").is_none());
 }
 
+#[tokio::test]
+async fn effort_is_matched_as_given_and_sent_unchecked_without_a_declared_whitelist() {
+    let deepseek = MockServer::start().await;
+    reply_with(&deepseek, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(
+        openai_provider(&deepseek, json!({"vendor":"deepseek"})),
+        "m",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.reasoning_effort = "HIGH".into(); // not "high": no case folding (seed 004)
+    let (result, logs) = complete_logging_warnings(&gw, &req).await;
+    result.unwrap();
+    assert_eq!(
+        bodies(&deepseek).await[0],
+        json!({"model":"m","messages":[{"role":"user","content":"x"}]})
+    );
+    assert!(logs.contains("dropped (not replaced)"), "{logs}");
+
+    // A local server (vendor generic) declares no whitelist: the value goes as given, with a
+    // WARN, instead of being checked against a guessed list.
+    let local = MockServer::start().await;
+    reply_with(&local, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(openai_provider(&local, json!({})), "m"));
+    req.reasoning_effort = "xhigh".into();
+    let (result, logs) = complete_logging_warnings(&gw, &req).await;
+    result.unwrap();
+    assert_eq!(
+        bodies(&local).await[0],
+        json!({"model":"m","messages":[{"role":"user","content":"x"}],"reasoning_effort":"xhigh"})
+    );
+    assert!(
+        logs.contains("declares no reasoning_effort whitelist"),
+        "{logs}"
+    );
+
+    // A configured whitelist is a declared one.
+    let checked = MockServer::start().await;
+    reply_with(&checked, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(
+        openai_provider(&checked, json!({"reasoning_efforts":["low","high"]})),
+        "m",
+    ));
+    gw.complete(&req).await.unwrap();
+    assert!(bodies(&checked).await[0].get("reasoning_effort").is_none());
+}
+
+#[tokio::test]
+async fn dashscope_zero_thinking_budget_is_the_provider_default() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
+    let gw = gateway(single(
+        openai_provider(&server, json!({"vendor":"dashscope"})),
+        "m",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(0),
+        enable: Some(true),
+    });
+    gw.complete(&req).await.unwrap();
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(2048),
+        enable: Some(true),
+    });
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    let user_only = json!([{"role":"user","content":"x"}]);
+    assert_eq!(
+        sent[0],
+        json!({"model":"m","messages":user_only,"enable_thinking":true})
+    );
+    assert_eq!(
+        sent[1],
+        json!({"model":"m","messages":user_only,"enable_thinking":true,"thinking_budget":2048})
+    );
+}
+
 // ------------------------------------------------------------------------ Anthropic dialect
 
 #[tokio::test]
@@ -656,6 +767,142 @@ async fn anthropic_thinking_budget_adaptive_and_effort_map_per_model() {
     );
 }
 
+#[tokio::test]
+async fn anthropic_zero_thinking_budget_is_the_default_budget() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let mut req = ask(vec![user("x")]);
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(0),
+        enable: Some(true),
+    });
+    gw.complete(&req).await.unwrap();
+    assert_eq!(
+        bodies(&server).await[0],
+        json!({"model":"claude","max_tokens":4096,
+               "messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],
+               "thinking":{"type":"enabled","budget_tokens":1024}})
+    );
+}
+
+#[tokio::test]
+async fn anthropic_thinking_budgets_it_cannot_send_are_warned_about() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = gateway(single(
+        anthropic_provider(
+            &server,
+            json!({"models":{"claude-new":{"thinking":"adaptive"}}}),
+        ),
+        "claude-new",
+    ));
+    let mut req = ask(vec![user("x")]);
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(3000),
+        enable: Some(true),
+    });
+    let (result, logs) = complete_logging_warnings(&gw, &req).await;
+    result.unwrap();
+    assert_eq!(
+        bodies(&server).await[0]["thinking"],
+        json!({"type":"adaptive"})
+    );
+    assert!(logs.contains("WARN"), "{logs}");
+    assert!(
+        logs.contains("budget_tokens not sent: this model thinks adaptively"),
+        "{logs}"
+    );
+
+    req.thinking = Some(Thinking {
+        budget_tokens: Some(3000),
+        enable: Some(false),
+    });
+    let (result, logs) = complete_logging_warnings(&gw, &req).await;
+    result.unwrap();
+    assert_eq!(
+        bodies(&server).await[1]["thinking"],
+        json!({"type":"disabled"})
+    );
+    assert!(
+        logs.contains("budget_tokens not sent: thinking is disabled"),
+        "{logs}"
+    );
+
+    // Nothing dropped, nothing to warn about.
+    req.thinking = Some(Thinking {
+        budget_tokens: None,
+        enable: Some(true),
+    });
+    let (result, logs) = complete_logging_warnings(&gw, &req).await;
+    result.unwrap();
+    assert!(!logs.contains("budget_tokens"), "{logs}");
+}
+
+#[tokio::test]
+async fn anthropic_tool_choice_is_sent_exactly_as_given() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let mut req = ask(vec![user("x")]);
+    req.tools = vec![ToolSpec {
+        name: "get_time".into(),
+        description: String::new(),
+        parameters: json!({"type":"object"}),
+    }];
+    let choices = [
+        json!({"type":"any"}),
+        json!({"type":"tool","name":"get_time","disable_parallel_tool_use":true}),
+        // Not this dialect's forms: still sent as given (seed 004), for the provider to judge.
+        json!("required"),
+        json!({"type":"function","function":{"name":"get_time"}}),
+    ];
+    for choice in &choices {
+        req.tool_choice = Some(choice.clone());
+        gw.complete(&req).await.unwrap();
+    }
+    let sent = bodies(&server).await;
+    for (body, choice) in sent.iter().zip(&choices) {
+        assert_eq!(&body["tool_choice"], choice);
+    }
+}
+
+#[tokio::test]
+async fn anthropic_system_messages_inside_the_conversation_keep_their_position() {
+    let server = MockServer::start().await;
+    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let lead = "[会话角色] 你正以「cyrene」的身份对话。";
+    let to_owner =
+        "[发言归属] 以下发言来自主人（管理员账户）本人，不是你说的，也不是本会话里的第三方人员。";
+    let to_hoshi = "[发言归属] 以下发言来自「hoshi」，不是你说的。";
+    let to_ming = "[发言归属] 以下发言来自「阿明」——本会话里的第三方人员（非管理员账户），不是主人，也不是你说的。";
+    let req = ask(vec![
+        Message::text(Role::System, "instructions"),
+        Message::text(Role::System, lead),
+        Message::text(Role::System, to_owner),
+        user("hello"),
+        Message::text(Role::System, to_hoshi),
+        Message::text(Role::Assistant, "hi, hoshi here").sender("hoshi"),
+        Message::text(Role::System, to_ming),
+        Message::text(Role::User, "hey all").sender("阿明"),
+        Message::text(Role::System, to_owner),
+        user("who spoke last?"),
+    ]);
+    gw.complete(&req).await.unwrap();
+    let text = |t: &str| json!({"type":"text","text":t});
+    assert_eq!(
+        bodies(&server).await[0],
+        json!({"model":"claude","max_tokens":4096,
+               "system":format!("instructions\n\n{lead}\n\n{to_owner}"),
+               "messages":[
+                 {"role":"user","content":[text("hello"), text(to_hoshi)]},
+                 {"role":"assistant","content":[text("hi, hoshi here")]},
+                 {"role":"user","content":[text(to_ming), text("hey all"), text(to_owner),
+                                           text("who spoke last?")]}]})
+    );
+}
+
 // ------------------------------------------------------------------------ routing and fallback
 
 async fn failing(status: u16, body: Value, retry_after: Option<&str>) -> MockServer {
@@ -864,7 +1111,7 @@ async fn the_request_deadline_bounds_the_whole_call() {
     reply_with(&never, "/chat/completions", openai_text_reply("never")).await;
     let gw = gateway(chain_of(&[("slow", &slow), ("never", &never)], json!({})));
     let mut req = ask(vec![user("x")]);
-    req.timeout_ms = Some(200);
+    req.total_timeout_ms = Some(200);
     let err = gw.complete(&req).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Timeout);
     assert!(
@@ -878,6 +1125,53 @@ async fn the_request_deadline_bounds_the_whole_call() {
         err.message
     );
     assert_eq!(hits(&never).await, 0);
+}
+
+async fn slow_then_fast() -> (MockServer, MockServer) {
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(openai_text_reply("late"))
+                .set_delay(Duration::from_secs(5)),
+        )
+        .mount(&slow)
+        .await;
+    let fast = MockServer::start().await;
+    reply_with(&fast, "/chat/completions", openai_text_reply("fast")).await;
+    (slow, fast)
+}
+
+#[tokio::test]
+async fn the_request_timeout_bounds_one_call_and_each_step_gets_its_own() {
+    let (slow, fast) = slow_then_fast().await;
+    let gw = gateway(chain_of(&[("slow", &slow), ("fast", &fast)], json!({})));
+    let mut req = ask(vec![user("x")]);
+    req.timeout_ms = Some(300); // seed 004 `Options.Timeout`: one HTTP call, not the chain
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
+    assert_eq!((hits(&slow).await, hits(&fast).await), (1, 1));
+
+    // It overrides the provider's own timeout for that call.
+    let (slow, fast) = slow_then_fast().await;
+    let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
+    config["providers"]["slow"]["timeout_ms"] = json!(60_000);
+    let gw = gateway(config);
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
+}
+
+#[tokio::test]
+async fn a_zero_request_timeout_is_the_provider_default() {
+    let (slow, fast) = slow_then_fast().await;
+    let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
+    config["providers"]["slow"]["timeout_ms"] = json!(200);
+    let gw = gateway(config);
+    let mut req = ask(vec![user("x")]);
+    req.timeout_ms = Some(0);
+    req.total_timeout_ms = Some(0);
+    let resp = gw.complete(&req).await.unwrap();
+    assert_eq!(resp.provider, "fast");
 }
 
 #[tokio::test]

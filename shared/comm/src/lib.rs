@@ -22,9 +22,9 @@
 //! - One agent's ask handler runs one ask at a time; its event handlers may run concurrently
 //!   (bounded). Replicas of one agent share a queue group named after its token, so each ask or
 //!   event reaches one replica.
-//! - Every ask ends: with the reply, [`AskError::Timeout`] at the deadline (default
-//!   [`DEFAULT_ASK_TIMEOUT`]), [`AskError::NoReply`] when undeliverable, or
-//!   [`AskError::Cancelled`].
+//! - Every ask ends: with the reply, [`AskError::Timeout`] at the deadline (the shorter of the
+//!   caller's and [`DEFAULT_ASK_TIMEOUT`], which is a cap, not only a default),
+//!   [`AskError::NoReply`] when undeliverable, or [`AskError::Cancelled`].
 //!
 //! - Nobody speaks as another agent: an ask or event is handled only when its body `from`
 //!   sanitises to the subject's `<from>` token ([`cyrene_protocol::subjects::speaks_as`]); NATS
@@ -44,5 +44,6 @@ pub use probe::{
 
 use std::time::Duration;
 
-/// How long an ask waits when the caller gives no deadline.
+/// The longest an ask waits for its reply: the wait when the caller gives no deadline, and the
+/// cap on a longer one (seed: a silent agent never hangs its caller).
 pub const DEFAULT_ASK_TIMEOUT: Duration = Duration::from_secs(30);

@@ -56,10 +56,17 @@ pub enum CommError {
 pub struct AskOptions {
     /// Structured payload sent with the question.
     pub data: Value,
-    /// The deadline; [`DEFAULT_ASK_TIMEOUT`] when `None`.
+    /// The caller's deadline. The ask waits for the **shorter** of this and
+    /// [`DEFAULT_ASK_TIMEOUT`]: the default is a cap, so a silent agent never holds its caller
+    /// longer than that, whatever deadline the caller brings.
     pub timeout: Option<Duration>,
     /// Cancelling this ends the ask with [`AskError::Cancelled`].
     pub cancel: Option<CancellationToken>,
+}
+
+/// How long an ask waits: the shorter of the caller's deadline and [`DEFAULT_ASK_TIMEOUT`].
+fn ask_deadline(caller: Option<Duration>) -> Duration {
+    caller.map_or(DEFAULT_ASK_TIMEOUT, |t| t.min(DEFAULT_ASK_TIMEOUT))
 }
 
 /// What an ask handler answers with.
@@ -263,7 +270,7 @@ impl Probe {
             question: question.to_owned(),
             data: options.data,
         };
-        let after = options.timeout.unwrap_or(DEFAULT_ASK_TIMEOUT);
+        let after = ask_deadline(options.timeout);
         let cancel = options.cancel.unwrap_or_default();
         let no_reply = |reason: String| AskError::NoReply {
             to: to.to_owned(),

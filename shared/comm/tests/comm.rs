@@ -538,3 +538,39 @@ impl Handler for Slow {
         Ok(Answer::text(format!("slow {}", ask.question)))
     }
 }
+
+#[tokio::test]
+async fn the_default_ask_timeout_caps_a_longer_caller_deadline() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let silent = Probe::new(client.clone(), "silent")
+        .serve(Arc::new(Silent))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let asker = Probe::new(client, "a");
+    // Connected and subscribed in real time; the wait itself runs on the paused clock, which
+    // jumps to the next timer whenever nothing else is ready.
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let result = asker
+        .ask_with(
+            "silent",
+            "?",
+            AskOptions {
+                timeout: Some(Duration::from_secs(120)),
+                ..Default::default()
+            },
+        )
+        .await;
+    let waited = started.elapsed();
+    tokio::time::resume();
+    match result {
+        Err(AskError::Timeout { after, .. }) => {
+            assert_eq!(after, cyrene_comm::DEFAULT_ASK_TIMEOUT);
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(31), "waited {waited:?}");
+    silent.stop_within(Duration::ZERO).await;
+}

@@ -22,10 +22,20 @@ fn empty_object() -> Value {
 /// Reasoning knobs. Absent = do not interfere (DeepSeek thinks by default).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Thinking {
+    /// The thinking budget (a target, not a hard cap); absent or 0 = the provider's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_tokens: Option<u32>,
+    /// An explicit on/off switch; absent = no explicit switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable: Option<bool>,
+}
+
+impl Thinking {
+    /// The budget the caller asked for: `None` when absent **or 0**, which both mean "the
+    /// provider's default" (seed 004: `BudgetTokens` 0 picks the adapter's default).
+    pub fn budget(&self) -> Option<u32> {
+        self.budget_tokens.filter(|b| *b > 0)
+    }
 }
 
 /// A completion request. No top_p and no penalties on purpose (seed 004: they are silently
@@ -54,10 +64,18 @@ pub struct ModelRequest {
     pub tool_choice: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thinking: Option<Thinking>,
+    /// Matched against the provider's declared whitelist exactly as given; empty = do not
+    /// interfere.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reasoning_effort: String,
+    /// Bounds **one** HTTP call to a provider (seed 004 `Options.Timeout`); absent or 0 = the
+    /// provider's own `timeout_ms`. Each fallback attempt gets its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Bounds the whole request, every fallback attempt included (the caller's deadline); absent
+    /// or 0 = the gateway's `default_timeout_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_timeout_ms: Option<u64>,
 }
 
 /// A normalised completion.
@@ -163,11 +181,23 @@ mod tests {
             "model":"m","temperature":0.3,"max_tokens":512,"purpose":"chat","persona_id":"cyrene",
             "tools":[{"name":"get_time","description":"now","parameters":{"type":"object"}}],
             "tool_choice":{"type":"auto"},"thinking":{"budget_tokens":1024,"enable":true},
-            "reasoning_effort":"high","timeout_ms":30000});
+            "reasoning_effort":"high","timeout_ms":30000,"total_timeout_ms":90000});
         let req: ModelRequest = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(req.max_tokens, Some(512));
         assert_eq!(req.thinking.as_ref().and_then(|t| t.enable), Some(true));
+        assert_eq!(req.total_timeout_ms, Some(90000));
         assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+    }
+
+    #[test]
+    fn a_zero_thinking_budget_means_the_provider_default() {
+        let t = |budget_tokens| Thinking {
+            budget_tokens,
+            enable: Some(true),
+        };
+        assert_eq!(t(Some(0)).budget(), None);
+        assert_eq!(t(None).budget(), None);
+        assert_eq!(t(Some(2048)).budget(), Some(2048));
     }
 
     #[test]

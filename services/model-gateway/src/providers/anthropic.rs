@@ -1,8 +1,13 @@
 //! The Anthropic dialect: `POST {base_url}/v1/messages`, translated natively both ways.
 //!
 //! Choices made here (documented in `docs/model-gateway.md`):
-//! - Every system message is hoisted, in order, into the top-level `system` string (joined by a
-//!   blank line): the dialect has no system role inside `messages`.
+//! - The dialect has no system role inside `messages`. The system messages that open the
+//!   conversation (before its first user/assistant/tool message) become the top-level `system`
+//!   string (joined by a blank line). A system message *inside* the conversation — an
+//!   attribution note, a parallel-leg notice — keeps its position: it becomes its own `text`
+//!   block of the `user` turn at that point (seed 001: notes hold from where they appear until
+//!   the next one, so hoisting them would detach every note from the messages it describes).
+//!   Its text is never joined to a user's text.
 //! - Tool turns become `user` messages of `tool_result` blocks (`is_error: true` only when set);
 //!   consecutive messages of one role are merged, as the dialect requires alternation.
 //! - Images: a data URI becomes a base64 `source`, anything else a `url` source.
@@ -11,9 +16,12 @@
 //! - `max_tokens` is required here: 4096 when not given (budget + 4096 when a thinking budget
 //!   would not fit).
 //! - Thinking: `{"type":"disabled"}` for `enable: false`; else, when asked, per model capability
-//!   `{"type":"enabled","budget_tokens":N}` (default 1024) or `{"type":"adaptive"}`.
-//! - `reasoning_effort` → `output_config.effort` (whitelist `low`, `medium`, `high`, `max` unless
-//!   configured).
+//!   `{"type":"enabled","budget_tokens":N}` (absent or 0 = 1024) or `{"type":"adaptive"}`. A
+//!   budget the request gives but the body cannot carry (adaptive, or disabled) is a WARN.
+//! - `tool_choice` is sent exactly as given (seed 004: passed through to the dialect that has
+//!   one); the neutral forms are this dialect's own.
+//! - `reasoning_effort` → `output_config.effort`, matched as given against `low`, `medium`,
+//!   `high`, `max` unless configured.
 //! - Usage: hits = `cache_read_input_tokens`; misses = `input_tokens +
 //!   cache_creation_input_tokens`; prompt tokens = hits + misses; reasoning tokens are not
 //!   reported by this dialect (they are inside `output_tokens`) and stay 0.
@@ -42,6 +50,7 @@ pub struct AnthropicProvider {
     url: String,
     api_key: Option<String>,
     models: BTreeMap<String, ModelCaps>,
+    /// The `output_config.effort` whitelist (always declared for this dialect).
     efforts: Vec<String>,
     http: reqwest::Client,
 }
@@ -85,7 +94,7 @@ impl AnthropicProvider {
             .get(model)
             .and_then(|c| c.thinking)
             .unwrap_or_default();
-        let thinking = thinking(req, style);
+        let thinking = thinking(req, style, &self.name);
         let budget = thinking
             .as_ref()
             .and_then(|t| t.get("budget_tokens"))
@@ -122,14 +131,18 @@ impl AnthropicProvider {
             body.insert("tools".into(), Value::Array(tools));
         }
         if let Some(choice) = &req.tool_choice {
-            body.insert("tool_choice".into(), tool_choice(choice));
+            // As given: the neutral forms are this dialect's own (seed 004).
+            body.insert("tool_choice".into(), choice.clone());
         }
         if let Some(thinking) = thinking {
             body.insert("thinking".into(), thinking);
         }
-        if let Some(effort) =
-            normalise_effort(&req.reasoning_effort, &self.efforts, false, &self.name)
-        {
+        if let Some(effort) = normalise_effort(
+            &req.reasoning_effort,
+            Some(&self.efforts),
+            false,
+            &self.name,
+        ) {
             body.insert("output_config".into(), json!({"effort": effort}));
         }
         Ok(Value::Object(body))
@@ -160,36 +173,35 @@ impl super::Provider for AnthropicProvider {
     }
 }
 
-fn thinking(req: &ModelRequest, style: ThinkingStyle) -> Option<Value> {
+/// The `thinking` object for `style`; a budget the object cannot carry is reported (seed 004:
+/// a thinking field a provider cannot take is a WARN, never silently dropped).
+fn thinking(req: &ModelRequest, style: ThinkingStyle, provider: &str) -> Option<Value> {
     let t = req.thinking.as_ref()?;
-    match (t.enable, t.budget_tokens) {
-        (Some(false), _) => Some(json!({"type": "disabled"})),
+    // 0 = the adapter's default budget (seed 004).
+    let budget = t.budget();
+    let dropped_budget = |why: &str| {
+        if let Some(budget) = budget {
+            tracing::warn!(
+                provider,
+                budget_tokens = budget,
+                "budget_tokens not sent: {why}"
+            );
+        }
+    };
+    match (t.enable, budget) {
+        (Some(false), _) => {
+            dropped_budget("thinking is disabled");
+            Some(json!({"type": "disabled"}))
+        }
         (None, None) => None,
         (_, budget) => Some(match style {
-            ThinkingStyle::Adaptive => json!({"type": "adaptive"}),
+            ThinkingStyle::Adaptive => {
+                dropped_budget("this model thinks adaptively and takes no budget");
+                json!({"type": "adaptive"})
+            }
             ThinkingStyle::Budget => json!({"type": "enabled",
                 "budget_tokens": budget.unwrap_or(DEFAULT_THINKING_BUDGET)}),
         }),
-    }
-}
-
-/// Neutral → Anthropic tool_choice: OpenAI-shaped forms are translated, the dialect's own forms
-/// (the neutral ones) and anything unknown pass through untouched.
-fn tool_choice(choice: &Value) -> Value {
-    match choice {
-        Value::String(s) => match s.as_str() {
-            "auto" => json!({"type": "auto"}),
-            "required" => json!({"type": "any"}),
-            "none" => json!({"type": "none"}),
-            _ => choice.clone(),
-        },
-        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            match o.get("function").and_then(|f| f.get("name")) {
-                Some(name) => json!({"type": "tool", "name": name}),
-                None => choice.clone(),
-            }
-        }
-        _ => choice.clone(),
     }
 }
 
@@ -197,19 +209,24 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
     let mut system: Vec<String> = Vec::new();
     // (role, blocks), merged when consecutive messages share a role.
     let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
+    // Whether a user/assistant/tool message has been seen: system messages before it open the
+    // conversation (top-level `system`), system messages after it keep their place.
+    let mut conversation_started = false;
     for m in messages {
         let (role, blocks) = match m.role {
-            Role::System => {
+            Role::System if !conversation_started => {
                 let text = m.text_content();
                 if !text.is_empty() {
                     system.push(text);
                 }
                 continue;
             }
+            Role::System => ("user", system_note_blocks(m)),
             Role::User => ("user", user_blocks(m)?),
             Role::Tool => ("user", tool_blocks(m)),
             Role::Assistant => ("assistant", assistant_blocks(m)),
         };
+        conversation_started = true;
         if blocks.is_empty() {
             continue;
         }
@@ -223,6 +240,16 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
         .map(|(role, blocks)| json!({"role": role, "content": blocks}))
         .collect();
     Ok((system.join("\n\n"), messages))
+}
+
+/// A system message inside the conversation: its text as one block of its own, in place.
+fn system_note_blocks(m: &Message) -> Vec<Value> {
+    let text = m.text_content();
+    if text.is_empty() {
+        Vec::new()
+    } else {
+        vec![json!({"type": "text", "text": text})]
+    }
 }
 
 fn user_blocks(m: &Message) -> Result<Vec<Value>, ProviderError> {
@@ -396,17 +423,6 @@ mod tests {
     use cyrene_protocol::model::Thinking;
 
     #[test]
-    fn openai_shaped_tool_choices_translate_and_native_ones_pass_through() {
-        assert_eq!(tool_choice(&json!("required")), json!({"type":"any"}));
-        assert_eq!(
-            tool_choice(&json!({"type":"function","function":{"name":"x"}})),
-            json!({"type":"tool","name":"x"})
-        );
-        let native = json!({"type":"tool","name":"x","disable_parallel_tool_use":true});
-        assert_eq!(tool_choice(&native), native);
-    }
-
-    #[test]
     fn thinking_follows_the_model_style_and_absent_means_untouched() {
         let req = |enable, budget| ModelRequest {
             thinking: Some(Thinking {
@@ -415,39 +431,47 @@ mod tests {
             }),
             ..Default::default()
         };
+        let budget = |r: &ModelRequest| thinking(r, ThinkingStyle::Budget, "p");
+        assert_eq!(budget(&ModelRequest::default()), None);
+        assert_eq!(budget(&req(None, None)), None);
+        assert_eq!(budget(&req(None, Some(0))), None);
         assert_eq!(
-            thinking(&ModelRequest::default(), ThinkingStyle::Budget),
-            None
-        );
-        assert_eq!(thinking(&req(None, None), ThinkingStyle::Budget), None);
-        assert_eq!(
-            thinking(&req(Some(false), Some(2000)), ThinkingStyle::Budget),
+            budget(&req(Some(false), Some(2000))),
             Some(json!({"type":"disabled"}))
         );
         assert_eq!(
-            thinking(&req(Some(true), None), ThinkingStyle::Budget),
+            budget(&req(Some(true), None)),
             Some(json!({"type":"enabled","budget_tokens":1024}))
         );
         assert_eq!(
-            thinking(&req(None, Some(3000)), ThinkingStyle::Adaptive),
+            budget(&req(Some(true), Some(0))),
+            Some(json!({"type":"enabled","budget_tokens":1024}))
+        );
+        assert_eq!(
+            thinking(&req(None, Some(3000)), ThinkingStyle::Adaptive, "p"),
             Some(json!({"type":"adaptive"}))
         );
     }
 
     #[test]
-    fn consecutive_user_and_tool_turns_merge_and_system_is_hoisted() {
+    fn consecutive_user_and_tool_turns_merge_and_leading_system_is_hoisted() {
         let messages = vec![
             Message::text(Role::System, "be brief"),
+            Message::text(Role::System, "it is noon"),
             Message::tool_result("c1", "t", "one", false),
             Message::tool_result("c2", "t", "two", true),
             Message::text(Role::User, "and?"),
             Message::text(Role::System, "late note"),
         ];
         let (system, turns) = encode_messages(&messages).unwrap();
-        assert_eq!(system, "be brief\n\nlate note");
+        assert_eq!(system, "be brief\n\nit is noon");
         assert_eq!(turns.len(), 1);
-        assert_eq!(turns[0]["content"].as_array().unwrap().len(), 3);
-        assert_eq!(turns[0]["content"][1]["is_error"], json!(true));
-        assert!(turns[0]["content"][0].get("is_error").is_none());
+        assert_eq!(
+            turns[0]["content"],
+            json!([{"type":"tool_result","tool_use_id":"c1","content":"one"},
+                   {"type":"tool_result","tool_use_id":"c2","content":"two","is_error":true},
+                   {"type":"text","text":"and?"},
+                   {"type":"text","text":"late note"}])
+        );
     }
 }

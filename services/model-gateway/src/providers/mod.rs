@@ -188,30 +188,36 @@ pub(crate) fn parse_data_uri(url: &str) -> Result<Option<DataUri<'_>>, String> {
     Ok(Some(DataUri { media_type, data }))
 }
 
-/// Normalises `effort` (DeepSeek aliases when `deepseek_aliases`) and keeps it only when it is
-/// on `whitelist`; an unknown value is dropped with a WARN, never replaced by another level.
+/// Checks `effort` against the provider's declared `whitelist`, exactly as given (no trimming,
+/// no case folding), after DeepSeek's documented aliases when `deepseek_aliases`. A value not on
+/// the whitelist is dropped with a WARN, never replaced by another level. A provider without a
+/// declared whitelist (`None`) gets the value unchanged, with a WARN that nobody checked it.
 pub(crate) fn normalise_effort(
     effort: &str,
-    whitelist: &[String],
+    whitelist: Option<&[String]>,
     deepseek_aliases: bool,
     provider: &str,
 ) -> Option<String> {
     if effort.is_empty() {
         return None;
     }
-    let effort = effort.trim().to_ascii_lowercase();
-    let effort = if deepseek_aliases {
-        match effort.as_str() {
-            "minimal" => "low".to_owned(),
-            "medium" | "xhigh" => "high".to_owned(),
-            "ultra" => "max".to_owned(),
-            _ => effort,
-        }
-    } else {
-        effort
+    let effort = match effort {
+        "minimal" if deepseek_aliases => "low",
+        "medium" | "xhigh" if deepseek_aliases => "high",
+        "ultra" if deepseek_aliases => "max",
+        other => other,
     };
-    if whitelist.contains(&effort) {
-        Some(effort)
+    let Some(whitelist) = whitelist else {
+        tracing::warn!(
+            provider,
+            reasoning_effort = %effort,
+            "this provider declares no reasoning_effort whitelist; sent unchecked \
+             (set reasoning_efforts in the model config to check it)"
+        );
+        return Some(effort.to_owned());
+    };
+    if whitelist.iter().any(|w| w == effort) {
+        Some(effort.to_owned())
     } else {
         tracing::warn!(
             provider,
@@ -280,30 +286,42 @@ mod tests {
     #[test]
     fn deepseek_effort_aliases_normalise_and_unknown_values_drop() {
         let ds = strings(&["low", "high", "max"]);
+        let ds = Some(ds.as_slice());
         assert_eq!(
-            normalise_effort("minimal", &ds, true, "p").as_deref(),
+            normalise_effort("minimal", ds, true, "p").as_deref(),
             Some("low")
         );
         assert_eq!(
-            normalise_effort("medium", &ds, true, "p").as_deref(),
+            normalise_effort("medium", ds, true, "p").as_deref(),
             Some("high")
         );
         assert_eq!(
-            normalise_effort("xhigh", &ds, true, "p").as_deref(),
+            normalise_effort("xhigh", ds, true, "p").as_deref(),
             Some("high")
         );
         assert_eq!(
-            normalise_effort("ultra", &ds, true, "p").as_deref(),
+            normalise_effort("ultra", ds, true, "p").as_deref(),
             Some("max")
         );
-        assert_eq!(
-            normalise_effort("MAX", &ds, true, "p").as_deref(),
-            Some("max")
-        );
-        assert_eq!(normalise_effort("extreme", &ds, true, "p"), None);
+        assert_eq!(normalise_effort("extreme", ds, true, "p"), None);
         let oa = strings(&["low", "medium", "high"]);
-        assert_eq!(normalise_effort("ultra", &oa, false, "p"), None);
-        assert_eq!(normalise_effort("", &oa, false, "p"), None);
+        assert_eq!(normalise_effort("ultra", Some(&oa), false, "p"), None);
+        assert_eq!(normalise_effort("", Some(&oa), false, "p"), None);
+    }
+
+    #[test]
+    fn effort_is_matched_as_given_and_passes_unchecked_without_a_whitelist() {
+        let ds = strings(&["low", "high", "max"]);
+        // No case folding, no trimming: "MAX" is not "max" (seed 004, D13).
+        assert_eq!(normalise_effort("MAX", Some(&ds), true, "p"), None);
+        assert_eq!(normalise_effort(" high", Some(&ds), true, "p"), None);
+        assert_eq!(normalise_effort("Minimal", Some(&ds), true, "p"), None);
+        // No declared whitelist: sent as given (with a WARN), never guessed.
+        assert_eq!(
+            normalise_effort("turbo", None, false, "p").as_deref(),
+            Some("turbo")
+        );
+        assert_eq!(normalise_effort("", None, false, "p"), None);
     }
 
     #[test]

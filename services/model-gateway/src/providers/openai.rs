@@ -10,15 +10,19 @@
 //!   rejects a tool-call turn without them); Anthropic reasoning is dropped here.
 //! - `function.arguments` is a JSON *string*: `""` decodes to `{}`; invalid JSON (or JSON that is
 //!   not an object) gives `args: {}` plus `args_error`.
-//! - Thinking: DeepSeek `{"thinking":{"type":"enabled"|"disabled"}}`; DashScope `enable_thinking`
-//!   / `thinking_budget`; other vendors have no switch (WARN, not sent).
+//! - Thinking: DeepSeek `{"thinking":{"type":"enabled"|"disabled"}}` (a budget: WARN, not sent);
+//!   DashScope `enable_thinking` / `thinking_budget` (a budget of 0 = the provider's default:
+//!   not sent); other vendors have no switch (WARN, not sent).
+//! - `reasoning_effort` is checked, exactly as given, against the vendor's documented whitelist
+//!   (OpenAI, DeepSeek after its aliases) or the configured `reasoning_efforts`; a vendor with
+//!   neither gets the value unchecked, with a WARN.
 //! - `max_tokens` is sent as `max_completion_tokens` to OpenAI itself (its reasoning models
 //!   refuse `max_tokens`), as `max_tokens` elsewhere.
 
 use super::{ProviderError, normalise_effort, post_json, strings, tool_choice_forces};
 use crate::config::{ProviderConfig, Step, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
-use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking};
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::fmt;
@@ -30,7 +34,8 @@ pub struct OpenAiProvider {
     url: String,
     api_key: Option<String>,
     vendor: Vendor,
-    efforts: Vec<String>,
+    /// The declared `reasoning_effort` whitelist; `None` = none declared (sent unchecked).
+    efforts: Option<Vec<String>>,
     http: reqwest::Client,
 }
 
@@ -45,12 +50,16 @@ impl fmt::Debug for OpenAiProvider {
     }
 }
 
-/// The recognised `reasoning_effort` values per vendor (after DeepSeek alias normalisation).
-pub fn default_efforts(vendor: Vendor) -> Vec<String> {
+/// The documented `reasoning_effort` values per vendor (after DeepSeek alias normalisation);
+/// `None` for vendors that document none: their effort is sent unchecked, with a WARN, rather
+/// than checked against a guessed list.
+pub fn default_efforts(vendor: Vendor) -> Option<Vec<String>> {
     match vendor {
-        Vendor::Openai => strings(&["none", "minimal", "low", "medium", "high", "xhigh"]),
-        Vendor::Deepseek => strings(&["low", "high", "max"]),
-        Vendor::Dashscope | Vendor::Generic => strings(&["low", "medium", "high"]),
+        Vendor::Openai => Some(strings(&[
+            "none", "minimal", "low", "medium", "high", "xhigh",
+        ])),
+        Vendor::Deepseek => Some(strings(&["low", "high", "max"])),
+        Vendor::Dashscope | Vendor::Generic => None,
     }
 }
 
@@ -70,7 +79,7 @@ impl OpenAiProvider {
             efforts: config
                 .reasoning_efforts
                 .clone()
-                .unwrap_or_else(|| default_efforts(vendor)),
+                .or_else(|| default_efforts(vendor)),
             http,
         }
     }
@@ -116,7 +125,7 @@ impl OpenAiProvider {
         self.encode_thinking(req, &mut body);
         if let Some(effort) = normalise_effort(
             &req.reasoning_effort,
-            &self.efforts,
+            self.efforts.as_deref(),
             self.vendor == Vendor::Deepseek,
             &self.name,
         ) {
@@ -133,7 +142,7 @@ impl OpenAiProvider {
                     let kind = if enable { "enabled" } else { "disabled" };
                     body.insert("thinking".into(), json!({"type": kind}));
                 }
-                if thinking.and_then(|t| t.budget_tokens).is_some() {
+                if thinking.and_then(Thinking::budget).is_some() {
                     tracing::warn!(
                         provider = %self.name,
                         "DeepSeek has no thinking budget; budget_tokens not sent"
@@ -153,7 +162,8 @@ impl OpenAiProvider {
                 if let Some(enable) = thinking.and_then(|t| t.enable) {
                     body.insert("enable_thinking".into(), json!(enable));
                 }
-                if let Some(budget) = thinking.and_then(|t| t.budget_tokens) {
+                // 0 = the provider's default budget: not sent (seed 004).
+                if let Some(budget) = thinking.and_then(Thinking::budget) {
                     body.insert("thinking_budget".into(), json!(budget));
                 }
             }
