@@ -15,7 +15,7 @@ pub struct AskArgs {
     /// The agent to ask.
     #[arg(long)]
     pub to: String,
-    /// How long to wait for the reply.
+    /// How long to wait for the reply (at most 30 s: the comm protocol caps every ask there).
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub timeout: Duration,
     /// Structured data sent with the question (JSON).

@@ -100,8 +100,12 @@ impl TurnPorts for NatsPorts {
 
     async fn complete(&self, mut request: ModelRequest) -> Result<ModelResponse, ErrorBody> {
         let timeout = self.timeouts.model;
-        request.timeout_ms.get_or_insert(timeout.as_millis() as u64);
-        // The gateway gets the deadline in the request; this waits a little longer for its answer.
+        // The worker's model timeout bounds the whole fallback chain (each HTTP call keeps the
+        // provider's own timeout); the gateway gets it in the request, and this waits a little
+        // longer for its answer.
+        request
+            .total_timeout_ms
+            .get_or_insert(timeout.as_millis() as u64);
         let wait = timeout + Duration::from_secs(1);
         request_json(&self.client, subjects::MODEL_COMPLETE, &request, wait)
             .await
