@@ -7,8 +7,13 @@
 //!   assistant's messages and tool results.
 //! - **Checkpoint after every step** under the turn's owner key (`session` or `session#leg`) with
 //!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
-//!   resumable stop reason); every other exit — final answer, budget exhausted, deadline, error —
+//!   resumable stop reason); every other exit — final answer, `safety_net` answer, budget
+//!   exhausted, deadline at a boundary (`canceled`) or during a model call (`aborted`), error —
 //!   is settled by a non-resumable checkpoint before it is reported.
+//! - **The step budget has a safety net.** When step `max_steps` ends in tool calls, one more
+//!   model call with tool use off asks for an answer from what the window holds; it shares the
+//!   last step's number and checkpoint. Only when it gives no text does the turn end as
+//!   `budget_exhausted`.
 //! - **Steering never cancels** (I1–I3): it happens only at boundaries, after the whole tool batch
 //!   finished, and only adds to the next view. A failed or slow steer yields nothing; the
 //!   messages stay pending at the orchestrator and are answered later.
@@ -27,6 +32,8 @@
 //! # Pitfalls
 //! - A checkpoint save failure other than `conflict` never fails the turn (WARN): losing a
 //!   snapshot only costs re-running a step after a crash.
+//! - The deadline abandons a model call, never a tool batch already started (tools are bounded
+//!   by their own timeout); it is checked again at the next boundary.
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
 
