@@ -1375,8 +1375,7 @@ mod tests {
             "From what I found: noon."
         );
         assert_eq!(*fake.tool_runs.lock().unwrap(), ["a", "b"]);
-        let requests = fake.requests.lock().unwrap();
-        let last = requests.last().unwrap();
+        let last = fake.requests.lock().unwrap().last().cloned().unwrap();
         assert_eq!(last.tool_choice, Some(serde_json::json!("none")));
         assert_eq!(
             last.messages.last().unwrap().text_content(),
@@ -1395,7 +1394,6 @@ mod tests {
                 .all(|m| m.text_content() != SAFETY_NET_NOTE),
             "the note is view only"
         );
-        drop(requests);
 
         // Redelivered after the report was lost: reported again, not rerun.
         let again = Fake::default();
