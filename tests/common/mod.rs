@@ -175,7 +175,7 @@ pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
         notice: None,
         max_steps: 8,
         deadline_unix_ms: None,
-        tools: vec![],
+        tools: None,
     }
 }
 

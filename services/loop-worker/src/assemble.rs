@@ -5,7 +5,10 @@
 //!    blocks in that order — each its own system message, each omitted when empty;
 //! 2. the attribution lead (seed 001), when attribution renders at all;
 //! 3. the conversation window, with attribution switch notes before the messages they announce;
-//! 4. the steered messages claimed so far this turn, in claim order (not attributed);
+//! 4. the steered messages claimed so far this turn, in claim order, attributed as a
+//!    continuation of the window: a `[发言归属]` note holds from where it appears until the next
+//!    one (seed 001), so a steered message whose speaker differs from the last attributed one
+//!    gets its own note — a third party's message steered in never reads as the owner's;
 //! 5. the parallel notice (seed 000), last.
 //!
 //! Document parts are replaced here, in the conversation and in steered messages alike, by the
@@ -51,6 +54,29 @@ impl ContextBlocks {
         .filter(|block| !block.is_empty())
         .map(|block| Message::text(Role::System, block.clone()))
     }
+}
+
+/// Opens the time block.
+pub const TIME_BLOCK_MARKER: &str = "[当前时间] ";
+
+/// The time block: `[当前时间] 2026-11-30 03:01（UTC，星期一）`, to the minute, in UTC. The
+/// seeds fix only its place (after the instructions, before working memory and memory); this
+/// wording is ours. It is a system message like the other blocks, so it never touches user text.
+pub fn time_block(now: chrono::DateTime<chrono::Utc>) -> String {
+    use chrono::{Datelike, Weekday};
+    let weekday = match now.weekday() {
+        Weekday::Mon => "星期一",
+        Weekday::Tue => "星期二",
+        Weekday::Wed => "星期三",
+        Weekday::Thu => "星期四",
+        Weekday::Fri => "星期五",
+        Weekday::Sat => "星期六",
+        Weekday::Sun => "星期日",
+    };
+    format!(
+        "{TIME_BLOCK_MARKER}{}（UTC，{weekday}）",
+        now.format("%Y-%m-%d %H:%M")
+    )
 }
 
 /// A user message steered into the running turn at a boundary, with the orchestrator's server
@@ -173,6 +199,7 @@ pub fn replace_documents(message: &Message, extractor: &dyn DocumentExtractor) -
         role: message.role,
         content,
         sender_name: message.sender_name.clone(),
+        sender_kind: message.sender_kind,
         tool_call_id: message.tool_call_id.clone(),
         tool_call_name: message.tool_call_name.clone(),
     }
@@ -197,7 +224,12 @@ pub struct ViewInputs<'a> {
 
 /// Builds one step's view in the order of the module docs. The window is left untouched.
 pub fn assemble_view(inputs: &ViewInputs<'_>, documents: &dyn DocumentExtractor) -> Vec<Message> {
-    let plan = attribution::plan(inputs.window, inputs.speakers, inputs.names);
+    // The window and the steered messages are one conversation for attribution.
+    let conversation = inputs
+        .window
+        .iter()
+        .chain(inputs.steered.iter().map(|s| &s.message));
+    let plan = attribution::plan(conversation.clone(), inputs.speakers, inputs.names);
     let notes = plan.as_ref().map_or(0, |p| p.notes.len() + 1);
     let mut view = Vec::with_capacity(
         4 + notes
@@ -210,11 +242,10 @@ pub fn assemble_view(inputs: &ViewInputs<'_>, documents: &dyn DocumentExtractor)
     match plan {
         Some(plan) => {
             view.push(plan.lead);
-            view.extend(attribution::interleave(inputs.window, &plan.notes, replace));
+            view.extend(attribution::interleave(conversation, &plan.notes, replace));
         }
-        None => view.extend(inputs.window.iter().map(replace)),
+        None => view.extend(conversation.map(replace)),
     }
-    view.extend(inputs.steered.iter().map(|s| replace(&s.message)));
     notice::append_notice(&mut view, inputs.notice);
     view
 }
@@ -332,6 +363,14 @@ mod tests {
     }
 
     #[test]
+    fn the_time_block_names_the_minute_and_weekday_in_utc() {
+        let at = chrono::DateTime::parse_from_rfc3339("2026-11-30T03:01:41+00:00")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        assert_eq!(time_block(at), "[当前时间] 2026-11-30 03:01（UTC，星期一）");
+    }
+
+    #[test]
     fn empty_blocks_are_omitted_and_order_is_kept() {
         let mut fx = Fixture::new(vec![user("hi")]);
         fx.blocks = ContextBlocks {
@@ -386,19 +425,57 @@ mod tests {
     }
 
     #[test]
-    fn steered_messages_follow_the_conversation_unattributed() {
+    fn steered_messages_continue_the_attribution_of_the_window() {
         let mut fx = Fixture::new(vec![user("q"), assistant("a").sender("cyrene")]);
         fx.speakers = SpeakerEnv::new(true, "cyrene");
-        fx.steered = vec![steered("m1", 5, "wait"), steered("m2", 6, "also this")];
+        fx.steered = vec![
+            SteeredMessage {
+                id: "m1".into(),
+                seq: 5,
+                message: user("i am not the owner").sender("阿明"),
+            },
+            steered("m2", 6, "wait"),
+            steered("m3", 7, "also this"),
+        ];
         let texts = fx.texts();
         let n = texts.len();
+        // The last note before the steered messages announced the persona itself: without a
+        // note of their own, the steered lines would read as hers.
+        assert_eq!(texts[n - 6], line(Role::Assistant, "a"));
+        assert!(is_note(&texts[n - 5]));
+        assert!(
+            texts[n - 5].1.contains("「阿明」——本会话里的第三方人员"),
+            "{texts:#?}"
+        );
+        assert_eq!(texts[n - 4], line(Role::User, "i am not the owner"));
+        assert!(is_note(&texts[n - 3]));
+        assert!(
+            texts[n - 3].1.contains("主人（管理员账户）本人"),
+            "{texts:#?}"
+        );
+        // One note for both owner lines: it holds until the next note.
         assert_eq!(texts[n - 2], line(Role::User, "wait"));
         assert_eq!(texts[n - 1], line(Role::User, "also this"));
-        // In a restricted session an unlabelled user line in the window is the owner and gets a
-        // note; the steered owner lines after the conversation get none.
-        assert_eq!(texts[n - 3], line(Role::Assistant, "a"));
-        let notes = texts.iter().filter(|t| is_note(t)).count();
-        assert_eq!(notes, 2, "owner note and self note only: {texts:#?}");
+        assert_eq!(texts.iter().filter(|t| is_note(t)).count(), 4, "{texts:#?}");
+    }
+
+    #[test]
+    fn a_labelled_steered_message_alone_turns_attribution_on() {
+        let mut fx = Fixture::new(vec![user("q")]);
+        fx.speakers = SpeakerEnv::new(true, "cyrene");
+        fx.steered = vec![SteeredMessage {
+            id: "m1".into(),
+            seq: 2,
+            message: user("hello").sender("阿明"),
+        }];
+        let texts = fx.texts();
+        assert!(texts.iter().any(|t| t.1.starts_with(ROLE_CONTEXT_MARKER)));
+        let n = texts.len();
+        assert!(texts[n - 2].1.contains("「阿明」"), "{texts:#?}");
+        assert!(
+            texts[n - 4].1.contains("主人（管理员账户）本人"),
+            "{texts:#?}"
+        );
     }
 
     #[test]

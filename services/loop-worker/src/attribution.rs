@@ -6,7 +6,11 @@
 //!
 //! - an assistant message's `sender_name` is the **persona lane**: the persona id that said it;
 //! - a user message's `sender_name` is the **third-party lane**: the nickname (or platform uid)
-//!   of a non-owner sender in a restricted session; the owner's own lines are never labelled;
+//!   of a non-owner *person* in a restricted session; the owner's own lines are never labelled;
+//! - a user message labelled with `sender_kind: agent` is the **agent lane**: another agent's
+//!   ask, whose `from` is an agent id the runtime did not verify. An agent is neither the owner
+//!   nor a third-party person, so it gets a note of its own (our wording: the seed knows only
+//!   persons on the user side);
 //! - in a restricted session an *unlabelled* user message is the owner and an unlabelled
 //!   assistant message is the current persona (a restricted session has exactly one persona).
 //!   Outside restricted sessions an empty label means "unlabelled" and is not rendered.
@@ -18,7 +22,7 @@
 //!   text is untrusted and must not be able to impersonate a marker).
 //! - Nothing at all is rendered unless at least one message carries an explicit label, so
 //!   single-persona and unlabelled conversations keep their prompt byte for byte.
-//! - Speaker keys are prefixed by lane (`role\0`, `third\0`, `owner`), so a persona id and a
+//! - Speaker keys are prefixed by lane (`role\0`, `third\0`, `agent\0`, `owner`), so a persona id and a
 //!   nickname that happen to be equal are two speakers, never merged into one note.
 //! - Tool and system messages are never attributed, and they do not reset the current speaker.
 //! - Every string is byte-exact from seed 001 (markers, full-width punctuation, spaces).
@@ -36,7 +40,7 @@
 
 use std::collections::HashMap;
 
-use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::message::{Message, Role, SenderKind};
 use cyrene_protocol::names::display_name;
 
 /// Opens the lead message that declares which persona is answering.
@@ -69,6 +73,11 @@ const SELF_PREFIX: &str = "以下发言来自你自己——";
 const SELF_SUFFIX: &str = "。";
 const OTHER_PREFIX: &str = "以下发言来自";
 const OTHER_SUFFIX: &str = "，不是你说的。";
+/// The agent-lane note (ours, not the seed's): an asking agent is no person, and its id is
+/// only what it claimed.
+const AGENT_PREFIX: &str = "以下发言来自「";
+const AGENT_SUFFIX: &str =
+    "」——另一个智能体（agent，身份未经核实），不是主人，不是第三方人员，也不是你说的。";
 
 /// Stands in for a label with nothing printable left after normalisation.
 pub const UNNAMED: &str = "?";
@@ -86,6 +95,7 @@ pub fn safe_name(raw: &str) -> String {
 
 const PERSONA_KEY_PREFIX: &str = "role\0";
 const THIRD_PARTY_KEY_PREFIX: &str = "third\0";
+const AGENT_KEY_PREFIX: &str = "agent\0";
 const OWNER_KEY: &str = "owner";
 
 /// The session facts one rendering needs.
@@ -160,6 +170,8 @@ enum SpeakerKind {
     Persona,
     /// A labelled user message: a third party.
     ThirdParty,
+    /// A user message in the agent lane: another agent's ask.
+    Agent,
     /// An unlabelled user message in a restricted session: the owner.
     Owner,
 }
@@ -197,9 +209,13 @@ fn explicit_speaker(message: &Message) -> Option<Speaker> {
         Role::Assistant => Some(Speaker::persona(raw)),
         Role::User => {
             let name = safe_name(raw);
+            let (prefix, kind) = match message.sender_kind {
+                SenderKind::Person => (THIRD_PARTY_KEY_PREFIX, SpeakerKind::ThirdParty),
+                SenderKind::Agent => (AGENT_KEY_PREFIX, SpeakerKind::Agent),
+            };
             Some(Speaker {
-                key: format!("{THIRD_PARTY_KEY_PREFIX}{name}"),
-                kind: SpeakerKind::ThirdParty,
+                key: format!("{prefix}{name}"),
+                kind,
                 name,
             })
         }
@@ -259,14 +275,15 @@ impl Attribution {
 }
 
 /// Copies `conversation` through `map`, inserting each note before its message.
-pub(crate) fn interleave(
-    conversation: &[Message],
+pub(crate) fn interleave<'m>(
+    conversation: impl IntoIterator<Item = &'m Message>,
     notes: &[SwitchNote],
     mut map: impl FnMut(&Message) -> Message,
 ) -> Vec<Message> {
-    let mut out = Vec::with_capacity(conversation.len() + notes.len());
+    let conversation = conversation.into_iter();
+    let mut out = Vec::with_capacity(conversation.size_hint().0 + notes.len());
     let mut pending = notes.iter().peekable();
-    for (index, message) in conversation.iter().enumerate() {
+    for (index, message) in conversation.enumerate() {
         while let Some(note) = pending.next_if(|n| n.before <= index) {
             out.push(note.message.clone());
         }
@@ -278,18 +295,21 @@ pub(crate) fn interleave(
 }
 
 /// Plans attribution for one model step: `None` when no message carries an explicit label,
-/// else the lead and a note wherever the attributed speaker changes.
-pub fn plan(
-    conversation: &[Message],
-    env: &SpeakerEnv,
-    names: &PersonaNames,
-) -> Option<Attribution> {
-    if !any_speaker_label(conversation) {
+/// else the lead and a note wherever the attributed speaker changes. `conversation` is every
+/// message the view shows in order — the window, then the messages steered in this turn — so a
+/// note's "until the next note" never silently covers a steered message of another speaker.
+pub fn plan<'m, I>(conversation: I, env: &SpeakerEnv, names: &PersonaNames) -> Option<Attribution>
+where
+    I: IntoIterator<Item = &'m Message>,
+    I::IntoIter: Clone,
+{
+    let conversation = conversation.into_iter();
+    if !conversation.clone().any(|m| explicit_speaker(m).is_some()) {
         return None;
     }
     let mut notes = Vec::new();
     let mut previous: Option<String> = None;
-    for (index, message) in conversation.iter().enumerate() {
+    for (index, message) in conversation.enumerate() {
         let Some(speaker) = speaker_of(message, env) else {
             continue;
         };
@@ -343,6 +363,10 @@ fn switch_note_text(speaker: &Speaker, env: &SpeakerEnv, names: &PersonaNames) -
         SpeakerKind::Owner => format!("{SPEAKER_SWITCH_MARKER}{OWNER_NOTE_BODY}"),
         SpeakerKind::ThirdParty => format!(
             "{SPEAKER_SWITCH_MARKER}{THIRD_PARTY_PREFIX}{}{THIRD_PARTY_SUFFIX}",
+            speaker.name
+        ),
+        SpeakerKind::Agent => format!(
+            "{SPEAKER_SWITCH_MARKER}{AGENT_PREFIX}{}{AGENT_SUFFIX}",
             speaker.name
         ),
         SpeakerKind::Persona => {
@@ -613,6 +637,24 @@ mod tests {
         let conv = vec![user("hey").sender("wx_9001")];
         let (_, out) = render(&conv, &restricted("cyrene"), &names()).unwrap();
         assert_eq!(out[0], sys(NOTE_THIRD_UID));
+    }
+
+    #[test]
+    fn an_asking_agent_is_neither_a_third_party_person_nor_the_owner() {
+        // An ask from agent `hoshi` in a restricted ask session, and a person with the same name.
+        let conv = vec![
+            user("what time is it?").from_agent("hoshi"),
+            assistant("noon"),
+            user("and you?").sender("hoshi"),
+        ];
+        let (_, out) = render(&conv, &restricted("cyrene"), &names()).unwrap();
+        const NOTE_AGENT_HOSHI: &str = "[发言归属] 以下发言来自「hoshi」——另一个智能体（agent，身份未经核实），不是主人，不是第三方人员，也不是你说的。";
+        assert_eq!(out[0], sys(NOTE_AGENT_HOSHI));
+        assert_eq!(out[1], (Role::User, "what time is it?".to_owned()));
+        assert_eq!(out[2], sys(NOTE_SELF_CYRENE));
+        // Same name, other lane: another speaker, another note.
+        assert_eq!(out[4], sys(NOTE_THIRD_HOSHI));
+        assert!(out.iter().all(|(_, t)| t != NOTE_OWNER));
     }
 
     #[test]

@@ -120,7 +120,7 @@ impl TurnPorts for NatsPorts {
             })
     }
 
-    fn tool_specs(&self, allowed: &[String]) -> Vec<ToolSpec> {
+    fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec> {
         self.tools.specs(allowed)
     }
 

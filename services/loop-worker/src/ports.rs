@@ -16,6 +16,9 @@ pub struct ToolContext {
     pub agent_id: String,
     pub session_id: String,
     pub turn_id: String,
+    /// The turn's tool allow-list (the job's `tools`): `None` = every tool; otherwise a call to
+    /// a tool not listed is refused with an `is_error` result and never made.
+    pub allowed: Option<Vec<String>>,
 }
 
 /// A tool's outcome; failures are results too (`is_error`), never errors of the turn.
@@ -79,10 +82,13 @@ pub trait TurnPorts: Send + Sync {
         request: ModelRequest,
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send;
 
-    /// The tools offered to the model (`allowed` empty = all).
-    fn tool_specs(&self, allowed: &[String]) -> Vec<ToolSpec>;
+    /// The tools offered to the model: every built-in and discovered tool, only those in
+    /// `allowed` when there is a list.
+    fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec>;
 
-    /// Runs one tool call (never fails: a failure is an `is_error` output).
+    /// Runs one tool call (never fails: a failure is an `is_error` output). A call outside
+    /// `context.allowed` or to a tool neither built in nor discovered is refused with an
+    /// `is_error` output without being made.
     fn call_tool(
         &self,
         context: &ToolContext,

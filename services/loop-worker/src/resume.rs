@@ -18,9 +18,11 @@
 //! - Resuming hands back the snapshot's window (tool calls and results of completed steps
 //!   already folded in) and continues at `step + 1`, so a completed step's tools never run again
 //!   and a completed answer is never regenerated.
-//! - The user-message key is the text parts, `\0img:` + URL and `\0doc:` + name, in order; role
-//!   and speaker are not part of it. Other parts (tool calls, tool results, reasoning) add
-//!   nothing, as in the seed where their text field is empty.
+//! - The user-message key is, in part order, the text of text and tool-result parts, `\0img:` +
+//!   URL and `\0doc:` + name, exactly as seed 003 writes every part's text field except for
+//!   images and documents; role and speaker are not part of it. Tool-call parts add nothing
+//!   (their text field is empty in the seed) and neither do reasoning parts (the seed's message
+//!   has no such part).
 
 use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState};
 use cyrene_protocol::message::{Message, Part, Role};
@@ -32,17 +34,17 @@ pub const FIRST_STEP: u32 = 1;
 pub mod stop_reason {
     /// A step ended with tool calls whose results are in the window: the only resumable one.
     pub const TOOL_CALLS: &str = "tool_calls";
-    /// The turn was cancelled (settled by the closing guard).
+    /// The turn's deadline had passed at a boundary: no further step started.
     pub const CANCELED: &str = "canceled";
-    /// The turn was aborted (settled by the closing guard).
+    /// The turn's deadline passed during a model call, which was abandoned.
     pub const ABORTED: &str = "aborted";
     /// The turn failed (settled by the closing guard).
     pub const ERROR: &str = "error";
-    /// `max_steps` reached without a final answer.
+    /// `max_steps` reached and the safety net got no answer either.
     pub const BUDGET_EXHAUSTED: &str = "budget_exhausted";
-    /// A guardrail refused the turn.
-    pub const GUARDRAIL: &str = "guardrail";
-    /// The loop's safety net stopped the turn.
+    /// `max_steps` reached mid tool loop; the safety net's tool-less call answered (a final
+    /// answer). There is no `guardrail` stop: Cyrene has no guardrail stage of its own, and a
+    /// provider's refusal keeps the provider's stop reason (both are settled, never resumed).
     pub const SAFETY_NET: &str = "safety_net";
 }
 
@@ -51,14 +53,14 @@ pub fn resumable_stop_reason(stop_reason: &str) -> bool {
     stop_reason == stop_reason::TOOL_CALLS
 }
 
-/// The comparison key of a user message: text parts verbatim, `\0img:` + URL for images and
-/// `\0doc:` + name for documents, in part order. An image-only or document-only message thus
-/// still has a key.
+/// The comparison key of a user message: text and tool-result parts verbatim, `\0img:` + URL for
+/// images and `\0doc:` + name for documents, in part order (seed 003 `userMessageKey`). An
+/// image-only or document-only message thus still has a key.
 pub fn user_message_key(message: &Message) -> String {
     let mut key = String::new();
     for part in &message.content {
         match part {
-            Part::Text { text } => key.push_str(text),
+            Part::Text { text } | Part::ToolResult { text, .. } => key.push_str(text),
             Part::ImageUrl { image_url } => {
                 key.push_str("\0img:");
                 key.push_str(image_url);
@@ -67,7 +69,7 @@ pub fn user_message_key(message: &Message) -> String {
                 key.push_str("\0doc:");
                 key.push_str(name);
             }
-            Part::ToolCall { .. } | Part::ToolResult { .. } | Part::Reasoning { .. } => {}
+            Part::ToolCall { .. } | Part::Reasoning { .. } => {}
         }
     }
     key
@@ -303,7 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn tool_and_reasoning_parts_add_nothing_to_the_key() {
+    fn tool_result_text_is_in_the_key_and_tool_calls_and_reasoning_are_not() {
         let m = Message::with_parts(
             Role::User,
             vec![
@@ -328,7 +330,32 @@ mod tests {
                 Part::text("b"),
             ],
         );
-        assert_eq!(user_message_key(&m), "ab");
+        // Seed 003 writes `part.Text` for every part but images and documents: a tool result's
+        // text is its body; a tool call has none; the seed has no reasoning part.
+        assert_eq!(user_message_key(&m), "aresultb");
+    }
+
+    #[test]
+    fn messages_differing_only_in_tool_result_text_are_different_inputs() {
+        let with = |text: &str| {
+            Message::with_parts(
+                Role::User,
+                vec![Part::ToolResult {
+                    tool_call_id: "c".into(),
+                    text: text.into(),
+                    is_error: false,
+                }],
+            )
+        };
+        assert_ne!(
+            user_message_key(&with("old")),
+            user_message_key(&with("new"))
+        );
+        // The snapshot's last user input reappears and a newer one follows: superseded.
+        assert!(superseded_window(
+            &[with("old")],
+            &[with("old"), with("new")]
+        ));
     }
 
     #[test]
@@ -477,7 +504,7 @@ mod tests {
             stop_reason::ABORTED,
             stop_reason::ERROR,
             stop_reason::BUDGET_EXHAUSTED,
-            stop_reason::GUARDRAIL,
+            "guardrail",
             stop_reason::SAFETY_NET,
             "",
         ] {

@@ -7,8 +7,13 @@
 //!   assistant's messages and tool results.
 //! - **Checkpoint after every step** under the turn's owner key (`session` or `session#leg`) with
 //!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
-//!   resumable stop reason); every other exit — final answer, budget exhausted, deadline, error —
+//!   resumable stop reason); every other exit — final answer, `safety_net` answer, budget
+//!   exhausted, deadline at a boundary (`canceled`) or during a model call (`aborted`), error —
 //!   is settled by a non-resumable checkpoint before it is reported.
+//! - **The step budget has a safety net.** When step `max_steps` ends in tool calls, one more
+//!   model call with tool use off asks for an answer from what the window holds; it shares the
+//!   last step's number and checkpoint. Only when it gives no text does the turn end as
+//!   `budget_exhausted`.
 //! - **Steering never cancels** (I1–I3): it happens only at boundaries, after the whole tool batch
 //!   finished, and only adds to the next view. A failed or slow steer yields nothing; the
 //!   messages stay pending at the orchestrator and are answered later.
@@ -27,6 +32,8 @@
 //! # Pitfalls
 //! - A checkpoint save failure other than `conflict` never fails the turn (WARN): losing a
 //!   snapshot only costs re-running a step after a crash.
+//! - The deadline abandons a model call, never a tool batch already started (tools are bounded
+//!   by their own timeout); it is checked again at the next boundary.
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
 
@@ -83,7 +90,10 @@ enum Exit {
         stop_reason: String,
     },
     Budget,
+    /// The deadline had passed at a boundary: no further step started.
     Deadline,
+    /// The deadline passed during a model call: the call was abandoned.
+    Aborted,
     Failed(ErrorBody),
     Retry(ErrorBody),
     Stale,
@@ -106,6 +116,11 @@ struct Turn<'a, P> {
     /// Image URL → its description, so each image is described once per turn.
     descriptions: HashMap<String, String>,
 }
+
+/// The system note closing the view of the safety-net call at the step budget (ours: the
+/// seeds name the `safety_net` stop but not its wording).
+pub const SAFETY_NET_NOTE: &str =
+    "[步数上限] 本回合可用的步数已经用完：不要再调用工具，请根据以上已有的信息直接回答。";
 
 /// The prompt that asks the vision chain to describe one image (the seeds define no wording).
 pub const IMAGE_PROMPT: &str = "请用一两句话客观描述这张图片的内容，不要推测图片之外的事。";
@@ -166,6 +181,9 @@ pub async fn run_turn<P: TurnPorts>(
         after_seq: job.base_seq,
         blocks: ContextBlocks {
             instructions: job.instructions.clone(),
+            // Stamped once per attempt: every step of it shows the same block, so a provider's
+            // prompt cache keeps matching the prefix.
+            time: assemble::time_block(chrono::Utc::now()),
             ..Default::default()
         },
         speakers: SpeakerEnv::new(job.env.restricted, job.env.persona.clone()),
@@ -223,8 +241,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             self.window.push(assistant);
             self.window.extend(results);
             if step == max {
-                // Settled below with the whole window as `budget_exhausted`.
-                return (Exit::Budget, step);
+                // Out of steps mid tool loop: the safety net asks once more for an answer.
+                return (self.safety_net(config).await, step);
             }
             // The step's checkpoint, the next boundary's steer and the next model call all
             // follow the tool batch: the save runs while the steer and the model call do. The
@@ -258,10 +276,60 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             return Err(Exit::Deadline);
         }
         let request = self.resolve_images(self.request(config)).await;
-        match self.ports.complete(request).await {
+        match self.model_call(request).await? {
             Ok(response) => Ok(response),
             Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
             Err(err) => Err(Exit::Failed(err)),
+        }
+    }
+
+    /// One model call, abandoned (`Exit::Aborted`) when the turn's deadline passes first.
+    async fn model_call(
+        &self,
+        request: ModelRequest,
+    ) -> Result<Result<ModelResponse, ErrorBody>, Exit> {
+        let Some(deadline) = self.job.deadline_unix_ms else {
+            return Ok(self.ports.complete(request).await);
+        };
+        let left = std::time::Duration::from_millis(deadline.saturating_sub(now_unix_ms()));
+        match tokio::time::timeout(left, self.ports.complete(request)).await {
+            Ok(result) => Ok(result),
+            Err(_) => {
+                tracing::warn!(turn = %self.job.turn_id, "deadline passed during a model call; abandoned");
+                Err(Exit::Aborted)
+            }
+        }
+    }
+
+    /// The safety net at the step budget: the last step ended in tool calls whose results are in
+    /// the window, so one more model call, with tool use switched off and [`SAFETY_NET_NOTE`]
+    /// last in its view, asks for an answer from what is there. A text answer settles the turn
+    /// as final with stop reason `safety_net`; anything else (an error, more tool calls, no
+    /// text) as `budget_exhausted`.
+    async fn safety_net(&mut self, config: &RunnerConfig) -> Exit {
+        if self.past_deadline() {
+            return Exit::Deadline;
+        }
+        let mut request = self.resolve_images(self.request(config)).await;
+        request
+            .messages
+            .push(Message::text(Role::System, SAFETY_NET_NOTE));
+        request.tool_choice = Some(serde_json::Value::String("none".to_owned()));
+        match self.model_call(request).await {
+            Err(exit) => exit,
+            Ok(Ok(response))
+                if response.tool_calls.is_empty() && !response.content.trim().is_empty() =>
+            {
+                Exit::Final {
+                    message: Box::new(self.assistant_message(&response)),
+                    stop_reason: stop_reason::SAFETY_NET.to_owned(),
+                }
+            }
+            Ok(Ok(_)) => Exit::Budget,
+            Ok(Err(err)) => {
+                tracing::warn!(turn = %self.job.turn_id, error = %err, "safety-net answer failed");
+                Exit::Budget
+            }
         }
     }
 
@@ -296,6 +364,12 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             Exit::Deadline => (
                 TurnOutcome::Cancelled,
                 stop_reason::CANCELED.to_owned(),
+                None,
+                None,
+            ),
+            Exit::Aborted => (
+                TurnOutcome::Cancelled,
+                stop_reason::ABORTED.to_owned(),
                 None,
                 None,
             ),
@@ -348,7 +422,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             messages: view,
             purpose: config.purpose.clone(),
             persona_id: self.job.env.persona.clone(),
-            tools: self.ports.tool_specs(&self.job.tools),
+            tools: self.ports.tool_specs(self.job.tools.as_deref()),
             ..Default::default()
         }
     }
@@ -437,6 +511,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             agent_id: self.job.env.persona.clone(),
             session_id: self.job.session_id.clone(),
             turn_id: self.job.turn_id.clone(),
+            allowed: self.job.tools.clone(),
         };
         let outputs = futures::future::join_all(calls.iter().map(|call| {
             let context = &context;
@@ -635,6 +710,10 @@ mod tests {
         steer_requests: Mutex<Vec<SteerRequest>>,
         vision: Mutex<Option<bool>>,
         vision_asks: Mutex<usize>,
+        /// How long each model call takes.
+        model_delay: Mutex<Option<std::time::Duration>>,
+        /// The contexts tools were called with.
+        tool_contexts: Mutex<Vec<ToolContext>>,
     }
 
     impl TurnPorts for Fake {
@@ -682,16 +761,21 @@ mod tests {
                 return reply_text("a red kite over the sea");
             }
             self.requests.lock().unwrap().push(request);
+            let delay = *self.model_delay.lock().unwrap();
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
             self.replies
                 .lock()
                 .unwrap()
                 .pop_front()
                 .unwrap_or_else(|| Err(ErrorBody::new(ErrorCode::Internal, "script ran out")))
         }
-        fn tool_specs(&self, _allowed: &[String]) -> Vec<cyrene_protocol::model::ToolSpec> {
+        fn tool_specs(&self, _allowed: Option<&[String]>) -> Vec<cyrene_protocol::model::ToolSpec> {
             crate::tools::builtin_specs()
         }
-        async fn call_tool(&self, _context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+            self.tool_contexts.lock().unwrap().push(context.clone());
             self.tool_runs.lock().unwrap().push(call.id.clone());
             ToolOutput::ok(format!("result of {}", call.id))
         }
@@ -752,7 +836,7 @@ mod tests {
             notice: None,
             max_steps: 4,
             deadline_unix_ms: None,
-            tools: vec![],
+            tools: None,
         }
     }
 
@@ -809,16 +893,16 @@ mod tests {
             requests[0].messages[0],
             Message::text(Role::System, "You are Cyrene.")
         );
-        // instructions, attribution lead, user, switch note, assistant calls, two results: the
-        // persona-labelled assistant message makes attribution render (seed 001).
-        assert_eq!(requests[1].messages.len(), 7);
+        // instructions, time block, attribution lead, user, switch note, assistant calls, two
+        // results: the persona-labelled assistant message makes attribution render (seed 001).
+        assert_eq!(requests[1].messages.len(), 8);
         assert!(
-            requests[1].messages[1]
+            requests[1].messages[2]
                 .text_content()
                 .starts_with("[会话角色] ")
         );
         assert_eq!(
-            requests[1].messages[3].text_content(),
+            requests[1].messages[4].text_content(),
             "[发言归属] 以下发言来自你自己——「昔涟」（cyrene）。"
         );
         assert_eq!(requests[0].persona_id, "cyrene");
@@ -1240,5 +1324,117 @@ mod tests {
             state(&fake.saved.lock().unwrap()[0]).stop_reason,
             "canceled"
         );
+    }
+
+    #[tokio::test]
+    async fn every_view_opens_with_the_instructions_then_the_time_block() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("noon")]);
+        let _ = run_turn(&fake, &job(), 1, &CFG).await;
+        let requests = fake.requests.lock().unwrap();
+        assert_eq!(requests.len(), 2);
+        let first_block = requests[0].messages[1].clone();
+        for request in requests.iter() {
+            assert_eq!(request.messages[0].text_content(), "You are Cyrene.");
+            assert_eq!(request.messages[1].role, Role::System);
+            assert!(
+                request.messages[1]
+                    .text_content()
+                    .starts_with(crate::assemble::TIME_BLOCK_MARKER),
+                "{:?}",
+                request.messages[1]
+            );
+            // One stamp per attempt: the prefix stays the same from step to step.
+            assert_eq!(request.messages[1], first_block);
+        }
+        // A view block, never in the window.
+        for cp in fake.saved.lock().unwrap().iter() {
+            assert!(state(cp).messages.iter().all(|m| m.role != Role::System));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_step_budget_ends_with_a_safety_net_answer_without_tools() {
+        let fake = Fake::default();
+        fake.replies.lock().unwrap().extend([
+            reply_tools(&["a"]),
+            reply_tools(&["b"]),
+            reply_text("From what I found: noon."),
+        ]);
+        let mut j = job();
+        j.max_steps = 2;
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        assert_eq!(done.stop_reason, "safety_net");
+        assert_eq!(done.steps, 2);
+        assert_eq!(
+            done.message.unwrap().text_content(),
+            "From what I found: noon."
+        );
+        assert_eq!(*fake.tool_runs.lock().unwrap(), ["a", "b"]);
+        let last = fake.requests.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(last.tool_choice, Some(serde_json::json!("none")));
+        assert_eq!(
+            last.messages.last().unwrap().text_content(),
+            SAFETY_NET_NOTE
+        );
+        let settled = fake.saved.lock().unwrap().last().cloned().unwrap();
+        let settled_state = state(&settled);
+        assert_eq!(
+            (settled.step, settled_state.stop_reason.as_str()),
+            (2, "safety_net")
+        );
+        assert!(
+            settled_state
+                .messages
+                .iter()
+                .all(|m| m.text_content() != SAFETY_NET_NOTE),
+            "the note is view only"
+        );
+
+        // Redelivered after the report was lost: reported again, not rerun.
+        let again = Fake::default();
+        *again.latest.lock().unwrap() = Some(settled);
+        let done = completed(run_turn(&again, &j, 2, &CFG).await);
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "safety_net")
+        );
+        assert!(again.requests.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_model_call_still_running_at_the_deadline_is_abandoned_as_aborted() {
+        let fake = Fake::default();
+        *fake.model_delay.lock().unwrap() = Some(std::time::Duration::from_secs(30));
+        fake.replies
+            .lock()
+            .unwrap()
+            .push_back(reply_text("too late"));
+        let mut j = job();
+        j.deadline_unix_ms = Some(now_unix_ms() + 150);
+        let started = std::time::Instant::now();
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(done.outcome, TurnOutcome::Cancelled);
+        assert_eq!(done.stop_reason, "aborted");
+        assert_eq!(state(&fake.saved.lock().unwrap()[0]).stop_reason, "aborted");
+    }
+
+    #[tokio::test]
+    async fn tool_calls_carry_the_turns_allow_list() {
+        let fake = Fake::default();
+        fake.replies
+            .lock()
+            .unwrap()
+            .extend([reply_tools(&["c1"]), reply_text("ok")]);
+        let mut j = job();
+        j.tools = Some(vec!["current_time".into()]);
+        let _ = run_turn(&fake, &j, 1, &CFG).await;
+        let contexts = fake.tool_contexts.lock().unwrap();
+        assert_eq!(contexts[0].allowed, Some(vec!["current_time".to_owned()]));
     }
 }

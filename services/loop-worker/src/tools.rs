@@ -9,6 +9,10 @@
 //! # Invariants
 //! - A tool never fails the turn: timeouts, missing responders and micro errors are results.
 //! - Built-in names win over discovered ones with the same name.
+//! - Only what may be offered is called: a call naming a tool outside the turn's allow-list
+//!   ([`ToolContext::allowed`], the persona's `tools`), or neither built in nor discovered (after
+//!   one bounded rediscovery), gets an `is_error` result and nothing is sent — a model cannot
+//!   reach an arbitrary `cyrene.tool.*` subject by naming it.
 
 use crate::ports::{ToolContext, ToolOutput};
 use async_nats::{Client, HeaderMap};
@@ -35,6 +39,9 @@ pub const META_PARAMETERS: &str = "cyrene.tool.parameters";
 const BUILTIN_ASK_AGENT: &str = "ask_agent";
 const BUILTIN_EMIT_EVENT: &str = "emit_event";
 const BUILTIN_CURRENT_TIME: &str = "current_time";
+
+/// How long a call naming an unknown tool waits for one rediscovery before it is refused.
+const REDISCOVER_WAIT: Duration = Duration::from_millis(300);
 
 /// The built-in tools' specs.
 pub fn builtin_specs() -> Vec<ToolSpec> {
@@ -85,8 +92,9 @@ impl Tools {
         }
     }
 
-    /// The specs offered to the model; `allowed` empty = all.
-    pub fn specs(&self, allowed: &[String]) -> Vec<ToolSpec> {
+    /// The specs offered to the model: built-ins and discovered tools, only those in `allowed`
+    /// when there is a list.
+    pub fn specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec> {
         let mut specs = (*self.builtins).clone();
         if let Ok(found) = self.discovered.read() {
             specs.extend(
@@ -97,10 +105,18 @@ impl Tools {
                     .collect::<Vec<_>>(),
             );
         }
-        if !allowed.is_empty() {
+        if let Some(allowed) = allowed {
             specs.retain(|s| allowed.contains(&s.name));
         }
         specs
+    }
+
+    fn known(&self, name: &str) -> bool {
+        self.builtins.iter().any(|s| s.name == name)
+            || self
+                .discovered
+                .read()
+                .is_ok_and(|found| found.contains_key(name))
     }
 
     /// Asks every micro service for its endpoints (`$SRV.INFO`) and keeps the `cyrene.tool.*`
@@ -120,8 +136,25 @@ impl Tools {
         n
     }
 
-    /// Runs one call.
+    /// Runs one call, if the turn may make it (see the module invariants).
     pub async fn call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        let name = call.name.as_str();
+        if let Some(allowed) = &context.allowed
+            && !allowed.iter().any(|a| a == name)
+        {
+            return ToolOutput::error(format!(
+                "tool {name:?} is not allowed in this turn; it was not called"
+            ));
+        }
+        // A tool registered since the last periodic discovery is found by one bounded refresh.
+        if !self.known(name) {
+            self.discover(REDISCOVER_WAIT).await;
+            if !self.known(name) {
+                return ToolOutput::error(format!(
+                    "tool {name:?} is not available (no such tool was discovered); it was not called"
+                ));
+            }
+        }
         match call.name.as_str() {
             BUILTIN_CURRENT_TIME => ToolOutput::ok(chrono::Utc::now().to_rfc3339()),
             BUILTIN_ASK_AGENT => self.ask_agent(context, call).await,

@@ -1,39 +1,192 @@
 //! External tool calls over a real nats-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
+use async_nats::service::ServiceExt;
 use cyrene_loop_worker::ports::ToolContext;
-use cyrene_loop_worker::tools::Tools;
+use cyrene_loop_worker::tools::{META_DESCRIPTION, META_PARAMETERS, Tools};
 use cyrene_protocol::message::ToolCall;
 use cyrene_test_support::NatsServer;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+fn context(allowed: Option<&[&str]>) -> ToolContext {
+    ToolContext {
+        agent_id: "cyrene".into(),
+        session_id: "s".into(),
+        turn_id: "t".into(),
+        allowed: allowed.map(|a| a.iter().map(|s| (*s).to_owned()).collect()),
+    }
+}
+
+fn call(name: &str, id: &str) -> ToolCall {
+    ToolCall {
+        id: id.into(),
+        name: name.into(),
+        args: Default::default(),
+        args_error: None,
+    }
+}
+
+/// Serves `cyrene.tool.<name>` as a discoverable micro endpoint; counts the requests.
+async fn serve_tool(client: &async_nats::Client, name: &str) -> Arc<AtomicUsize> {
+    let service = client
+        .service_builder()
+        .start("test-tools", "0.0.0")
+        .await
+        .unwrap();
+    let metadata: HashMap<String, String> = [
+        (META_DESCRIPTION.to_owned(), "a test tool".to_owned()),
+        (
+            META_PARAMETERS.to_owned(),
+            r#"{"type":"object"}"#.to_owned(),
+        ),
+    ]
+    .into();
+    let mut endpoint = service
+        .endpoint_builder()
+        .name(name)
+        .metadata(metadata)
+        .add(format!("cyrene.tool.{name}"))
+        .await
+        .unwrap();
+    let served = Arc::new(AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        let _service = service;
+        while let Some(request) = endpoint.next().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            let _ = request
+                .respond(Ok(r#"{"text":"ran","is_error":false}"#.into()))
+                .await;
+        }
+    });
+    client.flush().await.unwrap();
+    served
+}
+
+/// Answers `cyrene.tool.<name>` without announcing it as a tool (plain subscription).
+async fn undiscoverable_tool(client: &async_nats::Client, name: &str) -> Arc<AtomicUsize> {
+    let mut sub = client
+        .subscribe(format!("cyrene.tool.{name}"))
+        .await
+        .unwrap();
+    let served = Arc::new(AtomicUsize::new(0));
+    let (count, client2) = (served.clone(), client.clone());
+    tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            if let Some(reply) = m.reply {
+                let _ = client2
+                    .publish(reply, r#"{"text":"leaked","is_error":false}"#.into())
+                    .await;
+            }
+        }
+    });
+    client.flush().await.unwrap();
+    served
+}
 
 #[tokio::test]
 async fn a_tool_call_id_that_cannot_be_a_header_is_an_error_result_not_a_panic() {
     let server = NatsServer::start();
-    let tools = Tools::new(
-        server.connect().await,
-        Duration::from_secs(1),
-        Duration::from_secs(1),
-    );
-    let context = ToolContext {
-        agent_id: "cyrene".into(),
-        session_id: "s".into(),
-        turn_id: "t".into(),
-    };
-    let call = |id: &str| ToolCall {
-        id: id.into(),
-        name: "lookup".into(),
-        args: Default::default(),
-        args_error: None,
-    };
+    let client = server.connect().await;
+    let served = serve_tool(&client, "lookup").await;
+    let tools = Tools::new(client, Duration::from_secs(1), Duration::from_secs(1));
+    assert_eq!(tools.discover(Duration::from_millis(500)).await, 1);
     // The model's id goes into `Cyrene-Tool-Call-Id`: a line break would panic async-nats.
     for id in ["a\r\nInjected: yes", "\n", "a\rb"] {
-        let out = tools.call(&context, &call(id)).await;
+        let out = tools.call(&context(None), &call("lookup", id)).await;
         assert!(out.is_error, "{id:?}");
         assert!(out.text.contains("was not called"), "{id:?}: {}", out.text);
     }
-    // Any other id is sent (here: nobody serves the tool).
-    let out = tools.call(&context, &call("昔涟 \u{7f}")).await;
+    assert_eq!(served.load(Ordering::SeqCst), 0);
+    // Any other id is sent.
+    let out = tools
+        .call(&context(None), &call("lookup", "昔涟 \u{7f}"))
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(served.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn only_discovered_and_allowed_tools_are_called() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let lookup = serve_tool(&client, "lookup").await;
+    let hidden = undiscoverable_tool(&client, "hidden").await;
+    let tools = Tools::new(
+        client.clone(),
+        Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    tools.discover(Duration::from_millis(500)).await;
+
+    // Not discovered (no tool metadata): refused, nothing sent, although someone answers.
+    let out = tools.call(&context(None), &call("hidden", "c1")).await;
     assert!(out.is_error);
     assert!(out.text.contains("not available"), "{}", out.text);
+    assert_eq!(
+        hidden.load(Ordering::SeqCst),
+        0,
+        "an undiscovered tool was called"
+    );
+
+    // Discovered but outside the allow-list: refused, nothing sent; same for a built-in.
+    let only_time = context(Some(&["current_time"]));
+    let out = tools.call(&only_time, &call("lookup", "c2")).await;
+    assert!(out.is_error);
+    assert!(out.text.contains("not allowed"), "{}", out.text);
+    assert_eq!(
+        lookup.load(Ordering::SeqCst),
+        0,
+        "a tool outside the list was called"
+    );
+    let out = tools
+        .call(&context(Some(&[])), &call("current_time", "c3"))
+        .await;
+    assert!(
+        out.is_error && out.text.contains("not allowed"),
+        "{}",
+        out.text
+    );
+    assert!(
+        !tools
+            .call(&only_time, &call("current_time", "c4"))
+            .await
+            .is_error
+    );
+
+    // The offered specs follow the same list.
+    let names = |allowed: Option<&[String]>| -> Vec<String> {
+        tools.specs(allowed).into_iter().map(|s| s.name).collect()
+    };
+    assert_eq!(names(Some(&["lookup".to_owned()])), ["lookup"]);
+    assert!(names(None).contains(&"lookup".to_owned()));
+    assert!(!names(None).contains(&"hidden".to_owned()));
+
+    // Allowed and discovered: called.
+    let out = tools
+        .call(&context(Some(&["lookup"])), &call("lookup", "c5"))
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(lookup.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_tool_registered_after_the_last_discovery_is_found_on_its_first_call() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let tools = Tools::new(
+        client.clone(),
+        Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    assert_eq!(tools.discover(Duration::from_millis(200)).await, 0);
+    let late = serve_tool(&client, "late").await;
+    let out = tools.call(&context(None), &call("late", "c1")).await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(late.load(Ordering::SeqCst), 1);
 }

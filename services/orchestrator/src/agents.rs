@@ -15,7 +15,9 @@
 //!   asker's turn is seeded only with that asker's earlier questions and the answers to them.
 //! - The asker is who the subject says: the probe answers an ask whose `from` is not the
 //!   subject's sender `forbidden` before it reaches [`PersonaAgent::on_ask`]. Its name is stored
-//!   as `sender_name` in its normalised form ([`display_name`]), never raw.
+//!   as `sender_name` in its normalised form ([`display_name`]), never raw, in the **agent lane**
+//!   (`sender_kind: agent`): an asking agent is not a person, so in a restricted ask session it
+//!   is neither a third party nor the owner.
 
 use crate::engine::{Engine, TurnDone};
 use crate::store::NewMessage;
@@ -94,8 +96,9 @@ impl Handler for PersonaAgent {
             .subscribe(done_subject.clone())
             .await
             .map_err(|e| ErrorBody::new(ErrorCode::Unavailable, format!("subscribe: {e}")))?;
-        let mut message = Message::text(Role::User, ask.question);
-        message.sender_name = asker;
+        // The agent lane: the asker is an agent (its id unverified by the runtime), never a
+        // third-party person of a restricted session nor, unlabelled, its owner.
+        let message = Message::text(Role::User, ask.question).from_agent(asker);
         let input = NewMessage {
             session_id,
             message,

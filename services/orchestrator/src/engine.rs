@@ -26,7 +26,7 @@ use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{page_within, reply_budget};
 use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
-use cyrene_protocol::message::{Message, Part, Role};
+use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
     HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
     SendRequest, SessionEnv, SessionEvent, SessionEventType,
@@ -186,6 +186,12 @@ impl Engine {
             )));
         }
         check_user_message(&req.message, self.config.max_message_bytes)?;
+        if req.message.sender_kind != SenderKind::Person {
+            // The agent lane means "asked over the comm protocol": only the ask path sets it.
+            return Err(bad(
+                "sender_kind agent is set by the agent endpoints only; send a person's message",
+            ));
+        }
         let env = req.env.clone().unwrap_or_default();
         if !env.persona.is_empty() && self.config.personas.get(&env.persona).is_none() {
             return Err(bad(format!(

@@ -34,6 +34,15 @@ pub struct Persona {
     /// `env.restricted = true` on the turns it runs for asks).
     #[serde(default)]
     pub restricted: bool,
+    /// The tools its turns may offer and call (built-in or discovered tool names): absent =
+    /// every tool; a list = only those (`[]` = none). Sent as the turn job's `tools`; the loop
+    /// worker refuses a call outside it with an `is_error` result.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<String>>,
+    /// How long one of its turns may run, in milliseconds from the turn's creation: absent = no
+    /// limit. Sent as the turn job's `deadline_unix_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn_timeout_ms: Option<u64>,
 }
 
 /// The `CYRENE_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
@@ -66,6 +75,8 @@ impl Personas {
                 name: BUILTIN_PERSONA_NAME.to_owned(),
                 instructions: BUILTIN_INSTRUCTIONS.to_owned(),
                 restricted: false,
+                tools: None,
+                turn_timeout_ms: None,
             }],
         }
     }
@@ -98,6 +109,16 @@ impl Personas {
             }
             if p.name.trim().is_empty() {
                 return Err(PersonasError(format!("persona {:?} has no name", p.id)));
+            }
+            for tool in p.tools.iter().flatten() {
+                ids::validate(IdKind::Tool, tool)
+                    .map_err(|e| PersonasError(format!("persona {:?}: tools: {e}", p.id)))?;
+            }
+            if p.turn_timeout_ms == Some(0) {
+                return Err(PersonasError(format!(
+                    "persona {:?}: turn_timeout_ms must be at least 1",
+                    p.id
+                )));
             }
         }
         if self.get(&self.default).is_none() {
@@ -152,7 +173,29 @@ mod tests {
         )
         .unwrap();
         assert!(p.get("hoshi").unwrap().restricted);
+        assert_eq!(p.get("hoshi").unwrap().tools, None, "no list: every tool");
         assert_eq!(p.names().get("hoshi").map(String::as_str), Some("星"));
+    }
+
+    #[test]
+    fn tool_allow_lists_and_turn_timeouts_parse() {
+        let p = Personas::from_json(
+            r#"{"default":"a","personas":[
+               {"id":"a","name":"x","tools":["current_time","search_notes"],"turn_timeout_ms":90000},
+               {"id":"b","name":"y","tools":[]}]}"#,
+        )
+        .unwrap();
+        let a = p.get("a").unwrap();
+        assert_eq!(
+            a.tools.as_deref(),
+            Some(&["current_time".to_owned(), "search_notes".to_owned()][..])
+        );
+        assert_eq!(a.turn_timeout_ms, Some(90_000));
+        assert_eq!(
+            p.get("b").unwrap().tools,
+            Some(vec![]),
+            "[]: no tool at all"
+        );
     }
 
     #[test]
@@ -164,6 +207,8 @@ mod tests {
             r#"{"default":"b","personas":[{"id":"a","name":"x"}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":" "}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","colour":"red"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","tools":["a.b"]}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","turn_timeout_ms":0}]}"#,
         ] {
             assert!(Personas::from_json(bad).is_err(), "{bad}");
         }

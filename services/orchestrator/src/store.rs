@@ -525,8 +525,11 @@ impl Store {
             base_seq: to_u64(base_seq),
             notice,
             max_steps: self.settings.max_steps,
-            deadline_unix_ms: None,
-            tools: Vec::new(),
+            // The persona's limits (`CYRENE_PERSONAS`): its turn timeout from now, its tools.
+            deadline_unix_ms: persona
+                .turn_timeout_ms
+                .map(|ms| to_u64(now).saturating_add(ms)),
+            tools: persona.tools.clone(),
         };
         let job_json = encode(&job)?;
         let client_id = batch

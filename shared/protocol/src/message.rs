@@ -7,6 +7,9 @@
 //! - `content` may arrive as a plain string (one text part); it is always written as a list.
 //! - `sender_name` is a *lane*, not an identity: the persona id on assistant messages, a
 //!   third-party nickname on user messages in restricted sessions, empty when unlabelled.
+//!   `sender_kind` tells the two user lanes apart: a labelled user message is a third-party
+//!   *person* unless it is `agent` — an ask from another agent, whose `from` names an agent (and
+//!   is unverified), never a person.
 
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
@@ -107,6 +110,24 @@ impl ToolCall {
     }
 }
 
+/// What a labelled user message's `sender_name` names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SenderKind {
+    /// A person: on a user message in a restricted session, a third party (not the owner).
+    #[default]
+    Person,
+    /// Another agent asking over the comm protocol; set only by the orchestrator's ask path.
+    Agent,
+}
+
+impl SenderKind {
+    /// Whether this is the default lane (not written on the wire).
+    pub fn is_person(&self) -> bool {
+        *self == SenderKind::Person
+    }
+}
+
 /// One conversation turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
@@ -115,6 +136,9 @@ pub struct Message {
     pub content: Vec<Part>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sender_name: String,
+    /// The lane of a user message's `sender_name`: a person (default, not written) or an agent.
+    #[serde(default, skip_serializing_if = "SenderKind::is_person")]
+    pub sender_kind: SenderKind,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tool_call_id: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -156,6 +180,7 @@ impl Message {
                 is_error,
             }],
             sender_name: String::new(),
+            sender_kind: SenderKind::Person,
             tool_call_id: id,
             tool_call_name: tool_call_name.into(),
         }
@@ -172,6 +197,7 @@ impl Message {
             role,
             content,
             sender_name: String::new(),
+            sender_kind: SenderKind::Person,
             tool_call_id: String::new(),
             tool_call_name: String::new(),
         }
@@ -180,6 +206,13 @@ impl Message {
     /// Sets the sender lane (persona id or third-party nickname).
     pub fn sender(mut self, name: impl Into<String>) -> Message {
         self.sender_name = name.into();
+        self
+    }
+
+    /// Labels a user message as asked by agent `name` (the agent lane, not a person).
+    pub fn from_agent(mut self, name: impl Into<String>) -> Message {
+        self.sender_name = name.into();
+        self.sender_kind = SenderKind::Agent;
         self
     }
 
@@ -289,6 +322,15 @@ mod tests {
         round_trip(
             &m,
             json!({"role":"user","content":[{"type":"text","text":"hi"}],"sender_name":"阿明"}),
+        );
+    }
+
+    #[test]
+    fn an_agent_asker_is_its_own_lane_on_the_wire() {
+        let m = Message::text(Role::User, "hi").from_agent("hoshi");
+        round_trip(
+            &m,
+            json!({"role":"user","content":[{"type":"text","text":"hi"}],"sender_name":"hoshi","sender_kind":"agent"}),
         );
     }
 

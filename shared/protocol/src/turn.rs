@@ -49,12 +49,15 @@ pub struct TurnJob {
     /// Model steps allowed before the turn ends as budget exhausted.
     #[serde(default = "default_max_steps")]
     pub max_steps: u32,
-    /// Wall-clock deadline, unix milliseconds; none = the worker's default.
+    /// Wall-clock deadline of the turn, unix milliseconds (the persona's turn timeout counted
+    /// from the turn's creation); none = no deadline. Past it, no further step starts and a
+    /// model call in flight is abandoned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_unix_ms: Option<u64>,
-    /// Tools this turn may use (empty = every discovered tool and the built-ins).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tools: Vec<String>,
+    /// The tools this turn may offer and call (the persona's allow-list): none = every
+    /// discovered tool and the built-ins; a list = only those of them (empty = no tool at all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<String>>,
 }
 
 /// The default step budget of a turn.
@@ -193,6 +196,11 @@ mod tests {
         assert_eq!(min.max_steps, DEFAULT_MAX_STEPS);
         assert_eq!(min.base_seq, 0);
         assert!(min.notice.is_none());
+        assert_eq!(min.tools, None, "no list: every tool");
+        let none: TurnJob = serde_json::from_value(json!({"turn_id":"t","session_id":"s",
+            "env":{},"messages":[],"tools":[]}))
+        .unwrap();
+        assert_eq!(none.tools, Some(vec![]), "an empty list: no tool at all");
     }
 
     #[test]

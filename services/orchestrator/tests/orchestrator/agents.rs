@@ -4,7 +4,7 @@ use crate::harness::*;
 use cyrene_comm::{AskError, AskOptions, Probe};
 use cyrene_orchestrator::agents::ask_session_id;
 use cyrene_orchestrator::{Persona, Personas};
-use cyrene_protocol::message::{Message, Role, ToolCall};
+use cyrene_protocol::message::{Message, Role, SenderKind, ToolCall};
 use cyrene_protocol::session::{Disposition, SendAck, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use std::time::Duration;
@@ -18,12 +18,16 @@ fn two_personas() -> Personas {
                 name: "昔涟".into(),
                 instructions: "be warm".into(),
                 restricted: false,
+                tools: None,
+                turn_timeout_ms: None,
             },
             Persona {
                 id: "hoshi".into(),
                 name: "星".into(),
                 instructions: "be bright".into(),
                 restricted: true,
+                tools: Some(vec!["current_time".into()]),
+                turn_timeout_ms: Some(60_000),
             },
         ],
     }
@@ -77,9 +81,25 @@ async fn an_ask_to_a_persona_is_answered_by_its_turn() {
         assert_eq!(job.env.persona, "hoshi");
         assert!(job.env.restricted, "hoshi's askers are strangers");
         assert_eq!(job.instructions, "be bright");
+        // The persona's allow-list and turn deadline travel with the job.
+        assert_eq!(job.tools, Some(vec!["current_time".to_owned()]));
+        let deadline = job.deadline_unix_ms.expect("a turn deadline");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        assert!(
+            deadline > now && deadline <= now + 60_000,
+            "{deadline} vs now {now}"
+        );
         assert_eq!(job.message_ids.len(), 1);
         let asked = job.messages.last().unwrap();
         assert!(asked.sender_name == "alice" || asked.sender_name == "bob");
+        assert_eq!(
+            asked.sender_kind,
+            SenderKind::Agent,
+            "an asker is an agent, not a third-party person"
+        );
         assert_eq!(job.session_id, ask_session_id("hoshi", &asked.sender_name));
     }
     let h = history(&world.client, &ask_session_id("hoshi", "alice")).await;

@@ -96,6 +96,13 @@ async fn bad_input_gets_the_documented_error_and_the_service_keeps_serving() {
         ),
         (
             subjects::SESSION_SEND,
+            doc(json!({"session_id":"s1",
+            "message":{"role":"user","content":"hi","sender_name":"hoshi","sender_kind":"agent"}})),
+            ErrorCode::BadRequest,
+            "sender_kind agent",
+        ),
+        (
+            subjects::SESSION_SEND,
             doc(json!({"session_id":"s1","message":{"role":"user","content":" "}})),
             ErrorCode::BadRequest,
             "empty",
