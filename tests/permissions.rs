@@ -1,6 +1,6 @@
 //! `deploy/nats/cyrene.conf` — the least-privilege server config — run as is (passwords filled
 //! in): the whole system works with each service connected as its own user, what a user is not
-//! allowed is refused by the server (DESIGN §8), only operators reach `$SRV.>`, and no malformed
+//! allowed is refused by the server (docs/architecture.md §8), only operators reach `$SRV.>`, and no malformed
 //! header block a user may publish costs a service its connection (issue 12, item 1).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 

@@ -31,10 +31,10 @@ pub struct UpArgs {
     /// PostgreSQL (or sqlite://) URL for both stores; SQLite files in the data dir when absent.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Model config (JSON, DESIGN §9); the offline scripted demo when absent.
+    /// Model config (JSON, docs/architecture.md §9); the offline scripted demo when absent.
     #[arg(long, env = "CYRENE_MODELS")]
     pub models: Option<PathBuf>,
-    /// Personas (JSON, DESIGN §9); 昔涟 (cyrene) and 星 (hoshi) when absent.
+    /// Personas (JSON, docs/architecture.md §9); 昔涟 (cyrene) and 星 (hoshi) when absent.
     #[arg(long, env = "CYRENE_PERSONAS")]
     pub personas: Option<PathBuf>,
     /// Loop workers to run.

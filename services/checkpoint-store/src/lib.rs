@@ -1,4 +1,4 @@
-//! `cyrene-checkpoint-store`: durable per-step snapshots of agent turns (DESIGN §3, §5 "Fencing",
+//! `cyrene-checkpoint-store`: durable per-step snapshots of agent turns (docs/architecture.md §3, §5 "Fencing",
 //! §9; seed 003), served over NATS as the micro service `cyrene-checkpoint-store`.
 //!
 //! This crate owns:

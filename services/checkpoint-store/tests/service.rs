@@ -1,4 +1,4 @@
-//! The service over a real nats-server: every endpoint with the DESIGN §9 shapes, every bad input
+//! The service over a real nats-server: every endpoint with the docs/architecture.md §9 shapes, every bad input
 //! answered with its documented code (headers and body) while the service keeps serving, the
 //! micro-service metadata, and the typed client against the running service.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

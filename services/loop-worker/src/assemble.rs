@@ -1,4 +1,4 @@
-//! View assembly: the exact message list one model step sees (DESIGN §5 step 1).
+//! View assembly: the exact message list one model step sees (docs/architecture.md §5 step 1).
 //!
 //! Order, fixed:
 //! 1. agent instructions (the first system message), then the time, working-memory and memory

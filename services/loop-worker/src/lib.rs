@@ -1,4 +1,4 @@
-//! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (DESIGN §5, §7;
+//! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (docs/architecture.md §5, §7;
 //! seeds 000, 001, 003).
 //!
 //! Modules, from pure to wired:

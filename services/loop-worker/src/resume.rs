@@ -1,5 +1,5 @@
 //! Resume decisions: whether a turn continues from its owner's latest checkpoint or starts fresh
-//! (seed 003; DESIGN §5 "Checkpoints and resume").
+//! (seed 003; docs/architecture.md §5 "Checkpoints and resume").
 //!
 //! Only a **crash-left** run resumes: a snapshot whose last step ended mid tool loop
 //! (`stop_reason == "tool_calls"`), written just before the process died, so the closing guard

@@ -1,4 +1,4 @@
-//! One turn, step by step (DESIGN §5): resume or start fresh, assemble the view, call the model,
+//! One turn, step by step (docs/architecture.md §5): resume or start fresh, assemble the view, call the model,
 //! run the tool batch, checkpoint, steer, repeat; settle every exit.
 //!
 //! # Invariants

@@ -1,4 +1,4 @@
-//! The model config (`CYRENE_MODELS`, DESIGN §9): providers and their models' capabilities,
+//! The model config (`CYRENE_MODELS`, docs/architecture.md §9): providers and their models' capabilities,
 //! groups with a default chain, the active group, persona chains and the vision chain — plus the
 //! secrets (API keys) resolved from the environment by `main`.
 //!
@@ -546,7 +546,7 @@ impl fmt::Debug for Secrets {
 mod tests {
     use super::*;
 
-    const DESIGN_EXAMPLE: &str = r#"{"providers":{
+    const DOCUMENTED_EXAMPLE: &str = r#"{"providers":{
    "primary":{"protocol":"openai","base_url":"https://api.deepseek.com","api_key_env":"DEEPSEEK_API_KEY",
               "models":{"deepseek-chat":{"vision":false}}},
    "claude":{"protocol":"anthropic","base_url":"https://api.anthropic.com","api_key_env":"ANTHROPIC_API_KEY",
@@ -559,7 +559,7 @@ mod tests {
 
     #[test]
     fn the_design_example_parses_and_validates() {
-        let config = ModelsConfig::from_json(DESIGN_EXAMPLE, "example").unwrap();
+        let config = ModelsConfig::from_json(DOCUMENTED_EXAMPLE, "example").unwrap();
         assert_eq!(config.providers["primary"].vendor(), Vendor::Deepseek);
         assert_eq!(config.default_chain().len(), 2);
         config.validate(&|_| true).unwrap();
@@ -659,16 +659,17 @@ model = "claude-sonnet-4-5"
 
     #[test]
     fn unknown_fields_are_refused() {
-        let text = DESIGN_EXAMPLE.replace("\"active_group\"", "\"activ_group\":1,\"active_group\"");
+        let text =
+            DOCUMENTED_EXAMPLE.replace("\"active_group\"", "\"activ_group\":1,\"active_group\"");
         let err = ModelsConfig::from_json(&text, "x").unwrap_err();
         assert!(err.to_string().contains("activ_group"), "{err}");
-        let text = DESIGN_EXAMPLE.replace("\"vision\":true", "\"vision\":true,\"colour\":1");
+        let text = DOCUMENTED_EXAMPLE.replace("\"vision\":true", "\"vision\":true,\"colour\":1");
         assert!(ModelsConfig::from_json(&text, "x").is_err());
     }
 
     #[test]
     fn validation_names_every_problem_at_once() {
-        let text = DESIGN_EXAMPLE
+        let text = DOCUMENTED_EXAMPLE
             .replace(
                 r#""hoshi":[{"provider":"claude","model":"claude-sonnet-4-5"}]"#,
                 r#""hoshi":[{"provider":"claude","model":"claude-opus"}]"#,
@@ -721,7 +722,7 @@ model = "claude-sonnet-4-5"
 
     #[test]
     fn secrets_debug_never_shows_values() {
-        let config = ModelsConfig::from_json(DESIGN_EXAMPLE, "x").unwrap();
+        let config = ModelsConfig::from_json(DOCUMENTED_EXAMPLE, "x").unwrap();
         let secrets = Secrets::resolve(&config, |name| {
             (name == "ANTHROPIC_API_KEY").then(|| "sk-ant-secret".to_owned())
         });

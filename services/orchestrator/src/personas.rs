@@ -1,4 +1,4 @@
-//! The personas the orchestrator answers as (DESIGN §9 `CYRENE_PERSONAS`): the config file shape,
+//! The personas the orchestrator answers as (docs/architecture.md §9 `CYRENE_PERSONAS`): the config file shape,
 //! its validation, and the built-in default used when no file is given.
 //!
 //! # Invariants

@@ -1,4 +1,4 @@
-//! NATS plumbing shared by every Cyrene service and client (DESIGN §1).
+//! NATS plumbing shared by every Cyrene service and client (docs/architecture.md §1).
 //!
 //! Owns: connecting from config ([`connect`]), turning typed errors into the micro error headers
 //! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back

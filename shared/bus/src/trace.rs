@@ -1,5 +1,5 @@
 //! W3C trace context (`traceparent`, `tracestate`) in NATS headers, so one turn is one trace
-//! across services (DESIGN §1).
+//! across services (docs/architecture.md §1).
 //!
 //! The current `tracing` span's OpenTelemetry context is injected on every request and publish;
 //! receivers extract it and make it the parent of their handling span. This needs the

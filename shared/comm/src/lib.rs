@@ -1,4 +1,4 @@
-//! The agent-to-agent comm protocol on real NATS (DESIGN §4; seed 002).
+//! The agent-to-agent comm protocol on real NATS (docs/architecture.md §4; seed 002).
 //!
 //! A [`Probe`] is bound to one agent id. It can ask another agent and wait for the reply, emit an
 //! event to one agent, or broadcast one; [`Probe::serve`] makes it answer asks and receive events.

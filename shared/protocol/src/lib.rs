@@ -1,11 +1,11 @@
 //! The Cyrene wire contract: every JSON shape that crosses NATS, the id rules, and the subject
-//! builders (DESIGN §1, §2, §4, §9).
+//! builders (docs/architecture.md §1, §2, §4, §9).
 //!
 //! This crate owns *shapes*, not behaviour: it depends on nothing of ours and does no I/O, so any
 //! service, the CLI and tests can share one definition of the bytes on the wire.
 //!
 //! # Invariants
-//! - Every type serialises to exactly the JSON documented in DESIGN §9: snake_case keys, optional
+//! - Every type serialises to exactly the JSON documented in docs/architecture.md §9: snake_case keys, optional
 //!   fields omitted when empty, `content` always a list on output (a plain string is accepted on
 //!   input as one text part), tool-call `args` always a JSON object.
 //! - A subject is never built from unvalidated text: session/agent/leg ids go through

@@ -1,4 +1,4 @@
-//! The vendor-neutral message vocabulary (DESIGN §2, §9; seed 004).
+//! The vendor-neutral message vocabulary (docs/architecture.md §2, §9; seed 004).
 //!
 //! # Invariants
 //! - Tool-call `args` are a JSON object, never a JSON-encoded string. A provider reply whose

@@ -1,4 +1,4 @@
-//! `cyrene.model.complete` request/response and the `cyrene.model.calls` record (DESIGN §2, §9).
+//! `cyrene.model.complete` request/response and the `cyrene.model.calls` record (docs/architecture.md §2, §9).
 
 use crate::message::{Message, ToolCall};
 use serde::{Deserialize, Serialize};

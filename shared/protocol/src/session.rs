@@ -1,4 +1,4 @@
-//! `cyrene.session.*` shapes (DESIGN §6, §9).
+//! `cyrene.session.*` shapes (docs/architecture.md §6, §9).
 
 use crate::message::Message;
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! Every NATS subject Cyrene uses, one builder each (DESIGN §1–§6, §9).
+//! Every NATS subject Cyrene uses, one builder each (docs/architecture.md §1–§6, §9).
 //!
 //! # Invariants
 //! - Comm subjects pass every id through [`token`] (the seed 002 sanitisation, part of the spec).

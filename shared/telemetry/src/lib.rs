@@ -1,4 +1,4 @@
-//! Tracing setup shared by every Cyrene binary (DESIGN §1 "Logs via tracing").
+//! Tracing setup shared by every Cyrene binary (docs/architecture.md §1 "Logs via tracing").
 //!
 //! Owns the process-wide subscriber: human-readable logs when stderr is a terminal, one JSON
 //! object per line otherwise, `RUST_LOG` filtering (default `info`), and an OpenTelemetry layer so

@@ -134,7 +134,7 @@ pub(crate) fn classify(err: sqlx::Error) -> StoreError {
     }
 }
 
-/// The per-step snapshot store (DESIGN §3). Implemented once per SQL backend.
+/// The per-step snapshot store (docs/architecture.md §3). Implemented once per SQL backend.
 ///
 /// Methods return `Send` futures so the service can run them on any task.
 pub trait CheckpointStore: Send + Sync + 'static {
