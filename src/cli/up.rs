@@ -4,11 +4,13 @@
 //! names a real provider config — the offline scripted provider with a small demo script plus a
 //! demo tool (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
 //! steered into the running turn). Every service gets its own NATS connection, exactly as when
-//! they run as separate processes.
+//! they run as separate processes, and its configuration from its own `Args` read from the
+//! environment, so every env var of a service binary works under `cyrene up` too.
 
 use super::CliError;
 use async_nats::service::ServiceExt;
 use clap::Args;
+use cyrene_bus::entry::ServiceArgs;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{BusConfig, ConnectMode};
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
@@ -77,11 +79,12 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
     let shutdown = CancellationToken::new();
     let mut services: JoinSet<(&'static str, Result<(), String>)> = JoinSet::new();
 
-    let gateway = cyrene_model_gateway::Config {
-        models,
-        secrets,
-        serve: ServeOptions::default(),
-    };
+    // Each service starts from its own Args as the environment sets them, so every env var a
+    // service binary honours applies here too; `cyrene up`'s own flags then take precedence.
+    let mut gateway: cyrene_model_gateway::Config =
+        service_config::<cyrene_model_gateway::Args>("cyrene-model-gateway")?;
+    gateway.models = models;
+    gateway.secrets = secrets;
     let client = connect("cyrene-model-gateway").await?;
     let s = shutdown.clone();
     services.spawn(async move {
@@ -93,7 +96,9 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
         )
     });
 
-    let mut store = cyrene_checkpoint_store::Config::new(&args.data_dir);
+    let mut store: cyrene_checkpoint_store::Config =
+        service_config::<cyrene_checkpoint_store::Args>("cyrene-checkpoint-store")?;
+    store.data_dir = args.data_dir.clone();
     store.database_url = args.database_url.clone();
     let client = connect("cyrene-checkpoint-store").await?;
     let s = shutdown.clone();
@@ -106,7 +111,9 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
         )
     });
 
-    let mut orchestrator = cyrene_orchestrator::Config::new(&args.data_dir);
+    let mut orchestrator: cyrene_orchestrator::Config =
+        service_config::<cyrene_orchestrator::Args>("cyrene-orchestrator")?;
+    orchestrator.data_dir = args.data_dir.clone();
     orchestrator.database_url = args.database_url.clone();
     orchestrator.personas = personas;
     let client = connect("cyrene-orchestrator").await?;
@@ -123,10 +130,10 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
     for _ in 0..args.workers.max(1) {
         let client = connect("cyrene-loop-worker").await?;
         let s = shutdown.clone();
-        let config = cyrene_loop_worker::Config {
-            tool_refresh: Duration::from_secs(5),
-            ..Default::default()
-        };
+        let mut config: cyrene_loop_worker::Config =
+            service_config::<cyrene_loop_worker::Args>("cyrene-loop-worker")?;
+        // Tools registered after start show up within seconds, not half a minute.
+        config.tool_refresh = Duration::from_secs(5);
         services.spawn(async move {
             (
                 "loop-worker",
@@ -175,6 +182,14 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
         Some(message) => Err(CliError::Failed(message)),
         None => Ok(()),
     }
+}
+
+/// A service's configuration from its own `Args`, as the environment alone sets them.
+fn service_config<A: ServiceArgs>(binary: &str) -> Result<A::Config, CliError> {
+    let args = A::from_env(binary).map_err(|e| CliError::Failed(format!("{binary}: {e}")))?;
+    args.into_config().map_err(|problems| {
+        CliError::Failed(format!("{binary}: invalid configuration: {problems}"))
+    })
 }
 
 /// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.

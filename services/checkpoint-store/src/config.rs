@@ -1,7 +1,9 @@
-//! Configuration of the checkpoint store: the command line / environment ([`Args`], read only by
-//! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
+//! Configuration of the checkpoint store: the command line / environment ([`Args`], the
+//! [`ServiceArgs`] of the binary and of `cyrene up`) and the [`Config`] that [`crate::run`] takes
+//! (tests build it directly).
 
 use crate::store::{DEFAULT_MAX_STATE_BYTES, StoreOptions};
+use cyrene_bus::entry::{Problems, ServiceArgs};
 pub use cyrene_sql::Database;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -43,25 +45,43 @@ impl Config {
         }
     }
 
+    /// Every problem with the values, at once.
+    pub fn validate(&self) -> Result<(), Problems> {
+        let mut problems = Vec::new();
+        if self.max_state_bytes == 0 {
+            problems.push("max_state_bytes must be at least 1".to_owned());
+        }
+        if self.db_timeout.is_zero() {
+            problems.push("db_timeout must be longer than zero".to_owned());
+        }
+        if self.acquire_timeout.is_zero() {
+            problems.push("acquire_timeout must be longer than zero".to_owned());
+        }
+        if self.max_connections == 0 {
+            problems.push("max_connections must be at least 1".to_owned());
+        }
+        if self.max_in_flight == 0 {
+            problems.push("max_in_flight must be at least 1".to_owned());
+        }
+        if let Err(err) = self.resolve_database() {
+            problems.push(err.to_string());
+        }
+        Problems::check(problems)
+    }
+
     /// Checks the values and resolves which database to open.
     pub fn database(&self) -> Result<Database, ConfigError> {
-        if self.max_state_bytes == 0 {
-            return Err(ConfigError("max_state_bytes must be at least 1".into()));
-        }
-        if self.db_timeout.is_zero() || self.acquire_timeout.is_zero() {
-            return Err(ConfigError("timeouts must be longer than zero".into()));
-        }
-        if self.max_connections == 0 || self.max_in_flight == 0 {
-            return Err(ConfigError(
-                "max_connections and max_in_flight must be at least 1".into(),
-            ));
-        }
+        self.validate().map_err(|p| ConfigError(p.to_string()))?;
+        self.resolve_database()
+            .map_err(|e| ConfigError(e.to_string()))
+    }
+
+    fn resolve_database(&self) -> Result<Database, cyrene_sql::UnsupportedUrl> {
         Database::resolve(
             self.database_url.as_deref(),
             &self.data_dir,
             DEFAULT_SQLITE_FILE,
         )
-        .map_err(|e| ConfigError(e.to_string()))
     }
 
     /// The pool settings for the store.
@@ -115,8 +135,22 @@ pub struct Args {
     pub max_in_flight: usize,
 }
 
+impl ServiceArgs for Args {
+    type Config = Config;
+
+    fn nats_url(&self) -> &str {
+        &self.nats_url
+    }
+
+    fn into_config(self) -> Result<Config, Problems> {
+        let config = self.config();
+        config.validate()?;
+        Ok(config)
+    }
+}
+
 impl Args {
-    /// The service configuration these arguments describe.
+    /// The service configuration these arguments describe (not yet checked).
     pub fn config(&self) -> Config {
         Config {
             database_url: self.database_url.clone(),

@@ -48,6 +48,12 @@ pub enum Error {
     Bus(String),
 }
 
+impl cyrene_bus::entry::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
+}
+
 /// Opens the configured database (applying its migrations) and serves it until `shutdown` fires.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let mut options = config.store_options();

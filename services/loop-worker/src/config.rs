@@ -1,5 +1,6 @@
 //! The loop worker's configuration.
 
+use cyrene_bus::entry::{Problems, ServiceArgs};
 use std::time::Duration;
 
 /// In-progress acks per `ack_wait`: one every quarter, so three can be lost or late before a
@@ -61,7 +62,7 @@ impl Default for Config {
 
 impl Config {
     /// Refuses settings that cannot work.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Problems> {
         let mut problems = Vec::new();
         if self.concurrency == 0 {
             problems.push("concurrency must be at least 1");
@@ -75,10 +76,66 @@ impl Config {
         if self.ack_wait < Duration::from_millis(300) {
             problems.push("ack_wait must be at least 300ms (in-progress acks go every quarter)");
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems.join("; "))
+        if self.model_timeout.is_zero() {
+            problems.push("model_timeout must be longer than zero");
         }
+        if self.tool_timeout.is_zero() {
+            problems.push("tool_timeout must be longer than zero");
+        }
+        Problems::check(problems.into_iter().map(str::to_owned).collect())
+    }
+}
+
+/// Command line and environment of the `cyrene-loop-worker` binary.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "cyrene-loop-worker",
+    version,
+    about = "Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue."
+)]
+pub struct Args {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Turns this process runs at once.
+    #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
+    pub concurrency: usize,
+    /// Redelivery delay of a job whose worker stopped acking: the failover time after a worker
+    /// dies (live workers send in-progress acks every quarter of it).
+    #[arg(long, env = "CYRENE_WORKER_ACK_WAIT", default_value = "800ms", value_parser = humantime::parse_duration)]
+    pub ack_wait: Duration,
+    /// Deliveries of a job before it is reported as failed.
+    #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]
+    pub max_deliver: u32,
+    /// Deadline of one model call (the whole fallback chain).
+    #[arg(long, env = "CYRENE_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    pub model_timeout: Duration,
+    /// Deadline of one external tool call.
+    #[arg(long, env = "CYRENE_TOOL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub tool_timeout: Duration,
+    /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); the orchestrator's value.
+    #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
+    pub turns_replicas: usize,
+}
+
+impl ServiceArgs for Args {
+    type Config = Config;
+
+    fn nats_url(&self) -> &str {
+        &self.nats_url
+    }
+
+    fn into_config(self) -> Result<Config, Problems> {
+        let config = Config {
+            concurrency: self.concurrency,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+            model_timeout: self.model_timeout,
+            tool_timeout: self.tool_timeout,
+            turns_replicas: self.turns_replicas,
+            ..Config::default()
+        };
+        config.validate()?;
+        Ok(config)
     }
 }

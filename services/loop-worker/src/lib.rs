@@ -19,7 +19,7 @@ pub mod runner;
 pub mod tools;
 pub mod worker;
 
-pub use config::Config;
+pub use config::{Args, Config};
 
 use async_nats::Client;
 use async_nats::service::ServiceExt;
@@ -35,16 +35,22 @@ pub const SERVICE_NAME: &str = "cyrene-loop-worker";
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("invalid configuration: {0}")]
-    Config(String),
+    Config(#[from] cyrene_bus::entry::Problems),
     #[error("cannot register the micro service: {0}")]
     Service(String),
     #[error("cannot set up JetStream: {0}")]
     JetStream(String),
 }
 
+impl cyrene_bus::entry::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
+}
+
 /// Runs the worker until `shutdown`; running turns get `shutdown_grace` to finish.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
-    config.validate().map_err(Error::Config)?;
+    config.validate()?;
     let config = Arc::new(config);
     let service = client
         .service_builder()

@@ -57,6 +57,64 @@ pub struct Config {
     pub serve: ServeOptions,
 }
 
+/// Command line and environment of the `cyrene-model-gateway` binary.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "cyrene-model-gateway",
+    version,
+    about = "Cyrene model gateway: routes cyrene.model.complete to LLM providers (fallback, \
+             cooldown, accounting)."
+)]
+pub struct Args {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
+    /// config whose only provider is the scripted one (replies are marked offline).
+    #[arg(long, env = "CYRENE_MODELS")]
+    pub models: Option<std::path::PathBuf>,
+    /// Requests handled at once.
+    #[arg(long, env = "CYRENE_GATEWAY_MAX_IN_FLIGHT", default_value_t = 256)]
+    pub max_in_flight: usize,
+}
+
+impl cyrene_bus::entry::ServiceArgs for Args {
+    type Config = Config;
+
+    fn nats_url(&self) -> &str {
+        &self.nats_url
+    }
+
+    /// Reads the model config (every problem in it is listed) and the API keys it names from the
+    /// environment — the only place keys are read.
+    fn into_config(self) -> Result<Config, cyrene_bus::entry::Problems> {
+        let mut problems = Vec::new();
+        if self.max_in_flight == 0 {
+            problems.push("max_in_flight must be at least 1".to_owned());
+        }
+        let models = match &self.models {
+            Some(path) => ModelsConfig::from_file(path).map_err(|e| problems.push(e.to_string())),
+            None => {
+                tracing::warn!(
+                    "no --models/CYRENE_MODELS: using the offline scripted provider only"
+                );
+                Ok(ModelsConfig::offline())
+            }
+        };
+        cyrene_bus::entry::Problems::check(problems)?;
+        let models = models.unwrap_or_else(|()| ModelsConfig::offline());
+        let secrets = Secrets::resolve(&models, |name| std::env::var(name).ok());
+        Ok(Config {
+            models,
+            secrets,
+            serve: ServeOptions {
+                max_in_flight: self.max_in_flight,
+                ..ServeOptions::default()
+            },
+        })
+    }
+}
+
 /// Why the gateway could not start or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -66,6 +124,12 @@ pub enum Error {
     Http(#[source] reqwest::Error),
     #[error("cannot start the micro service: {0}")]
     Service(String),
+}
+
+impl cyrene_bus::entry::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
 }
 
 /// The ring-backed rustls provider is installed and one pooled client built.

@@ -2,6 +2,7 @@
 //! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
 
 use crate::personas::{Personas, PersonasError};
+use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
 pub use cyrene_sql::Database;
@@ -87,43 +88,57 @@ impl Config {
         }
     }
 
-    /// Checks every value.
+    /// Checks every value; all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.personas.validate()?;
+        self.problems()
+            .map_err(|p| ConfigError::Invalid(p.to_string()))
+    }
+
+    /// Every problem with the values.
+    pub fn problems(&self) -> Result<(), Problems> {
+        let mut problems = Vec::new();
+        if let Err(err) = self.personas.validate() {
+            problems.push(err.to_string());
+        }
         if self.max_steps == 0 {
-            return Err(ConfigError::Invalid("max_steps must be at least 1".into()));
+            problems.push("max_steps must be at least 1".to_owned());
         }
         if self.max_message_bytes == 0 || self.max_job_bytes < self.max_message_bytes {
-            return Err(ConfigError::Invalid(
-                "max_message_bytes must be at least 1 and at most max_job_bytes".into(),
-            ));
+            problems.push("max_message_bytes must be at least 1 and at most max_job_bytes".into());
         }
-        for d in [
-            self.ask_timeout,
-            self.sweep_interval,
-            self.db_timeout,
-            self.acquire_timeout,
+        for (name, d) in [
+            ("ask_timeout", self.ask_timeout),
+            ("sweep_interval", self.sweep_interval),
+            ("db_timeout", self.db_timeout),
+            ("acquire_timeout", self.acquire_timeout),
         ] {
             if d.is_zero() {
-                return Err(ConfigError::Invalid(
-                    "timeouts and intervals must be longer than zero".into(),
-                ));
+                problems.push(format!("{name} must be longer than zero"));
             }
         }
-        if self.max_connections == 0 || self.max_in_flight == 0 || self.turns_replicas == 0 {
-            return Err(ConfigError::Invalid(
-                "max_connections, max_in_flight and turns_replicas must be at least 1".into(),
-            ));
+        for (name, n) in [
+            ("max_connections", self.max_connections as usize),
+            ("max_in_flight", self.max_in_flight),
+            ("turns_replicas", self.turns_replicas),
+        ] {
+            if n == 0 {
+                problems.push(format!("{name} must be at least 1"));
+            }
         }
         for s in &self.parallel_sessions {
-            ids::validate(IdKind::Session, s)
-                .map_err(|e| ConfigError::Invalid(format!("parallel_sessions: {e}")))?;
+            if let Err(e) = ids::validate(IdKind::Session, s) {
+                problems.push(format!("parallel_sessions: {e}"));
+            }
         }
         for c in &self.parallel_clients {
-            ids::validate(IdKind::Client, c)
-                .map_err(|e| ConfigError::Invalid(format!("parallel_clients: {e}")))?;
+            if let Err(e) = ids::validate(IdKind::Client, c) {
+                problems.push(format!("parallel_clients: {e}"));
+            }
         }
-        self.database().map(|_| ())
+        if let Err(err) = self.database() {
+            problems.push(err.to_string());
+        }
+        Problems::check(problems)
     }
 
     /// Which database to open.
@@ -200,6 +215,20 @@ pub struct Args {
     /// the same value.
     #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
     pub turns_replicas: usize,
+}
+
+impl ServiceArgs for Args {
+    type Config = Config;
+
+    fn nats_url(&self) -> &str {
+        &self.nats_url
+    }
+
+    fn into_config(self) -> Result<Config, Problems> {
+        let config = self.config().map_err(|e| Problems(vec![e.to_string()]))?;
+        config.problems()?;
+        Ok(config)
+    }
 }
 
 impl Args {

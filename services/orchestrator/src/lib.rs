@@ -59,6 +59,12 @@ pub enum Error {
     Bus(String),
 }
 
+impl cyrene_bus::entry::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
+}
+
 /// Opens the store described by `config` (applying the migrations).
 pub async fn open_store(config: &Config) -> Result<Store, Error> {
     config.validate()?;

@@ -1,6 +1,6 @@
 //! NATS plumbing shared by every Cyrene service and client (docs/architecture.md §1).
 //!
-//! Owns: connecting from config ([`connect`]), turning typed errors into the micro error headers
+//! Owns: the entry shape of every service binary ([`entry`]), connecting from config ([`connect`]), turning typed errors into the micro error headers
 //! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back
 //! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
 //! without panicking ([`headers`]) and the payload size guard ([`guard`]).
@@ -11,6 +11,7 @@
 //!   and a `{"error":{…}}` body, so header-only clients (`nats req`) and JSON clients both see it.
 
 pub mod connect;
+pub mod entry;
 pub mod guard;
 pub mod headers;
 pub mod request;

@@ -1,0 +1,129 @@
+//! One entry shape for every service binary: `main` is a single call to [`main`], which owns
+//! telemetry, the configuration check, the NATS connection, signals and the exit code.
+//!
+//! A service library exports `Args` (clap: every setting a flag with an env var) implementing
+//! [`ServiceArgs`], a `Config`, and `run(config, client, shutdown)`. `cyrene up` builds the same
+//! `Args` from the environment ([`ServiceArgs::from_env`]), so every env var a service honours
+//! works there too.
+//!
+//! # Exit codes (the same for every binary)
+//! - 0: stopped cleanly (SIGINT/SIGTERM);
+//! - 1: a runtime failure (NATS unreachable at start, a database that cannot be opened, …);
+//! - 2: an invalid configuration — every problem is listed on stderr at once.
+
+use crate::{BusConfig, ConnectMode};
+use async_nats::Client;
+use std::future::Future;
+use std::process::ExitCode;
+use tokio_util::sync::CancellationToken;
+
+/// Every problem found in a configuration, so an operator fixes them in one go.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", .0.join("; "))]
+pub struct Problems(pub Vec<String>);
+
+impl Problems {
+    /// `Ok(())` when `problems` is empty.
+    pub fn check(problems: Vec<String>) -> Result<(), Problems> {
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Problems(problems))
+        }
+    }
+}
+
+/// The flags and env of a service binary.
+pub trait ServiceArgs: clap::Parser + Sized {
+    /// What the service's `run` takes.
+    type Config;
+
+    /// The NATS server URL(s) to connect to.
+    fn nats_url(&self) -> &str;
+
+    /// The checked configuration, or every problem with it.
+    fn into_config(self) -> Result<Self::Config, Problems>;
+
+    /// The arguments as the environment alone sets them (no flags): what `cyrene up` starts a
+    /// service with, so the service's env vars apply there too.
+    fn from_env(binary: &str) -> Result<Self, clap::Error> {
+        Self::try_parse_from([binary])
+    }
+}
+
+/// A service failure that may be a configuration problem found only while starting (a personas
+/// file that does not parse, a database URL of an unknown scheme).
+pub trait RunError: std::fmt::Display {
+    fn is_config(&self) -> bool {
+        false
+    }
+}
+
+/// The whole `main` of a service binary: parse `A`, set up telemetry, check the configuration,
+/// connect as `service` (its inbox prefix is `_INBOX_<service>`), run until SIGINT/SIGTERM.
+pub fn main<A, F, Fut, E>(service: &'static str, run: F) -> ExitCode
+where
+    A: ServiceArgs,
+    F: FnOnce(A::Config, Client, CancellationToken) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: RunError,
+{
+    let args = A::parse();
+    let _telemetry = cyrene_telemetry::init(service);
+    let nats_url = args.nats_url().to_owned();
+    let config = match args.into_config() {
+        Ok(config) => config,
+        Err(problems) => {
+            tracing::error!(%problems, "invalid configuration");
+            eprintln!("{service}: invalid configuration:");
+            for problem in &problems.0 {
+                eprintln!("  - {problem}");
+            }
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("{service}: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let bus = BusConfig::new(&nats_url, service, ConnectMode::Service);
+        let client = match crate::connect(&bus).await {
+            Ok(client) => client,
+            Err(err) => {
+                tracing::error!(error = %err, "cannot connect to NATS");
+                eprintln!("{service}: cannot connect to NATS: {err}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let shutdown = CancellationToken::new();
+        tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
+        match run(config, client, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                tracing::error!(error = %err, "{service} failed");
+                eprintln!("{service}: {err}");
+                ExitCode::from(if err.is_config() { 2 } else { 1 })
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_are_all_kept() {
+        assert!(Problems::check(vec![]).is_ok());
+        let err = Problems::check(vec!["a must be 1".into(), "b is missing".into()]).unwrap_err();
+        assert_eq!(err.0.len(), 2);
+        assert_eq!(err.to_string(), "a must be 1; b is missing");
+    }
+}
