@@ -30,6 +30,8 @@ impl RawConnection {
             .await
             .expect("raw connect timed out")
             .expect("raw connect");
+        // Many small writes, each waiting for a PONG: no Nagle delay.
+        stream.set_nodelay(true).expect("TCP_NODELAY");
         let mut raw = RawConnection {
             stream: BufReader::new(stream),
         };
