@@ -191,7 +191,9 @@ async fn a_subject_that_is_not_utf8_costs_only_that_message() {
     let connections = server.connection_ids();
 
     let mut raw = RawConnection::connect(server.port(), None).await;
-    let unreadable: [(&str, &[u8], Option<&[u8]>); 4] = [
+    /// What is wrong, the subject, the reply subject.
+    type Unreadable<'a> = (&'a str, &'a [u8], Option<&'a [u8]>);
+    let unreadable: [Unreadable; 4] = [
         ("a non-UTF-8 token", b"x.\xff\xfe", None),
         ("a truncated UTF-8 sequence", b"x.\xe6\x98", None),
         (
