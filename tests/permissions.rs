@@ -1,7 +1,9 @@
 //! `deploy/nats/cyrene.conf` — the least-privilege server config — run as is (passwords filled
 //! in): the whole system works with each service connected as its own user, what a user is not
-//! allowed is refused by the server (docs/architecture.md §8), only operators reach `$SRV.>`, and no malformed
-//! header block a user may publish costs a service its connection (issue 12, item 1).
+//! allowed is refused by the server (docs/architecture.md §8), only operators reach `$SRV.>`,
+//! external tools run as `cyrene-tools`, and no malformed header block a user may publish costs a
+//! service its connection. The full matrix — every user, every subject family, publish and
+//! subscribe — is checked against the server and against docs/security.md.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
 mod common;
@@ -22,21 +24,314 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-const USERS: [(&str, &str); 7] = [
+const USERS: [(&str, &str); 8] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
     ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
+    ("CYRENE_TOOLS_PASSWORD", "pw-tools"),
     ("CYRENE_CLIENT_PASSWORD", "pw-client"),
-    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
     ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
+    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
 ];
+
+/// Every user of the config, in the order of [`USERS`] and of the matrix's columns.
+const MATRIX_USERS: [(&str, &str); 8] = [
+    ("cyrene-model-gateway", "pw-gateway"),
+    ("cyrene-checkpoint-store", "pw-store"),
+    ("cyrene-orchestrator", "pw-orchestrator"),
+    ("cyrene-loop-worker", "pw-worker"),
+    ("cyrene-tools", "pw-tools"),
+    ("cyrene-client", "pw-client"),
+    ("cyrene-operator", "pw-operator"),
+    ("agent-hoshi", "pw-hoshi"),
+];
+
+/// Who may publish (`pub`) and subscribe (`sub`) on what: one row per subject family (a
+/// concrete subject of it, what the row means), one cell per user of [`MATRIX_USERS`]. Replies
+/// through `allow_responses` (to the reply subject of a request the user received) are not
+/// rows: they exist only while a request is answered. docs/security.md holds this table as
+/// [`render_matrix`] prints it.
+const MATRIX: &[(&str, &str, [&str; 8])] = {
+    const N: &str = "—";
+    const P: &str = "pub";
+    const S: &str = "sub";
+    const PS: &str = "pub sub";
+    &[
+        // subject, what; gateway, store, orchestrator, worker, tools, client, operator, hoshi
+        (
+            "cyrene.session.send",
+            "a person sends a message",
+            [N, N, S, N, N, P, N, N],
+        ),
+        (
+            "cyrene.session.history",
+            "a transcript is read",
+            [N, N, S, N, N, P, N, N],
+        ),
+        (
+            "cyrene.session.s1.events",
+            "a session's live events",
+            [N, N, PS, P, N, S, N, N],
+        ),
+        (
+            "cyrene.turn.steer",
+            "a turn takes in new messages",
+            [N, N, S, P, N, N, N, N],
+        ),
+        (
+            "cyrene.turn.complete",
+            "a turn ends",
+            [N, N, S, P, N, N, N, N],
+        ),
+        (
+            "cyrene.turn.run",
+            "a turn is dispatched (JetStream)",
+            [N, N, P, N, N, N, N, N],
+        ),
+        (
+            "cyrene.checkpoint.save",
+            "a step is checkpointed",
+            [N, S, N, P, N, N, N, N],
+        ),
+        (
+            "cyrene.checkpoint.latest",
+            "the last checkpoint",
+            [N, S, N, P, N, P, N, N],
+        ),
+        (
+            "cyrene.checkpoint.get",
+            "one checkpoint",
+            [N, S, N, N, N, P, N, N],
+        ),
+        (
+            "cyrene.checkpoint.list",
+            "checkpoints of an owner",
+            [N, S, N, N, N, P, N, N],
+        ),
+        (
+            "cyrene.checkpoint.retain",
+            "checkpoints are deleted",
+            [N, S, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.model.complete",
+            "a model call",
+            [S, N, N, P, N, N, N, N],
+        ),
+        (
+            "cyrene.model.route",
+            "a route is explained",
+            [S, N, N, P, N, N, N, N],
+        ),
+        (
+            "cyrene.model.calls",
+            "call records",
+            [P, N, N, N, N, N, S, N],
+        ),
+        (
+            "cyrene.agent.me.cyrene.ask",
+            "a person asks a persona",
+            [N, N, S, N, N, P, N, N],
+        ),
+        (
+            "cyrene.agent.me.hoshi.ask",
+            "a person asks an agent",
+            [N, N, N, N, N, P, N, S],
+        ),
+        (
+            "cyrene.agent.hoshi.cyrene.ask",
+            "an agent asks a persona",
+            [N, N, S, N, N, N, N, P],
+        ),
+        (
+            "cyrene.agent.cyrene.hoshi.ask",
+            "a persona asks an agent",
+            [N, N, N, P, N, N, N, S],
+        ),
+        (
+            "cyrene.agent.hoshi.me.ask",
+            "an agent asks a person",
+            [N, N, N, N, N, N, N, P],
+        ),
+        (
+            "cyrene.agent.cyrene.me.reply.q1",
+            "a persona answers a person",
+            [N, N, N, N, N, S, N, N],
+        ),
+        (
+            "cyrene.agent.hoshi.cyrene.reply.q1",
+            "an agent answers a persona",
+            [N, N, N, S, N, S, N, N],
+        ),
+        (
+            "cyrene.agent.cyrene.hoshi.reply.q1",
+            "a persona answers an agent",
+            [N, N, N, N, N, S, N, S],
+        ),
+        (
+            "cyrene.agent.me.cyrene.event",
+            "a person notifies a persona",
+            [N, N, S, N, N, P, N, N],
+        ),
+        (
+            "cyrene.agent.hoshi.cyrene.event",
+            "an agent notifies a persona",
+            [N, N, S, N, N, N, N, P],
+        ),
+        (
+            "cyrene.agent.cyrene.hoshi.event",
+            "a persona notifies an agent",
+            [N, N, N, P, N, N, N, S],
+        ),
+        (
+            "cyrene.agent.me.event",
+            "a person broadcasts",
+            [N, N, S, N, N, P, N, S],
+        ),
+        (
+            "cyrene.agent.cyrene.event",
+            "a persona broadcasts",
+            [N, N, S, P, N, N, N, S],
+        ),
+        (
+            "cyrene.agent.hoshi.event",
+            "an agent broadcasts",
+            [N, N, S, N, N, N, N, PS],
+        ),
+        (
+            "cyrene.orchestrator.ask.a1.done",
+            "an ask's turn ended (between replicas)",
+            [N, N, PS, N, N, N, N, N],
+        ),
+        (
+            "cyrene.tool.search_notes",
+            "a tool call",
+            [N, N, N, P, S, N, N, N],
+        ),
+        (
+            "$SRV.PING",
+            "discovery of every service",
+            [S, S, S, S, S, N, P, N],
+        ),
+        (
+            "$SRV.INFO",
+            "tools and endpoints of every service",
+            [S, S, S, PS, S, N, P, N],
+        ),
+        (
+            "$SRV.STATS.cyrene-orchestrator",
+            "one service's figures",
+            [S, S, S, S, S, N, P, N],
+        ),
+        (
+            "$JS.API.INFO",
+            "JetStream account info",
+            [N, N, P, P, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.CREATE.CYRENE_TURNS",
+            "the turn queue is created",
+            [N, N, P, P, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.DELETE.CYRENE_TURNS",
+            "the turn queue is deleted",
+            [N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.PURGE.CYRENE_TURNS",
+            "the turn queue is purged",
+            [N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.MSG.GET.CYRENE_TURNS",
+            "a queued turn is read",
+            [N, N, N, P, N, N, N, N],
+        ),
+        (
+            "$JS.API.CONSUMER.MSG.NEXT.CYRENE_TURNS.loop-workers",
+            "a worker pulls a turn",
+            [N, N, N, P, N, N, N, N],
+        ),
+        (
+            "$JS.ACK.CYRENE_TURNS.loop-workers.1.1.1.1.0",
+            "a worker acknowledges a turn",
+            [N, N, N, P, N, N, N, N],
+        ),
+        (
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.CYRENE_TURNS.loop-workers",
+            "a turn ran out of deliveries",
+            [N, N, N, S, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.CREATE.OTHER",
+            "any other stream",
+            [N, N, N, N, N, N, N, N],
+        ),
+        ("_INBOX.a1", "default inboxes", [N, N, N, N, N, S, N, N]),
+        (
+            "_INBOX_cyrene-cli.a1",
+            "replies to the cyrene CLI",
+            [N, N, N, N, N, S, S, N],
+        ),
+        (
+            "_INBOX_cyrene-operator.a1",
+            "replies to an operator's nats CLI",
+            [N, N, N, N, N, N, S, N],
+        ),
+        (
+            "_INBOX_cyrene-model-gateway.a1",
+            "replies to the gateway",
+            [S, N, N, N, N, N, N, N],
+        ),
+        (
+            "_INBOX_cyrene-checkpoint-store.a1",
+            "replies to the store",
+            [N, S, N, N, N, N, N, N],
+        ),
+        (
+            "_INBOX_cyrene-orchestrator.a1",
+            "replies to the orchestrator",
+            [N, N, S, N, N, N, N, N],
+        ),
+        (
+            "_INBOX_cyrene-loop-worker.a1",
+            "replies to the worker",
+            [N, N, N, S, N, N, N, N],
+        ),
+        (
+            "_INBOX_cyrene-tools.a1",
+            "replies to a tool",
+            [N, N, N, N, S, N, N, N],
+        ),
+        (
+            "$SYS.REQ.SERVER.PING",
+            "the server's system account",
+            [N, N, N, N, N, N, N, N],
+        ),
+        (
+            "anything.else",
+            "any other subject",
+            [N, N, N, N, N, N, N, N],
+        ),
+    ]
+};
 
 const SERVICES: [&str; 4] = [
     "cyrene-checkpoint-store",
     "cyrene-loop-worker",
     "cyrene-model-gateway",
     "cyrene-orchestrator",
+];
+
+/// What `$SRV.PING` finds: the services and the test's tools (run as `cyrene-tools`), by name.
+const DISCOVERABLE: [&str; 5] = [
+    "cyrene-checkpoint-store",
+    "cyrene-loop-worker",
+    "cyrene-model-gateway",
+    "cyrene-orchestrator",
+    "test-tools",
 ];
 
 fn server() -> NatsServer {
@@ -138,7 +433,7 @@ async fn discovered(operator: &async_nats::Client) -> Vec<String> {
         .unwrap();
     let mut names = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        while names.len() < SERVICES.len() {
+        while names.len() < DISCOVERABLE.len() {
             let Some(reply) = replies.next().await else {
                 return;
             };
@@ -158,7 +453,9 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     let data = tempfile::tempdir().unwrap();
 
     let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
-                        "after_tools": "It is {tool_results}."}]);
+                        "after_tools": "It is {tool_results}."},
+                       {"contains": "count", "tool_calls": [{"name": "count"}],
+                        "after_tools": "Counted: {tool_results}."}]);
     let gateway = Gateway::new(
         common::models(rules),
         &Secrets::from_pairs(Vec::<(String, String)>::new()),
@@ -215,9 +512,13 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         shutdown.clone(),
     ));
 
+    // External tools run as the tools user.
+    let client = connect_as(&server, "cyrene-tools", "pw-tools", "cyrene-tools").await;
+    let tools = common::TestTools::start(&client, shutdown.clone()).await;
+
     // An operator (as `cyrene probe` connects) waits for the services.
     let operator = connect_as(&server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
-    for name in SERVICES {
+    for name in SERVICES.into_iter().chain(["test-tools"]) {
         common::wait_for_service(&operator, name).await;
     }
 
@@ -251,6 +552,47 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     .await
     .expect("the turn is answered under least privilege");
     assert!(answered.starts_with("It is "), "{answered}");
+    // A turn calls an external tool served by the tools user (once the worker has discovered
+    // it: a turn before that is answered with an unknown-tool result, so each try is a new
+    // session).
+    let counted = tokio::time::timeout(Duration::from_secs(30), async {
+        for attempt in 0_u32.. {
+            let session = format!("tools{attempt}");
+            let send = SendRequest {
+                session_id: session.clone(),
+                message: Message::text(Role::User, "count, please"),
+                client_id: "cli".into(),
+                idempotency_key: format!("t{attempt}"),
+                env: None,
+                parallel: false,
+            };
+            let _: SendAck =
+                request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            loop {
+                let history = history(&cli, &session).await.unwrap();
+                if let Some(answer) = history
+                    .messages
+                    .iter()
+                    .find(|e| e.message.role == Role::Assistant)
+                {
+                    let answer = answer.message.text_content();
+                    if answer.contains("count ran as") {
+                        return answer;
+                    }
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        String::new()
+    })
+    .await
+    .expect("a turn calls the tool served as cyrene-tools");
+    assert!(counted.starts_with("Counted: "), "{counted}");
+    assert!(!tools.runs.lock().unwrap().is_empty());
     // … and no service ran into its limits on the way (the server logs every violation).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
     assert!(
@@ -271,6 +613,25 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     let _sub = worker.subscribe(subjects::SESSION_SEND).await.unwrap();
     worker.flush().await.unwrap();
     refused(&violations, "a worker listening to user messages").await;
+    worker
+        .publish(subjects::CHECKPOINT_RETAIN, "{}".into())
+        .await
+        .unwrap();
+    worker.flush().await.unwrap();
+    refused(&violations, "a worker deleting checkpoints").await;
+
+    let (orchestrator, violations) =
+        watched(&server, "cyrene-orchestrator", "pw-orchestrator").await;
+    let _sub = orchestrator
+        .subscribe("cyrene.agent.me.hoshi.ask")
+        .await
+        .unwrap();
+    orchestrator.flush().await.unwrap();
+    refused(
+        &violations,
+        "the orchestrator listening to asks meant for hoshi",
+    )
+    .await;
 
     let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
     client
@@ -356,7 +717,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         .unwrap();
     client.flush().await.unwrap();
     refused(&violations, "a client asking a service for its info").await;
-    assert_eq!(discovered(&operator).await, SERVICES);
+    assert_eq!(discovered(&operator).await, DISCOVERABLE);
 
     // The server logged the refusals above (so the clean log earlier meant something).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
@@ -396,7 +757,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
             let errors = raw.round_trip().await;
             assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
         }
-        assert_eq!(discovered(&operator).await, SERVICES, "{what}");
+        assert_eq!(discovered(&operator).await, DISCOVERABLE, "{what}");
         let history = history(&cli, "p1")
             .await
             .unwrap_or_else(|err| panic!("{what}: the orchestrator stopped answering: {err}"));
@@ -409,4 +770,89 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         );
     }
     shutdown.cancel();
+}
+
+/// The permission matrix as a Markdown table (docs/security.md holds it verbatim).
+fn render_matrix(matrix: &[(&str, &str, [&str; 8])]) -> String {
+    let mut table = String::from("| subject | what |");
+    for (user, _) in MATRIX_USERS {
+        table.push_str(&format!(" `{user}` |"));
+    }
+    table.push_str("\n|---|---|");
+    table.push_str(&"---|".repeat(MATRIX_USERS.len()));
+    table.push('\n');
+    for (subject, what, cells) in matrix {
+        table.push_str(&format!("| `{subject}` | {what} |"));
+        for cell in cells {
+            table.push_str(&format!(" {cell} |"));
+        }
+        table.push('\n');
+    }
+    table
+}
+
+/// What the server permits `user` on `subject`: `pub`, `sub`, `pub sub` or `—`. One raw
+/// connection per user; each attempt is followed by a round trip, so every `-ERR` is the
+/// answer to that attempt.
+async fn permitted(raw: &mut RawConnection, subject: &str, sid: u64) -> &'static str {
+    raw.publish(subject.as_bytes(), None, b"").await;
+    let publish = raw.round_trip().await;
+    raw.subscribe(subject, sid).await;
+    let subscribe = raw.round_trip().await;
+    raw.unsubscribe(sid).await;
+    for error in publish.iter().chain(&subscribe) {
+        assert!(
+            error.contains("Permissions Violation"),
+            "{subject}: unexpected {error}"
+        );
+    }
+    match (publish.is_empty(), subscribe.is_empty()) {
+        (true, true) => "pub sub",
+        (true, false) => "pub",
+        (false, true) => "sub",
+        (false, false) => "—",
+    }
+}
+
+/// The matrix of docs/security.md is what the shipped config does: every user tries to publish
+/// and to subscribe on every subject family, against a real nats-server running the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_config_permits_exactly_the_permission_matrix() {
+    let server = server();
+    let mut observed: Vec<(&str, &str, [&str; 8])> = MATRIX
+        .iter()
+        .map(|(subject, what, _)| (*subject, *what, ["?"; 8]))
+        .collect();
+    for (column, (user, password)) in MATRIX_USERS.into_iter().enumerate() {
+        let mut raw = RawConnection::connect(server.port(), Some((user, password))).await;
+        for (row, (subject, _, _)) in MATRIX.iter().enumerate() {
+            observed[row].2[column] = permitted(&mut raw, subject, row as u64 + 1).await;
+        }
+    }
+    let expected = render_matrix(MATRIX);
+    let observed = render_matrix(&observed);
+    assert_eq!(
+        observed, expected,
+        "deploy/nats/cyrene.conf permits (left) what the matrix does not say (right)"
+    );
+
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/security.md")).unwrap();
+    assert!(
+        doc.contains(&expected),
+        "docs/security.md must hold the permission matrix as tests/permissions.rs renders it:\n\n{expected}"
+    );
+
+    // Every user of the config is in the matrix.
+    let conf = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/nats/cyrene.conf"
+    ))
+    .unwrap();
+    let users: Vec<&str> = conf
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("user: "))
+        .collect();
+    let columns: Vec<&str> = MATRIX_USERS.iter().map(|(user, _)| *user).collect();
+    assert_eq!(users, columns, "users of deploy/nats/cyrene.conf");
 }

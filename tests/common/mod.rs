@@ -349,7 +349,8 @@ pub struct TestTools {
 }
 
 impl TestTools {
-    async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
+    /// Serves the tools as micro service `test-tools` on `client` until `shutdown`.
+    pub async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
         let tools = Arc::new(TestTools::default());
         let service = client
             .service_builder()

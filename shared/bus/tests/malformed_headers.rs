@@ -156,3 +156,111 @@ async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_wi
     shutdown.cancel();
     drop(service);
 }
+
+/// A subject (or reply subject) that is not UTF-8 costs only its message (issue 12, item 1): the
+/// server forwards any bytes in a subject, so a raw `PUB x.\xff\xfe` reaches an `x.*` subscriber
+/// and a wildcard micro endpoint. Each such message is skipped; the next one arrives and no
+/// connection is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_that_is_not_utf8_costs_only_that_message() {
+    let server = NatsServer::start();
+    let (service_client, service_drops) = watched(&server).await;
+    let service = service_client
+        .service_builder()
+        .start("echoer", "0.1.0")
+        .await
+        .unwrap();
+    let endpoint = service
+        .endpoint_builder()
+        .name("echo")
+        .add("test.echo.*")
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    tokio::spawn(serve_json(
+        endpoint,
+        ServeOptions::default(),
+        shutdown.clone(),
+        echo,
+    ));
+    let (subscriber, subscriber_drops) = watched(&server).await;
+    let mut plain = subscriber.subscribe("x.*").await.unwrap();
+    let mut replies = subscriber.subscribe("raw.reply.>").await.unwrap();
+    subscriber.flush().await.unwrap();
+    service_client.flush().await.unwrap();
+    let connections = server.connection_ids();
+
+    let mut raw = RawConnection::connect(server.port(), None).await;
+    /// What is wrong, the subject, the reply subject.
+    type Unreadable<'a> = (&'a str, &'a [u8], Option<&'a [u8]>);
+    let unreadable: [Unreadable; 4] = [
+        ("a non-UTF-8 token", b"x.\xff\xfe", None),
+        ("a truncated UTF-8 sequence", b"x.\xe6\x98", None),
+        (
+            "a non-UTF-8 reply subject",
+            b"x.ok",
+            Some(b"raw.reply.\xff"),
+        ),
+        ("an overlong encoding", b"x.\xc0\xae", Some(b"raw.reply.x")),
+    ];
+    for (i, (what, subject, reply)) in unreadable.into_iter().enumerate() {
+        let payload = format!(r#"{{"text":"case {i}"}}"#);
+        // A plain subscriber, a wildcard endpoint and a header message, each then a good one.
+        raw.publish(subject, reply, payload.as_bytes()).await;
+        let mut endpoint_subject = b"test.echo.".to_vec();
+        endpoint_subject.extend_from_slice(&subject[2..]);
+        let endpoint_reply = reply.unwrap_or(b"raw.reply.bad");
+        raw.publish(&endpoint_subject, Some(endpoint_reply), payload.as_bytes())
+            .await;
+        raw.publish(b"x.after", None, payload.as_bytes()).await;
+        raw.publish(
+            b"test.echo.after",
+            Some(format!("raw.reply.echo.{i}").as_bytes()),
+            payload.as_bytes(),
+        )
+        .await;
+        let errors = raw.round_trip().await;
+        assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+
+        // The plain subscriber gets the next message, never the unreadable one.
+        let message = tokio::time::timeout(T, plain.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the subscriber got nothing"))
+            .unwrap();
+        assert_eq!(message.subject.as_str(), "x.after", "{what}");
+        assert_eq!(message.payload, payload.as_bytes(), "{what}");
+        // The endpoint answers the good request after the unreadable one.
+        let reply = tokio::time::timeout(T, replies.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the endpoint stopped answering"))
+            .unwrap();
+        assert_eq!(
+            reply.subject.as_str(),
+            format!("raw.reply.echo.{i}"),
+            "{what}"
+        );
+        let body: Echo = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(body.text, format!("case {i} (0 headers)"), "{what}");
+
+        assert_eq!(
+            service_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: service reconnected"
+        );
+        assert_eq!(
+            subscriber_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: subscriber reconnected"
+        );
+        let mut now = server.connection_ids();
+        now.retain(|id| connections.contains(id));
+        assert_eq!(now, connections, "{what}: a connection was replaced");
+    }
+    assert_eq!(subscriber.statistics().connects.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        service_client.statistics().connects.load(Ordering::SeqCst),
+        1
+    );
+    shutdown.cancel();
+    drop(service);
+}

@@ -6,7 +6,10 @@
 //! ([`JsonObject::parse`], [`JsonObject::to_map`]).
 //!
 //! # Invariants
-//! - The text is always one syntactically valid JSON object (checked by every constructor).
+//! - The text is always one syntactically valid JSON object (checked by every constructor) that
+//!   every reader here can parse: at most [`MAX_DEPTH`] levels deep and no number outside `f64`
+//!   (serde_json checks neither when it only checks the syntax, but refuses both when it builds a
+//!   value: a state stored with either could never be read back).
 //! - Equality is JSON equality: the same text is equal at once; otherwise both sides are parsed
 //!   and compared as values (two encodings of one object may differ in spacing and key order).
 
@@ -14,6 +17,11 @@ use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+
+/// The deepest nesting a [`JsonObject`] may have: serde_json refuses more than 127 levels when
+/// it builds a value, and a state travels inside envelopes (a checkpoint in a list page is three
+/// levels down).
+pub const MAX_DEPTH: usize = 100;
 
 /// One JSON object, held as text.
 #[derive(Debug, Clone)]
@@ -72,12 +80,53 @@ impl JsonObject {
     }
 
     fn object(raw: Box<RawValue>) -> Result<JsonObject, &'static str> {
-        if raw.get().trim_start().starts_with('{') {
-            Ok(JsonObject(raw))
-        } else {
-            Err("expected a JSON object")
+        if !raw.get().trim_start().starts_with('{') {
+            return Err("expected a JSON object");
         }
+        readable(raw.get())?;
+        Ok(JsonObject(raw))
     }
+}
+
+/// Whether syntactically valid JSON `text` can also be parsed into a value: one pass over the
+/// bytes, no allocation (see the module's invariants).
+fn readable(text: &str) -> Result<(), &'static str> {
+    let bytes = text.as_bytes();
+    let mut depth = 0_usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => {
+                // Skip the string; the syntax is valid, so it ends.
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > MAX_DEPTH {
+                    return Err("the object is nested too deeply (at most 100 levels)");
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i + 1 < bytes.len()
+                    && matches!(bytes[i + 1], b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-')
+                {
+                    i += 1;
+                }
+                let number = &text[start..=i];
+                if number.parse::<f64>().map_or(true, |n| !n.is_finite()) {
+                    return Err("a number is out of range");
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(())
 }
 
 impl Default for JsonObject {
@@ -155,6 +204,32 @@ mod tests {
         );
         assert_eq!(JsonObject::from(a.to_map()), a);
         assert_eq!(JsonObject::default().as_str(), "{}");
+    }
+
+    #[test]
+    fn refuses_what_could_not_be_read_back() {
+        let nested = |depth: usize| {
+            format!(
+                r#"{{"state":{}1{}}}"#,
+                r#"{"a":"#.repeat(depth - 1) + "[",
+                "]".to_owned() + &"}".repeat(depth - 1)
+            )
+        };
+        let h: Holder = serde_json::from_str(&nested(MAX_DEPTH)).unwrap();
+        assert!(
+            serde_json::from_str::<Value>(&format!(r#"{{"a":[{{"b":{}}}]}}"#, h.state.as_str()))
+                .is_ok()
+        );
+        assert!(serde_json::from_str::<Holder>(&nested(MAX_DEPTH + 1)).is_err());
+        assert!(serde_json::from_str::<Holder>(&nested(5_000)).is_err());
+        for bad in [r#"{"state":{"n":1e400}}"#, r#"{"state":{"n":[-1E+309]}}"#] {
+            assert!(serde_json::from_str::<Holder>(bad).is_err(), "{bad}");
+        }
+        // Numbers and brackets inside strings are text; big integers and tiny floats are fine.
+        let ok =
+            r#"{"state":{"s":"1e400 [[[[ \" {","n":18446744073709551616,"f":1e-400,"x":-0.5e3}}"#;
+        let h: Holder = serde_json::from_str(ok).unwrap();
+        assert_eq!(h.state.to_map()["s"], "1e400 [[[[ \" {");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! A hand-written NATS client connection for sending what a well-behaved client library will not:
-//! header blocks that break the header grammar (issue 12, item 1). Only `CONNECT`, `HPUB`, `PUB`
-//! and a `PING`/`PONG` round trip; it never subscribes.
+//! header blocks that break the header grammar and subjects that are not UTF-8 (issue 12, item
+//! 1). Only `CONNECT`, `HPUB`, `PUB`, `SUB`/`UNSUB` (to see what the server permits; it never
+//! reads the messages) and a `PING`/`PONG` round trip.
 //!
 //! # Pitfalls
 //!
@@ -29,6 +30,8 @@ impl RawConnection {
             .await
             .expect("raw connect timed out")
             .expect("raw connect");
+        // Many small writes, each waiting for a PONG: no Nagle delay.
+        stream.set_nodelay(true).expect("TCP_NODELAY");
         let mut raw = RawConnection {
             stream: BufReader::new(stream),
         };
@@ -68,6 +71,34 @@ impl RawConnection {
         frame.extend_from_slice(payload);
         frame.extend_from_slice(b"\r\n");
         self.write(&frame).await;
+    }
+
+    /// Writes `PUB subject [reply] <len>` with `subject` and `reply` byte for byte: they need
+    /// not be UTF-8 (the server forwards any bytes in a subject).
+    pub async fn publish(&mut self, subject: &[u8], reply: Option<&[u8]>, payload: &[u8]) {
+        let mut frame = b"PUB ".to_vec();
+        frame.extend_from_slice(subject);
+        if let Some(reply) = reply {
+            frame.push(b' ');
+            frame.extend_from_slice(reply);
+        }
+        frame.extend_from_slice(format!(" {}\r\n", payload.len()).as_bytes());
+        frame.extend_from_slice(payload);
+        frame.extend_from_slice(b"\r\n");
+        self.write(&frame).await;
+    }
+
+    /// Writes `SUB subject sid`. The connection never reads messages: subscribe only to learn
+    /// whether the server permits it ([`RawConnection::round_trip`]), then
+    /// [`RawConnection::unsubscribe`].
+    pub async fn subscribe(&mut self, subject: &str, sid: u64) {
+        self.write(format!("SUB {subject} {sid}\r\n").as_bytes())
+            .await;
+    }
+
+    /// Writes `UNSUB sid`.
+    pub async fn unsubscribe(&mut self, sid: u64) {
+        self.write(format!("UNSUB {sid}\r\n").as_bytes()).await;
     }
 
     /// `PING`, then reads up to the `PONG`: the `-ERR` lines the server sent meanwhile.

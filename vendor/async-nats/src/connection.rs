@@ -133,9 +133,19 @@ impl Connection {
     /// Attempts to read a server operation from the read buffer.
     /// Returns `None` if there is not enough data to parse an entire operation.
     pub(crate) fn try_read_op(&mut self) -> Result<Option<ServerOp>, io::Error> {
-        let len = match memchr::memmem::find(&self.read_buf, b"\r\n") {
-            Some(len) => len,
-            None => return Ok(None),
+        // CYRENE-PATCH: a message whose subject or reply subject is not UTF-8 costs only itself;
+        // it is skipped here and the next operation is read (a loop, not recursion: a buffer
+        // may hold many of them).
+        let len = loop {
+            let len = match memchr::memmem::find(&self.read_buf, b"\r\n") {
+                Some(len) => len,
+                None => return Ok(None),
+            };
+            match self.skip_unreadable_message(len)? {
+                Unreadable::No => break len,
+                Unreadable::Skipped => continue,
+                Unreadable::Incomplete => return Ok(None),
+            }
         };
 
         if self.read_buf.starts_with(b"+OK") {
@@ -380,6 +390,62 @@ impl Connection {
             io::ErrorKind::InvalidInput,
             format!("invalid server operation: '{line}'"),
         ))
+    }
+
+    /// CYRENE-PATCH: the server forwards any bytes in a subject (it checks only the byte
+    /// counts), so any publisher can send a message whose subject is not UTF-8 to a wildcard
+    /// subscriber (`PUB x.\xff` reaches `x.*`); the same holds for a reply subject. Upstream
+    /// fails the connection on it (an `io::Error` from `try_read_op`). Here a `MSG`/`HMSG` whose
+    /// control line (of `len` bytes) is not UTF-8 is consumed whole — control line, headers,
+    /// payload — and dropped: no `Subject` can hold it, and the stream stays in sync. A control
+    /// line whose counts do not parse is still an error: the server never sends one.
+    fn skip_unreadable_message(&mut self, len: usize) -> io::Result<Unreadable> {
+        let (args, has_headers) = if self.read_buf.starts_with(b"MSG ") {
+            (&self.read_buf[4..len], false)
+        } else if self.read_buf.starts_with(b"HMSG ") {
+            (&self.read_buf[5..len], true)
+        } else {
+            return Ok(Unreadable::No);
+        };
+        if str::from_utf8(args).is_ok() {
+            return Ok(Unreadable::No);
+        }
+        let invalid = || {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "invalid arguments after MSG/HMSG with a non-UTF-8 subject",
+            )
+        };
+        let args: Vec<&[u8]> = args
+            .split(|b| *b == b' ' || *b == b'\t')
+            .filter(|arg| !arg.is_empty())
+            .collect();
+        // MSG <subject> <sid> [reply-to] <#bytes>
+        // HMSG <subject> <sid> [reply-to] <#header bytes> <#total bytes>
+        let counts = if has_headers { 4..=5 } else { 3..=4 };
+        if !counts.contains(&args.len()) {
+            return Err(invalid());
+        }
+        let number = |arg: &[u8]| {
+            str::from_utf8(arg)
+                .ok()
+                .and_then(|arg| arg.parse::<usize>().ok())
+        };
+        let sid = number(args[1]).ok_or_else(invalid)?;
+        let total_len = number(args[args.len() - 1]).ok_or_else(invalid)?;
+        if has_headers && number(args[args.len() - 2]).is_none_or(|header| header > total_len) {
+            return Err(invalid());
+        }
+        if len + total_len + 4 > self.read_buf.remaining() {
+            return Ok(Unreadable::Incomplete);
+        }
+        warn!(
+            subject = %String::from_utf8_lossy(args[0]),
+            sid = %sid,
+            "message with a subject or reply subject that is not UTF-8; skipped"
+        );
+        self.read_buf.advance(len + 2 + total_len + 2);
+        Ok(Unreadable::Skipped)
     }
 
     pub(crate) fn read_op(&mut self) -> impl Future<Output = io::Result<Option<ServerOp>>> + '_ {
@@ -817,6 +883,17 @@ where
 
 /// Parses an `HMSG` header block: headers, status and status description.
 ///
+/// CYRENE-PATCH: what [`Connection::skip_unreadable_message`] found at the front of the read
+/// buffer.
+enum Unreadable {
+    /// Not a message with a non-UTF-8 control line: parse it as usual.
+    No,
+    /// Such a message, consumed and dropped.
+    Skipped,
+    /// Such a message, not all of it read yet.
+    Incomplete,
+}
+
 /// CYRENE-PATCH: moved out of `Connection::try_read_op` so that an error costs the message its
 /// headers instead of failing the connection.
 fn parse_headers(header: &[u8]) -> io::Result<(HeaderMap, Option<StatusCode>, Option<String>)> {
@@ -1192,22 +1269,37 @@ mod read_op {
     // Regression for https://github.com/nats-io/nats.rs/issues/1572:
     // nats-server forwards arbitrary bytes in subjects (no UTF-8 enforcement),
     // so a publisher sending `balance.\xFF` reaches a `balance.*` subscriber.
-    // The parser must surface an io::Error rather than panicking, otherwise the
-    // ConnectionHandler task dies and the client never reconnects.
+    // The parser must not panic, otherwise the ConnectionHandler task dies and
+    // the client never reconnects.
+    // CYRENE-PATCH: upstream expects an io::Error here (which costs the connection); such a
+    // message is skipped instead, and the next one parses.
     #[tokio::test]
-    async fn msg_with_non_utf8_subject_returns_error() {
+    async fn msg_with_non_utf8_subject_is_skipped() {
         let (stream, mut server) = io::duplex(128);
         let mut connection = Connection::new(Box::new(stream), 0, Arc::new(Statistics::default()));
 
         server.write_all(b"MSG balance.\xFF 1 2\r\n").await.unwrap();
         server.write_all(b"hi\r\n").await.unwrap();
+        server.write_all(b"MSG balance.ok 1 2\r\nok\r\n").await.unwrap();
 
-        let err = connection.read_op().await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        let result = connection.read_op().await.unwrap();
+        assert_eq!(
+            result,
+            Some(ServerOp::Message {
+                sid: 1,
+                subject: "balance.ok".into(),
+                reply: None,
+                headers: None,
+                payload: "ok".into(),
+                status: None,
+                description: None,
+                length: 10 + 2,
+            })
+        );
     }
 
     #[tokio::test]
-    async fn hmsg_with_non_utf8_subject_returns_error() {
+    async fn hmsg_with_non_utf8_subject_is_skipped() {
         let (stream, mut server) = io::duplex(128);
         let mut connection = Connection::new(Box::new(stream), 0, Arc::new(Statistics::default()));
 
@@ -1216,7 +1308,54 @@ mod read_op {
             .await
             .unwrap();
         server.write_all(b"NATS/1.0\r\n\r\nhi\r\n").await.unwrap();
+        server.write_all(b"PING\r\n").await.unwrap();
 
+        assert_eq!(connection.read_op().await.unwrap(), Some(ServerOp::Ping));
+    }
+
+    // CYRENE-PATCH: a non-UTF-8 subject or reply subject, with and without headers, many in
+    // one buffer and one arriving in pieces: each message costs only itself, the stream stays in
+    // sync, and a control line whose counts do not parse is still an error.
+    #[tokio::test]
+    async fn messages_with_non_utf8_subjects_cost_only_themselves() {
+        let (stream, mut server) = io::duplex(1 << 20);
+        let mut connection = Connection::new(Box::new(stream), 0, Arc::new(Statistics::default()));
+
+        let mut frames = Vec::new();
+        for _ in 0..1000 {
+            frames.extend_from_slice(b"MSG x.\xFF\xFE 7 2\r\nhi\r\n");
+            frames.extend_from_slice(b"MSG x.a 7 _INBOX.\xC3 2\r\nhi\r\n");
+            frames.extend_from_slice(b"HMSG x.\xFF 7 reply 12 14\r\nNATS/1.0\r\n\r\nhi\r\n");
+        }
+        frames.extend_from_slice(b"MSG x.ok 7 2\r\nok\r\n");
+        server.write_all(&frames).await.unwrap();
+        let ok = Some(ServerOp::Message {
+            sid: 7,
+            subject: "x.ok".into(),
+            reply: None,
+            headers: None,
+            payload: "ok".into(),
+            status: None,
+            description: None,
+            length: 4 + 2,
+        });
+        assert_eq!(connection.read_op().await.unwrap(), ok);
+
+        // In pieces: nothing is returned until the skipped message is complete.
+        let whole = b"HMSG x.\xFF 7 12 16\r\nNATS/1.0\r\n\r\nhi\r\n\r\n";
+        let (head, tail) = whole.split_at(25);
+        server.write_all(head).await.unwrap();
+        let pending = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            connection.read_op(),
+        )
+        .await;
+        assert!(pending.is_err(), "returned before the message was complete");
+        server.write_all(tail).await.unwrap();
+        server.write_all(b"MSG x.ok 7 2\r\nok\r\n").await.unwrap();
+        assert_eq!(connection.read_op().await.unwrap(), ok);
+
+        server.write_all(b"MSG x.\xFF 7 two\r\nhi\r\n").await.unwrap();
         let err = connection.read_op().await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
     }

@@ -1,0 +1,378 @@
+//! Wire-level fuzzing (issue 12): the four service binaries on a real nats-server take seeded
+//! malformed requests on every endpoint (tests/fuzz/cases.rs) from a raw client connection —
+//! broken JSON, wrong types, huge and deeply nested values, invalid ids, junk header blocks,
+//! subjects that are not UTF-8, names crafted to look like system text. The run fails unless:
+//!
+//! - **0 crashes**: every service process is alive and no service connection was replaced
+//!   (`/connz` ids before and after);
+//! - **0 hangs**: every request that expects a reply gets one within its deadline;
+//! - **100 % structured**: every reply of a Cyrene endpoint is a success or the error envelope
+//!   (`Nats-Service-Error` + `Nats-Service-Error-Code` headers and `{"error":{"code","message"}}`,
+//!   the code one of docs/errors.md and agreeing with the header), and no reply exceeds the
+//!   server's `max_payload`;
+//!
+//! and the stack still answers a well-formed request afterwards.
+//!
+//! - `make test` runs a slice ([`a_slice_of_malformed_requests_costs_no_crash_hang_or_unstructured_reply`]).
+//! - `make fuzz` runs the full run (`#[ignore]`d here): `CYRENE_FUZZ_REQUESTS` (default 12,000)
+//!   requests of seed `CYRENE_FUZZ_SEED` (default 1); the figures are printed.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+
+mod cases;
+#[path = "../common/mod.rs"]
+mod common;
+
+use async_nats::Message;
+use cases::{Case, Endpoint, Kind};
+use cyrene_protocol::ErrorCode;
+use cyrene_test_support::{NatsServer, RawConnection};
+use futures::StreamExt;
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+const SERVICES: [&str; 4] = [
+    "cyrene-model-gateway",
+    "cyrene-checkpoint-store",
+    "cyrene-orchestrator",
+    "cyrene-loop-worker",
+];
+
+/// How long a request may wait for its reply; an ask runs a whole turn first.
+fn deadline(endpoint: Endpoint) -> Duration {
+    match endpoint {
+        Endpoint::AgentAsk => Duration::from_secs(30),
+        _ => Duration::from_secs(10),
+    }
+}
+
+/// Requests in flight at once.
+const WINDOW: usize = 32;
+
+/// What became of one endpoint's requests.
+#[derive(Debug, Default)]
+struct Tally {
+    sent: usize,
+    ok: usize,
+    errors: BTreeMap<&'static str, usize>,
+    unstructured: Vec<String>,
+    hangs: usize,
+    largest_reply: usize,
+}
+
+#[derive(Debug, Default)]
+struct Figures {
+    requests: usize,
+    by_endpoint: BTreeMap<Endpoint, Tally>,
+    by_kind: BTreeMap<Kind, usize>,
+    crashes: Vec<String>,
+    took: Duration,
+}
+
+impl Figures {
+    fn total(&self, f: impl Fn(&Tally) -> usize) -> usize {
+        self.by_endpoint.values().map(f).sum()
+    }
+
+    fn print(&self, seed: u64) {
+        println!(
+            "fuzz: seed {seed}, {} requests in {:.1?}",
+            self.requests, self.took
+        );
+        println!(
+            "{:<34} {:>6} {:>6} {:>6} {:>6} {:>6}  errors by code",
+            "endpoint", "sent", "ok", "error", "unstr", "hang"
+        );
+        for (endpoint, tally) in &self.by_endpoint {
+            let errors: usize = tally.errors.values().sum();
+            println!(
+                "{:<34} {:>6} {:>6} {:>6} {:>6} {:>6}  {:?} (largest reply {} B)",
+                endpoint.name(),
+                tally.sent,
+                tally.ok,
+                errors,
+                tally.unstructured.len(),
+                tally.hangs,
+                tally.errors,
+                tally.largest_reply
+            );
+        }
+        let errors = self.total(|t| t.errors.values().sum());
+        let unstructured = self.total(|t| t.unstructured.len());
+        let structured = if errors + unstructured == 0 {
+            100.0
+        } else {
+            100.0 * errors as f64 / (errors + unstructured) as f64
+        };
+        println!("by kind: {:?}", self.by_kind);
+        println!(
+            "crashes {}, hangs {}, structured errors {structured:.2} % ({errors} of {}), \
+             unstructured replies {unstructured}",
+            self.crashes.len(),
+            self.total(|t| t.hangs),
+            errors + unstructured
+        );
+    }
+}
+
+/// The seed and size of a run from the environment, else the defaults.
+fn from_env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.replace('_', "").parse().ok())
+        .unwrap_or(default)
+}
+
+/// Classifies one reply of a Cyrene endpoint: `Ok(None)` a success, `Ok(Some(code))` a
+/// structured error, `Err(why)` anything else.
+fn classify(reply: &Message) -> Result<Option<&'static str>, String> {
+    let header = |name: &str| {
+        reply
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_owned())
+    };
+    let body: Value = serde_json::from_slice(&reply.payload).map_err(|e| {
+        format!(
+            "body is not JSON ({e}): {:?}",
+            String::from_utf8_lossy(&reply.payload[..reply.payload.len().min(200)])
+        )
+    })?;
+    let status = header("Nats-Service-Error-Code");
+    let Some(error) = body.get("error") else {
+        return match status {
+            None => Ok(None),
+            Some(status) => Err(format!("error header {status} without an envelope: {body}")),
+        };
+    };
+    let code = error["code"].as_str().unwrap_or_default();
+    let Some(code) = ErrorCode::ALL.into_iter().find(|c| c.as_str() == code) else {
+        return Err(format!("unknown code: {body}"));
+    };
+    if !error["message"].is_string() || error.as_object().map_or(0, |o| o.len()) != 2 {
+        return Err(format!("envelope is not {{code, message}}: {body}"));
+    }
+    if status.as_deref() != Some(code.status().to_string().as_str()) {
+        return Err(format!("header status {status:?} for code {code}"));
+    }
+    if header("Nats-Service-Error").is_none() {
+        return Err(format!("no Nats-Service-Error header for {code}"));
+    }
+    Ok(Some(code.as_str()))
+}
+
+/// The four binaries on one nats-server, and the connection ids they hold.
+struct Stack {
+    server: NatsServer,
+    client: async_nats::Client,
+    children: Vec<(&'static str, tokio::process::Child)>,
+    _data: tempfile::TempDir,
+}
+
+impl Stack {
+    async fn start() -> Stack {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let data = tempfile::tempdir().unwrap();
+        let dir = data.path().display().to_string();
+        let mut children = Vec::new();
+        for name in SERVICES {
+            // Every malformed message is a warning or an error in a service's log (a panic
+            // is still printed).
+            let envs = [
+                ("CYRENE_DATA_DIR", dir.as_str()),
+                ("RUST_LOG", "off"),
+                ("CYRENE_WORKER_ACK_WAIT", "2s"),
+            ];
+            children.push((name, common::service(name, &server.url(), &envs)));
+            common::wait_for_service(&client, name).await;
+        }
+        Stack {
+            server,
+            client,
+            children,
+            _data: data,
+        }
+    }
+
+    /// Services whose process has ended.
+    fn dead(&mut self) -> Vec<String> {
+        self.children
+            .iter_mut()
+            .filter_map(|(name, child)| match child.try_wait() {
+                Ok(None) => None,
+                other => Some(format!("{name} exited: {other:?}")),
+            })
+            .collect()
+    }
+}
+
+/// Sends `count` cases of `seed` and returns what became of them.
+async fn run(seed: u64, count: usize) -> Figures {
+    let mut stack = Stack::start().await;
+    let connections = stack.server.connection_ids();
+    let max_payload = stack.client.server_info().max_payload;
+    let mut replies = stack.client.subscribe("fuzz.reply.>").await.unwrap();
+    stack.client.flush().await.unwrap();
+    let mut raw = RawConnection::connect(stack.server.port(), None).await;
+
+    let started = Instant::now();
+    let mut figures = Figures::default();
+    let mut next = 0;
+    while next < count {
+        let batch: Vec<(usize, Case)> = (next..count.min(next + WINDOW))
+            .map(|i| (i, cases::case(seed, i)))
+            .collect();
+        next += batch.len();
+        let sent_at = Instant::now();
+        let mut waiting: HashMap<String, (Endpoint, Instant)> = HashMap::new();
+        for (i, case) in &batch {
+            let reply = format!("fuzz.reply.{i}");
+            match &case.headers {
+                Some(block) => {
+                    // HPUB takes a text subject: header cases never carry a non-UTF-8 one.
+                    let subject = String::from_utf8_lossy(&case.subject).into_owned();
+                    raw.hpub(&subject, Some(&reply), block, &case.payload).await;
+                }
+                None => {
+                    raw.publish(&case.subject, Some(reply.as_bytes()), &case.payload)
+                        .await;
+                }
+            }
+            let tally = figures.by_endpoint.entry(case.endpoint).or_default();
+            tally.sent += 1;
+            *figures.by_kind.entry(case.kind).or_default() += 1;
+            figures.requests += 1;
+            if case.answered {
+                waiting.insert(reply, (case.endpoint, sent_at + deadline(case.endpoint)));
+            }
+        }
+        let refused = raw.round_trip().await;
+        assert!(
+            refused.is_empty(),
+            "the server refused a fuzz publish: {refused:?}"
+        );
+
+        while !waiting.is_empty() {
+            let until = waiting.values().map(|(_, d)| *d).max().unwrap_or(sent_at);
+            let Ok(Some(reply)) = tokio::time::timeout_at(until.into(), replies.next()).await
+            else {
+                break;
+            };
+            let Some((endpoint, due)) = waiting.remove(reply.subject.as_str()) else {
+                continue; // late, already counted as a hang
+            };
+            let tally = figures.by_endpoint.entry(endpoint).or_default();
+            let size = reply.length;
+            tally.largest_reply = tally.largest_reply.max(size);
+            if Instant::now() > due {
+                tally.hangs += 1;
+                continue;
+            }
+            if size > max_payload {
+                tally.unstructured.push(format!(
+                    "{}: reply of {size} B over max_payload",
+                    reply.subject
+                ));
+                continue;
+            }
+            if !endpoint.is_cyrene_endpoint() {
+                tally.ok += 1; // micro's or JetStream's own answer: it came, in time
+                continue;
+            }
+            match classify(&reply) {
+                Ok(None) => tally.ok += 1,
+                Ok(Some(code)) => *tally.errors.entry(code).or_default() += 1,
+                Err(why) => {
+                    let (_, case) = batch
+                        .iter()
+                        .find(|(i, _)| reply.subject.as_str() == format!("fuzz.reply.{i}"))
+                        .unwrap();
+                    tally.unstructured.push(format!(
+                        "{why} (case {:?}, payload {:?})",
+                        case.kind,
+                        String::from_utf8_lossy(&case.payload[..case.payload.len().min(200)])
+                    ));
+                }
+            }
+        }
+        for (endpoint, _) in waiting.into_values() {
+            figures.by_endpoint.entry(endpoint).or_default().hangs += 1;
+        }
+    }
+    figures.took = started.elapsed();
+
+    // Crashes: a process gone, or a service connection replaced (a reconnect).
+    figures.crashes = stack.dead();
+    let now = stack.server.connection_ids();
+    for id in &connections {
+        if !now.contains(id) {
+            figures.crashes.push(format!("connection {id} was dropped"));
+        }
+    }
+    // The stack still works: every service answers discovery, a send is acknowledged.
+    for name in SERVICES {
+        common::wait_for_service(&stack.client, name).await;
+    }
+    let send = serde_json::json!({"session_id": "after", "message": {"role": "user",
+        "content": "still there?"}, "client_id": "fuzz", "idempotency_key": "after"});
+    let ack: Value = cyrene_bus::request_json(
+        &stack.client,
+        "cyrene.session.send",
+        &send,
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("the orchestrator answers after the run");
+    assert!(ack["seq"].is_u64(), "{ack}");
+    figures
+}
+
+fn check(figures: &Figures) {
+    assert!(figures.crashes.is_empty(), "crashes: {:?}", figures.crashes);
+    let hangs = figures.total(|t| t.hangs);
+    assert_eq!(hangs, 0, "requests without a reply in time");
+    for (endpoint, tally) in &figures.by_endpoint {
+        assert!(
+            tally.unstructured.is_empty(),
+            "{}: {} unstructured replies, e.g. {:?}",
+            endpoint.name(),
+            tally.unstructured.len(),
+            &tally.unstructured[..tally.unstructured.len().min(5)]
+        );
+    }
+    // The mix reached every endpoint and was mostly refused.
+    assert_eq!(
+        figures.by_endpoint.len(),
+        Endpoint::MIX.len(),
+        "{figures:?}"
+    );
+    let errors = figures.total(|t| t.errors.values().sum());
+    assert!(
+        errors * 2 > figures.requests,
+        "most malformed requests are refused"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slice_of_malformed_requests_costs_no_crash_hang_or_unstructured_reply() {
+    let seed = from_env("CYRENE_FUZZ_SEED", 1);
+    let figures = run(seed, 2_000).await;
+    figures.print(seed);
+    check(&figures);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the full run: make fuzz"]
+async fn ten_thousand_malformed_requests_cost_no_crash_hang_or_unstructured_reply() {
+    let seed = from_env("CYRENE_FUZZ_SEED", 1);
+    let count = from_env("CYRENE_FUZZ_REQUESTS", 12_000) as usize;
+    assert!(
+        count >= 10_000,
+        "the full run sends at least 10,000 requests"
+    );
+    let figures = run(seed, count).await;
+    figures.print(seed);
+    check(&figures);
+}
