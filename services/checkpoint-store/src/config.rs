@@ -108,9 +108,8 @@ pub struct ConfigError(pub String);
              cyrene.checkpoint.{save,latest,get,list,retain}."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// checkpoints.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -138,8 +137,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     fn into_config(self) -> Result<Config, Problems> {

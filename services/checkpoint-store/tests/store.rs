@@ -745,7 +745,9 @@ async fn postgres_over_tls_when_the_url_asks_for_it() {
     .await
     .unwrap();
     assert!(encrypted(&tls).await, "sslmode=require did not encrypt");
-    tls.save(checkpoint("s1", 1, "over tls"), Utc::now()).await.unwrap();
+    tls.save(checkpoint("s1", 1, "over tls"), Utc::now())
+        .await
+        .unwrap();
     assert_eq!(note(&tls.latest("s1").await.unwrap()), "over tls");
     tls.close().await;
     // The server's certificate checked against a CA file (Debian's self-signed one, where the
@@ -767,7 +769,10 @@ async fn postgres_over_tls_when_the_url_asks_for_it() {
                 &options(),
             )
             .await;
-            assert!(refused.is_err(), "a certificate no given CA signed was accepted");
+            assert!(
+                refused.is_err(),
+                "a certificate no given CA signed was accepted"
+            );
         }
     }
 }

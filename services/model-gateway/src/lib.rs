@@ -66,9 +66,8 @@ pub struct Config {
              cooldown, accounting)."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_MODELS")]
@@ -81,8 +80,8 @@ pub struct Args {
 impl cyrene_bus::entry::ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     /// Reads the model config (every problem in it is listed) and the API keys it names from the

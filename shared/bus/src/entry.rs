@@ -11,7 +11,7 @@
 //! - 1: a runtime failure (NATS unreachable at start, a database that cannot be opened, …);
 //! - 2: an invalid configuration — every problem is listed on stderr at once.
 
-use crate::{BusConfig, ConnectMode};
+use crate::{BusArgs, ConnectMode};
 use async_nats::Client;
 use std::future::Future;
 use std::process::ExitCode;
@@ -38,8 +38,8 @@ pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
     type Config;
 
-    /// The NATS server URL(s) to connect to.
-    fn nats_url(&self) -> &str;
+    /// How to reach the bus (URLs and credentials).
+    fn bus(&self) -> &BusArgs;
 
     /// The checked configuration, or every problem with it.
     fn into_config(self) -> Result<Self::Config, Problems>;
@@ -70,10 +70,15 @@ where
 {
     let args = A::parse();
     let _telemetry = cyrene_telemetry::init(service);
-    let nats_url = args.nats_url().to_owned();
-    let config = match args.into_config() {
-        Ok(config) => config,
-        Err(problems) => {
+    let bus = args.bus().config(service, ConnectMode::Service);
+    let config = match (bus.as_ref(), args.into_config()) {
+        (Ok(_), Ok(config)) => config,
+        (bus, config) => {
+            let mut problems = config.err().map(|p| p.0).unwrap_or_default();
+            if let Err(problem) = bus {
+                problems.push(problem.clone());
+            }
+            let problems = Problems(problems);
             tracing::error!(%problems, "invalid configuration");
             eprintln!("{service}: invalid configuration:");
             for problem in &problems.0 {
@@ -92,8 +97,10 @@ where
             return ExitCode::FAILURE;
         }
     };
+    let Ok(bus) = bus else {
+        return ExitCode::from(2);
+    };
     runtime.block_on(async move {
-        let bus = BusConfig::new(&nats_url, service, ConnectMode::Service);
         let client = match crate::connect(&bus).await {
             Ok(client) => client,
             Err(err) => {
