@@ -156,6 +156,7 @@ impl World {
             idempotency_key: key.to_owned(),
             env: None,
             parallel: false,
+            when_busy: None,
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {

@@ -60,6 +60,7 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
         idempotency_key: args.key.clone().unwrap_or_else(ids::new_id),
         env,
         parallel: args.parallel,
+        when_busy: None,
     }
 }
 

@@ -18,6 +18,7 @@ fn context(allowed: Option<&[&str]>) -> ToolContext {
         session_id: "s".into(),
         turn_id: "t".into(),
         allowed: allowed.map(|a| a.iter().map(|s| (*s).to_owned()).collect()),
+        ask_chain: Vec::new(),
     }
 }
 

@@ -12,6 +12,12 @@ pub struct Ask {
     pub question: String,
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub data: Value,
+    /// The agents already answering an ask this one serves, outermost first (the asker last
+    /// when it is itself answering one). An agent listed here is waiting on this ask: a
+    /// responder that finds itself in it refuses the ask at once with `conflict` instead of
+    /// waiting on itself (docs/comm.md, "Cycles"). Empty for a top-level ask.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<String>,
 }
 
 /// The answer to an [`Ask`]; `from` is the replier, `to` the asker.

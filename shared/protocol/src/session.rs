@@ -32,6 +32,26 @@ pub struct SendRequest {
     /// message starts its own leg (`parallel_leg`) instead of waiting (`pending`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub parallel: bool,
+    /// Per-send double-texting policy: what happens to this message when a turn of its session
+    /// is in flight. Absent = the configured policy of its client or session (default `steer`).
+    /// `parallel: true` is the same as `"when_busy":"parallel"`; the two may not disagree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when_busy: Option<BusyPolicy>,
+}
+
+/// The double-texting policy: what a message sent while a turn of its session is in flight
+/// does (docs/orchestrator.md, "Double-texting").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BusyPolicy {
+    /// Steered into the running turn at its next boundary (or the next turn if it ends first).
+    Steer,
+    /// A leg of its own when the running turn belongs to another client.
+    Parallel,
+    /// Waits for the next turn; never steered into the running one.
+    Enqueue,
+    /// Refused with `conflict` while a turn runs; nothing is stored.
+    Reject,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -218,6 +238,7 @@ mod tests {
         assert_eq!(serde_json::to_value(&req).unwrap(), doc);
         let plain = SendRequest {
             parallel: false,
+            when_busy: None,
             ..req
         };
         assert!(

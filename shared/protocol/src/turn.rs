@@ -58,6 +58,11 @@ pub struct TurnJob {
     /// discovered tool and the built-ins; a list = only those of them (empty = no tool at all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<String>>,
+    /// For a turn answering an agent ask: the agents already answering an ask this turn serves,
+    /// outermost first, ending with this turn's persona. The worker's `ask_agent` sends it as
+    /// the ask's `chain`, so an ask back to any of them is refused at once (docs/comm.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ask_chain: Vec<String>,
 }
 
 /// The default step budget of a turn.
