@@ -18,6 +18,10 @@
 //!   as `sender_name` in its normalised form ([`display_name`]), never raw, in the **agent lane**
 //!   (`sender_kind: agent`): an asking agent is not a person, so in a restricted ask session it
 //!   is neither a third party nor the owner.
+//! - An ask's `data` reaches the turn as a second text part of its message ([`ask_message`]);
+//!   its `chain`, followed by the persona, becomes the job's `ask_chain`, which the worker's
+//!   `ask_agent` passes on, so an ask back along the chain is refused at once by the probe
+//!   (docs/comm.md, "Cycles").
 
 use crate::engine::{Engine, TurnDone};
 use crate::store::NewMessage;

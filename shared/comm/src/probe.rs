@@ -1,4 +1,11 @@
 //! [`Probe`]: one agent's end of the comm protocol.
+//!
+//! # Invariants
+//! - One ask at a time per agent: accepted asks queue for the handler in arrival order.
+//! - Refusals never queue: a malformed ask (`bad_request`), one in another agent's name
+//!   (`forbidden`) and one whose `chain` holds this agent (`conflict`, a cycle: the agent is
+//!   already answering an ask this one serves, so waiting would deadlock) are answered as they
+//!   arrive, and the handler never sees them (docs/comm.md, "Cycles").
 
 use crate::DEFAULT_ASK_TIMEOUT;
 use async_nats::{Client, HeaderMap, Message, StatusCode, Subscriber};

@@ -59,10 +59,19 @@ mod tests {
     }
 
     #[test]
+    fn an_asks_chain_is_optional_and_round_trips() {
+        let ask = json!({"id":"q2","from":"b","to":"c","question":"?","chain":["a","b"]});
+        let a: Ask = serde_json::from_value(ask.clone()).unwrap();
+        assert_eq!(a.chain, ["a", "b"]);
+        assert_eq!(serde_json::to_value(&a).unwrap(), ask);
+    }
+
+    #[test]
     fn data_is_optional() {
         let a: Ask =
             serde_json::from_str(r#"{"id":"1","from":"a","to":"b","question":"q"}"#).unwrap();
         assert!(a.data.is_null());
+        assert!(a.chain.is_empty(), "a top-level ask");
         assert_eq!(
             serde_json::to_value(&a).unwrap(),
             json!({"id":"1","from":"a","to":"b","question":"q"})

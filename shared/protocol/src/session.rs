@@ -250,6 +250,30 @@ mod tests {
     }
 
     #[test]
+    fn when_busy_is_optional_and_snake_case() {
+        for (policy, name) in [
+            (BusyPolicy::Steer, "steer"),
+            (BusyPolicy::Parallel, "parallel"),
+            (BusyPolicy::Enqueue, "enqueue"),
+            (BusyPolicy::Reject, "reject"),
+        ] {
+            let doc = json!({"session_id":"s1","message":{"role":"user","content":[{"type":"text",
+                "text":"hi"}]},"when_busy":name});
+            let req: SendRequest = serde_json::from_value(doc.clone()).unwrap();
+            assert_eq!(req.when_busy, Some(policy));
+            assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+        }
+        // Old senders: no field, same meaning as before.
+        let old = json!({"session_id":"s1","message":{"role":"user","content":"hi"}});
+        let req: SendRequest = serde_json::from_value(old).unwrap();
+        assert_eq!(req.when_busy, None);
+        assert!(serde_json::to_value(&req).unwrap().get("when_busy").is_none());
+        let bad = json!({"session_id":"s1","message":{"role":"user","content":"hi"},
+            "when_busy":"interrupt"});
+        assert!(serde_json::from_value::<SendRequest>(bad).is_err());
+    }
+
+    #[test]
     fn history_shapes_round_trip() {
         let doc = json!({"session_id":"s1","limit":50,"before_seq":9});
         let req: HistoryRequest = serde_json::from_value(doc.clone()).unwrap();
