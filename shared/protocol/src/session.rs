@@ -267,7 +267,12 @@ mod tests {
         let old = json!({"session_id":"s1","message":{"role":"user","content":"hi"}});
         let req: SendRequest = serde_json::from_value(old).unwrap();
         assert_eq!(req.when_busy, None);
-        assert!(serde_json::to_value(&req).unwrap().get("when_busy").is_none());
+        assert!(
+            serde_json::to_value(&req)
+                .unwrap()
+                .get("when_busy")
+                .is_none()
+        );
         let bad = json!({"session_id":"s1","message":{"role":"user","content":"hi"},
             "when_busy":"interrupt"});
         assert!(serde_json::from_value::<SendRequest>(bad).is_err());
