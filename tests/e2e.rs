@@ -552,6 +552,26 @@ async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints()
     assert!(text.contains("(UTC). — offline scripted reply"), "{text}");
 }
 
+/// Asks cyrene, retrying only "nobody listens yet" (the personas register just after the
+/// orchestrator's endpoints answer).
+async fn ask_when_ready(
+    probe: &cyrene_comm::Probe,
+    question: &str,
+    options: cyrene_comm::AskOptions,
+) -> cyrene_protocol::comm::Reply {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match probe.ask_with("cyrene", question, options.clone()).await {
+            Err(cyrene_comm::AskError::NoReply { .. })
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other.unwrap(),
+        }
+    }
+}
+
 /// An ask's `data` reaches the model: the request answering it holds the question and, after
 /// it, the data as a JSON block.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -564,10 +584,7 @@ async fn an_asks_data_reaches_the_model_request() {
         data: json!({"order": 4711, "items": ["oolong"]}),
         ..Default::default()
     };
-    let reply = alice
-        .ask_with("cyrene", "what did I order?", options)
-        .await
-        .unwrap();
+    let reply = ask_when_ready(&alice, "what did I order?", options).await;
     assert!(reply.text.contains("what did I order?"), "{}", reply.text);
     let requests = world.log.snapshot();
     let asked: Vec<_> = requests
@@ -604,10 +621,7 @@ async fn an_ask_back_along_its_chain_is_an_error_result_not_a_stall() {
         ..Default::default()
     };
     let started = std::time::Instant::now();
-    let reply = alice
-        .ask_with("cyrene", "please ask yourself", options)
-        .await
-        .unwrap();
+    let reply = ask_when_ready(&alice, "please ask yourself", options).await;
     assert!(reply.text.contains("ask cycle"), "{}", reply.text);
     assert!(
         started.elapsed() < Duration::from_secs(15),
