@@ -164,12 +164,12 @@ impl Config {
                     if let Err(e) = ids::validate(kind, id) {
                         problems.push(format!("{name}: {e}"));
                     }
-                    if let Some(other) = policy_of.insert(id.as_str(), name) {
-                        if other != name {
-                            problems.push(format!(
-                                "{id:?} is in both {other} and {name}: one policy each"
-                            ));
-                        }
+                    if let Some(other) = policy_of.insert(id.as_str(), name)
+                        && other != name
+                    {
+                        problems.push(format!(
+                            "{id:?} is in both {other} and {name}: one policy each"
+                        ));
                     }
                 }
             }
