@@ -55,11 +55,16 @@ impl Drop for World {
 
 impl World {
     async fn start(database_url: Option<String>) -> World {
+        World::scripted(database_url, json!([])).await
+    }
+
+    /// A world whose scripted model follows `rules` (docs/model-gateway.md).
+    async fn scripted(database_url: Option<String>, rules: serde_json::Value) -> World {
         let server = NatsServer::start();
         let client = server.connect().await;
         let shutdown = CancellationToken::new();
         let gateway = Gateway::new(
-            common::models(json!([])),
+            common::models(rules),
             &Secrets::from_pairs(Vec::<(String, String)>::new()),
             cyrene_model_gateway::http_client().unwrap(),
         )
@@ -156,6 +161,7 @@ impl World {
             idempotency_key: key.to_owned(),
             env: None,
             parallel: false,
+            when_busy: None,
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
@@ -544,4 +550,89 @@ async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints()
     assert!(checkpoint_line(1, "tool_calls"), "{text}");
     assert!(checkpoint_line(3, "stop"), "{text}");
     assert!(text.contains("(UTC). — offline scripted reply"), "{text}");
+}
+
+/// Asks cyrene, retrying only "nobody listens yet" (the personas register just after the
+/// orchestrator's endpoints answer).
+async fn ask_when_ready(
+    probe: &cyrene_comm::Probe,
+    question: &str,
+    options: cyrene_comm::AskOptions,
+) -> cyrene_protocol::comm::Reply {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match probe.ask_with("cyrene", question, options.clone()).await {
+            Err(cyrene_comm::AskError::NoReply { .. })
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other.unwrap(),
+        }
+    }
+}
+
+/// An ask's `data` reaches the model: the request answering it holds the question and, after
+/// it, the data as a JSON block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_asks_data_reaches_the_model_request() {
+    let world = World::start(None).await;
+    let _orchestrator = world.orchestrator().await;
+    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
+    let options = cyrene_comm::AskOptions {
+        timeout: Some(Duration::from_secs(30)),
+        data: json!({"order": 4711, "items": ["oolong"]}),
+        ..Default::default()
+    };
+    let reply = ask_when_ready(&alice, "what did I order?", options).await;
+    assert!(reply.text.contains("what did I order?"), "{}", reply.text);
+    let requests = world.log.snapshot();
+    let asked: Vec<_> = requests
+        .iter()
+        .filter_map(|r| {
+            r.messages
+                .iter()
+                .find(|m| m.role == Role::User && m.text_content().contains("what did I order?"))
+        })
+        .collect();
+    assert!(!asked.is_empty(), "the ask reached the model");
+    for m in asked {
+        let text = m.text_content();
+        assert!(
+            text.contains(r#"{"items":["oolong"],"order":4711}"#),
+            "the data is in the request: {text}"
+        );
+    }
+}
+
+/// A persona's turn that asks the persona it is answering for (here: itself) gets an
+/// `is_error` tool result at once instead of waiting on its own ask until the timeout, and the
+/// outer ask is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_back_along_its_chain_is_an_error_result_not_a_stall() {
+    let rules = json!([{"contains": "ask yourself",
+        "tool_calls": [{"name": "ask_agent", "args": {"agent": "cyrene", "question": "hello me"}}],
+        "after_tools": "the tool said: {tool_results}"}]);
+    let world = World::scripted(None, rules).await;
+    let _orchestrator = world.orchestrator().await;
+    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
+    let options = cyrene_comm::AskOptions {
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let reply = ask_when_ready(&alice, "please ask yourself", options).await;
+    assert!(reply.text.contains("ask cycle"), "{}", reply.text);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "answered without waiting for an ask timeout ({:?})",
+        started.elapsed()
+    );
+    // The nested ask never reached the model.
+    let requests = world.log.snapshot();
+    assert!(requests.iter().all(|r| {
+        r.messages
+            .iter()
+            .all(|m| !m.text_content().starts_with("hello me"))
+    }));
 }

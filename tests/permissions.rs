@@ -531,6 +531,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         idempotency_key: "k1".into(),
         env: None,
         parallel: false,
+        when_busy: None,
     };
     let ack: SendAck = request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
         .await
@@ -565,6 +566,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
                 idempotency_key: format!("t{attempt}"),
                 env: None,
                 parallel: false,
+                when_busy: None,
             };
             let _: SendAck =
                 request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))

@@ -123,6 +123,7 @@ impl Session {
             idempotency_key: ids::new_id(),
             env: None,
             parallel: false,
+            when_busy: None,
         };
         if echo {
             println!("you: {text}");

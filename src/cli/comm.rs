@@ -49,6 +49,7 @@ pub async fn ask(client: Client, args: AskArgs) -> Result<(), CliError> {
         data: args.data.unwrap_or(Value::Null),
         timeout: Some(args.timeout),
         cancel: None,
+        chain: Vec::new(),
     };
     match probe.ask_with(&args.to, &args.question, options).await {
         Ok(reply) if args.json => {

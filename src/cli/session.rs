@@ -7,7 +7,7 @@ use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::checkpoint::{CheckpointState, ListRequest, ListResponse};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
-    HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
+    BusyPolicy, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
     SessionEventType,
 };
 use cyrene_protocol::{ids, subjects};
@@ -38,10 +38,20 @@ pub struct SendArgs {
     /// Start a parallel leg when another client's turn is in flight (instead of waiting).
     #[arg(long)]
     pub parallel: bool,
+    /// What this message does while a turn runs: steer, parallel, enqueue (next turn only) or
+    /// reject (refused with conflict). Default: the policy configured for the client/session.
+    #[arg(long, value_parser = parse_busy_policy)]
+    pub when_busy: Option<BusyPolicy>,
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub timeout: Duration,
     /// The message text.
     pub text: String,
+}
+
+/// `steer`, `parallel`, `enqueue` or `reject`, as on the wire.
+fn parse_busy_policy(text: &str) -> Result<BusyPolicy, String> {
+    serde_json::from_value(Value::String(text.to_owned()))
+        .map_err(|_| format!("{text:?}: expected steer, parallel, enqueue or reject"))
 }
 
 pub fn send_request(args: &SendArgs) -> SendRequest {
@@ -60,6 +70,7 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
         idempotency_key: args.key.clone().unwrap_or_else(ids::new_id),
         env,
         parallel: args.parallel,
+        when_busy: args.when_busy,
     }
 }
 
@@ -309,4 +320,16 @@ pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), Cl
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn when_busy_takes_the_wire_names() {
+        assert_eq!(parse_busy_policy("enqueue"), Ok(BusyPolicy::Enqueue));
+        assert_eq!(parse_busy_policy("reject"), Ok(BusyPolicy::Reject));
+        assert!(parse_busy_policy("interrupt").is_err());
+    }
 }

@@ -478,6 +478,7 @@ pub fn send_request(
         idempotency_key: key.to_owned(),
         env: None,
         parallel,
+        when_busy: None,
     }
 }
 

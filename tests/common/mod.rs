@@ -176,6 +176,7 @@ pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
         max_steps: 8,
         deadline_unix_ms: None,
         tools: None,
+        ask_chain: Vec::new(),
     }
 }
 

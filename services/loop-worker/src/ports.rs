@@ -19,6 +19,9 @@ pub struct ToolContext {
     /// The turn's tool allow-list (the job's `tools`): `None` = every tool; otherwise a call to
     /// a tool not listed is refused with an `is_error` result and never made.
     pub allowed: Option<Vec<String>>,
+    /// The job's `ask_chain`: `ask_agent` sends it with the ask, so an ask back to an agent that
+    /// is waiting on this turn is refused at once instead of stalling (docs/comm.md, "Cycles").
+    pub ask_chain: Vec<String>,
 }
 
 /// A tool's outcome; failures are results too (`is_error`), never errors of the turn.

@@ -512,6 +512,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             session_id: self.job.session_id.clone(),
             turn_id: self.job.turn_id.clone(),
             allowed: self.job.tools.clone(),
+            ask_chain: self.job.ask_chain.clone(),
         };
         let outputs = futures::future::join_all(calls.iter().map(|call| {
             let context = &context;
@@ -837,6 +838,7 @@ mod tests {
             max_steps: 4,
             deadline_unix_ms: None,
             tools: None,
+            ask_chain: Vec::new(),
         }
     }
 

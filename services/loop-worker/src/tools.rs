@@ -51,7 +51,9 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
             description: "Ask another agent a question and wait for its answer.".to_owned(),
             parameters: json!({"type":"object","properties":{
                 "agent":{"type":"string","description":"the agent id to ask"},
-                "question":{"type":"string"}},"required":["agent","question"]}),
+                "question":{"type":"string"},
+                "data":{"description":"optional structured payload sent with the question"}},
+                "required":["agent","question"]}),
         },
         ToolSpec {
             name: BUILTIN_EMIT_EVENT.to_owned(),
@@ -173,6 +175,8 @@ impl Tools {
         let probe = Probe::new(self.client.clone(), context.agent_id.clone());
         let options = AskOptions {
             timeout: Some(self.ask_timeout),
+            data: call.args.get("data").cloned().unwrap_or(Value::Null),
+            chain: context.ask_chain.clone(),
             ..Default::default()
         };
         match probe.ask_with(agent, question, options).await {

@@ -18,6 +18,7 @@ fn context(allowed: Option<&[&str]>) -> ToolContext {
         session_id: "s".into(),
         turn_id: "t".into(),
         allowed: allowed.map(|a| a.iter().map(|s| (*s).to_owned()).collect()),
+        ask_chain: Vec::new(),
     }
 }
 
@@ -189,4 +190,63 @@ async fn a_tool_registered_after_the_last_discovery_is_found_on_its_first_call()
     let out = tools.call(&context(None), &call("late", "c1")).await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(late.load(Ordering::SeqCst), 1);
+}
+
+/// An agent that answers "ok" and keeps every ask it was handed.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<cyrene_protocol::comm::Ask>>);
+
+impl cyrene_comm::Handler for Recorder {
+    async fn on_ask(
+        &self,
+        ask: cyrene_protocol::comm::Ask,
+    ) -> Result<cyrene_comm::Answer, cyrene_protocol::ErrorBody> {
+        self.0.lock().unwrap().push(ask);
+        Ok(cyrene_comm::Answer::text("ok"))
+    }
+}
+
+#[tokio::test]
+async fn ask_agent_sends_the_turns_chain_and_data_and_a_cycle_is_an_error_result() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let hoshi = Arc::new(Recorder::default());
+    let _agent = cyrene_comm::Probe::new(client.clone(), "hoshi")
+        .serve(hoshi.clone())
+        .await
+        .unwrap();
+    let tools = Tools::new(client, Duration::from_secs(1), Duration::from_secs(5));
+    let ask = |data: serde_json::Value| ToolCall {
+        id: "c1".into(),
+        name: "ask_agent".into(),
+        args: serde_json::json!({"agent":"hoshi","question":"which tea?","data":data})
+            .as_object()
+            .unwrap()
+            .clone(),
+        args_error: None,
+    };
+
+    // cyrene answers an ask of alice's: its chain is [cyrene]; hoshi is not in it.
+    let mut answering = context(None);
+    answering.ask_chain = vec!["cyrene".into()];
+    let out = tools
+        .call(&answering, &ask(serde_json::json!({"cups": 2})))
+        .await;
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(out.text, "ok");
+    {
+        let seen = hoshi.0.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].chain, ["cyrene"]);
+        assert_eq!(seen[0].data, serde_json::json!({"cups": 2}));
+    }
+
+    // cyrene answers an ask of hoshi's: asking hoshi back is a cycle, an error result at once.
+    answering.ask_chain = vec!["hoshi".into(), "cyrene".into()];
+    let started = std::time::Instant::now();
+    let out = tools.call(&answering, &ask(serde_json::Value::Null)).await;
+    assert!(out.is_error);
+    assert!(out.text.contains("cycle"), "{}", out.text);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(hoshi.0.lock().unwrap().len(), 1, "the handler never saw it");
 }

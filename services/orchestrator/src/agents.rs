@@ -18,18 +18,24 @@
 //!   as `sender_name` in its normalised form ([`display_name`]), never raw, in the **agent lane**
 //!   (`sender_kind: agent`): an asking agent is not a person, so in a restricted ask session it
 //!   is neither a third party nor the owner.
+//! - An ask's `data` reaches the turn as a second text part of its message ([`ask_message`]);
+//!   its `chain`, followed by the persona, becomes the job's `ask_chain`, which the worker's
+//!   `ask_agent` passes on, so an ask back along the chain is refused at once by the probe
+//!   (docs/comm.md, "Cycles").
 
 use crate::engine::{Engine, TurnDone};
 use crate::store::NewMessage;
 use cyrene_comm::{AgentHandle, Answer, CommError, Handler, Probe};
 use cyrene_protocol::comm::Ask;
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
-use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::names::display_name;
+use cyrene_protocol::session::BusyPolicy;
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::TurnOutcome;
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use futures::StreamExt;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -61,6 +67,26 @@ pub fn ask_session_id(persona: &str, from: &str) -> String {
     debug_assert!(id.chars().count() <= MAX_ID_LEN);
     id
 }
+
+/// Deepest ask chain accepted (agents answering asks on each other's behalf).
+pub const MAX_ASK_CHAIN: usize = 16;
+
+/// The user message of an ask: the question, then — when the ask carries `data` — a second text
+/// part holding it as a JSON block, so the model reads the payload beside the question and the
+/// question's text stays as asked (docs/comm.md, "Data").
+pub fn ask_message(question: String, data: &Value) -> Message {
+    let mut message = Message::text(Role::User, question);
+    if !data.is_null() {
+        let json = serde_json::to_string(data).unwrap_or_default();
+        message.content.push(Part::text(format!(
+            "{ASK_DATA_LABEL}\n```json\n{json}\n```"
+        )));
+    }
+    message
+}
+
+/// The line opening the `data` part of an ask's message.
+pub const ASK_DATA_LABEL: &str = "Data sent with this question (JSON):";
 
 /// Answers asks to one persona.
 #[derive(Debug)]
@@ -98,16 +124,34 @@ impl Handler for PersonaAgent {
             .map_err(|e| ErrorBody::new(ErrorCode::Unavailable, format!("subscribe: {e}")))?;
         // The agent lane: the asker is an agent (its id unverified by the runtime), never a
         // third-party person of a restricted session nor, unlabelled, its owner.
-        let message = Message::text(Role::User, ask.question).from_agent(asker);
+        if ask.chain.len() >= MAX_ASK_CHAIN {
+            return Err(ErrorBody::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "the ask chain is {} agents deep; at most {MAX_ASK_CHAIN}",
+                    ask.chain.len()
+                ),
+            ));
+        }
+        // The probe refused an ask whose chain holds this persona (a cycle, `conflict`); the
+        // turn answering this one serves the chain and this persona.
+        let mut ask_chain: Vec<String> = ask
+            .chain
+            .iter()
+            .map(|id| subjects::token(id).chars().take(MAX_ID_LEN).collect())
+            .collect();
+        ask_chain.push(self.persona.clone());
+        let message = ask_message(ask.question, &ask.data).from_agent(asker);
         let input = NewMessage {
             session_id,
             message,
             client_id: ASK_CLIENT_ID.to_owned(),
             idempotency_key: None,
             env: self.engine.ask_env(&self.persona),
-            parallel: false,
+            policy: BusyPolicy::Steer,
             solo: true,
             reply_to: Some(done_subject),
+            ask_chain,
         };
         crate::engine::check_user_message(&input.message, self.engine.config().max_message_bytes)?;
         let ack = self.engine.store_message(input).await?;
@@ -171,6 +215,21 @@ pub async fn serve(
 mod tests {
     use super::*;
     use cyrene_protocol::ids::IdKind;
+
+    #[test]
+    fn ask_data_is_a_json_part_after_the_question() {
+        let plain = ask_message("hi?".into(), &Value::Null);
+        assert_eq!(plain.content, vec![Part::text("hi?")]);
+        let with = ask_message("total?".into(), &serde_json::json!({"items":[1,2]}));
+        assert_eq!(with.content.len(), 2);
+        assert_eq!(with.content[0], Part::text("total?"));
+        assert_eq!(
+            with.content[1],
+            Part::text(format!(
+                "{ASK_DATA_LABEL}\n```json\n{{\"items\":[1,2]}}\n```"
+            ))
+        );
+    }
 
     #[test]
     fn ask_sessions_are_valid_ids() {

@@ -4,6 +4,7 @@
 use crate::personas::{Personas, PersonasError};
 use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
+use cyrene_protocol::session::BusyPolicy;
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
 pub use cyrene_sql::Database;
 use std::path::PathBuf;
@@ -38,6 +39,16 @@ pub struct Config {
     /// Clients under the parallel policy (their messages start a leg while another client's turn
     /// runs).
     pub parallel_clients: Vec<String>,
+    /// Sessions under the enqueue policy: a message sent while a turn runs waits for the next
+    /// turn and is never steered into the running one.
+    pub enqueue_sessions: Vec<String>,
+    /// Clients under the enqueue policy.
+    pub enqueue_clients: Vec<String>,
+    /// Sessions under the reject policy: a message sent while a turn runs is refused with
+    /// `conflict` and nothing is stored.
+    pub reject_sessions: Vec<String>,
+    /// Clients under the reject policy.
+    pub reject_clients: Vec<String>,
     /// Largest serialised user message `send` accepts (`too_large` above).
     pub max_message_bytes: usize,
     /// Byte budget of a turn job: the oldest window messages are left out to stay under it.
@@ -74,6 +85,10 @@ impl Config {
             max_steps: DEFAULT_MAX_STEPS,
             parallel_sessions: Vec::new(),
             parallel_clients: Vec::new(),
+            enqueue_sessions: Vec::new(),
+            enqueue_clients: Vec::new(),
+            reject_sessions: Vec::new(),
+            reject_clients: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_job_bytes: DEFAULT_MAX_JOB_BYTES,
             ask_timeout: Duration::from_secs(120),
@@ -125,20 +140,69 @@ impl Config {
                 problems.push(format!("{name} must be at least 1"));
             }
         }
-        for s in &self.parallel_sessions {
-            if let Err(e) = ids::validate(IdKind::Session, s) {
-                problems.push(format!("parallel_sessions: {e}"));
-            }
-        }
-        for c in &self.parallel_clients {
-            if let Err(e) = ids::validate(IdKind::Client, c) {
-                problems.push(format!("parallel_clients: {e}"));
+        for (kind, lists) in [
+            (
+                IdKind::Session,
+                [
+                    ("parallel_sessions", &self.parallel_sessions),
+                    ("enqueue_sessions", &self.enqueue_sessions),
+                    ("reject_sessions", &self.reject_sessions),
+                ],
+            ),
+            (
+                IdKind::Client,
+                [
+                    ("parallel_clients", &self.parallel_clients),
+                    ("enqueue_clients", &self.enqueue_clients),
+                    ("reject_clients", &self.reject_clients),
+                ],
+            ),
+        ] {
+            let mut policy_of = std::collections::BTreeMap::new();
+            for (name, list) in lists {
+                for id in list {
+                    if let Err(e) = ids::validate(kind, id) {
+                        problems.push(format!("{name}: {e}"));
+                    }
+                    if let Some(other) = policy_of.insert(id.as_str(), name)
+                        && other != name
+                    {
+                        problems.push(format!(
+                            "{id:?} is in both {other} and {name}: one policy each"
+                        ));
+                    }
+                }
             }
         }
         if let Err(err) = self.database() {
             problems.push(err.to_string());
         }
         Problems::check(problems)
+    }
+
+    /// The double-texting policy of a message without its own `when_busy`: its client's list
+    /// first, then its session's; `steer` when neither is listed.
+    pub fn busy_policy(&self, session_id: &str, client_id: &str) -> BusyPolicy {
+        let listed = |list: &Vec<String>, id: &str| !id.is_empty() && list.iter().any(|x| x == id);
+        let by_client = [
+            (&self.parallel_clients, BusyPolicy::Parallel),
+            (&self.enqueue_clients, BusyPolicy::Enqueue),
+            (&self.reject_clients, BusyPolicy::Reject),
+        ];
+        let by_session = [
+            (&self.parallel_sessions, BusyPolicy::Parallel),
+            (&self.enqueue_sessions, BusyPolicy::Enqueue),
+            (&self.reject_sessions, BusyPolicy::Reject),
+        ];
+        by_client
+            .into_iter()
+            .find(|(list, _)| listed(list, client_id))
+            .or_else(|| {
+                by_session
+                    .into_iter()
+                    .find(|(list, _)| listed(list, session_id))
+            })
+            .map_or(BusyPolicy::Steer, |(_, policy)| policy)
     }
 
     /// Which database to open.
@@ -195,6 +259,18 @@ pub struct Args {
     /// Clients under the parallel policy (comma-separated ids).
     #[arg(long, env = "CYRENE_PARALLEL_CLIENTS", value_delimiter = ',')]
     pub parallel_clients: Vec<String>,
+    /// Sessions under the enqueue policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_ENQUEUE_SESSIONS", value_delimiter = ',')]
+    pub enqueue_sessions: Vec<String>,
+    /// Clients under the enqueue policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_ENQUEUE_CLIENTS", value_delimiter = ',')]
+    pub enqueue_clients: Vec<String>,
+    /// Sessions under the reject policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_REJECT_SESSIONS", value_delimiter = ',')]
+    pub reject_sessions: Vec<String>,
+    /// Clients under the reject policy (comma-separated ids).
+    #[arg(long, env = "CYRENE_REJECT_CLIENTS", value_delimiter = ',')]
+    pub reject_clients: Vec<String>,
     /// Largest serialised user message accepted, in bytes.
     #[arg(long, env = "CYRENE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
@@ -242,6 +318,10 @@ impl Args {
         config.max_steps = self.max_steps;
         config.parallel_sessions = clean(&self.parallel_sessions);
         config.parallel_clients = clean(&self.parallel_clients);
+        config.enqueue_sessions = clean(&self.enqueue_sessions);
+        config.enqueue_clients = clean(&self.enqueue_clients);
+        config.reject_sessions = clean(&self.reject_sessions);
+        config.reject_clients = clean(&self.reject_clients);
         config.max_message_bytes = self.max_message_bytes;
         config.ask_timeout = self.ask_timeout;
         config.serve_agents = !self.no_agents;
@@ -283,6 +363,10 @@ mod tests {
         c.parallel_clients = vec!["a b".into()];
         assert!(c.validate().is_err());
         let mut c = Config::new("/tmp/x");
+        c.parallel_sessions = vec!["s1".into()];
+        c.reject_sessions = vec!["s1".into()];
+        assert!(c.validate().is_err(), "one policy per session");
+        let mut c = Config::new("/tmp/x");
         c.max_steps = 0;
         assert!(c.validate().is_err());
     }
@@ -300,10 +384,24 @@ mod tests {
         ]);
         let config = args.config().unwrap();
         assert_eq!(config.parallel_clients, vec!["phone", "watch"]);
+        assert_eq!(config.busy_policy("s", "phone"), BusyPolicy::Parallel);
+        assert_eq!(config.busy_policy("s", "desk"), BusyPolicy::Steer);
         assert_eq!(config.window, 10);
         assert_eq!(
             config.database().unwrap(),
             Database::Postgres("postgres://u@h/db".into())
         );
+    }
+
+    #[test]
+    fn a_client_policy_wins_over_a_session_policy() {
+        let mut c = Config::new("/tmp/x");
+        c.enqueue_sessions = vec!["s1".into()];
+        c.reject_clients = vec!["bot".into()];
+        assert!(c.validate().is_ok());
+        assert_eq!(c.busy_policy("s1", "phone"), BusyPolicy::Enqueue);
+        assert_eq!(c.busy_policy("s1", "bot"), BusyPolicy::Reject);
+        assert_eq!(c.busy_policy("s2", "bot"), BusyPolicy::Reject);
+        assert_eq!(c.busy_policy("s2", ""), BusyPolicy::Steer);
     }
 }

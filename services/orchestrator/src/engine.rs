@@ -28,7 +28,7 @@ use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
-    HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
+    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
     SendRequest, SessionEnv, SessionEvent, SessionEventType,
 };
 use cyrene_protocol::subjects;
@@ -199,18 +199,28 @@ impl Engine {
                 env.persona
             )));
         }
-        let parallel = req.parallel
-            || self.config.parallel_sessions.contains(&req.session_id)
-            || (!req.client_id.is_empty() && self.config.parallel_clients.contains(&req.client_id));
+        // The message's own choice first (`parallel: true` is `when_busy: parallel`), then the
+        // configured lists of its client and its session.
+        let policy = match (req.when_busy, req.parallel) {
+            (Some(policy), false) | (Some(policy @ BusyPolicy::Parallel), true) => policy,
+            (Some(_), true) => {
+                return Err(bad(
+                    "parallel: true and when_busy disagree; send one of them",
+                ));
+            }
+            (None, true) => BusyPolicy::Parallel,
+            (None, false) => self.config.busy_policy(&req.session_id, &req.client_id),
+        };
         let input = NewMessage {
             session_id: req.session_id,
             message: req.message,
             client_id: req.client_id,
             idempotency_key: (!req.idempotency_key.is_empty()).then_some(req.idempotency_key),
             env,
-            parallel,
+            policy,
             solo: false,
             reply_to: None,
+            ask_chain: Vec::new(),
         };
         self.store_message(input).await
     }

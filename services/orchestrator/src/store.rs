@@ -21,6 +21,10 @@
 //!   `base_seq` and earlier claims): what a worker has seen is always a prefix, so an `after_seq`
 //!   cursor never skips a claimed message.
 //! - `attempt` of a turn only grows; steer and complete from an older attempt get `conflict`.
+//! - **Double-texting.** A message sent under `enqueue` is stored `queued = 1`: steer claims
+//!   never take it, so it stays pending until the job of the next turn claims it (I2 holds: it
+//!   is claimed once, by that job). Under `reject` the decision is read under the session lock
+//!   *before* anything is written: a refused send rolls back and leaves no row, no seq.
 //!
 //! # Pitfalls
 //! - SQLite must start write transactions with `BEGIN IMMEDIATE`: a deferred transaction that
@@ -34,7 +38,7 @@
 use crate::personas::Personas;
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{Disposition, HistoryEntry, SendAck, SessionEnv};
+use cyrene_protocol::session::{BusyPolicy, Disposition, HistoryEntry, SendAck, SessionEnv};
 use cyrene_protocol::turn::{ParallelNotice, SteerRequest, SteeredMessage, TurnComplete, TurnJob};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use sqlx::any::{AnyPoolOptions, AnyRow};
@@ -152,12 +156,15 @@ pub struct NewMessage {
     pub idempotency_key: Option<String>,
     /// The env recorded if this message creates the session (resolved persona).
     pub env: SessionEnv,
-    /// The parallel policy applies to this message.
-    pub parallel: bool,
+    /// What the message does when a turn of its session is in flight (double-texting).
+    pub policy: BusyPolicy,
     /// Answered by a turn of its own: never steered into another turn, never batched (asks).
     pub solo: bool,
     /// Where the completing replica reports the answer (asks): a core NATS subject.
     pub reply_to: Option<String>,
+    /// An ask's chain including the asked persona (empty for a person's message): the job of
+    /// the turn answering it carries it as `ask_chain`.
+    pub ask_chain: Vec<String>,
 }
 
 /// A turn that was created and must now be dispatched (and announced).
@@ -224,6 +231,8 @@ struct PendingRow {
     message: String,
     solo: bool,
     client_id: String,
+    /// JSON list: the ask chain of an ask's message.
+    ask_chain: Option<String>,
 }
 
 /// Unix milliseconds now.
@@ -405,7 +414,7 @@ impl Store {
         session_id: &str,
     ) -> Result<Vec<PendingRow>, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, seq, message, solo, client_id FROM orch_messages \
+            "SELECT id, seq, message, solo, client_id, ask_chain FROM orch_messages \
              WHERE session_id = $1 AND claimed_by_turn IS NULL ORDER BY seq LIMIT $2",
         )
         .bind(session_id)
@@ -421,6 +430,7 @@ impl Store {
                 message: r.try_get(2)?,
                 solo: r.try_get::<i64, _>(3)? != 0,
                 client_id: r.try_get(4)?,
+                ask_chain: r.try_get(5)?,
             };
             if batch.is_empty() && row.solo {
                 batch.push(row);
@@ -497,6 +507,15 @@ impl Store {
         history.reverse();
         let mut base_seq = history.iter().map(|(s, _)| *s).max().unwrap_or(0);
         let mut messages: Vec<Message> = history.into_iter().map(|(_, m)| m).collect();
+        // An ask is answered by a turn of its own (solo): its chain is the turn's.
+        let ask_chain: Vec<String> = match batch.as_slice() {
+            [only] => match &only.ask_chain {
+                Some(text) => serde_json::from_str(text)
+                    .map_err(|e| StoreError::Internal(format!("corrupt ask chain: {e}")))?,
+                None => Vec::new(),
+            },
+            _ => Vec::new(),
+        };
         let mut message_ids = Vec::with_capacity(batch.len());
         for m in &batch {
             base_seq = base_seq.max(m.seq);
@@ -530,6 +549,7 @@ impl Store {
                 .turn_timeout_ms
                 .map(|ms| to_u64(now).saturating_add(ms)),
             tools: persona.tools.clone(),
+            ask_chain,
         };
         let job_json = encode(&job)?;
         let client_id = batch
@@ -608,12 +628,29 @@ impl Store {
             }
         }
 
+        let running = Self::running_turns(&mut tx, &input.session_id).await?;
+        if input.policy == BusyPolicy::Reject && !input.solo && !running.is_empty() {
+            // Reject policy: refused while a turn runs, nothing stored (not even the key, so
+            // a resend once the session is idle is a new message).
+            tx.rollback().await?;
+            return Err(StoreError::Conflict(format!(
+                "session {} is busy: a turn is running and its policy is reject; \
+                 send again after its turn_ended event",
+                input.session_id
+            )));
+        }
+        let ask_chain = if input.ask_chain.is_empty() {
+            None
+        } else {
+            Some(encode(&input.ask_chain)?)
+        };
         let seq = Self::next_seq(&mut tx, &input.session_id).await?;
         let message_id = new_id();
         sqlx::query(
             "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
-             message, claimed_by_turn, steered, solo, reply_to, ack, created_at) \
-             VALUES ($1, $2, $3, $4, $5, 'user', $6, NULL, 0, $7, $8, NULL, $9)",
+             message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
+             ask_chain) \
+             VALUES ($1, $2, $3, $4, $5, 'user', $6, NULL, 0, $7, $8, NULL, $9, $10, $11)",
         )
         .bind(&message_id)
         .bind(&input.session_id)
@@ -624,10 +661,11 @@ impl Store {
         .bind(i64::from(input.solo))
         .bind(input.reply_to.clone())
         .bind(now)
+        .bind(i64::from(input.policy == BusyPolicy::Enqueue))
+        .bind(ask_chain)
         .execute(&mut *tx)
         .await?;
 
-        let running = Self::running_turns(&mut tx, &input.session_id).await?;
         let (disposition, started) = if running.is_empty() {
             // No turn in flight: start one from the pending queue (normally just this message).
             // (An older solo message goes first, alone; this one then waits its turn.)
@@ -647,7 +685,7 @@ impl Store {
                 Disposition::Pending
             };
             (disposition, turn)
-        } else if input.parallel
+        } else if input.policy == BusyPolicy::Parallel
             && !input.solo
             && running.iter().all(|t| t.client_id != input.client_id)
         {
@@ -669,6 +707,7 @@ impl Store {
                 message: message_json.clone(),
                 solo: false,
                 client_id: input.client_id.clone(),
+                ask_chain: None,
             };
             let turn = self
                 .start_turn(
@@ -743,7 +782,8 @@ impl Store {
         let claim = if running.len() <= 1 {
             sqlx::query(
                 "UPDATE orch_messages SET claimed_by_turn = $1, steered = 1 \
-                 WHERE session_id = $2 AND claimed_by_turn IS NULL AND solo = 0 AND seq > $3",
+                 WHERE session_id = $2 AND claimed_by_turn IS NULL AND solo = 0 AND queued = 0 \
+                 AND seq > $3",
             )
             .bind(&req.turn_id)
             .bind(&req.session_id)
@@ -751,7 +791,8 @@ impl Store {
         } else {
             sqlx::query(
                 "UPDATE orch_messages SET claimed_by_turn = $1, steered = 1 \
-                 WHERE session_id = $2 AND claimed_by_turn IS NULL AND solo = 0 AND seq > $3 \
+                 WHERE session_id = $2 AND claimed_by_turn IS NULL AND solo = 0 AND queued = 0 \
+                 AND seq > $3 \
                  AND client_id = $4",
             )
             .bind(&req.turn_id)
@@ -792,7 +833,8 @@ impl Store {
             "SELECT t.session_id, t.status, t.attempt, \
              CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_messages m \
                WHERE m.session_id = t.session_id AND m.claimed_by_turn IS NULL \
-               AND m.solo = 0 AND m.seq > t.base_seq) THEN 1 ELSE 0 END AS BIGINT), \
+               AND m.solo = 0 AND m.queued = 0 AND m.seq > t.base_seq) \
+               THEN 1 ELSE 0 END AS BIGINT), \
              CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_messages m \
                WHERE m.claimed_by_turn = t.turn_id AND m.steered = 1 AND m.seq > $2) \
                THEN 1 ELSE 0 END AS BIGINT) \

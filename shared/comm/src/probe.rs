@@ -1,4 +1,11 @@
 //! [`Probe`]: one agent's end of the comm protocol.
+//!
+//! # Invariants
+//! - One ask at a time per agent: accepted asks queue for the handler in arrival order.
+//! - Refusals never queue: a malformed ask (`bad_request`), one in another agent's name
+//!   (`forbidden`) and one whose `chain` holds this agent (`conflict`, a cycle: the agent is
+//!   already answering an ask this one serves, so waiting would deadlock) are answered as they
+//!   arrive, and the handler never sees them (docs/comm.md, "Cycles").
 
 use crate::DEFAULT_ASK_TIMEOUT;
 use async_nats::{Client, HeaderMap, Message, StatusCode, Subscriber};
@@ -62,6 +69,9 @@ pub struct AskOptions {
     pub timeout: Option<Duration>,
     /// Cancelling this ends the ask with [`AskError::Cancelled`].
     pub cancel: Option<CancellationToken>,
+    /// The ask chain this ask serves (the asker's own chain when it is answering an ask):
+    /// sent as the ask's `chain` (docs/comm.md, "Cycles").
+    pub chain: Vec<String>,
 }
 
 /// How long an ask waits: the shorter of the caller's deadline and [`DEFAULT_ASK_TIMEOUT`].
@@ -269,6 +279,7 @@ impl Probe {
             to: to.to_owned(),
             question: question.to_owned(),
             data: options.data,
+            chain: options.chain,
         };
         let after = ask_deadline(options.timeout);
         let cancel = options.cancel.unwrap_or_default();
@@ -399,6 +410,32 @@ fn impersonation(subject: &str, what: &str, from: &str) -> ErrorBody {
     )
 }
 
+/// Whether agent `me` is already answering an ask of `chain` (compared as subject tokens, as
+/// the subjects address agents).
+pub fn in_chain(me: &str, chain: &[String]) -> bool {
+    let me = subjects::token(me);
+    chain.iter().any(|id| subjects::token(id) == me)
+}
+
+/// The `conflict` refusal of an ask that would wait on its own responder: the responder is
+/// already answering an ask this one serves, so answering it would deadlock until the timeout.
+fn cycle(me: &str, ask: &Ask) -> ErrorBody {
+    let shown: Vec<String> = ask
+        .chain
+        .iter()
+        .take(16)
+        .map(|id| id.chars().take(64).collect())
+        .collect();
+    let me: String = me.chars().take(64).collect();
+    ErrorBody::new(
+        ErrorCode::Conflict,
+        format!(
+            "ask cycle: {me:?} is already answering an ask this one serves (chain {shown:?}); \
+             answer without asking {me:?}"
+        ),
+    )
+}
+
 fn encode<T: serde::Serialize>(value: &T) -> Bytes {
     // Comm messages hold strings and JSON values only: serialising cannot fail.
     serde_json::to_vec(value).unwrap_or_default().into()
@@ -423,66 +460,116 @@ fn decode_reply(to: &str, message: Message) -> Result<Reply, AskError> {
     })
 }
 
-/// Reads asks one at a time: the handler of one agent never runs two asks at once.
+/// How many accepted asks may wait for an agent's handler before reading more waits too.
+const ASK_QUEUE: usize = 256;
+
+/// Reads asks and answers them one at a time: the handler of one agent never runs two asks at
+/// once. Refusals (a malformed ask, one in another agent's name, a cycle) do not queue behind
+/// the running ask: they are answered as they arrive, so an ask back along a chain fails at
+/// once instead of waiting on the very handler it would deadlock with.
 async fn serve_asks<H: Handler>(
     probe: Probe,
     mut asks: Subscriber,
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) {
-    loop {
-        let message = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            next = asks.next() => match next {
-                Some(m) => m,
-                None => break,
-            },
-        };
-        let span = tracing::info_span!("ask", agent = %probe.id, subject = %message.subject);
-        trace::set_parent(&span, message.headers.as_ref());
-        probe
-            .answer(message, handler.as_ref())
-            .instrument(span)
-            .await;
-    }
-    let _ = asks.unsubscribe().await;
+    let (queue, mut queued) = tokio::sync::mpsc::channel::<(String, Ask, tracing::Span)>(ASK_QUEUE);
+    let read = async {
+        loop {
+            let message = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                next = asks.next() => match next {
+                    Some(m) => m,
+                    None => break,
+                },
+            };
+            let span = tracing::info_span!("ask", agent = %probe.id, subject = %message.subject);
+            trace::set_parent(&span, message.headers.as_ref());
+            let checked = probe.check(&message).instrument(span.clone()).await;
+            if let Some((reply_to, ask)) = checked {
+                let sent = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    sent = queue.send((reply_to, ask, span)) => sent,
+                };
+                if sent.is_err() {
+                    break;
+                }
+            }
+        }
+        drop(queue);
+        let _ = asks.unsubscribe().await;
+    };
+    let run = async {
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                next = queued.recv() => next,
+            };
+            let Some((reply_to, ask, span)) = next else {
+                break;
+            };
+            probe
+                .answer(reply_to, ask, handler.as_ref())
+                .instrument(span)
+                .await;
+        }
+    };
+    tokio::join!(read, run);
 }
 
 impl Probe {
-    async fn answer<H: Handler>(&self, message: Message, handler: &H) {
-        let Some(reply_to) = message.reply.clone() else {
+    /// Checks an ask as it arrives: the ask and its reply subject when it is for the handler;
+    /// `None` when it was refused (answered here) or cannot be answered.
+    async fn check(&self, message: &Message) -> Option<(String, Ask)> {
+        let Some(reply_to) = message.reply.as_ref().map(|r| r.to_string()) else {
             tracing::warn!(subject = %message.subject, bytes = message.payload.len(),
                 "ask without a reply-to cannot be answered; dropped");
-            return;
+            return None;
         };
-        let (headers, payload) = match serde_json::from_slice::<Ask>(&message.payload) {
-            Err(e) => {
-                let err = ErrorBody::new(ErrorCode::BadRequest, format!("invalid ask: {e}"));
-                (service::error_headers(&err), service::error_payload(&err))
-            }
+        let refused = match serde_json::from_slice::<Ask>(&message.payload) {
+            Err(e) => ErrorBody::new(ErrorCode::BadRequest, format!("invalid ask: {e}")),
             Ok(ask) if !subjects::speaks_as(&message.subject, &ask.from) => {
                 let err = impersonation(&message.subject, "ask", &ask.from);
                 tracing::warn!(subject = %message.subject, error = %err, "ask refused");
-                (service::error_headers(&err), service::error_payload(&err))
+                err
             }
-            Ok(ask) => {
-                let (ask_id, asker) = (ask.id.clone(), ask.from.clone());
-                match handler.on_ask(ask).await {
-                    Ok(answer) => {
-                        let reply = Reply {
-                            ask_id,
-                            from: self.id.clone(),
-                            to: asker,
-                            text: answer.text,
-                            data: answer.data,
-                        };
-                        (HeaderMap::new(), encode(&reply))
-                    }
-                    Err(err) => (service::error_headers(&err), service::error_payload(&err)),
-                }
+            Ok(ask) if in_chain(&self.id, &ask.chain) => {
+                let err = cycle(&self.id, &ask);
+                tracing::info!(subject = %message.subject, error = %err, "ask refused: a cycle");
+                err
             }
+            Ok(ask) => return Some((reply_to, ask)),
         };
-        let mut headers = headers;
+        self.send_reply(
+            reply_to,
+            service::error_headers(&refused),
+            service::error_payload(&refused),
+        )
+        .await;
+        None
+    }
+
+    /// Runs the handler on an accepted ask and sends its reply or error.
+    async fn answer<H: Handler>(&self, reply_to: String, ask: Ask, handler: &H) {
+        let (ask_id, asker) = (ask.id.clone(), ask.from.clone());
+        let (headers, payload) = match handler.on_ask(ask).await {
+            Ok(answer) => {
+                let reply = Reply {
+                    ask_id,
+                    from: self.id.clone(),
+                    to: asker,
+                    text: answer.text,
+                    data: answer.data,
+                };
+                (HeaderMap::new(), encode(&reply))
+            }
+            Err(err) => (service::error_headers(&err), service::error_payload(&err)),
+        };
+        self.send_reply(reply_to, headers, payload).await;
+    }
+
+    async fn send_reply(&self, reply_to: String, mut headers: HeaderMap, payload: Bytes) {
         trace::inject_current(&mut headers);
         if let Err(err) = self
             .client

@@ -12,6 +12,12 @@ pub struct Ask {
     pub question: String,
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub data: Value,
+    /// The agents already answering an ask this one serves, outermost first (the asker last
+    /// when it is itself answering one). An agent listed here is waiting on this ask: a
+    /// responder that finds itself in it refuses the ask at once with `conflict` instead of
+    /// waiting on itself (docs/comm.md, "Cycles"). Empty for a top-level ask.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chain: Vec<String>,
 }
 
 /// The answer to an [`Ask`]; `from` is the replier, `to` the asker.
@@ -53,10 +59,19 @@ mod tests {
     }
 
     #[test]
+    fn an_asks_chain_is_optional_and_round_trips() {
+        let ask = json!({"id":"q2","from":"b","to":"c","question":"?","chain":["a","b"]});
+        let a: Ask = serde_json::from_value(ask.clone()).unwrap();
+        assert_eq!(a.chain, ["a", "b"]);
+        assert_eq!(serde_json::to_value(&a).unwrap(), ask);
+    }
+
+    #[test]
     fn data_is_optional() {
         let a: Ask =
             serde_json::from_str(r#"{"id":"1","from":"a","to":"b","question":"q"}"#).unwrap();
         assert!(a.data.is_null());
+        assert!(a.chain.is_empty(), "a top-level ask");
         assert_eq!(
             serde_json::to_value(&a).unwrap(),
             json!({"id":"1","from":"a","to":"b","question":"q"})

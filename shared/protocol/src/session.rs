@@ -32,6 +32,26 @@ pub struct SendRequest {
     /// message starts its own leg (`parallel_leg`) instead of waiting (`pending`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub parallel: bool,
+    /// Per-send double-texting policy: what happens to this message when a turn of its session
+    /// is in flight. Absent = the configured policy of its client or session (default `steer`).
+    /// `parallel: true` is the same as `"when_busy":"parallel"`; the two may not disagree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when_busy: Option<BusyPolicy>,
+}
+
+/// The double-texting policy: what a message sent while a turn of its session is in flight
+/// does (docs/orchestrator.md, "Double-texting").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BusyPolicy {
+    /// Steered into the running turn at its next boundary (or the next turn if it ends first).
+    Steer,
+    /// A leg of its own when the running turn belongs to another client.
+    Parallel,
+    /// Waits for the next turn; never steered into the running one.
+    Enqueue,
+    /// Refused with `conflict` while a turn runs; nothing is stored.
+    Reject,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -218,6 +238,7 @@ mod tests {
         assert_eq!(serde_json::to_value(&req).unwrap(), doc);
         let plain = SendRequest {
             parallel: false,
+            when_busy: None,
             ..req
         };
         assert!(
@@ -226,6 +247,35 @@ mod tests {
                 .get("parallel")
                 .is_none()
         );
+    }
+
+    #[test]
+    fn when_busy_is_optional_and_snake_case() {
+        for (policy, name) in [
+            (BusyPolicy::Steer, "steer"),
+            (BusyPolicy::Parallel, "parallel"),
+            (BusyPolicy::Enqueue, "enqueue"),
+            (BusyPolicy::Reject, "reject"),
+        ] {
+            let doc = json!({"session_id":"s1","message":{"role":"user","content":[{"type":"text",
+                "text":"hi"}]},"when_busy":name});
+            let req: SendRequest = serde_json::from_value(doc.clone()).unwrap();
+            assert_eq!(req.when_busy, Some(policy));
+            assert_eq!(serde_json::to_value(&req).unwrap(), doc);
+        }
+        // Old senders: no field, same meaning as before.
+        let old = json!({"session_id":"s1","message":{"role":"user","content":"hi"}});
+        let req: SendRequest = serde_json::from_value(old).unwrap();
+        assert_eq!(req.when_busy, None);
+        assert!(
+            serde_json::to_value(&req)
+                .unwrap()
+                .get("when_busy")
+                .is_none()
+        );
+        let bad = json!({"session_id":"s1","message":{"role":"user","content":"hi"},
+            "when_busy":"interrupt"});
+        assert!(serde_json::from_value::<SendRequest>(bad).is_err());
     }
 
     #[test]

@@ -58,6 +58,11 @@ pub struct TurnJob {
     /// discovered tool and the built-ins; a list = only those of them (empty = no tool at all).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<String>>,
+    /// For a turn answering an agent ask: the agents already answering an ask this turn serves,
+    /// outermost first, ending with this turn's persona. The worker's `ask_agent` sends it as
+    /// the ask's `chain`, so an ask back to any of them is refused at once (docs/comm.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ask_chain: Vec<String>,
 }
 
 /// The default step budget of a turn.
@@ -186,7 +191,8 @@ mod tests {
             "instructions":"be kind","persona_names":{"cyrene":"昔涟"},
             "messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
             "message_ids":["m1"],"base_seq":7,"notice":{"step":2},"max_steps":8,
-            "deadline_unix_ms":1700000000000u64,"tools":["current_time"],"leg_id":"l1"});
+            "deadline_unix_ms":1700000000000u64,"tools":["current_time"],"leg_id":"l1",
+            "ask_chain":["hoshi","cyrene"]});
         let job: TurnJob = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(job.messages[0], Message::text(Role::User, "hi"));
         assert_eq!(serde_json::to_value(&job).unwrap(), doc);
@@ -197,6 +203,7 @@ mod tests {
         assert_eq!(min.base_seq, 0);
         assert!(min.notice.is_none());
         assert_eq!(min.tools, None, "no list: every tool");
+        assert!(min.ask_chain.is_empty(), "not an ask's turn");
         let none: TurnJob = serde_json::from_value(json!({"turn_id":"t","session_id":"s",
             "env":{},"messages":[],"tools":[]}))
         .unwrap();

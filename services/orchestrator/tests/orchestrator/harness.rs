@@ -270,6 +270,7 @@ pub fn send_req(session: &str, text: &str, key: &str, client_id: &str) -> SendRe
         idempotency_key: key.into(),
         env: None,
         parallel: false,
+        when_busy: None,
     }
 }
 

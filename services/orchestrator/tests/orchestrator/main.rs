@@ -6,4 +6,5 @@ mod agents;
 mod bad_input;
 mod fence;
 mod harness;
+mod policies;
 mod volume;

@@ -233,9 +233,10 @@ async fn sweeper_publishes_a_turn_whose_dispatch_was_lost() {
         client_id: "cli".into(),
         idempotency_key: Some(new_id()),
         env: SessionEnv::default(),
-        parallel: false,
+        policy: cyrene_protocol::session::BusyPolicy::Steer,
         solo: false,
         reply_to: None,
+        ask_chain: Vec::new(),
     };
     let sent = store.send(input, &|_: &str| (0, Vec::new())).await.unwrap();
     assert_eq!(sent.ack.disposition, Disposition::TurnStarted);
