@@ -86,9 +86,13 @@ chaos-single:
 chaos-cluster:
 	$(MAKE) chaos CHAOS_FILTER='test(cluster)'
 
+# Renders the kustomization (with generated secrets), validates every object against the
+# Kubernetes 1.32 schemas offline (PyPI kubernetes-validate under .tools/py) and checks the files
+# against the binaries (tests/deploy.rs).
 deploy-check: build
 	@command -v kubectl >/dev/null || { echo "deploy-check needs kubectl (kustomize)"; exit 1; }
-	$(CARGO) test --test deploy
+	CYRENE_KUBERNETES_VALIDATE=$$(scripts/py-tool.sh kubernetes-validate==1.37.0) \
+	  $(CARGO) test --test deploy
 
 # deploy/k8s/secrets.env for the kustomization: random NATS passwords and $(DATABASE_URL).
 secrets:

@@ -213,3 +213,86 @@ fn the_kustomization_renders_when_kubectl_is_here() {
         "{first_user} not in the ConfigMap"
     );
 }
+
+/// The KEDA ScaledObject scales the real worker Deployment on the real stream and consumer, read
+/// from the monitoring port the NATS Service really exposes.
+#[test]
+fn the_keda_scaler_points_at_the_workers_queue() {
+    let scaled = std::fs::read_to_string(deploy_dir().join("keda/scaledobject.yaml")).unwrap();
+    let value = |key: &str| -> String {
+        scaled
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .trim_start_matches("- ")
+                    .strip_prefix(&format!("{key}: "))
+            })
+            .unwrap_or_else(|| panic!("{key} missing"))
+            .trim_matches('"')
+            .to_owned()
+    };
+    assert_eq!(value("kind"), "ScaledObject");
+    assert_eq!(value("type"), "nats-jetstream");
+    assert_eq!(value("stream"), cyrene_bus::streams::TURNS_STREAM);
+    assert_eq!(
+        value("consumer"),
+        cyrene_loop_worker::Config::default().consumer
+    );
+    let worker = std::fs::read_to_string(deploy_dir().join("k8s/loop-worker.yaml")).unwrap();
+    assert!(worker.contains(&format!("  name: {}\n", value("name"))));
+    let endpoint = value("natsServerMonitoringEndpoint");
+    let port = endpoint.rsplit(':').next().unwrap();
+    let nats = std::fs::read_to_string(deploy_dir().join("k8s/nats.yaml")).unwrap();
+    assert!(endpoint.starts_with("nats."), "{endpoint}");
+    assert!(
+        nats.contains(&format!("port: {port}")),
+        "the Service exposes {port}"
+    );
+    assert!(
+        nats.contains(&format!("\"-m\", \"{port}\"")),
+        "nats-server listens on {port}"
+    );
+}
+
+/// Every rendered object against the Kubernetes schemas, offline (`make deploy-check` installs
+/// kubernetes-validate and points CYRENE_KUBERNETES_VALIDATE at it; skipped otherwise).
+#[test]
+fn every_rendered_object_is_valid_for_kubernetes() {
+    let Ok(validator) = std::env::var("CYRENE_KUBERNETES_VALIDATE") else {
+        eprintln!("CYRENE_KUBERNETES_VALIDATE unset: schemas not checked (make deploy-check does)");
+        return;
+    };
+    let copy = deploy_with_secrets();
+    let rendered = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(copy.path().join("deploy"))
+        .output()
+        .expect("kubectl (make deploy-check needs it)");
+    assert!(rendered.status.success());
+    let file = copy.path().join("rendered.yaml");
+    std::fs::write(&file, &rendered.stdout).unwrap();
+    let out = Command::new("python3")
+        .args([
+            "-m",
+            "kubernetes_validate",
+            "--strict",
+            "--quiet",
+            "-k",
+            "1.32.0",
+        ])
+        .arg(&file)
+        .env("PYTHONPATH", validator)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kinds = String::from_utf8_lossy(&rendered.stdout)
+        .lines()
+        .filter(|l| l.starts_with("kind: "))
+        .count();
+    assert!(kinds >= 12, "{kinds} objects rendered");
+}
