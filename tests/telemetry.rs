@@ -85,3 +85,127 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
         "no exported span carries the caller's trace id and the service name"
     );
 }
+
+/// One turn is one trace: a message sent with a `traceparent` becomes spans of that trace in the
+/// orchestrator (send, dispatch), the loop worker (the turn, its steer, saves, tool call and
+/// completion), the gateway (the model calls) and the checkpoint store (the saves) — each exported
+/// by its own binary under its own `service.name` (`OTEL_SERVICE_NAME` where set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_turn_is_one_trace_across_the_four_services() {
+    const TURN_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+    let collector = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/traces"))
+        .respond_with(ResponseTemplate::new(200))
+        .mount(&collector)
+        .await;
+    let nats = NatsServer::start();
+    let data = tempfile::tempdir().unwrap();
+    let models = data.path().join("models.json");
+    std::fs::write(
+        &models,
+        r#"{"providers":{"offline":{"protocol":"scripted","models":{"scripted":{}},
+            "script":{"rules":[{"contains":"time","tool_calls":[{"name":"current_time"}],
+            "after_tools":"It is {tool_results}."}],"default_reply":"{input}"}}},
+            "groups":{"default":[{"provider":"offline","model":"scripted"}]},
+            "active_group":"default"}"#,
+    )
+    .unwrap();
+    let dir = data.path().to_str().unwrap();
+    let otlp = collector.uri();
+    let mut children = Vec::new();
+    for (binary, name, extra) in [
+        (
+            "cyrene-model-gateway",
+            "gateway-under-test",
+            ("CYRENE_MODELS", models.to_str().unwrap()),
+        ),
+        (
+            "cyrene-checkpoint-store",
+            "store-under-test",
+            ("CYRENE_DATA_DIR", dir),
+        ),
+        (
+            "cyrene-orchestrator",
+            "orchestrator-under-test",
+            ("CYRENE_DATA_DIR", dir),
+        ),
+        (
+            "cyrene-loop-worker",
+            "worker-under-test",
+            ("CYRENE_WORKER_CONCURRENCY", "2"),
+        ),
+    ] {
+        let child = service(
+            binary,
+            &nats.url(),
+            &[
+                extra,
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        );
+        children.push((name, child));
+    }
+    let client = nats.connect().await;
+    for name in [
+        "cyrene-model-gateway",
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        wait_for_service(&client, name).await;
+    }
+    let mut events = client
+        .subscribe("cyrene.session.traced.events")
+        .await
+        .unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(
+        &mut headers,
+        "traceparent",
+        &format!("00-{TURN_TRACE}-b7ad6b7169203331-01"),
+    )
+    .unwrap();
+    let send = r#"{"session_id":"traced","message":{"role":"user","content":"what time is it?"}}"#;
+    let ack = client
+        .request_with_headers("cyrene.session.send", headers, send.into())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&ack.payload).contains("turn_started"));
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        use futures::StreamExt;
+        while let Some(m) = events.next().await {
+            if String::from_utf8_lossy(&m.payload).contains("\"turn_ended\"") {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the turn did not end");
+
+    // Clean stops flush the spans still queued.
+    for (_, child) in &mut children {
+        let pid = child.id().unwrap().to_string();
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+    }
+    for (name, child) in &mut children {
+        let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{name} did not stop"))
+            .unwrap();
+        assert!(status.success(), "{name}: {status}");
+    }
+    let requests = collector.received_requests().await.unwrap_or_default();
+    let trace = hex_bytes(TURN_TRACE);
+    for (name, _) in &children {
+        let in_trace = requests.iter().any(|r| {
+            r.body.windows(trace.len()).any(|w| w == trace.as_slice())
+                && r.body.windows(name.len()).any(|w| w == name.as_bytes())
+        });
+        assert!(in_trace, "{name} exported no span of the turn's trace");
+    }
+}

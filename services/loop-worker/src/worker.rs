@@ -158,22 +158,29 @@ async fn handle_job(
     let message = Arc::new(message);
     let every = config.ack_wait / crate::config::PROGRESS_EVERY;
     let heartbeat = tokio::spawn(keep_alive(message.clone(), every));
+    // The turn joins the trace of the message that started it (the orchestrator publishes the
+    // job with the caller's trace context), so one turn is one trace across every service.
     let span = tracing::info_span!("turn", turn = %job.turn_id, session = %job.session_id, attempt);
+    cyrene_bus::trace::set_parent(&span, message.headers.as_ref());
     let runner = RunnerConfig {
         purpose: "chat".to_owned(),
         max_attempts: config.max_deliver,
     };
-    let end = tracing::Instrument::instrument(run_turn(ports, &job, attempt, &runner), span).await;
+    let end =
+        tracing::Instrument::instrument(run_turn(ports, &job, attempt, &runner), span.clone())
+            .await;
     match end {
-        TurnEnd::Complete(done) => match report(client, &done, shutdown).await {
-            Reported::Acknowledged => {
-                if let Err(err) = message.double_ack().await {
-                    tracing::warn!(turn = %job.turn_id, error = %err, "job ack failed; a redelivery will report again");
+        TurnEnd::Complete(done) => {
+            match tracing::Instrument::instrument(report(client, &done, shutdown), span).await {
+                Reported::Acknowledged => {
+                    if let Err(err) = message.double_ack().await {
+                        tracing::warn!(turn = %job.turn_id, error = %err, "job ack failed; a redelivery will report again");
+                    }
                 }
+                Reported::Stale => tracing::info!(turn = %job.turn_id, "completion fenced off"),
+                Reported::ShuttingDown => {}
             }
-            Reported::Stale => tracing::info!(turn = %job.turn_id, "completion fenced off"),
-            Reported::ShuttingDown => {}
-        },
+        }
         TurnEnd::Retry(err) => {
             tracing::info!(turn = %job.turn_id, error = %err, "nak for redelivery");
             let _ = message

@@ -6,7 +6,8 @@
 //!
 //! Spans are exported over OTLP (HTTP, protobuf) when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used
 //! as given) or `OTEL_EXPORTER_OTLP_ENDPOINT` (`/v1/traces` appended) is set, with the service
-//! name as `service.name`; `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT` are
+//! name as `service.name` (or `OTEL_SERVICE_NAME` when set); `OTEL_EXPORTER_OTLP_HEADERS` and
+//! `OTEL_EXPORTER_OTLP_TIMEOUT` are
 //! honoured by the exporter. Export runs on the batch processor's own thread, off the request
 //! path; an unreachable collector costs dropped spans (silently: the SDK's own logs are off), never
 //! a request. At exit the queued spans are flushed, bounded by `OTEL_EXPORTER_OTLP_TIMEOUT`.
@@ -63,7 +64,13 @@ pub fn tracer_provider(
     service: &'static str,
     otlp: Option<&str>,
 ) -> (SdkTracerProvider, Option<String>) {
-    let resource = Resource::builder().with_service_name(service).build();
+    // `OTEL_SERVICE_NAME` (the OpenTelemetry convention) names the service when set: several
+    // deployments of one binary can be told apart; the binary's name otherwise.
+    let name = std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|n| !n.trim().is_empty())
+        .unwrap_or_else(|| service.to_owned());
+    let resource = Resource::builder().with_service_name(name).build();
     let builder = SdkTracerProvider::builder().with_resource(resource);
     let Some(url) = otlp else {
         return (builder.build(), None);
