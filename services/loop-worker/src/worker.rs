@@ -160,7 +160,13 @@ async fn handle_job(
     let heartbeat = tokio::spawn(keep_alive(message.clone(), every));
     // The turn joins the trace of the message that started it (the orchestrator publishes the
     // job with the caller's trace context), so one turn is one trace across every service.
-    let span = tracing::info_span!("turn", turn = %job.turn_id, session = %job.session_id, attempt);
+    let span = tracing::info_span!(
+        "turn",
+        turn = %job.turn_id,
+        session = %job.session_id,
+        attempt,
+        trace_id = tracing::field::Empty
+    );
     cyrene_bus::trace::set_parent(&span, message.headers.as_ref());
     let runner = RunnerConfig {
         purpose: "chat".to_owned(),

@@ -309,7 +309,7 @@ async fn handle<Req, Resp, F, Fut>(
 {
     let _permit = permit;
     let subject = request.message.subject.to_string();
-    let span = tracing::info_span!("request", subject = %subject);
+    let span = tracing::info_span!("request", subject = %subject, trace_id = tracing::field::Empty);
     trace::set_parent(&span, request.message.headers.as_ref());
     async {
         let result = match decode::<Req>(&request.message.payload, max_payload) {

@@ -62,6 +62,18 @@ pub fn extract(headers: Option<&HeaderMap>) -> Context {
 pub fn set_parent(span: &tracing::Span, headers: Option<&HeaderMap>) {
     // An invalid or missing context just leaves the span a root: nothing to report.
     let _ = span.set_parent(extract(headers));
+    record_trace_id(span);
+}
+
+/// Records the span's OpenTelemetry trace id in its `trace_id` field (declared
+/// `trace_id = tracing::field::Empty`), so every log line inside it names the trace.
+pub fn record_trace_id(span: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt;
+    let context = span.context();
+    let trace_id = context.span().span_context().trace_id();
+    if trace_id != opentelemetry::trace::TraceId::INVALID {
+        span.record("trace_id", tracing::field::display(trace_id));
+    }
 }
 
 #[cfg(test)]

@@ -7,9 +7,8 @@
 //! Spans are exported over OTLP (HTTP, protobuf) when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used
 //! as given) or `OTEL_EXPORTER_OTLP_ENDPOINT` (`/v1/traces` appended) is set, with the service
 //! name as `service.name` (or `OTEL_SERVICE_NAME` when set); `OTEL_EXPORTER_OTLP_HEADERS` and
-//! `OTEL_EXPORTER_OTLP_TIMEOUT` are
-//! honoured by the exporter. Export runs on the batch processor's own thread, off the request
-//! path; an unreachable collector costs dropped spans (silently: the SDK's own logs are off), never
+//! `OTEL_EXPORTER_OTLP_TIMEOUT` are honoured by the exporter. Export runs on the batch
+//! processor's own thread, off the request path; an unreachable collector costs dropped spans (silently: the SDK's own logs are off), never
 //! a request. At exit the queued spans are flushed, bounded by `OTEL_EXPORTER_OTLP_TIMEOUT`.
 //!
 //! # Pitfalls
@@ -108,7 +107,13 @@ pub fn init_with(service: &'static str, default_filter: &str) -> Telemetry {
     let tracer = provider.tracer(service);
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let fmt = if std::io::stderr().is_terminal() {
+    // CYRENE_LOG_FORMAT: `json` or `text` forces one; otherwise text on a terminal, JSON else.
+    let json = match env("CYRENE_LOG_FORMAT").as_deref().map(str::trim) {
+        Some("json") => true,
+        Some("text") => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let fmt = if !json {
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .boxed()
