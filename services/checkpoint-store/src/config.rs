@@ -111,6 +111,8 @@ pub struct Args {
     /// NATS server URL(s), comma-separated.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// checkpoints.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -140,6 +142,10 @@ impl ServiceArgs for Args {
 
     fn nats_url(&self) -> &str {
         &self.nats_url
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     fn into_config(self) -> Result<Config, Problems> {

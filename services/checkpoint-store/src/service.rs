@@ -70,6 +70,9 @@ pub async fn serve<S: CheckpointStore>(
         max_in_flight: config.max_in_flight,
         max_payload: config.max_state_bytes.saturating_add(SAVE_ENVELOPE_SLACK),
     };
+    // Registered and the database opened (with its migrations) by `run`: ready.
+    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let mut tasks = JoinSet::new();
     let s = store.clone();
     tasks.spawn(serve_json(
@@ -78,7 +81,14 @@ pub async fn serve<S: CheckpointStore>(
         shutdown.clone(),
         move |cp: Checkpoint, _: RequestContext| {
             let s = s.clone();
-            async move { bounded(limit, s.save(cp, Utc::now())).await }
+            async move {
+                let started = std::time::Instant::now();
+                let saved = bounded(limit, s.save(cp, Utc::now())).await;
+                let outcome = saved.as_ref().map_or_else(|e| e.code.as_str(), |_| "ok");
+                metrics::histogram!("cyrene_checkpoint_save_duration_seconds", "outcome" => outcome)
+                    .record(started.elapsed().as_secs_f64());
+                saved
+            }
         },
     ));
     let s = store.clone();

@@ -97,6 +97,8 @@ pub struct Args {
     /// NATS server URL(s), comma-separated.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Turns this process runs at once.
     #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
     pub concurrency: usize,
@@ -123,6 +125,10 @@ impl ServiceArgs for Args {
 
     fn nats_url(&self) -> &str {
         &self.nats_url
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     fn into_config(self) -> Result<Config, Problems> {

@@ -69,6 +69,8 @@ pub struct Args {
     /// NATS server URL(s), comma-separated.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_MODELS")]
@@ -83,6 +85,10 @@ impl cyrene_bus::entry::ServiceArgs for Args {
 
     fn nats_url(&self) -> &str {
         &self.nats_url
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     /// Reads the model config (every problem in it is listed) and the API keys it names from the
@@ -292,6 +298,7 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Service(e.to_string()))?;
     tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let gateway_for_route = gateway.clone();
     let handler = move |req: ModelRequest, _ctx| {
         let gateway = gateway.clone();

@@ -10,6 +10,13 @@
 //! - 0: stopped cleanly (SIGINT/SIGTERM);
 //! - 1: a runtime failure (NATS unreachable at start, a database that cannot be opened, …);
 //! - 2: an invalid configuration — every problem is listed on stderr at once.
+//!
+//! # Health
+//! With `--health-addr`/`CYRENE_HEALTH_ADDR` set ([`HealthArgs`], flattened into every `Args`),
+//! [`main`] serves `/livez`, `/readyz` and `/metrics` there ([`crate::health`]) from before the
+//! NATS connection until exit. It registers the readiness checks `nats` (kept equal to the
+//! connection state) and the service's name, which the service's `run` sets once it serves;
+//! SIGINT/SIGTERM makes `/readyz` answer 503 while the service drains.
 
 use crate::{BusConfig, ConnectMode};
 use async_nats::Client;
@@ -33,6 +40,15 @@ impl Problems {
     }
 }
 
+/// The health flag every service binary has: `#[command(flatten)] pub health: HealthArgs`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct HealthArgs {
+    /// Address of the HTTP listener for /livez, /readyz and /metrics (Prometheus), e.g.
+    /// 0.0.0.0:9090. Off when unset.
+    #[arg(long, env = "CYRENE_HEALTH_ADDR")]
+    pub health_addr: Option<std::net::SocketAddr>,
+}
+
 /// The flags and env of a service binary.
 pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
@@ -40,6 +56,9 @@ pub trait ServiceArgs: clap::Parser + Sized {
 
     /// The NATS server URL(s) to connect to.
     fn nats_url(&self) -> &str;
+
+    /// Where to serve health and metrics (`None`: nowhere).
+    fn health(&self) -> &HealthArgs;
 
     /// The checked configuration, or every problem with it.
     fn into_config(self) -> Result<Self::Config, Problems>;
@@ -71,6 +90,7 @@ where
     let args = A::parse();
     let _telemetry = cyrene_telemetry::init(service);
     let nats_url = args.nats_url().to_owned();
+    let health_addr = args.health().health_addr;
     let config = match args.into_config() {
         Ok(config) => config,
         Err(problems) => {
@@ -93,6 +113,18 @@ where
         }
     };
     runtime.block_on(async move {
+        let health = crate::health::global();
+        health.set(crate::health::NATS_CHECK, false);
+        health.set(service, false);
+        let listener = CancellationToken::new();
+        let _stop_listener = listener.clone().drop_guard();
+        if let Some(addr) = health_addr {
+            if let Err(err) = crate::health::serve(addr, listener.clone()).await {
+                tracing::error!(error = %err, "cannot serve health and metrics");
+                eprintln!("{service}: {err}");
+                return ExitCode::FAILURE;
+            }
+        }
         let bus = BusConfig::new(&nats_url, service, ConnectMode::Service);
         let client = match crate::connect(&bus).await {
             Ok(client) => client,
@@ -104,6 +136,14 @@ where
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
+        tokio::spawn(crate::health::follow_connection(client.clone(), listener.clone()));
+        {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                shutdown.cancelled().await;
+                health.drain();
+            });
+        }
         match run(config, client, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
