@@ -52,7 +52,12 @@ async fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 }
 
 /// Waits until `path` answers `status` on every address.
-async fn wait_status(addrs: &BTreeMap<&str, SocketAddr>, path: &str, status: u16, within: Duration) {
+async fn wait_status(
+    addrs: &BTreeMap<&str, SocketAddr>,
+    path: &str,
+    status: u16,
+    within: Duration,
+) {
     let deadline = tokio::time::Instant::now() + within;
     for (name, addr) in addrs {
         loop {
@@ -87,7 +92,9 @@ fn parse_prometheus(text: &str) -> BTreeMap<String, Vec<f64>> {
             }
             continue;
         }
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad line: {line}"));
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad line: {line}"));
         let name = series.split('{').next().unwrap();
         assert!(
             !name.is_empty()
@@ -126,12 +133,16 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
     let models = data.path().join("models.json");
     let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
                         "after_tools": "It is {tool_results}."}]);
-    std::fs::write(&models, json!({
-        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
-            "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-        "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-        "active_group": "default"
-    }).to_string())
+    std::fs::write(
+        &models,
+        json!({
+            "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
+                "script": {"rules": rules, "default_reply": "echo: {input}"}}},
+            "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
+            "active_group": "default"
+        })
+        .to_string(),
+    )
     .unwrap();
     let models = models.display().to_string();
     let mut addrs = BTreeMap::new();
@@ -170,9 +181,14 @@ async fn run_turn(client: &async_nats::Client, session: &str, text: &str) {
         env: None,
         parallel: false,
     };
-    let _: SendAck = request_json(client, subjects::SESSION_SEND, &send, Duration::from_secs(10))
-        .await
-        .unwrap();
+    let _: SendAck = request_json(
+        client,
+        subjects::SESSION_SEND,
+        &send,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let history: HistoryResponse = request_json(
@@ -216,7 +232,10 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         .request(subjects::SESSION_SEND, "{not json".into())
         .await
         .unwrap();
-    assert!(reply.headers.is_some(), "an error reply carries the error headers");
+    assert!(
+        reply.headers.is_some(),
+        "an error reply carries the error headers"
+    );
     let stats = client
         .request("$SRV.STATS.cyrene-orchestrator", "".into())
         .await
@@ -249,7 +268,10 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         ),
         (
             "cyrene-orchestrator",
-            &["cyrene_requests_total", "cyrene_request_duration_seconds_count"],
+            &[
+                "cyrene_requests_total",
+                "cyrene_request_duration_seconds_count",
+            ],
         ),
         (
             "cyrene-loop-worker",
@@ -283,7 +305,9 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
             );
         }
     }
-    let (status, _) = get(binaries.addrs["cyrene-loop-worker"], "/nothing").await.unwrap();
+    let (status, _) = get(binaries.addrs["cyrene-loop-worker"], "/nothing")
+        .await
+        .unwrap();
     assert_eq!(status, 404);
 }
 

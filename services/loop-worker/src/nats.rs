@@ -81,7 +81,8 @@ impl TurnPorts for NatsPorts {
         .await
         .map_err(|e| e.to_body())?;
         metrics::counter!("cyrene_steer_claims_total").increment(1);
-        metrics::counter!("cyrene_steered_messages_total").increment(response.messages.len() as u64);
+        metrics::counter!("cyrene_steered_messages_total")
+            .increment(response.messages.len() as u64);
         Ok(response)
     }
 

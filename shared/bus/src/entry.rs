@@ -118,12 +118,12 @@ where
         health.set(service, false);
         let listener = CancellationToken::new();
         let _stop_listener = listener.clone().drop_guard();
-        if let Some(addr) = health_addr {
-            if let Err(err) = crate::health::serve(addr, listener.clone()).await {
-                tracing::error!(error = %err, "cannot serve health and metrics");
-                eprintln!("{service}: {err}");
-                return ExitCode::FAILURE;
-            }
+        if let Some(addr) = health_addr
+            && let Err(err) = crate::health::serve(addr, listener.clone()).await
+        {
+            tracing::error!(error = %err, "cannot serve health and metrics");
+            eprintln!("{service}: {err}");
+            return ExitCode::FAILURE;
         }
         let bus = BusConfig::new(&nats_url, service, ConnectMode::Service);
         let client = match crate::connect(&bus).await {
@@ -136,7 +136,10 @@ where
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
-        tokio::spawn(crate::health::follow_connection(client.clone(), listener.clone()));
+        tokio::spawn(crate::health::follow_connection(
+            client.clone(),
+            listener.clone(),
+        ));
         {
             let shutdown = shutdown.clone();
             tokio::spawn(async move {

@@ -104,7 +104,9 @@ pub async fn serve(
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), HealthError> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-        .and_then(|b| b.set_buckets_for_metric(Matcher::Full("cyrene_turn_steps".into()), STEP_BUCKETS))
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full("cyrene_turn_steps".into()), STEP_BUCKETS)
+        })
         .map_err(|e| HealthError::Recorder(e.to_string()))?
         .install_recorder()
         .map_err(|e| HealthError::Recorder(e.to_string()))?;
@@ -117,7 +119,11 @@ pub async fn serve(
     Ok((bound, task))
 }
 
-async fn accept_loop(listener: TcpListener, metrics: PrometheusHandle, shutdown: CancellationToken) {
+async fn accept_loop(
+    listener: TcpListener,
+    metrics: PrometheusHandle,
+    shutdown: CancellationToken,
+) {
     let mut upkeep = tokio::time::interval(Duration::from_secs(5));
     loop {
         tokio::select! {
@@ -173,7 +179,11 @@ async fn answer(mut stream: TcpStream, metrics: &PrometheusHandle) -> std::io::R
     stream.shutdown().await
 }
 
-fn route(method: &str, path: &str, metrics: &PrometheusHandle) -> (&'static str, &'static str, String) {
+fn route(
+    method: &str,
+    path: &str,
+    metrics: &PrometheusHandle,
+) -> (&'static str, &'static str, String) {
     const TEXT: &str = "text/plain; charset=utf-8";
     if method != "GET" && method != "HEAD" {
         return ("405 Method Not Allowed", TEXT, "only GET\n".into());
@@ -188,8 +198,16 @@ fn route(method: &str, path: &str, metrics: &PrometheusHandle) -> (&'static str,
                 format!("not ready: {}\n", failing.join(", ")),
             ),
         },
-        "/metrics" => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", metrics.render()),
-        _ => ("404 Not Found", TEXT, "not found; try /livez, /readyz, /metrics\n".into()),
+        "/metrics" => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.render(),
+        ),
+        _ => (
+            "404 Not Found",
+            TEXT,
+            "not found; try /livez, /readyz, /metrics\n".into(),
+        ),
     }
 }
 
@@ -197,8 +215,7 @@ fn route(method: &str, path: &str, metrics: &PrometheusHandle) -> (&'static str,
 pub async fn follow_connection(client: async_nats::Client, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
-        let connected =
-            client.connection_state() == async_nats::connection::State::Connected;
+        let connected = client.connection_state() == async_nats::connection::State::Connected;
         global().set(NATS_CHECK, connected);
         tokio::select! {
             _ = shutdown.cancelled() => break,

@@ -14,8 +14,8 @@
 pub mod connect;
 pub mod entry;
 pub mod guard;
-pub mod health;
 pub mod headers;
+pub mod health;
 pub mod request;
 pub mod service;
 pub mod signal;

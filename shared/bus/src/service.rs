@@ -200,10 +200,7 @@ async fn respond_coded<T: Serialize>(
 
 /// Sends `err` as the headers plus the JSON envelope, counted in the endpoint's `$SRV.STATS`
 /// errors.
-async fn respond_error(
-    request: &Request,
-    err: &ErrorBody,
-) -> Result<(), async_nats::PublishError> {
+async fn respond_error(request: &Request, err: &ErrorBody) -> Result<(), async_nats::PublishError> {
     let headers = error_headers(err);
     let micro = async_nats::service::error::Error {
         status: headers

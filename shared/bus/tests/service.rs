@@ -254,7 +254,10 @@ async fn errors_are_counted_in_srv_stats_and_keep_their_envelope() {
     let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"nobody"}), T)
         .await
         .unwrap_err();
-    assert!(matches!(err, RequestError::Remote(ref b) if b.code == ErrorCode::NotFound), "{err:?}");
+    assert!(
+        matches!(err, RequestError::Remote(ref b) if b.code == ErrorCode::NotFound),
+        "{err:?}"
+    );
     let reply = client
         .request("test.greet", "{not json".into())
         .await
