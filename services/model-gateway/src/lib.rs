@@ -298,7 +298,6 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Service(e.to_string()))?;
     tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let gateway_for_route = gateway.clone();
     let handler = move |req: ModelRequest, _ctx| {
         let gateway = gateway.clone();
@@ -323,6 +322,7 @@ pub async fn serve(
         .add(subjects::MODEL_ROUTE)
         .await
         .map_err(|e| Error::Service(e.to_string()))?;
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let router = gateway_for_route;
     let route = serve_json(
         route_endpoint,

@@ -224,6 +224,25 @@ pub async fn follow_connection(client: async_nats::Client, shutdown: Cancellatio
     }
 }
 
+/// Keeps check `name` equal to what `check` says, asked every `every`, until `shutdown`.
+pub async fn watch<F, Fut>(name: &str, every: Duration, mut check: F, shutdown: CancellationToken)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    loop {
+        let ok = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            ok = check() => ok,
+        };
+        global().set(name, ok);
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
 /// The check that follows the NATS connection.
 pub const NATS_CHECK: &str = "nats";
 /// The check a service that uses a database keeps up to date.
