@@ -291,6 +291,11 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         let (status, body) = get(addr, "/metrics").await.unwrap();
         assert_eq!(status, 200, "{name}");
         let samples = parse_prometheus(&body);
+        assert!(
+            body.contains("# HELP cyrene_requests_total ")
+                || name == "cyrene-loop-worker",
+            "{name}: the series are not described:\n{body}"
+        );
         for wanted in series {
             assert!(
                 samples.contains_key(*wanted),

@@ -110,6 +110,7 @@ pub async fn serve(
         .map_err(|e| HealthError::Recorder(e.to_string()))?
         .install_recorder()
         .map_err(|e| HealthError::Recorder(e.to_string()))?;
+    describe_series();
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| HealthError::Bind { addr, source })?;
@@ -117,6 +118,93 @@ pub async fn serve(
     tracing::info!(addr = %bound, "health and metrics listening");
     let task = tokio::spawn(accept_loop(listener, handle, shutdown));
     Ok((bound, task))
+}
+
+/// The `# HELP` line of every `cyrene_*` series (the full list, with labels, is in
+/// docs/operations.md; keep both in step when adding one).
+fn describe_series() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "cyrene_requests_total",
+        "Requests answered, by endpoint and code (ok or the wire error code)."
+    );
+    describe_histogram!(
+        "cyrene_request_duration_seconds",
+        Unit::Seconds,
+        "From request receipt to reply sent, by endpoint and code."
+    );
+    describe_histogram!(
+        "cyrene_provider_call_duration_seconds",
+        Unit::Seconds,
+        "One provider attempt, by provider, model and outcome."
+    );
+    describe_counter!(
+        "cyrene_provider_tokens_total",
+        "Tokens reported by providers, by provider, model and kind."
+    );
+    describe_counter!(
+        "cyrene_provider_fallbacks_total",
+        "Attempts that failed retryably so the chain moved on."
+    );
+    describe_counter!(
+        "cyrene_provider_cooldowns_total",
+        "Times a provider entered a cooldown."
+    );
+    describe_counter!(
+        "cyrene_provider_skipped_cooling_total",
+        "Chain steps skipped because their provider was cooling down."
+    );
+    describe_histogram!(
+        "cyrene_checkpoint_save_duration_seconds",
+        Unit::Seconds,
+        "One checkpoint save against the database, by outcome."
+    );
+    describe_counter!(
+        "cyrene_turns_started_total",
+        "Turn jobs taken from CYRENE_TURNS (every delivery)."
+    );
+    describe_counter!(
+        "cyrene_turn_redeliveries_total",
+        "Turn job deliveries with a delivery count above 1."
+    );
+    describe_counter!(
+        "cyrene_turns_completed_total",
+        "Turns that reached an end, by outcome."
+    );
+    describe_counter!(
+        "cyrene_turns_failed_total",
+        "Turn attempts that failed, by reason (error, retry, stale, invalid_job)."
+    );
+    describe_histogram!("cyrene_turn_steps", "Steps of each completed turn.");
+    describe_counter!(
+        "cyrene_steer_claims_total",
+        "Steer claims made at step boundaries."
+    );
+    describe_counter!(
+        "cyrene_steered_messages_total",
+        "Messages steered into running turns."
+    );
+    describe_counter!(
+        "cyrene_tool_calls_total",
+        "Tool calls, by tool and outcome."
+    );
+    describe_histogram!(
+        "cyrene_tool_call_duration_seconds",
+        Unit::Seconds,
+        "Tool call latency, by tool and outcome."
+    );
+    describe_gauge!(
+        "cyrene_turns_ack_pending",
+        "The worker consumer's num_ack_pending (sampled)."
+    );
+    describe_gauge!(
+        "cyrene_turns_pending",
+        "The worker consumer's num_pending (sampled)."
+    );
+    describe_gauge!(
+        "cyrene_turns_redelivered",
+        "The worker consumer's num_redelivered (sampled)."
+    );
 }
 
 async fn accept_loop(
