@@ -292,8 +292,7 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         assert_eq!(status, 200, "{name}");
         let samples = parse_prometheus(&body);
         assert!(
-            body.contains("# HELP cyrene_requests_total ")
-                || name == "cyrene-loop-worker",
+            body.contains("# HELP cyrene_requests_total ") || name == "cyrene-loop-worker",
             "{name}: the series are not described:\n{body}"
         );
         for wanted in series {

@@ -120,91 +120,132 @@ pub async fn serve(
     Ok((bound, task))
 }
 
-/// The `# HELP` line of every `cyrene_*` series (the full list, with labels, is in
-/// docs/operations.md; keep both in step when adding one).
-fn describe_series() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(
+/// Every `cyrene_*` series: name, type and `# HELP` text. docs/operations.md documents each with
+/// its labels (a unit test checks it names them all); add a series here when adding one.
+pub const SERIES: &[(&str, Kind, &str)] = &[
+    (
         "cyrene_requests_total",
-        "Requests answered, by endpoint and code (ok or the wire error code)."
-    );
-    describe_histogram!(
+        Kind::Counter,
+        "Requests answered, by endpoint and code (ok or the wire error code).",
+    ),
+    (
         "cyrene_request_duration_seconds",
-        Unit::Seconds,
-        "From request receipt to reply sent, by endpoint and code."
-    );
-    describe_histogram!(
+        Kind::Histogram,
+        "From request receipt to reply sent, by endpoint and code.",
+    ),
+    (
         "cyrene_provider_call_duration_seconds",
-        Unit::Seconds,
-        "One provider attempt, by provider, model and outcome."
-    );
-    describe_counter!(
+        Kind::Histogram,
+        "One provider attempt, by provider, model and outcome.",
+    ),
+    (
         "cyrene_provider_tokens_total",
-        "Tokens reported by providers, by provider, model and kind."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Tokens reported by providers, by provider, model and kind.",
+    ),
+    (
         "cyrene_provider_fallbacks_total",
-        "Attempts that failed retryably so the chain moved on."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Attempts that failed retryably so the chain moved on.",
+    ),
+    (
         "cyrene_provider_cooldowns_total",
-        "Times a provider entered a cooldown."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Times a provider entered a cooldown.",
+    ),
+    (
         "cyrene_provider_skipped_cooling_total",
-        "Chain steps skipped because their provider was cooling down."
-    );
-    describe_histogram!(
+        Kind::Counter,
+        "Chain steps skipped because their provider was cooling down.",
+    ),
+    (
         "cyrene_checkpoint_save_duration_seconds",
-        Unit::Seconds,
-        "One checkpoint save against the database, by outcome."
-    );
-    describe_counter!(
+        Kind::Histogram,
+        "One checkpoint save against the database, by outcome.",
+    ),
+    (
         "cyrene_turns_started_total",
-        "Turn jobs taken from CYRENE_TURNS (every delivery)."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Turn jobs taken from CYRENE_TURNS (every delivery).",
+    ),
+    (
         "cyrene_turn_redeliveries_total",
-        "Turn job deliveries with a delivery count above 1."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Turn job deliveries with a delivery count above 1.",
+    ),
+    (
         "cyrene_turns_completed_total",
-        "Turns that reached an end, by outcome."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Turns that reached an end, by outcome.",
+    ),
+    (
         "cyrene_turns_failed_total",
-        "Turn attempts that failed, by reason (error, retry, stale, invalid_job)."
-    );
-    describe_histogram!("cyrene_turn_steps", "Steps of each completed turn.");
-    describe_counter!(
+        Kind::Counter,
+        "Turn attempts that failed, by reason (error, retry, stale, invalid_job).",
+    ),
+    (
+        "cyrene_turn_steps",
+        Kind::Histogram,
+        "Steps of each completed turn.",
+    ),
+    (
         "cyrene_steer_claims_total",
-        "Steer claims made at step boundaries."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Steer claims made at step boundaries.",
+    ),
+    (
         "cyrene_steered_messages_total",
-        "Messages steered into running turns."
-    );
-    describe_counter!(
+        Kind::Counter,
+        "Messages steered into running turns.",
+    ),
+    (
         "cyrene_tool_calls_total",
-        "Tool calls, by tool and outcome."
-    );
-    describe_histogram!(
+        Kind::Counter,
+        "Tool calls, by tool and outcome.",
+    ),
+    (
         "cyrene_tool_call_duration_seconds",
-        Unit::Seconds,
-        "Tool call latency, by tool and outcome."
-    );
-    describe_gauge!(
+        Kind::Histogram,
+        "Tool call latency, by tool and outcome.",
+    ),
+    (
         "cyrene_turns_ack_pending",
-        "The worker consumer's num_ack_pending (sampled)."
-    );
-    describe_gauge!(
+        Kind::Gauge,
+        "The worker consumer's num_ack_pending (sampled).",
+    ),
+    (
         "cyrene_turns_pending",
-        "The worker consumer's num_pending (sampled)."
-    );
-    describe_gauge!(
+        Kind::Gauge,
+        "The worker consumer's num_pending (sampled).",
+    ),
+    (
         "cyrene_turns_redelivered",
-        "The worker consumer's num_redelivered (sampled)."
-    );
+        Kind::Gauge,
+        "The worker consumer's num_redelivered (sampled).",
+    ),
+];
+
+/// The type of a series in [`SERIES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Gives every series in [`SERIES`] its `# HELP` line (and `_seconds` histograms their unit).
+fn describe_series() {
+    for (name, kind, help) in SERIES {
+        let (name, help) = (*name, *help);
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram if name.ends_with("_seconds") => {
+                metrics::describe_histogram!(name, metrics::Unit::Seconds, help)
+            }
+            Kind::Histogram => metrics::describe_histogram!(name, help),
+        }
+    }
 }
 
 async fn accept_loop(
@@ -339,6 +380,18 @@ pub const DATABASE_CHECK: &str = "database";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_series_is_documented_in_operations_md() {
+        let docs = include_str!("../../../docs/operations.md");
+        for (name, _, _) in SERIES {
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "{name} is not in docs/operations.md"
+            );
+            assert!(name.starts_with("cyrene_"), "{name}");
+        }
+    }
 
     #[test]
     fn ready_only_when_every_check_passes_and_not_draining() {
