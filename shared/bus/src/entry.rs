@@ -136,13 +136,15 @@ where
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
-        tokio::spawn(crate::health::follow_connection(
+        // Aborted when dropped, at exit.
+        let mut health_tasks = tokio::task::JoinSet::new();
+        health_tasks.spawn(crate::health::follow_connection(
             client.clone(),
             listener.clone(),
         ));
         {
             let shutdown = shutdown.clone();
-            tokio::spawn(async move {
+            health_tasks.spawn(async move {
                 shutdown.cancelled().await;
                 health.drain();
             });
