@@ -122,7 +122,7 @@ fn parse_prometheus(text: &str) -> BTreeMap<String, Vec<f64>> {
 
 struct Binaries {
     addrs: BTreeMap<&'static str, SocketAddr>,
-    _children: Vec<Child>,
+    children: BTreeMap<&'static str, Child>,
     _data: tempfile::TempDir,
 }
 
@@ -132,7 +132,9 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
     // The scripted provider answers a question about the time with a current_time call first.
     let models = data.path().join("models.json");
     let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
-                        "after_tools": "It is {tool_results}."}]);
+                        "after_tools": "It is {tool_results}."},
+                       {"contains": "hold", "tool_calls": [{"name": "hold"}],
+                        "after_tools": "Held: {tool_results}."}]);
     std::fs::write(
         &models,
         json!({
@@ -146,19 +148,22 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
     .unwrap();
     let models = models.display().to_string();
     let mut addrs = BTreeMap::new();
-    let mut children = Vec::new();
+    let mut children = BTreeMap::new();
     for name in BINARIES {
         let addr = free_addr();
         let health = addr.to_string();
-        children.push(service(
+        children.insert(
             name,
-            &server.url(),
-            &[
-                ("CYRENE_HEALTH_ADDR", health.as_str()),
-                ("CYRENE_DATA_DIR", data_dir.as_str()),
-                ("CYRENE_MODELS", models.as_str()),
-            ],
-        ));
+            service(
+                name,
+                &server.url(),
+                &[
+                    ("CYRENE_HEALTH_ADDR", health.as_str()),
+                    ("CYRENE_DATA_DIR", data_dir.as_str()),
+                    ("CYRENE_MODELS", models.as_str()),
+                ],
+            ),
+        );
         addrs.insert(name, addr);
     }
     for name in BINARIES {
@@ -166,13 +171,13 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
     }
     Binaries {
         addrs,
-        _children: children,
+        children,
         _data: data,
     }
 }
 
-/// Sends `text` into `session` and waits for the assistant's answer in the transcript.
-async fn run_turn(client: &async_nats::Client, session: &str, text: &str) {
+/// Sends `text` into `session` (acknowledged, not answered).
+async fn send(client: &async_nats::Client, session: &str, text: &str) {
     let send = SendRequest {
         session_id: session.to_owned(),
         message: Message::text(Role::User, text),
@@ -189,6 +194,11 @@ async fn run_turn(client: &async_nats::Client, session: &str, text: &str) {
     )
     .await
     .unwrap();
+}
+
+/// Sends `text` into `session` and waits for the assistant's answer in the transcript.
+async fn run_turn(client: &async_nats::Client, session: &str, text: &str) {
+    send(client, session, text).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let history: HistoryResponse = request_json(
@@ -329,4 +339,58 @@ async fn readiness_follows_the_nats_connection() {
 
     server.start_again();
     wait_status(&binaries.addrs, "/readyz", 200, Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_draining_worker_is_alive_but_not_ready() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let tools_stop = tokio_util::sync::CancellationToken::new();
+    let _stop_tools = tools_stop.clone().drop_guard();
+    let tools = common::TestTools::start(&server.connect().await, tools_stop).await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    *tools.gate.lock().unwrap() = Some(gate.clone());
+    let mut binaries = start_binaries(&server, &client).await;
+    wait_status(&binaries.addrs, "/readyz", 200, Duration::from_secs(20)).await;
+
+    // A turn blocked in the `hold` tool keeps the worker draining after SIGTERM.
+    send(&client, "health-drain", "please hold").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !tools
+        .runs
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|(name, _)| name == "hold")
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hold tool never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let worker = binaries.children.get_mut("cyrene-loop-worker").unwrap();
+    let pid = worker.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let only_worker: BTreeMap<&str, SocketAddr> =
+        [("cyrene-loop-worker", binaries.addrs["cyrene-loop-worker"])].into();
+    wait_status(&only_worker, "/readyz", 503, Duration::from_secs(5)).await;
+    let (status, body) = get(only_worker["cyrene-loop-worker"], "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(status, 503);
+    assert!(body.contains("draining"), "{body}");
+    wait_status(&only_worker, "/livez", 200, Duration::from_secs(1)).await;
+
+    gate.notify_waiters();
+    let worker = binaries.children.get_mut("cyrene-loop-worker").unwrap();
+    let exited = tokio::time::timeout(Duration::from_secs(20), worker.wait())
+        .await
+        .expect("the worker stops once its turn is done")
+        .unwrap();
+    assert!(exited.success(), "{exited}");
 }
