@@ -8,11 +8,8 @@ mod session;
 mod up;
 
 use clap::{Parser, Subcommand};
-use cyrene_bus::{BusConfig, ConnectMode};
+use cyrene_bus::ConnectMode;
 use std::time::Duration;
-
-/// Default NATS URL when neither `--nats-url` nor `NATS_URL` is given.
-pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -21,9 +18,8 @@ pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
     about = "Client of a Cyrene agent runtime on NATS"
 )]
 pub struct Cli {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = DEFAULT_NATS_URL, global = true)]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -79,16 +75,20 @@ impl CliError {
 }
 
 pub async fn run(cli: Cli) -> Result<(), CliError> {
-    let config = BusConfig::new(&cli.nats_url, "cyrene-cli", ConnectMode::Client);
+    let config = cli
+        .bus
+        .config("cyrene-cli", ConnectMode::Client)
+        .map_err(CliError::Failed)?;
     let client = cyrene_bus::connect(&config).await.map_err(|e| {
-        CliError::Failed(format!("cannot connect to NATS at {}: {e}", cli.nats_url))
+        let at = config.redacted_urls().join(",");
+        CliError::Failed(format!("cannot connect to NATS at {at}: {e}"))
     })?;
     let result = match cli.command {
         Command::Ask(args) => comm::ask(client.clone(), args).await,
         Command::Emit(args) => comm::emit(client.clone(), args).await,
         Command::Agent(args) => agent::run(client.clone(), args).await,
         Command::Probe(args) => probe::run(client.clone(), args).await,
-        Command::Up(args) => up::run(&cli.nats_url, args).await,
+        Command::Up(args) => up::run(&cli.bus, args).await,
         Command::Chat(args) => chat::chat(client.clone(), args).await,
         Command::Demo(args) => chat::demo(client.clone(), args).await,
         Command::Send(args) => session::send(client.clone(), args).await,

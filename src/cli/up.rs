@@ -10,9 +10,9 @@
 use super::CliError;
 use async_nats::service::ServiceExt;
 use clap::Args;
+use cyrene_bus::ConnectMode;
 use cyrene_bus::entry::ServiceArgs;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
-use cyrene_bus::{BusConfig, ConnectMode};
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
 use serde_json::{Value, json};
@@ -49,7 +49,12 @@ const DEMO_PERSONAS: &str = r#"{"default":"cyrene","personas":[
  {"id":"cyrene","name":"昔涟","instructions":"You are 昔涟 (Cyrene), a warm companion. Answer briefly."},
  {"id":"hoshi","name":"星","instructions":"You are 星 (Hoshi), cheerful and curious. Answer briefly."}]}"#;
 
-pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
+pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError> {
+    let nats_url = bus
+        .config("cyrene", ConnectMode::Client)
+        .map_err(CliError::Failed)?
+        .redacted_urls()
+        .join(",");
     let fail = |what: &str, e: &dyn std::fmt::Display| CliError::Failed(format!("{what}: {e}"));
     std::fs::create_dir_all(&args.data_dir).map_err(|e| fail("cannot create the data dir", &e))?;
     let offline = args.models.is_none();
@@ -69,8 +74,10 @@ pub async fn run(nats_url: &str, args: UpArgs) -> Result<(), CliError> {
     };
 
     let connect = |name: &'static str| {
-        let config = BusConfig::new(nats_url, name, ConnectMode::Client);
+        let config = bus.config(name, ConnectMode::Client);
+        let nats_url = nats_url.clone();
         async move {
+            let config = config.map_err(CliError::Failed)?;
             cyrene_bus::connect(&config)
                 .await
                 .map_err(|e| CliError::Failed(format!("cannot connect to NATS at {nats_url}: {e}")))

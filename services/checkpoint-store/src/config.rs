@@ -108,9 +108,8 @@ pub struct ConfigError(pub String);
              cyrene.checkpoint.{save,latest,get,list,retain}."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     #[command(flatten)]
     pub health: cyrene_bus::entry::HealthArgs,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
@@ -140,8 +139,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     fn health(&self) -> &cyrene_bus::entry::HealthArgs {

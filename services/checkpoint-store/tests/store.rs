@@ -713,3 +713,66 @@ async fn postgres_rows_from_before_turn_rows_are_carried_over() {
     old_rows_survive_the_move_to_turn_rows(&store).await;
     store.close().await;
 }
+
+/// `DATABASE_URL` with `sslmode=require` (or `verify-ca` / `verify-full` with `sslrootcert`) reaches
+/// PostgreSQL over TLS (rustls): the server reports the store's own connection as encrypted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_over_tls_when_the_url_asks_for_it() {
+    let db = common::PgTestDb::create(common::PG_PREFIX).await;
+    let encrypted = |store: &cyrene_checkpoint_store::PgStore| {
+        let pool = store.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let plain = cyrene_checkpoint_store::PgStore::connect(
+        &format!("{}?sslmode=disable", db.url),
+        &options(),
+    )
+    .await
+    .unwrap();
+    assert!(!encrypted(&plain).await);
+    plain.close().await;
+    let tls = cyrene_checkpoint_store::PgStore::connect(
+        &format!("{}?sslmode=require", db.url),
+        &options(),
+    )
+    .await
+    .unwrap();
+    assert!(encrypted(&tls).await, "sslmode=require did not encrypt");
+    tls.save(checkpoint("s1", 1, "over tls"), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(note(&tls.latest("s1").await.unwrap()), "over tls");
+    tls.close().await;
+    // The server's certificate checked against a CA file (Debian's self-signed one, where the
+    // local server uses it): verify-ca passes, and a wrong CA is refused.
+    let snakeoil = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
+    if std::path::Path::new(snakeoil).exists() {
+        let verified = cyrene_checkpoint_store::PgStore::connect(
+            &format!("{}?sslmode=verify-ca&sslrootcert={snakeoil}", db.url),
+            &options(),
+        )
+        .await
+        .unwrap();
+        assert!(encrypted(&verified).await);
+        verified.close().await;
+        let public_cas = "/etc/ssl/certs/ca-certificates.crt";
+        if std::path::Path::new(public_cas).exists() {
+            let refused = cyrene_checkpoint_store::PgStore::connect(
+                &format!("{}?sslmode=verify-ca&sslrootcert={public_cas}", db.url),
+                &options(),
+            )
+            .await;
+            assert!(
+                refused.is_err(),
+                "a certificate no given CA signed was accepted"
+            );
+        }
+    }
+}

@@ -94,9 +94,8 @@ impl Config {
     about = "Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     #[command(flatten)]
     pub health: cyrene_bus::entry::HealthArgs,
     /// Turns this process runs at once.
@@ -123,8 +122,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     fn health(&self) -> &cyrene_bus::entry::HealthArgs {

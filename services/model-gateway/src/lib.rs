@@ -66,9 +66,8 @@ pub struct Config {
              cooldown, accounting)."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     #[command(flatten)]
     pub health: cyrene_bus::entry::HealthArgs,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
@@ -83,8 +82,8 @@ pub struct Args {
 impl cyrene_bus::entry::ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     fn health(&self) -> &cyrene_bus::entry::HealthArgs {

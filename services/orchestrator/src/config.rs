@@ -170,9 +170,8 @@ pub enum ConfigError {
              agents. Serves cyrene.session.{send,history} and cyrene.turn.{steer,complete}."
 )]
 pub struct Args {
-    /// NATS server URL(s), comma-separated.
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: cyrene_bus::BusArgs,
     #[command(flatten)]
     pub health: cyrene_bus::entry::HealthArgs,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
@@ -222,8 +221,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn nats_url(&self) -> &str {
-        &self.nats_url
+    fn bus(&self) -> &cyrene_bus::BusArgs {
+        &self.bus
     }
 
     fn health(&self) -> &cyrene_bus::entry::HealthArgs {

@@ -18,7 +18,7 @@
 //! connection state) and the service's name, which the service's `run` sets once it serves;
 //! SIGINT/SIGTERM makes `/readyz` answer 503 while the service drains.
 
-use crate::{BusConfig, ConnectMode};
+use crate::{BusArgs, ConnectMode};
 use async_nats::Client;
 use std::future::Future;
 use std::process::ExitCode;
@@ -54,8 +54,8 @@ pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
     type Config;
 
-    /// The NATS server URL(s) to connect to.
-    fn nats_url(&self) -> &str;
+    /// How to reach the bus (URLs and credentials).
+    fn bus(&self) -> &BusArgs;
 
     /// Where to serve health and metrics (`None`: nowhere).
     fn health(&self) -> &HealthArgs;
@@ -89,11 +89,16 @@ where
 {
     let args = A::parse();
     let _telemetry = cyrene_telemetry::init(service);
-    let nats_url = args.nats_url().to_owned();
     let health_addr = args.health().health_addr;
-    let config = match args.into_config() {
-        Ok(config) => config,
-        Err(problems) => {
+    let bus = args.bus().config(service, ConnectMode::Service);
+    let config = match (bus.as_ref(), args.into_config()) {
+        (Ok(_), Ok(config)) => config,
+        (bus, config) => {
+            let mut problems = config.err().map(|p| p.0).unwrap_or_default();
+            if let Err(problem) = bus {
+                problems.push(problem.clone());
+            }
+            let problems = Problems(problems);
             tracing::error!(%problems, "invalid configuration");
             eprintln!("{service}: invalid configuration:");
             for problem in &problems.0 {
@@ -112,6 +117,9 @@ where
             return ExitCode::FAILURE;
         }
     };
+    let Ok(bus) = bus else {
+        return ExitCode::from(2);
+    };
     runtime.block_on(async move {
         let health = crate::health::global();
         health.set(crate::health::NATS_CHECK, false);
@@ -125,7 +133,6 @@ where
             eprintln!("{service}: {err}");
             return ExitCode::FAILURE;
         }
-        let bus = BusConfig::new(&nats_url, service, ConnectMode::Service);
         let client = match crate::connect(&bus).await {
             Ok(client) => client,
             Err(err) => {

@@ -22,5 +22,5 @@ pub mod signal;
 pub mod streams;
 pub mod trace;
 
-pub use connect::{BusConfig, ConnectMode, connect};
+pub use connect::{Auth, BusArgs, BusConfig, ConnectMode, Secret, connect};
 pub use request::{RequestError, request_json};
