@@ -1,6 +1,7 @@
 //! The deployment files agree with the binaries: every Deployment runs a binary the image
 //! builds, and every environment variable it sets is one that binary reads (its `--help` lists
-//! it) — a renamed flag cannot silently turn into an ignored setting. When `kubectl` is on the
+//! it) — a renamed flag cannot silently turn into an ignored setting — and its liveness and
+//! readiness probes point at the port its `CYRENE_HEALTH_ADDR` opens. When `kubectl` is on the
 //! machine, the kustomization also renders.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -90,6 +91,61 @@ fn every_deployment_runs_a_built_binary_with_variables_it_reads() {
             "cyrene-orchestrator"
         ]
     );
+}
+
+/// The port `CYRENE_HEALTH_ADDR` opens, and the ports of the `/livez` and `/readyz` probes and
+/// of the declared container ports, in one Deployment file.
+fn health_ports(text: &str) -> (Option<u16>, Vec<(String, u16)>, Vec<u16>) {
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    let mut addr_port = None;
+    let (mut probes, mut container) = (Vec::new(), Vec::new());
+    for (i, line) in lines.iter().enumerate() {
+        if *line == "- name: CYRENE_HEALTH_ADDR" {
+            addr_port = lines
+                .get(i + 1)
+                .and_then(|v| v.strip_prefix("value: "))
+                .and_then(|v| v.trim_matches('"').rsplit_once(':'))
+                .and_then(|(_, port)| port.parse().ok());
+        }
+        if let Some(rest) = line.strip_prefix("httpGet: {path: ")
+            && let Some((path, port)) = rest.trim_end_matches('}').split_once(", port: ")
+        {
+            probes.push((path.to_owned(), port.parse().expect("a numeric probe port")));
+        }
+        if let Some(port) = line.strip_prefix("containerPort: ") {
+            container.push(port.parse().expect("a numeric container port"));
+        }
+    }
+    (addr_port, probes, container)
+}
+
+#[test]
+fn every_deployment_probes_the_port_its_health_addr_opens() {
+    for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if !text.contains("kind: Deployment") {
+            continue;
+        }
+        let (addr_port, probes, container) = health_ports(&text);
+        let port = addr_port
+            .unwrap_or_else(|| panic!("{}: no CYRENE_HEALTH_ADDR with a port", path.display()));
+        let paths: Vec<&str> = probes.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(paths, ["/livez", "/readyz"], "{}", path.display());
+        for (probe, probe_port) in &probes {
+            assert_eq!(
+                *probe_port,
+                port,
+                "{}: {probe} probes a port the binary does not open",
+                path.display()
+            );
+        }
+        assert!(
+            container.contains(&port),
+            "{}: containerPort {port} not declared",
+            path.display()
+        );
+    }
 }
 
 #[test]

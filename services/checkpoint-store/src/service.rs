@@ -31,6 +31,9 @@ use tokio_util::sync::CancellationToken;
 /// Room for the JSON around `state` in a save request (ids, step, fencing fields).
 const SAVE_ENVELOPE_SLACK: usize = 64 * 1024;
 
+/// How often the `database` readiness check queries the database.
+const DATABASE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serves `store` on the bus until `shutdown` fires, then closes it.
 pub async fn serve<S: CheckpointStore>(
     store: S,
@@ -70,7 +73,21 @@ pub async fn serve<S: CheckpointStore>(
         max_in_flight: config.max_in_flight,
         max_payload: config.max_state_bytes.saturating_add(SAVE_ENVELOPE_SLACK),
     };
+    // Registered, and the database opened (with its migrations) by `run`: ready while the
+    // database keeps answering.
+    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let mut tasks = JoinSet::new();
+    let s = store.clone();
+    tasks.spawn(cyrene_bus::health::watch(
+        cyrene_bus::health::DATABASE_CHECK,
+        DATABASE_CHECK_EVERY,
+        move || {
+            let s = s.clone();
+            async move { tokio::time::timeout(limit, s.ping()).await.unwrap_or(false) }
+        },
+        shutdown.clone(),
+    ));
     let s = store.clone();
     tasks.spawn(serve_json(
         save,
@@ -78,7 +95,14 @@ pub async fn serve<S: CheckpointStore>(
         shutdown.clone(),
         move |cp: Checkpoint, _: RequestContext| {
             let s = s.clone();
-            async move { bounded(limit, s.save(cp, Utc::now())).await }
+            async move {
+                let started = std::time::Instant::now();
+                let saved = bounded(limit, s.save(cp, Utc::now())).await;
+                let outcome = saved.as_ref().map_or_else(|e| e.code.as_str(), |_| "ok");
+                metrics::histogram!("cyrene_checkpoint_save_duration_seconds", "outcome" => outcome)
+                    .record(started.elapsed().as_secs_f64());
+                saved
+            }
         },
     ));
     let s = store.clone();

@@ -96,6 +96,8 @@ impl Config {
 pub struct Args {
     #[command(flatten)]
     pub bus: cyrene_bus::BusArgs,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Turns this process runs at once.
     #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
     pub concurrency: usize,
@@ -122,6 +124,10 @@ impl ServiceArgs for Args {
 
     fn bus(&self) -> &cyrene_bus::BusArgs {
         &self.bus
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     fn into_config(self) -> Result<Config, Problems> {

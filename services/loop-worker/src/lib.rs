@@ -31,6 +31,9 @@ use tokio_util::sync::CancellationToken;
 /// The micro service name (stats and info only: the worker has no endpoints).
 pub const SERVICE_NAME: &str = "cyrene-loop-worker";
 
+/// How often the `CYRENE_TURNS` consumer's pending counts are sampled into the metrics.
+const CONSUMER_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+
 /// Why the worker could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -103,7 +106,13 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         ports.clone(),
         shutdown.clone(),
     ));
+    tasks.spawn(worker::sample_consumer(
+        consumer.clone(),
+        CONSUMER_SAMPLE_EVERY,
+        shutdown.clone(),
+    ));
     tracing::info!(consumer = %config.consumer, concurrency = config.concurrency, "loop worker running");
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     worker::pull_loop(config, client.clone(), consumer, ports, shutdown.clone()).await;
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}

@@ -72,14 +72,18 @@ impl TurnPorts for NatsPorts {
     }
 
     async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {
-        request_json(
+        let response: SteerResponse = request_json(
             &self.client,
             subjects::TURN_STEER,
             &request,
             self.timeouts.steer,
         )
         .await
-        .map_err(|e| e.to_body())
+        .map_err(|e| e.to_body())?;
+        metrics::counter!("cyrene_steer_claims_total").increment(1);
+        metrics::counter!("cyrene_steered_messages_total")
+            .increment(response.messages.len() as u64);
+        Ok(response)
     }
 
     async fn main_model_vision(&self, persona_id: &str) -> Result<bool, ErrorBody> {

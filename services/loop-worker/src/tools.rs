@@ -139,7 +139,26 @@ impl Tools {
     }
 
     /// Runs one call, if the turn may make it (see the module invariants).
+    /// Calls `call.name`, recorded in `cyrene_tool_call_duration_seconds{tool, outcome}` and
+    /// `cyrene_tool_calls_total{tool, outcome}` (a name that was never discovered is labelled
+    /// `unknown`: the model chooses names, the metrics' cardinality must not follow it).
     pub async fn call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        let started = std::time::Instant::now();
+        let output = self.call_unrecorded(context, call).await;
+        let tool = if self.known(&call.name) {
+            call.name.clone()
+        } else {
+            "unknown".to_owned()
+        };
+        let outcome = if output.is_error { "error" } else { "ok" };
+        metrics::histogram!("cyrene_tool_call_duration_seconds", "tool" => tool.clone(), "outcome" => outcome)
+            .record(started.elapsed().as_secs_f64());
+        metrics::counter!("cyrene_tool_calls_total", "tool" => tool, "outcome" => outcome)
+            .increment(1);
+        output
+    }
+
+    async fn call_unrecorded(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
         let name = call.name.as_str();
         if let Some(allowed) = &context.allowed
             && !allowed.iter().any(|a| a == name)

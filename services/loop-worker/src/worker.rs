@@ -152,9 +152,14 @@ async fn handle_job(
             tracing::error!(error = %err, payload = %String::from_utf8_lossy(&message.payload),
                 "invalid turn job terminated");
             let _ = message.ack_with(AckKind::Term).await;
+            metrics::counter!("cyrene_turns_failed_total", "reason" => "invalid_job").increment(1);
             return;
         }
     };
+    metrics::counter!("cyrene_turns_started_total").increment(1);
+    if attempt > 1 {
+        metrics::counter!("cyrene_turn_redeliveries_total").increment(1);
+    }
     let message = Arc::new(message);
     let every = config.ack_wait / crate::config::PROGRESS_EVERY;
     let heartbeat = tokio::spawn(keep_alive(message.clone(), every));
@@ -175,6 +180,7 @@ async fn handle_job(
     let end =
         tracing::Instrument::instrument(run_turn(ports, &job, attempt, &runner), span.clone())
             .await;
+    record_end(&end);
     match end {
         TurnEnd::Complete(done) => {
             match tracing::Instrument::instrument(report(client, &done, shutdown), span).await {
@@ -196,6 +202,56 @@ async fn handle_job(
         TurnEnd::Stale => {}
     }
     heartbeat.abort();
+}
+
+/// How a turn attempt ended, in the metrics (docs/operations.md): `completed{outcome}` with its
+/// step count when it reached an end, `failed{reason}` when it did not.
+fn record_end(end: &TurnEnd) {
+    match end {
+        TurnEnd::Complete(done) => {
+            let outcome = match done.outcome {
+                TurnOutcome::Final => "final",
+                TurnOutcome::BudgetExhausted => "budget_exhausted",
+                TurnOutcome::Cancelled => "cancelled",
+                TurnOutcome::Error => "error",
+            };
+            metrics::counter!("cyrene_turns_completed_total", "outcome" => outcome).increment(1);
+            if done.outcome == TurnOutcome::Error {
+                metrics::counter!("cyrene_turns_failed_total", "reason" => "error").increment(1);
+            }
+            metrics::histogram!("cyrene_turn_steps").record(f64::from(done.steps));
+        }
+        TurnEnd::Retry(_) => {
+            metrics::counter!("cyrene_turns_failed_total", "reason" => "retry").increment(1);
+        }
+        TurnEnd::Stale => {
+            metrics::counter!("cyrene_turns_failed_total", "reason" => "stale").increment(1);
+        }
+    }
+}
+
+/// Samples the consumer's `num_ack_pending` and `num_pending` into gauges every `every`, until
+/// `shutdown`.
+pub(crate) async fn sample_consumer(
+    mut consumer: jetstream::consumer::PullConsumer,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        match consumer.info().await {
+            Ok(info) => {
+                metrics::gauge!("cyrene_turns_ack_pending").set(info.num_ack_pending as f64);
+                metrics::gauge!("cyrene_turns_pending").set(info.num_pending as f64);
+                metrics::gauge!("cyrene_turns_redelivered").set(info.num_redelivered as f64);
+            }
+            Err(err) => tracing::debug!(error = %err, "cannot sample the turn consumer"),
+        }
+    }
 }
 
 async fn keep_alive(message: Arc<jetstream::Message>, every: Duration) {

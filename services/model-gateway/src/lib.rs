@@ -68,6 +68,8 @@ pub struct Config {
 pub struct Args {
     #[command(flatten)]
     pub bus: cyrene_bus::BusArgs,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_MODELS")]
@@ -82,6 +84,10 @@ impl cyrene_bus::entry::ServiceArgs for Args {
 
     fn bus(&self) -> &cyrene_bus::BusArgs {
         &self.bus
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     /// Reads the model config (every problem in it is listed) and the API keys it names from the
@@ -315,6 +321,7 @@ pub async fn serve(
         .add(subjects::MODEL_ROUTE)
         .await
         .map_err(|e| Error::Service(e.to_string()))?;
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     let router = gateway_for_route;
     let route = serve_json(
         route_endpoint,

@@ -157,6 +157,12 @@ impl Router {
             chain.iter().collect()
         } else {
             for step in chain.iter().filter(|s| self.cooling(s, now)) {
+                metrics::counter!(
+                    "cyrene_provider_skipped_cooling_total",
+                    "provider" => step.provider.clone(),
+                    "model" => step.model.clone()
+                )
+                .increment(1);
                 causes.push(format!("{step}: skipped, provider cooling down"));
             }
             ready
@@ -175,7 +181,9 @@ impl Router {
                 Some(t) => deadline.min(started + t),
                 None => deadline,
             };
-            match entry.provider.complete(req, step, attempt_deadline).await {
+            let outcome = entry.provider.complete(req, step, attempt_deadline).await;
+            record_call(step, &outcome, started.elapsed());
+            match outcome {
                 Ok(mut response) => {
                     entry.succeeded();
                     response.provider = step.provider.clone();
@@ -186,6 +194,12 @@ impl Router {
                 }
                 Err(err) if err.is_retryable() => {
                     tracing::warn!(step = %step, error = %err, "attempt failed; trying the next step");
+                    metrics::counter!(
+                        "cyrene_provider_fallbacks_total",
+                        "provider" => step.provider.clone(),
+                        "model" => step.model.clone()
+                    )
+                    .increment(1);
                     entry.failed(&err, &step.provider);
                     causes.push(format!("{step}: {err}"));
                 }
@@ -261,6 +275,39 @@ impl Entry {
                 "provider cooling down"
             );
             h.cooling_until = Some(Instant::now() + d);
+            metrics::counter!("cyrene_provider_cooldowns_total", "provider" => name.to_owned())
+                .increment(1);
+        }
+    }
+}
+
+/// One provider attempt in the metrics (docs/operations.md): its latency by outcome and, when
+/// it answered, the tokens it counted.
+fn record_call(step: &Step, outcome: &Result<ModelResponse, ProviderError>, took: Duration) {
+    let (provider, model) = (step.provider.clone(), step.model.clone());
+    let result = match outcome {
+        Ok(_) => "ok",
+        Err(err) if err.is_retryable() => "retryable_error",
+        Err(_) => "error",
+    };
+    metrics::histogram!(
+        "cyrene_provider_call_duration_seconds",
+        "provider" => provider.clone(), "model" => model.clone(), "outcome" => result
+    )
+    .record(took.as_secs_f64());
+    if let Ok(response) = outcome {
+        for (kind, count) in [
+            ("prompt", response.prompt_tokens),
+            ("completion", response.completion_tokens),
+            ("cache_hit", response.cache_hit_tokens),
+            ("cache_miss", response.cache_miss_tokens),
+            ("reasoning", response.reasoning_tokens),
+        ] {
+            metrics::counter!(
+                "cyrene_provider_tokens_total",
+                "provider" => provider.clone(), "model" => model.clone(), "kind" => kind
+            )
+            .increment(count);
         }
     }
 }

@@ -236,6 +236,8 @@ pub enum ConfigError {
 pub struct Args {
     #[command(flatten)]
     pub bus: cyrene_bus::BusArgs,
+    #[command(flatten)]
+    pub health: cyrene_bus::entry::HealthArgs,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// orchestrator.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -297,6 +299,10 @@ impl ServiceArgs for Args {
 
     fn bus(&self) -> &cyrene_bus::BusArgs {
         &self.bus
+    }
+
+    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
+        &self.health
     }
 
     fn into_config(self) -> Result<Config, Problems> {

@@ -114,6 +114,9 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         Vec::new()
     };
     tasks.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    // The database is open and every endpoint registered: ready.
+    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
     tracing::info!(
         backend = store.backend().name(),
         agents = agents.len(),

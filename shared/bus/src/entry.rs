@@ -10,6 +10,13 @@
 //! - 0: stopped cleanly (SIGINT/SIGTERM);
 //! - 1: a runtime failure (NATS unreachable at start, a database that cannot be opened, …);
 //! - 2: an invalid configuration — every problem is listed on stderr at once.
+//!
+//! # Health
+//! With `--health-addr`/`CYRENE_HEALTH_ADDR` set ([`HealthArgs`], flattened into every `Args`),
+//! [`main`] serves `/livez`, `/readyz` and `/metrics` there ([`crate::health`]) from before the
+//! NATS connection until exit. It registers the readiness checks `nats` (kept equal to the
+//! connection state) and the service's name, which the service's `run` sets once it serves;
+//! SIGINT/SIGTERM makes `/readyz` answer 503 while the service drains.
 
 use crate::{BusArgs, ConnectMode};
 use async_nats::Client;
@@ -33,6 +40,15 @@ impl Problems {
     }
 }
 
+/// The health flag every service binary has: `#[command(flatten)] pub health: HealthArgs`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct HealthArgs {
+    /// Address of the HTTP listener for /livez, /readyz and /metrics (Prometheus), e.g.
+    /// 0.0.0.0:9090. Off when unset.
+    #[arg(long, env = "CYRENE_HEALTH_ADDR")]
+    pub health_addr: Option<std::net::SocketAddr>,
+}
+
 /// The flags and env of a service binary.
 pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
@@ -40,6 +56,9 @@ pub trait ServiceArgs: clap::Parser + Sized {
 
     /// How to reach the bus (URLs and credentials).
     fn bus(&self) -> &BusArgs;
+
+    /// Where to serve health and metrics (`None`: nowhere).
+    fn health(&self) -> &HealthArgs;
 
     /// The checked configuration, or every problem with it.
     fn into_config(self) -> Result<Self::Config, Problems>;
@@ -70,6 +89,7 @@ where
 {
     let args = A::parse();
     let _telemetry = cyrene_telemetry::init(service);
+    let health_addr = args.health().health_addr;
     let bus = args.bus().config(service, ConnectMode::Service);
     let config = match (bus.as_ref(), args.into_config()) {
         (Ok(_), Ok(config)) => config,
@@ -101,6 +121,18 @@ where
         return ExitCode::from(2);
     };
     runtime.block_on(async move {
+        let health = crate::health::global();
+        health.set(crate::health::NATS_CHECK, false);
+        health.set(service, false);
+        let listener = CancellationToken::new();
+        let _stop_listener = listener.clone().drop_guard();
+        if let Some(addr) = health_addr
+            && let Err(err) = crate::health::serve(addr, listener.clone()).await
+        {
+            tracing::error!(error = %err, "cannot serve health and metrics");
+            eprintln!("{service}: {err}");
+            return ExitCode::FAILURE;
+        }
         let client = match crate::connect(&bus).await {
             Ok(client) => client,
             Err(err) => {
@@ -111,6 +143,19 @@ where
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
+        // Aborted when dropped, at exit.
+        let mut health_tasks = tokio::task::JoinSet::new();
+        health_tasks.spawn(crate::health::follow_connection(
+            client.clone(),
+            listener.clone(),
+        ));
+        {
+            let shutdown = shutdown.clone();
+            health_tasks.spawn(async move {
+                shutdown.cancelled().await;
+                health.drain();
+            });
+        }
         match run(config, client, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {

@@ -12,8 +12,15 @@
 //!
 //! # Pitfalls
 //! - async-nats' own `respond(Err(..))` sends the headers with an *empty* body; Cyrene's contract
-//!   wants the JSON envelope too, so errors are published as a payload plus the two headers. The
-//!   micro `errors` stat therefore does not count them.
+//!   wants the JSON envelope too, so errors go out through the vendored
+//!   `Request::respond_error_with_payload` (vendor/async-nats/CYRENE-PATCH.md), which sends both
+//!   and counts the error in `$SRV.STATS`. Never answer an error with `respond_with_headers(Ok(..))`:
+//!   `num_errors` would not see it.
+//!
+//! # Metrics
+//! Every request [`serve_json`] answers is counted in `cyrene_requests_total{endpoint, code}` and
+//! timed in `cyrene_request_duration_seconds{endpoint, code}` (`endpoint` is the micro endpoint
+//! name, `code` is `ok` or the wire error code; docs/operations.md).
 //! - Shutdown unsubscribes and then answers every request already delivered to this process. A
 //!   request the server routed to us just before it saw the unsubscribe is discarded by the
 //!   client library (async-nats endpoints cannot be drained), so its caller sees a timeout and
@@ -148,7 +155,15 @@ pub async fn respond<T: Serialize>(
     request: &Request,
     result: Result<T, ErrorBody>,
 ) -> Result<(), async_nats::PublishError> {
-    let (payload, headers) = match result.and_then(|value| {
+    respond_coded(request, result).await.1
+}
+
+/// [`respond`], also saying which code the caller was answered with (`None`: success).
+async fn respond_coded<T: Serialize>(
+    request: &Request,
+    result: Result<T, ErrorBody>,
+) -> (Option<ErrorCode>, Result<(), async_nats::PublishError>) {
+    let sent = match result.and_then(|value| {
         serde_json::to_vec(&value).map_err(|e| {
             ErrorBody::new(
                 ErrorCode::Internal,
@@ -156,29 +171,47 @@ pub async fn respond<T: Serialize>(
             )
         })
     }) {
-        Ok(bytes) => (Bytes::from(bytes), HeaderMap::new()),
-        Err(err) => (error_payload(&err), error_headers(&err)),
-    };
-    let size = payload.len();
-    match request.respond_with_headers(Ok(payload), headers).await {
-        Err(err) if err.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
-            tracing::warn!(
-                size,
-                "reply over the connection's max_payload; answered too_large"
-            );
-            let err = ErrorBody::new(
-                ErrorCode::TooLarge,
-                format!(
-                    "the reply is {size} bytes, more than the bus carries (its max_payload); \
-                     ask for less (a smaller limit or page)"
-                ),
-            );
-            request
-                .respond_with_headers(Ok(error_payload(&err)), error_headers(&err))
-                .await
+        Ok(bytes) => {
+            let size = bytes.len();
+            match request.respond(Ok(Bytes::from(bytes))).await {
+                Err(err)
+                    if err.kind() == async_nats::client::PublishErrorKind::MaxPayloadExceeded =>
+                {
+                    tracing::warn!(
+                        size,
+                        "reply over the connection's max_payload; answered too_large"
+                    );
+                    let err = ErrorBody::new(
+                        ErrorCode::TooLarge,
+                        format!(
+                            "the reply is {size} bytes, more than the bus carries (its \
+                             max_payload); ask for less (a smaller limit or page)"
+                        ),
+                    );
+                    return (Some(err.code), respond_error(request, &err).await);
+                }
+                sent => sent,
+            }
         }
-        sent => sent,
-    }
+        Err(err) => return (Some(err.code), respond_error(request, &err).await),
+    };
+    (None, sent)
+}
+
+/// Sends `err` as the headers plus the JSON envelope, counted in the endpoint's `$SRV.STATS`
+/// errors.
+async fn respond_error(request: &Request, err: &ErrorBody) -> Result<(), async_nats::PublishError> {
+    let headers = error_headers(err);
+    let micro = async_nats::service::error::Error {
+        status: headers
+            .get(NATS_SERVICE_ERROR)
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default(),
+        code: usize::from(err.code.status()),
+    };
+    request
+        .respond_error_with_payload(micro, error_payload(err), headers)
+        .await
 }
 
 /// Room kept in a reply for what surrounds its items: the page's own fields, the JSON envelope,
@@ -308,6 +341,7 @@ async fn handle<Req, Resp, F, Fut>(
     Fut: Future<Output = Result<Resp, ErrorBody>>,
 {
     let _permit = permit;
+    let started = std::time::Instant::now();
     let subject = request.message.subject.to_string();
     let span = tracing::info_span!("request", subject = %subject, trace_id = tracing::field::Empty);
     trace::set_parent(&span, request.message.headers.as_ref());
@@ -322,9 +356,16 @@ async fn handle<Req, Resp, F, Fut>(
         if let Err(err) = &result {
             tracing::debug!(code = %err.code, message = %err.message, "request failed");
         }
-        if let Err(err) = respond(&request, result).await {
+        let (code, sent) = respond_coded(&request, result).await;
+        if let Err(err) = sent {
             tracing::warn!(error = %err, "could not send the reply");
         }
+        let endpoint = request.endpoint_name().to_owned();
+        let code = code.map_or("ok", ErrorCode::as_str);
+        metrics::counter!("cyrene_requests_total", "endpoint" => endpoint.clone(), "code" => code)
+            .increment(1);
+        metrics::histogram!("cyrene_request_duration_seconds", "endpoint" => endpoint, "code" => code)
+            .record(started.elapsed().as_secs_f64());
     }
     .instrument(span)
     .await

@@ -242,3 +242,38 @@ async fn shutdown_stops_the_endpoint() {
     .await;
     assert!(gone.is_ok(), "the endpoint unsubscribes after shutdown");
 }
+
+#[tokio::test]
+async fn errors_are_counted_in_srv_stats_and_keep_their_envelope() {
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 1024).await;
+    let _: Greeting = request_json(&client, "test.greet", &json!({"name":"ann"}), T)
+        .await
+        .unwrap();
+    // A handler error and a body that never reaches the handler.
+    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"nobody"}), T)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, RequestError::Remote(ref b) if b.code == ErrorCode::NotFound),
+        "{err:?}"
+    );
+    let reply = client
+        .request("test.greet", "{not json".into())
+        .await
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(body["error"]["code"], "bad_request");
+
+    let stats = client
+        .request("$SRV.STATS.greeter", "".into())
+        .await
+        .unwrap();
+    let stats: serde_json::Value = serde_json::from_slice(&stats.payload).unwrap();
+    let greet = &stats["endpoints"][0];
+    assert_eq!(greet["name"], "greet", "{stats}");
+    assert_eq!(greet["num_requests"], 3, "{stats}");
+    assert_eq!(greet["num_errors"], 2, "{stats}");
+    let last = greet["last_error"].as_str().unwrap_or_default();
+    assert!(last.contains("400"), "{stats}");
+}

@@ -198,6 +198,9 @@ pub trait CheckpointStore: Send + Sync + 'static {
 
     /// Closes the pool, waiting for checked-out connections to come back.
     fn close(&self) -> impl Future<Output = ()> + Send;
+
+    /// Whether the database answers a trivial query (the `database` readiness check).
+    fn ping(&self) -> impl Future<Output = bool> + Send;
 }
 
 /// A validated save, ready to bind.

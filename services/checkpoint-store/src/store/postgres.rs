@@ -332,4 +332,8 @@ impl CheckpointStore for PgStore {
     async fn close(&self) {
         self.pool.close().await;
     }
+
+    async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
 }

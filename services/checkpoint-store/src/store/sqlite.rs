@@ -341,4 +341,8 @@ impl CheckpointStore for SqliteStore {
     async fn close(&self) {
         self.pool.close().await;
     }
+
+    async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
 }

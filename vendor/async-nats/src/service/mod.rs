@@ -794,7 +794,34 @@ impl Request {
     pub async fn respond_with_headers(
         &self,
         response: Result<Bytes, error::Error>,
+        headers: HeaderMap,
+    ) -> Result<(), PublishError> {
+        self.respond_inner(response, headers, Bytes::new()).await
+    }
+
+    /// CYRENE-PATCH: sends an error reply that carries `payload` as its body (the error headers
+    /// are set from `err` as in [`Request::respond_with_headers`]) and counts it in the
+    /// endpoint's error stats, which a hand-built error reply sent as `Ok` does not.
+    pub async fn respond_error_with_payload(
+        &self,
+        err: error::Error,
+        payload: Bytes,
+        headers: HeaderMap,
+    ) -> Result<(), PublishError> {
+        self.respond_inner(Err(err), headers, payload).await
+    }
+
+    /// CYRENE-PATCH: the name of the endpoint this request came in on (what `$SRV.STATS`
+    /// reports it under).
+    pub fn endpoint_name(&self) -> &str {
+        &self.endpoint
+    }
+
+    async fn respond_inner(
+        &self,
+        response: Result<Bytes, error::Error>,
         mut headers: HeaderMap,
+        error_payload: Bytes,
     ) -> Result<(), PublishError> {
         let reply = match self.message.reply.clone() {
             None => {
@@ -829,7 +856,7 @@ impl Request {
                 headers.insert(NATS_SERVICE_ERROR, err.status.as_str());
                 headers.insert(NATS_SERVICE_ERROR_CODE, err.code.to_string().as_str());
                 self.client
-                    .publish_with_headers(reply, headers, "".into())
+                    .publish_with_headers(reply, headers, error_payload)
                     .await
             }
         };

@@ -1,0 +1,408 @@
+//! Health and metrics of a service process: the readiness registry every part of the process
+//! reports to, and the small HTTP listener (`--health-addr` / `CYRENE_HEALTH_ADDR`) that answers
+//! `/livez`, `/readyz` and `/metrics` (docs/operations.md).
+//!
+//! Readiness is a set of named checks, each `true` or `false`. [`crate::entry`] registers
+//! `nats` (follows the connection state) and the service's own name (false until the service's
+//! `run` calls [`Health::set`] with `true` once its endpoints or consumer are registered); a
+//! service that uses a database adds `database`. The process is ready when every check is true
+//! and it is not draining.
+//!
+//! # Invariants
+//! - One registry per process ([`global`]): a check set by a service's `run` is the one the
+//!   listener reads, without threading a handle through every `run` (`cyrene up` runs four
+//!   services in one process; each sets its own check, and it starts no listener).
+//! - Draining is one-way: after [`Health::drain`] (the shutdown signal) `/readyz` answers 503
+//!   until the process exits, whatever the checks say.
+//! - The listener only reads: a probe never blocks a request or takes a lock held across I/O.
+//!
+//! # Pitfalls
+//! - The HTTP server is a deliberately tiny HTTP/1.x responder (one `GET` per connection, then
+//!   `Connection: close`): three fixed paths for probes and a scraper do not justify a server
+//!   framework in every binary. Requests are bounded in size and time.
+//! - Metrics are recorded through the `metrics` facade everywhere; without the listener no
+//!   recorder is installed and recording is a no-op.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// The readiness checks of this process.
+#[derive(Debug, Default)]
+pub struct Health {
+    checks: Mutex<BTreeMap<String, bool>>,
+    draining: AtomicBool,
+}
+
+/// The process-wide registry.
+pub fn global() -> &'static Health {
+    static HEALTH: OnceLock<Health> = OnceLock::new();
+    HEALTH.get_or_init(Health::default)
+}
+
+impl Health {
+    /// Sets check `name` (registering it when new).
+    pub fn set(&self, name: &str, ok: bool) {
+        if let Ok(mut checks) = self.checks.lock() {
+            checks.insert(name.to_owned(), ok);
+        }
+    }
+
+    /// From now on the process is not ready (shutdown started).
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether every check passes and the process is not draining, and the failing checks.
+    pub fn readiness(&self) -> (bool, Vec<String>) {
+        let mut failing: Vec<String> = match self.checks.lock() {
+            Ok(checks) => checks
+                .iter()
+                .filter(|(_, ok)| !**ok)
+                .map(|(name, _)| name.clone())
+                .collect(),
+            Err(_) => vec!["registry".to_owned()],
+        };
+        if self.draining.load(Ordering::Relaxed) {
+            failing.push("draining".to_owned());
+        }
+        (failing.is_empty(), failing)
+    }
+}
+
+/// Histogram buckets in seconds for every `*_seconds` series.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// Buckets of `cyrene_turn_steps`.
+const STEP_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
+
+/// Why the listener could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    #[error("cannot listen on {addr} for health and metrics: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot install the metrics recorder: {0}")]
+    Recorder(String),
+}
+
+/// Installs the Prometheus recorder for this process, binds `addr` and serves `/livez`,
+/// `/readyz` and `/metrics` until `shutdown`. Returns the bound address (port 0 picks one).
+pub async fn serve(
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), HealthError> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full("cyrene_turn_steps".into()), STEP_BUCKETS)
+        })
+        .map_err(|e| HealthError::Recorder(e.to_string()))?
+        .install_recorder()
+        .map_err(|e| HealthError::Recorder(e.to_string()))?;
+    describe_series();
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| HealthError::Bind { addr, source })?;
+    let bound = listener.local_addr().unwrap_or(addr);
+    tracing::info!(addr = %bound, "health and metrics listening");
+    let task = tokio::spawn(accept_loop(listener, handle, shutdown));
+    Ok((bound, task))
+}
+
+/// Every `cyrene_*` series: name, type and `# HELP` text. docs/operations.md documents each with
+/// its labels (a unit test checks it names them all); add a series here when adding one.
+pub const SERIES: &[(&str, Kind, &str)] = &[
+    (
+        "cyrene_requests_total",
+        Kind::Counter,
+        "Requests answered, by endpoint and code (ok or the wire error code).",
+    ),
+    (
+        "cyrene_request_duration_seconds",
+        Kind::Histogram,
+        "From request receipt to reply sent, by endpoint and code.",
+    ),
+    (
+        "cyrene_provider_call_duration_seconds",
+        Kind::Histogram,
+        "One provider attempt, by provider, model and outcome.",
+    ),
+    (
+        "cyrene_provider_tokens_total",
+        Kind::Counter,
+        "Tokens reported by providers, by provider, model and kind.",
+    ),
+    (
+        "cyrene_provider_fallbacks_total",
+        Kind::Counter,
+        "Attempts that failed retryably so the chain moved on.",
+    ),
+    (
+        "cyrene_provider_cooldowns_total",
+        Kind::Counter,
+        "Times a provider entered a cooldown.",
+    ),
+    (
+        "cyrene_provider_skipped_cooling_total",
+        Kind::Counter,
+        "Chain steps skipped because their provider was cooling down.",
+    ),
+    (
+        "cyrene_checkpoint_save_duration_seconds",
+        Kind::Histogram,
+        "One checkpoint save against the database, by outcome.",
+    ),
+    (
+        "cyrene_turns_started_total",
+        Kind::Counter,
+        "Turn jobs taken from CYRENE_TURNS (every delivery).",
+    ),
+    (
+        "cyrene_turn_redeliveries_total",
+        Kind::Counter,
+        "Turn job deliveries with a delivery count above 1.",
+    ),
+    (
+        "cyrene_turns_completed_total",
+        Kind::Counter,
+        "Turns that reached an end, by outcome.",
+    ),
+    (
+        "cyrene_turns_failed_total",
+        Kind::Counter,
+        "Turn attempts that failed, by reason (error, retry, stale, invalid_job).",
+    ),
+    (
+        "cyrene_turn_steps",
+        Kind::Histogram,
+        "Steps of each completed turn.",
+    ),
+    (
+        "cyrene_steer_claims_total",
+        Kind::Counter,
+        "Steer claims made at step boundaries.",
+    ),
+    (
+        "cyrene_steered_messages_total",
+        Kind::Counter,
+        "Messages steered into running turns.",
+    ),
+    (
+        "cyrene_tool_calls_total",
+        Kind::Counter,
+        "Tool calls, by tool and outcome.",
+    ),
+    (
+        "cyrene_tool_call_duration_seconds",
+        Kind::Histogram,
+        "Tool call latency, by tool and outcome.",
+    ),
+    (
+        "cyrene_turns_ack_pending",
+        Kind::Gauge,
+        "The worker consumer's num_ack_pending (sampled).",
+    ),
+    (
+        "cyrene_turns_pending",
+        Kind::Gauge,
+        "The worker consumer's num_pending (sampled).",
+    ),
+    (
+        "cyrene_turns_redelivered",
+        Kind::Gauge,
+        "The worker consumer's num_redelivered (sampled).",
+    ),
+];
+
+/// The type of a series in [`SERIES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Gives every series in [`SERIES`] its `# HELP` line (and `_seconds` histograms their unit).
+fn describe_series() {
+    for (name, kind, help) in SERIES {
+        let (name, help) = (*name, *help);
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram if name.ends_with("_seconds") => {
+                metrics::describe_histogram!(name, metrics::Unit::Seconds, help)
+            }
+            Kind::Histogram => metrics::describe_histogram!(name, help),
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    metrics: PrometheusHandle,
+    shutdown: CancellationToken,
+) {
+    let mut upkeep = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            // Histograms are drained into their buckets here (no exporter task does it).
+            _ = upkeep.tick() => metrics.run_upkeep(),
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let metrics = metrics.clone();
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(REQUEST_LIMIT, answer(stream, &metrics)).await;
+                    });
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "health listener accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+}
+
+/// How long one probe connection may take, start to end.
+const REQUEST_LIMIT: Duration = Duration::from_secs(10);
+/// The largest request head read.
+const MAX_HEAD: usize = 8 * 1024;
+
+async fn answer(mut stream: TcpStream, metrics: &PrometheusHandle) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    let (status, content_type, body) = route(method, path, metrics);
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Cache-Control: no-store\r\nConnection: close\r\n\r\n",
+        if method == "HEAD" { 0 } else { body.len() }
+    );
+    stream.write_all(response.as_bytes()).await?;
+    if method != "HEAD" {
+        stream.write_all(body.as_bytes()).await?;
+    }
+    stream.shutdown().await
+}
+
+fn route(
+    method: &str,
+    path: &str,
+    metrics: &PrometheusHandle,
+) -> (&'static str, &'static str, String) {
+    const TEXT: &str = "text/plain; charset=utf-8";
+    if method != "GET" && method != "HEAD" {
+        return ("405 Method Not Allowed", TEXT, "only GET\n".into());
+    }
+    match path {
+        "/livez" => ("200 OK", TEXT, "ok\n".into()),
+        "/readyz" => match global().readiness() {
+            (true, _) => ("200 OK", TEXT, "ready\n".into()),
+            (false, failing) => (
+                "503 Service Unavailable",
+                TEXT,
+                format!("not ready: {}\n", failing.join(", ")),
+            ),
+        },
+        "/metrics" => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.render(),
+        ),
+        _ => (
+            "404 Not Found",
+            TEXT,
+            "not found; try /livez, /readyz, /metrics\n".into(),
+        ),
+    }
+}
+
+/// Keeps check `nats` equal to whether `client` is connected, until `shutdown`.
+pub async fn follow_connection(client: async_nats::Client, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        let connected = client.connection_state() == async_nats::connection::State::Connected;
+        global().set(NATS_CHECK, connected);
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+    }
+}
+
+/// Keeps check `name` equal to what `check` says, asked every `every`, until `shutdown`.
+pub async fn watch<F, Fut>(name: &str, every: Duration, mut check: F, shutdown: CancellationToken)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    loop {
+        let ok = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            ok = check() => ok,
+        };
+        global().set(name, ok);
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// The check that follows the NATS connection.
+pub const NATS_CHECK: &str = "nats";
+/// The check a service that uses a database keeps up to date.
+pub const DATABASE_CHECK: &str = "database";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_documented_in_operations_md() {
+        let docs = include_str!("../../../docs/operations.md");
+        for (name, _, _) in SERIES {
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "{name} is not in docs/operations.md"
+            );
+            assert!(name.starts_with("cyrene_"), "{name}");
+        }
+    }
+
+    #[test]
+    fn ready_only_when_every_check_passes_and_not_draining() {
+        let health = Health::default();
+        assert_eq!(health.readiness(), (true, vec![]));
+        health.set("nats", false);
+        health.set("svc", true);
+        assert_eq!(health.readiness(), (false, vec!["nats".to_owned()]));
+        health.set("nats", true);
+        assert!(health.readiness().0);
+        health.drain();
+        assert_eq!(health.readiness(), (false, vec!["draining".to_owned()]));
+    }
+}
