@@ -185,6 +185,7 @@ async fn send(client: &async_nats::Client, session: &str, text: &str) {
         idempotency_key: format!("{session}-1"),
         env: None,
         parallel: false,
+        when_busy: None,
     };
     let _: SendAck = request_json(
         client,
