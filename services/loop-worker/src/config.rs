@@ -95,9 +95,7 @@ impl Config {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub bus: cyrene_bus::BusArgs,
-    #[command(flatten)]
-    pub health: cyrene_bus::entry::HealthArgs,
+    pub common: cyrene_bus::entry::ServiceFlags,
     /// Turns this process runs at once.
     #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
     pub concurrency: usize,
@@ -122,12 +120,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn bus(&self) -> &cyrene_bus::BusArgs {
-        &self.bus
-    }
-
-    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
-        &self.health
+    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
+        &self.common
     }
 
     fn into_config(self) -> Result<Config, Problems> {

@@ -67,9 +67,7 @@ pub struct Config {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub bus: cyrene_bus::BusArgs,
-    #[command(flatten)]
-    pub health: cyrene_bus::entry::HealthArgs,
+    pub common: cyrene_bus::entry::ServiceFlags,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_MODELS")]
@@ -82,12 +80,8 @@ pub struct Args {
 impl cyrene_bus::entry::ServiceArgs for Args {
     type Config = Config;
 
-    fn bus(&self) -> &cyrene_bus::BusArgs {
-        &self.bus
-    }
-
-    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
-        &self.health
+    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
+        &self.common
     }
 
     /// Reads the model config (every problem in it is listed) and the API keys it names from the

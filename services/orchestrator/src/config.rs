@@ -235,9 +235,7 @@ pub enum ConfigError {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub bus: cyrene_bus::BusArgs,
-    #[command(flatten)]
-    pub health: cyrene_bus::entry::HealthArgs,
+    pub common: cyrene_bus::entry::ServiceFlags,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// orchestrator.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
@@ -297,12 +295,8 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn bus(&self) -> &cyrene_bus::BusArgs {
-        &self.bus
-    }
-
-    fn health(&self) -> &cyrene_bus::entry::HealthArgs {
-        &self.health
+    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
+        &self.common
     }
 
     fn into_config(self) -> Result<Config, Problems> {

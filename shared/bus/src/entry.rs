@@ -12,7 +12,7 @@
 //! - 2: an invalid configuration — every problem is listed on stderr at once.
 //!
 //! # Health
-//! With `--health-addr`/`CYRENE_HEALTH_ADDR` set ([`HealthArgs`], flattened into every `Args`),
+//! With `--health-addr`/`CYRENE_HEALTH_ADDR` set ([`HealthArgs`], part of every `Args`' [`ServiceFlags`]),
 //! [`main`] serves `/livez`, `/readyz` and `/metrics` there ([`crate::health`]) from before the
 //! NATS connection until exit. It registers the readiness checks `nats` (kept equal to the
 //! connection state) and the service's name, which the service's `run` sets once it serves;
@@ -49,16 +49,25 @@ pub struct HealthArgs {
     pub health_addr: Option<std::net::SocketAddr>,
 }
 
+/// The flags every service binary shares, flattened once into each `Args`:
+/// `#[command(flatten)] pub common: ServiceFlags`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServiceFlags {
+    /// How to reach the bus (URLs and credentials).
+    #[command(flatten)]
+    pub bus: BusArgs,
+    /// Where to serve health and metrics (`None`: nowhere).
+    #[command(flatten)]
+    pub health: HealthArgs,
+}
+
 /// The flags and env of a service binary.
 pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
     type Config;
 
-    /// How to reach the bus (URLs and credentials).
-    fn bus(&self) -> &BusArgs;
-
-    /// Where to serve health and metrics (`None`: nowhere).
-    fn health(&self) -> &HealthArgs;
+    /// The flags every service has ([`ServiceFlags`]).
+    fn common(&self) -> &ServiceFlags;
 
     /// The checked configuration, or every problem with it.
     fn into_config(self) -> Result<Self::Config, Problems>;
@@ -89,8 +98,8 @@ where
 {
     let args = A::parse();
     let _telemetry = cyrene_telemetry::init(service);
-    let health_addr = args.health().health_addr;
-    let bus = args.bus().config(service, ConnectMode::Service);
+    let health_addr = args.common().health.health_addr;
+    let bus = args.common().bus.config(service, ConnectMode::Service);
     let config = match (bus.as_ref(), args.into_config()) {
         (Ok(_), Ok(config)) => config,
         (bus, config) => {
