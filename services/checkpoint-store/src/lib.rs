@@ -1,5 +1,5 @@
-//! `cyrene-checkpoint-store`: durable per-step snapshots of agent turns (docs/architecture.md §3, §5 "Fencing",
-//! §9; seed 003), served over NATS as the micro service `cyrene-checkpoint-store`.
+//! `cyrene-checkpoint-store`: durable per-step snapshots of agent turns (docs/architecture.md §3,
+//! §5 "Fencing", §9; seed 003), served over NATS as the micro service `cyrene-checkpoint-store`.
 //!
 //! This crate owns:
 //! - the [`store::CheckpointStore`] trait and its two SQL backends, [`store::PgStore`]

@@ -1,6 +1,6 @@
-//! The service over a real nats-server: every endpoint with the docs/architecture.md §9 shapes, every bad input
-//! answered with its documented code (headers and body) while the service keeps serving, the
-//! micro-service metadata, and the typed client against the running service.
+//! The service over a real nats-server: every endpoint with the docs/architecture.md §9 shapes,
+//! every bad input answered with its documented code (headers and body) while the service keeps
+//! serving, the micro-service metadata, and the typed client against the running service.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

@@ -1,5 +1,5 @@
-//! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (docs/architecture.md §5, §7;
-//! seeds 000, 001, 003).
+//! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (docs/architecture.md
+//! §5, §7; seeds 000, 001, 003).
 //!
 //! Modules, from pure to wired:
 //! - [`attribution`], [`notice`], [`resume`], [`assemble`]: the semantics of one step's view and

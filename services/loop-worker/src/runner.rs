@@ -1,5 +1,5 @@
-//! One turn, step by step (docs/architecture.md §5): resume or start fresh, assemble the view, call the model,
-//! run the tool batch, checkpoint, steer, repeat; settle every exit.
+//! One turn, step by step (docs/architecture.md §5): resume or start fresh, assemble the view, call
+//! the model, run the tool batch, checkpoint, steer, repeat; settle every exit.
 //!
 //! # Invariants
 //! - **Window vs view.** Steered messages and the parallel notice live only in the view rebuilt

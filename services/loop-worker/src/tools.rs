@@ -1,4 +1,5 @@
-//! Tools a turn can call: the built-ins and the external tools discovered on the bus (docs/architecture.md §9).
+//! Tools a turn can call: the built-ins and the external tools discovered on the bus
+//! (docs/architecture.md §9).
 //!
 //! An external tool is a NATS micro endpoint on `cyrene.tool.<name>` whose endpoint metadata holds
 //! `cyrene.tool.description` and `cyrene.tool.parameters` (a JSON-schema string). The request body

@@ -1,4 +1,5 @@
-//! The model-gateway service: the only component that talks to LLM providers (docs/architecture.md §2, §9).
+//! The model-gateway service: the only component that talks to LLM providers (docs/architecture.md
+//! §2, §9).
 //!
 //! Owns the micro service `cyrene-model-gateway` with one endpoint, `complete` on
 //! `cyrene.model.complete` (a [`ModelRequest`] in, a [`ModelResponse`] or the error envelope

@@ -1,10 +1,10 @@
 //! Routing and fallback: which chain serves a request, in which order its steps are tried, and
 //! which providers are cooling down.
 //!
-//! Chain choice (docs/architecture.md §2, §9): an explicit `model` → every provider declaring that model (in
-//! provider-name order); else the persona's chain (`persona_providers`), else the active group's
-//! default chain. An image-bearing request keeps only the vision-capable steps of that chain,
-//! followed by the `vision` chain.
+//! Chain choice (docs/architecture.md §2, §9): an explicit `model` → every provider declaring that
+//! model (in provider-name order); else the persona's chain (`persona_providers`), else the active
+//! group's default chain. An image-bearing request keeps only the vision-capable steps of that
+//! chain, followed by the `vision` chain.
 //!
 //! # Invariants
 //! - Fallback happens only on retryable failures (transport, timeout, 429, 5xx, an unreadable

@@ -1,6 +1,6 @@
-//! The configured personas as agents on the comm protocol (docs/architecture.md §4, §6): an ask from agent `a`
-//! to persona `p` runs as a turn of the ask session of the pair (`p`, `a`) ([`ask_session_id`])
-//! and the turn's final answer is the reply.
+//! The configured personas as agents on the comm protocol (docs/architecture.md §4, §6): an ask
+//! from agent `a` to persona `p` runs as a turn of the ask session of the pair (`p`, `a`)
+//! ([`ask_session_id`]) and the turn's final answer is the reply.
 //!
 //! # Invariants
 //! - The asking replica subscribes to a private completion subject *before* storing the ask's

@@ -1,6 +1,7 @@
 //! `cyrene-orchestrator`: sessions, transcripts, the pending queue, the per-session turn fence,
-//! turn dispatch to the loop workers, parallel legs and the personas as agents (docs/architecture.md §4, §5,
-//! §6, §9; seed 000), served as the micro service `cyrene-orchestrator`.
+//! turn dispatch to the loop workers, parallel legs and the personas as agents
+//! (docs/architecture.md §4, §5, §6, §9; seed 000), served as the micro service
+//! `cyrene-orchestrator`.
 //!
 //! This crate owns:
 //! - the SQL schema and every query ([`store`]; PostgreSQL and SQLite through one code path,

@@ -1,5 +1,5 @@
-//! The personas the orchestrator answers as (docs/architecture.md §9 `CYRENE_PERSONAS`): the config file shape,
-//! its validation, and the built-in default used when no file is given.
+//! The personas the orchestrator answers as (docs/architecture.md §9 `CYRENE_PERSONAS`): the config
+//! file shape, its validation, and the built-in default used when no file is given.
 //!
 //! # Invariants
 //! - Persona ids are valid agent ids (`[A-Za-z0-9_-]`, 1–128 chars) and unique; the default

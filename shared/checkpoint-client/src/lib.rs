@@ -1,11 +1,11 @@
-//! Typed NATS client of `cyrene-checkpoint-store` (docs/architecture.md §3, §9): `save`, `latest`, `get`,
-//! `list` and `retain`, each one bounded request on `cyrene.checkpoint.*` with the Cyrene error
-//! envelope decoded into a small [`Error`] enum.
+//! Typed NATS client of `cyrene-checkpoint-store` (docs/architecture.md §3, §9): `save`, `latest`,
+//! `get`, `list` and `retain`, each one bounded request on `cyrene.checkpoint.*` with the Cyrene
+//! error envelope decoded into a small [`Error`] enum.
 //!
 //! The loop worker saves after every step and must never fail a turn because of the store
-//! (docs/architecture.md §5): it matches [`Error::Conflict`] (fenced off — a newer attempt owns the turn) and
-//! treats everything else as a soft failure; [`Error::is_retryable`] says whether sending again
-//! later may help.
+//! (docs/architecture.md §5): it matches [`Error::Conflict`] (fenced off — a newer attempt owns the
+//! turn) and treats everything else as a soft failure; [`Error::is_retryable`] says whether sending
+//! again later may help.
 //!
 //! ```no_run
 //! # async fn demo(nats: async_nats::Client) -> Result<(), cyrene_checkpoint_client::Error> {

@@ -1,4 +1,5 @@
-//! The error envelope every endpoint answers with, and its closed set of codes (docs/architecture.md §1).
+//! The error envelope every endpoint answers with, and its closed set of codes
+//! (docs/architecture.md §1).
 //!
 //! On the wire a failed request carries the micro headers `Nats-Service-Error` (the message) and
 //! `Nats-Service-Error-Code` (the numeric status of [`ErrorCode::status`]) **and** a JSON body

@@ -1,6 +1,6 @@
-//! Id rules (docs/architecture.md §1): session, agent and leg ids are 1–128 chars of `[A-Za-z0-9_-]`, checked at
-//! every entry point because they become subject tokens. Server-issued ids are UUIDv7 (time
-//! ordered, so they sort by creation).
+//! Id rules (docs/architecture.md §1): session, agent and leg ids are 1–128 chars of
+//! `[A-Za-z0-9_-]`, checked at every entry point because they become subject tokens. Server-issued
+//! ids are UUIDv7 (time ordered, so they sort by creation).
 
 use std::fmt;
 

@@ -5,9 +5,9 @@
 //! service, the CLI and tests can share one definition of the bytes on the wire.
 //!
 //! # Invariants
-//! - Every type serialises to exactly the JSON documented in docs/architecture.md §9: snake_case keys, optional
-//!   fields omitted when empty, `content` always a list on output (a plain string is accepted on
-//!   input as one text part), tool-call `args` always a JSON object.
+//! - Every type serialises to exactly the JSON documented in docs/architecture.md §9: snake_case
+//!   keys, optional fields omitted when empty, `content` always a list on output (a plain string
+//!   is accepted on input as one text part), tool-call `args` always a JSON object.
 //! - A subject is never built from unvalidated text: session/agent/leg ids go through
 //!   [`ids::validate`], comm ids through [`subjects::token`].
 //! - A client-chosen name reaches system text only through [`names::display_name`].

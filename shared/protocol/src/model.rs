@@ -1,4 +1,5 @@
-//! `cyrene.model.complete` request/response and the `cyrene.model.calls` record (docs/architecture.md §2, §9).
+//! `cyrene.model.complete` request/response and the `cyrene.model.calls` record
+//! (docs/architecture.md §2, §9).
 
 use crate::message::{Message, ToolCall};
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,5 @@
-//! Turn-job shapes shared by the orchestrator and the loop workers (docs/architecture.md §5, §6; seed 000).
+//! Turn-job shapes shared by the orchestrator and the loop workers (docs/architecture.md §5, §6;
+//! seed 000).
 //!
 //! The orchestrator publishes a [`TurnJob`] on `cyrene.turn.run` (stream `CYRENE_TURNS`,
 //! `Nats-Msg-Id` = turn id); a loop worker runs it, asks `cyrene.turn.steer` at every boundary
