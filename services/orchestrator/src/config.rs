@@ -389,7 +389,7 @@ mod tests {
         assert_eq!(config.window, 10);
         assert_eq!(
             config.database().unwrap(),
-            Database::Postgres("postgres://u@h/db".into())
+            Database::Postgres("postgres://u@h/db?sslmode=disable".into())
         );
     }
 
