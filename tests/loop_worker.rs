@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Stack, eventually, job, worker_config, workspace_binary};
+use common::{Stack, job, worker_config};
 use cyrene_loop_worker::nats::{NatsPorts, Timeouts};
 use cyrene_loop_worker::runner::{RunnerConfig, TurnEnd, run_turn};
 use cyrene_loop_worker::tools::Tools;
@@ -122,37 +122,15 @@ async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_reru
     let stack = Stack::start(rules(), None).await;
     let gate = Arc::new(tokio::sync::Notify::new());
     *stack.tools.gate.lock().unwrap() = Some(gate.clone());
-    let worker = |name: &str| {
-        tokio::process::Command::new(workspace_binary("cyrene-loop-worker"))
-            .env("NATS_URL", stack.server.url())
-            .env("CYRENE_WORKER_ACK_WAIT", "1s")
-            .env("RUST_LOG", "warn")
-            .env("OTEL_SERVICE_NAME", name)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap()
-    };
-    let mut first = worker("first");
+    let mut first = stack.worker_process("first");
     stack.dispatch(&job("t3", "s3", "crash test")).await;
 
     // Step 1 (count) is checkpointed and step 2's tool (hold) is running in the first worker.
-    let tools = stack.tools.clone();
-    eventually("step 2's tool started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    stack.hold_started("step 2's tool started").await;
     assert_eq!(stack.checkpoints("s3").await[0].step, 1);
-    first.start_kill().unwrap(); // SIGKILL
-    first.wait().await.unwrap();
-    *stack.tools.gate.lock().unwrap() = None;
-    gate.notify_waiters();
+    stack.kill_and_release(&mut first, &gate).await;
 
-    let _second = worker("second");
+    let _second = stack.worker_process("second");
     let done = stack.orchestrator.wait_completed("t3").await;
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert!(
@@ -177,21 +155,11 @@ async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_reru
 /// step 1 — not start over because the first turn's step 3 is the owner's highest step.
 async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Option<String>) {
     let stack = Stack::start(rules(), database_url).await;
-    let worker = |name: &str| {
-        tokio::process::Command::new(workspace_binary("cyrene-loop-worker"))
-            .env("NATS_URL", stack.server.url())
-            .env("CYRENE_WORKER_ACK_WAIT", "1s")
-            .env("RUST_LOG", "warn")
-            .env("OTEL_SERVICE_NAME", name)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap()
-    };
     let count_runs = |tools: &common::TestTools| {
         let runs = tools.runs.lock().unwrap();
         runs.iter().filter(|(name, _)| name == "count").count()
     };
-    let mut first = worker("first");
+    let mut first = stack.worker_process("first");
     // Turn 1: two tool steps, then the answer (steps 1, 2, 3).
     stack.dispatch(&job("turn1", "s", "make a plan")).await;
     assert_eq!(stack.orchestrator.wait_completed("turn1").await.steps, 3);
@@ -201,16 +169,7 @@ async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Opti
     let gate = Arc::new(tokio::sync::Notify::new());
     *stack.tools.gate.lock().unwrap() = Some(gate.clone());
     stack.dispatch(&job("turn2", "s", "crash test")).await;
-    let tools = stack.tools.clone();
-    eventually("turn 2's step 2 started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    stack.hold_started("turn 2's step 2 started").await;
     let rows = stack.checkpoints("s").await;
     assert_eq!(
         (rows[0].id.as_str(), rows[0].step),
@@ -218,12 +177,9 @@ async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Opti
         "the latest is the last write: turn 2's step 1"
     );
     assert_eq!(rows.len(), 4, "turn 1's three rows are all still there");
-    first.start_kill().unwrap(); // SIGKILL
-    first.wait().await.unwrap();
-    *stack.tools.gate.lock().unwrap() = None;
-    gate.notify_waiters();
+    stack.kill_and_release(&mut first, &gate).await;
 
-    let _second = worker("second");
+    let _second = stack.worker_process("second");
     let done = stack.orchestrator.wait_completed("turn2").await;
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert!(
@@ -276,16 +232,7 @@ async fn a_wait_five_times_the_ack_wait_is_no_failover() {
     config.ack_wait = Duration::from_millis(400);
     stack.spawn_worker(config).await;
     stack.dispatch(&job("tw", "sw", "crash test")).await;
-    let tools = stack.tools.clone();
-    eventually("the held tool started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    stack.hold_started("the held tool started").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     *stack.tools.gate.lock().unwrap() = None;
     gate.notify_waiters();

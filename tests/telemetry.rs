@@ -20,14 +20,32 @@ fn hex_bytes(hex: &str) -> Vec<u8> {
         .collect()
 }
 
-#[tokio::test]
-async fn a_service_exports_its_spans_in_the_callers_trace() {
+/// An OTLP/HTTP collector that accepts every export and keeps it.
+async fn collector() -> MockServer {
     let collector = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/v1/traces"))
         .respond_with(ResponseTemplate::new(200))
         .mount(&collector)
         .await;
+    collector
+}
+
+/// Whether one export holds both the trace id and the service name.
+async fn exported(collector: &MockServer, trace_id: &str, service_name: &str) -> bool {
+    let requests = collector.received_requests().await.unwrap_or_default();
+    let trace = hex_bytes(trace_id);
+    requests.iter().any(|r| {
+        r.body.windows(trace.len()).any(|w| w == trace.as_slice())
+            && r.body
+                .windows(service_name.len())
+                .any(|w| w == service_name.as_bytes())
+    })
+}
+
+#[tokio::test]
+async fn a_service_exports_its_spans_in_the_callers_trace() {
+    let collector = collector().await;
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
     let mut store = service(
@@ -73,15 +91,8 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
 
     let requests = collector.received_requests().await.unwrap_or_default();
     assert!(!requests.is_empty(), "no export reached the collector");
-    let trace = hex_bytes(TRACE_ID);
-    let exported = requests.iter().any(|r| {
-        r.body.windows(trace.len()).any(|w| w == trace.as_slice())
-            && r.body
-                .windows(b"cyrene-checkpoint-store".len())
-                .any(|w| w == b"cyrene-checkpoint-store")
-    });
     assert!(
-        exported,
+        exported(&collector, TRACE_ID, "cyrene-checkpoint-store").await,
         "no exported span carries the caller's trace id and the service name"
     );
 }
@@ -93,12 +104,7 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_turn_is_one_trace_across_the_four_services() {
     const TURN_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
-    let collector = MockServer::start().await;
-    Mock::given(method("POST"))
-        .and(path("/v1/traces"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&collector)
-        .await;
+    let collector = collector().await;
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
     let models = data.path().join("models.json");
@@ -199,13 +205,10 @@ async fn one_turn_is_one_trace_across_the_four_services() {
             .unwrap();
         assert!(status.success(), "{name}: {status}");
     }
-    let requests = collector.received_requests().await.unwrap_or_default();
-    let trace = hex_bytes(TURN_TRACE);
     for (name, _) in &children {
-        let in_trace = requests.iter().any(|r| {
-            r.body.windows(trace.len()).any(|w| w == trace.as_slice())
-                && r.body.windows(name.len()).any(|w| w == name.as_bytes())
-        });
-        assert!(in_trace, "{name} exported no span of the turn's trace");
+        assert!(
+            exported(&collector, TURN_TRACE, name).await,
+            "{name} exported no span of the turn's trace"
+        );
     }
 }

@@ -135,6 +135,40 @@ impl Stack {
         .unwrap();
     }
 
+    /// A loop-worker process on this stack's bus (ack wait 1 s), killed when dropped.
+    pub fn worker_process(&self, name: &str) -> tokio::process::Child {
+        tokio::process::Command::new(workspace_binary("cyrene-loop-worker"))
+            .env("NATS_URL", self.server.url())
+            .env("CYRENE_WORKER_ACK_WAIT", "1s")
+            .env("RUST_LOG", "warn")
+            .env("OTEL_SERVICE_NAME", name)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Waits (bounded) until the `hold` tool has started.
+    pub async fn hold_started(&self, what: &str) {
+        let tools = self.tools.clone();
+        eventually(what, Duration::from_secs(30), || {
+            tools
+                .runs
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(name, _)| name == "hold")
+        })
+        .await;
+    }
+
+    /// SIGKILLs `worker`, then lets the held tool (and any later `hold`) go.
+    pub async fn kill_and_release(&self, worker: &mut tokio::process::Child, gate: &Notify) {
+        worker.start_kill().unwrap(); // SIGKILL
+        worker.wait().await.unwrap();
+        *self.tools.gate.lock().unwrap() = None;
+        gate.notify_waiters();
+    }
+
     /// The checkpoints of an owner, newest first.
     pub async fn checkpoints(&self, owner: &str) -> Vec<cyrene_protocol::checkpoint::Checkpoint> {
         let client = cyrene_checkpoint_client::CheckpointClient::new(
