@@ -163,6 +163,7 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
         state,
         turn_id: None,
         attempt: None,
+        base: None,
         created_at: None,
         updated_at: None,
     };

@@ -333,21 +333,22 @@ async fn a_slow_tool_is_never_cancelled_by_steering() {
     );
     stack.spawn_worker(worker_config()).await;
     stack.dispatch(&job("t6", "s6", "slow please")).await;
-    stack.orchestrator.wait_completed("t6").await;
+    let done = stack.orchestrator.wait_completed("t6").await;
 
     let finished = stack.tools.finished.lock().unwrap().clone();
     assert_eq!(finished.len(), 1, "the slow tool ran to its end");
-    let steer_after_tool = stack
-        .orchestrator
-        .steer_calls
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(r, _)| r.step == 2)
-        .all(|(_, at)| *at >= finished[0].1);
+    // Pushed while the tool ran, taken in only at the boundary after it.
+    assert_eq!(done.steered_ids, ["m6"]);
+    let requests = stack.log.snapshot();
+    let hurry = |i: usize| {
+        requests[i]
+            .messages
+            .iter()
+            .any(|m| m.text_content() == "hurry up")
+    };
     assert!(
-        steer_after_tool,
-        "the boundary steer came after the tool finished"
+        !hurry(0) && hurry(1),
+        "seen by the step after the tool batch, not before"
     );
     let window = state(&stack.checkpoints("s6").await.last().cloned().unwrap()).messages;
     let result = window

@@ -80,6 +80,11 @@ const MATRIX: &[(&str, &str, [&str; 8])] = {
             [N, N, S, P, N, N, N, N],
         ),
         (
+            "cyrene.turn.input.t1",
+            "a message pushed to a running turn",
+            [N, N, P, S, N, N, N, N],
+        ),
+        (
             "cyrene.turn.complete",
             "a turn ends",
             [N, N, S, P, N, N, N, N],

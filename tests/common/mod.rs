@@ -281,13 +281,29 @@ impl FakeOrchestrator {
             .await
             .unwrap();
         let f = fake.clone();
+        let pusher = client.clone();
         tokio::spawn(serve_json(
             steer,
             ServeOptions::default(),
             shutdown.clone(),
             move |req: SteerRequest, _: RequestContext| {
                 let f = f.clone();
-                async move { f.steer(req) }
+                let pusher = pusher.clone();
+                async move {
+                    let turn = req.turn_id.clone();
+                    let (reply, later) = f.steer(req);
+                    // Like the real orchestrator: what arrives for a later boundary is claimed
+                    // and pushed to the turn's input (the worker subscribed before this steer).
+                    let subject = subjects::turn_input(&turn).unwrap();
+                    for message in later {
+                        let payload = serde_json::to_vec(&message).unwrap();
+                        pusher
+                            .publish(subject.clone(), payload.into())
+                            .await
+                            .unwrap();
+                    }
+                    reply
+                }
             },
         ));
         let f = fake.clone();
@@ -318,29 +334,44 @@ impl FakeOrchestrator {
         Ok(())
     }
 
-    fn steer(&self, req: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+    /// The reply, and the messages scripted for later boundaries (claimed now, to push).
+    fn steer(&self, req: SteerRequest) -> (Result<SteerResponse, ErrorBody>, Vec<SteeredMessage>) {
         self.steer_calls
             .lock()
             .unwrap()
             .push((req.clone(), Instant::now()));
-        self.fence(&req.turn_id, req.attempt)?;
+        if let Err(err) = self.fence(&req.turn_id, req.attempt) {
+            return (Err(err), Vec::new());
+        }
         let mut claimed = self.claimed.lock().unwrap();
         let mine = claimed.entry(req.turn_id.clone()).or_default();
+        let messages = {
+            let mut steer_at = self.steer_at.lock().unwrap();
+            let due: Vec<(String, u32)> = steer_at
+                .keys()
+                .filter(|(t, s)| *t == req.turn_id && *s <= req.step)
+                .cloned()
+                .collect();
+            for key in due {
+                mine.extend(steer_at.remove(&key).unwrap_or_default());
+            }
+            mine.iter()
+                .filter(|m| m.seq > req.after_seq)
+                .cloned()
+                .collect()
+        };
         let mut steer_at = self.steer_at.lock().unwrap();
-        let due: Vec<(String, u32)> = steer_at
+        let later: Vec<(String, u32)> = steer_at
             .keys()
-            .filter(|(t, s)| *t == req.turn_id && *s <= req.step)
+            .filter(|(t, _)| *t == req.turn_id)
             .cloned()
             .collect();
-        for key in due {
-            mine.extend(steer_at.remove(&key).unwrap_or_default());
+        let mut pushed = Vec::new();
+        for key in later {
+            pushed.extend(steer_at.remove(&key).unwrap_or_default());
         }
-        let messages = mine
-            .iter()
-            .filter(|m| m.seq > req.after_seq)
-            .cloned()
-            .collect();
-        Ok(SteerResponse { messages })
+        mine.extend(pushed.iter().cloned());
+        (Ok(SteerResponse { messages }), pushed)
     }
 
     fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {

@@ -136,6 +136,7 @@ fn body(owner: &str, step: u32) -> Checkpoint {
         state: state(step).into(),
         turn_id: None,
         attempt: None,
+        base: None,
         created_at: None,
         updated_at: None,
     }

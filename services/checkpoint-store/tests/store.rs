@@ -7,8 +7,9 @@ mod common;
 use chrono::{DateTime, TimeDelta, Utc};
 use common::{SqliteTestDb, big_state, checkpoint, fenced, note, pg_store};
 use cyrene_checkpoint_store::{CheckpointStore, StoreOptions};
-use cyrene_protocol::ErrorCode;
 use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest};
+use cyrene_protocol::{ErrorCode, JsonObject};
+use serde_json::{Value, json};
 use std::time::Duration;
 
 /// Small state limit so the too_large path is cheap to reach.
@@ -69,7 +70,214 @@ for_both_backends!(
     bad_input_is_refused_with_its_code_and_the_store_keeps_working,
     retain_keep_last_keeps_the_newest_steps_of_one_owner,
     retain_older_than_drops_only_idle_owners,
+    deltas_are_read_back_as_whole_windows,
+    a_turn_restarting_from_its_base_drops_its_earlier_rows,
+    a_delta_after_a_full_row_builds_on_it,
+    retention_keeps_what_a_kept_delta_is_built_on,
 );
+
+fn msg(text: &str) -> Value {
+    json!({"role": "user", "content": [{"type": "text", "text": text}]})
+}
+
+fn texts(cp: &Checkpoint) -> Vec<String> {
+    let state = cp.state.to_map();
+    state["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"][0]["text"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// A turn's step as the loop worker saves it: only the messages from `from` on, and the base
+/// when given.
+fn delta(
+    step: u32,
+    from: usize,
+    added: &[&str],
+    base: Option<&[&str]>,
+    attempt: u32,
+) -> Checkpoint {
+    let added: Vec<Value> = added.iter().map(|t| msg(t)).collect();
+    let Value::Object(state) = json!({"step": step, "from": from, "messages": added,
+        "stop_reason": "tool_calls", "turn_id": "t1"})
+    else {
+        unreachable!()
+    };
+    let base = base.map(|b| {
+        let messages: Vec<Value> = b.iter().map(|t| msg(t)).collect();
+        let Value::Object(base) = json!({"messages": messages}) else {
+            unreachable!()
+        };
+        JsonObject::from(base)
+    });
+    Checkpoint {
+        base,
+        state: state.into(),
+        ..fenced("s1", step, "", "t1", attempt)
+    }
+}
+
+async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
+    let seed: Vec<String> = (0..50).map(|i| format!("old {i}")).collect();
+    let seed: Vec<&str> = seed.iter().map(String::as_str).collect();
+    let one = delta(1, 50, &["call 1", "result 1"], Some(&seed), 1);
+    let two = delta(2, 52, &["call 2", "result 2"], None, 1);
+    let three = delta(3, 54, &["answer"], None, 1);
+    let mut sizes = Vec::new();
+    for cp in [one, two, three] {
+        sizes.push(cp.state.as_str().len());
+        let saved = store.save(cp, t(0)).await.unwrap();
+        assert!(saved.base.is_none(), "a reply never carries the base");
+    }
+    // What each row stores does not depend on the window's 50 messages.
+    assert!(sizes.iter().all(|&n| n < 400), "{sizes:?}");
+    let latest = store.latest("s1").await.unwrap();
+    let window = texts(&latest);
+    assert_eq!(window.len(), 55);
+    assert_eq!(window[..2], ["old 0", "old 1"]);
+    assert_eq!(
+        window[50..],
+        ["call 1", "result 1", "call 2", "result 2", "answer"]
+    );
+    assert!(
+        !latest.state.to_map().contains_key("from"),
+        "a read is a full snapshot"
+    );
+    assert_eq!(latest.state.to_map()["stop_reason"], "tool_calls");
+    let fenced_read = store
+        .latest_of_turn("s1", "t1", Some(2), t(0))
+        .await
+        .unwrap();
+    assert_eq!(fenced_read.state, latest.state);
+    let two = store.get("s1:t1:2").await.unwrap();
+    assert_eq!(texts(&two).len(), 54);
+    let listed = store.list("s1", None).await.unwrap();
+    let lens: Vec<usize> = listed.iter().map(|c| texts(c).len()).collect();
+    assert_eq!(lens, [55, 54, 52]);
+    // A delta without its turn, or a base without a delta, is refused.
+    let mut unfenced = delta(4, 55, &["x"], None, 1);
+    unfenced.turn_id = None;
+    unfenced.attempt = None;
+    unfenced.id = "s1:4".into();
+    let err = store.save(unfenced, t(0)).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadRequest, "{err}");
+    let mut stray = fenced("s1", 4, "", "t1", 1);
+    stray.base = delta(1, 0, &[], Some(&["b"]), 1).base;
+    let err = store.save(stray, t(0)).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadRequest, "{err}");
+}
+
+async fn a_turn_restarting_from_its_base_drops_its_earlier_rows<S: CheckpointStore>(store: &S) {
+    store
+        .save(delta(1, 1, &["a1"], Some(&["seed"]), 1), t(0))
+        .await
+        .unwrap();
+    store
+        .save(delta(2, 2, &["a2"], None, 1), t(0))
+        .await
+        .unwrap();
+    store
+        .save(delta(3, 3, &["a3"], None, 1), t(0))
+        .await
+        .unwrap();
+    // Attempt 2 starts the turn again from a new base: attempt 1's rows are not its window.
+    store
+        .save(delta(1, 1, &["b1"], Some(&["seed v2"]), 2), t(0))
+        .await
+        .unwrap();
+    let rows = store.list("s1", None).await.unwrap();
+    let ids: Vec<&str> = rows.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["s1:t1:1"]);
+    assert_eq!(texts(&rows[0]), ["seed v2", "b1"]);
+    // A later delta of the old attempt is fenced off and changes nothing.
+    let err = store
+        .save(delta(4, 4, &["a4"], None, 1), t(0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Conflict);
+    // A delta that resends from an earlier point (its previous save was lost) replaces the tail.
+    store
+        .save(delta(2, 2, &["b2"], None, 2), t(0))
+        .await
+        .unwrap();
+    store
+        .save(delta(3, 2, &["b2", "b3"], None, 2), t(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        texts(&store.latest("s1").await.unwrap()),
+        ["seed v2", "b1", "b2", "b3"]
+    );
+}
+
+async fn a_delta_after_a_full_row_builds_on_it<S: CheckpointStore>(store: &S) {
+    // A row written before incremental checkpoints (a whole window, no `from`), then a worker
+    // resuming it with deltas.
+    let Value::Object(state) = json!({"step": 1, "messages": [msg("seed"), msg("call")],
+        "stop_reason": "tool_calls", "turn_id": "t1"})
+    else {
+        unreachable!()
+    };
+    let mut old = fenced("s1", 1, "", "t1", 1);
+    old.state = state.into();
+    store.save(old, t(0)).await.unwrap();
+    store
+        .save(delta(2, 2, &["result", "answer"], None, 2), t(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        texts(&store.latest("s1").await.unwrap()),
+        ["seed", "call", "result", "answer"]
+    );
+    // A delta whose base and earlier rows are missing cannot be rebuilt: `internal`, never a
+    // wrong window.
+    let mut orphan = delta(5, 9, &["x"], None, 1);
+    orphan.turn_id = Some("t9".into());
+    orphan.id = "s1:t9:5".into();
+    store.save(orphan, t(0)).await.unwrap();
+    let err = store.get("s1:t9:5").await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Internal, "{err}");
+}
+
+async fn retention_keeps_what_a_kept_delta_is_built_on<S: CheckpointStore>(store: &S) {
+    store
+        .save(delta(1, 1, &["a1"], Some(&["seed"]), 1), t(0))
+        .await
+        .unwrap();
+    store
+        .save(delta(2, 2, &["a2"], None, 1), t(0))
+        .await
+        .unwrap();
+    store
+        .save(delta(3, 3, &["a3"], None, 1), t(0))
+        .await
+        .unwrap();
+    let deleted = store
+        .retain(&RetainRequest::keep_last("s1", 1), t(0))
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0, "steps 1 and 2 are what step 3 is built on");
+    assert_eq!(
+        texts(&store.latest("s1").await.unwrap()),
+        ["seed", "a1", "a2", "a3"]
+    );
+    let all = store
+        .retain(&RetainRequest::keep_last("s1", 0), t(0))
+        .await
+        .unwrap();
+    assert_eq!(all, 3);
+    // The base went with its rows: a new delta of the turn without a base cannot be rebuilt.
+    store
+        .save(delta(4, 4, &["a4"], None, 1), t(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.latest("s1").await.unwrap_err().code(),
+        ErrorCode::Internal
+    );
+}
 
 async fn save_returns_the_stored_row_with_timestamps<S: CheckpointStore>(store: &S) {
     let now = t(0);

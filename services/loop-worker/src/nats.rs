@@ -1,6 +1,6 @@
 //! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
 
-use crate::ports::{ToolContext, ToolOutput, TurnPorts};
+use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
 use async_nats::Client;
 use cyrene_bus::request_json;
@@ -9,8 +9,9 @@ use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
-use cyrene_protocol::turn::{SteerRequest, SteerResponse};
+use cyrene_protocol::turn::{SteerRequest, SteerResponse, SteeredMessage};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
+use futures::StreamExt;
 use std::time::Duration;
 
 /// Timeouts of the worker's requests.
@@ -69,6 +70,36 @@ impl TurnPorts for NatsPorts {
             .await
             .map(|_| ())
             .map_err(checkpoint_error)
+    }
+
+    async fn turn_input(&self, turn_id: &str) -> TurnInput {
+        let subscribed = match subjects::turn_input(turn_id) {
+            Ok(subject) => self
+                .client
+                .subscribe(subject)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        match subscribed {
+            Ok(subscriber) => TurnInput::new(subscriber.filter_map(|message| async move {
+                match serde_json::from_slice::<SteeredMessage>(&message.payload) {
+                    Ok(steered) => {
+                        metrics::counter!("cyrene_steer_pushed_messages_total").increment(1);
+                        Some(steered)
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "undecodable push on a turn's input dropped");
+                        None
+                    }
+                }
+            })),
+            Err(err) => {
+                tracing::warn!(turn = %turn_id, error = %err,
+                    "cannot subscribe to the turn's input; asking at every boundary");
+                TurnInput::none()
+            }
+        }
     }
 
     async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {

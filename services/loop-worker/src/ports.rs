@@ -6,8 +6,11 @@ use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
-use cyrene_protocol::turn::{SteerRequest, SteerResponse};
+use cyrene_protocol::turn::{SteerRequest, SteerResponse, SteeredMessage};
+use futures::{FutureExt, Stream, StreamExt};
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
 
 /// Who is calling a tool, for built-ins that act as the running agent.
 #[derive(Debug, Clone)]
@@ -47,6 +50,57 @@ impl ToolOutput {
     }
 }
 
+/// The messages the orchestrator pushes to one running turn (claimed for it before they are
+/// pushed), buffered until the turn's next boundary takes them. Dropping it unsubscribes.
+pub struct TurnInput {
+    // In a mutex only to be `Sync` (the runner is shared across awaits); `take` has `&mut self`
+    // and never locks.
+    stream: Option<Mutex<Pin<Box<dyn Stream<Item = SteeredMessage> + Send>>>>,
+}
+
+impl std::fmt::Debug for TurnInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnInput")
+            .field("live", &self.is_live())
+            .finish()
+    }
+}
+
+impl TurnInput {
+    /// Input arriving on `stream`.
+    pub fn new(stream: impl Stream<Item = SteeredMessage> + Send + 'static) -> TurnInput {
+        TurnInput {
+            stream: Some(Mutex::new(Box::pin(stream))),
+        }
+    }
+
+    /// No pushed input (the subscription failed): every boundary asks `cyrene.turn.steer`.
+    pub fn none() -> TurnInput {
+        TurnInput { stream: None }
+    }
+
+    /// Whether pushes can arrive.
+    pub fn is_live(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// Everything received since the last call, without waiting.
+    pub fn take(&mut self) -> Vec<SteeredMessage> {
+        let mut out = Vec::new();
+        while let Some(stream) = self.stream.as_mut() {
+            let stream = stream
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            match stream.next().now_or_never() {
+                Some(Some(message)) => out.push(message),
+                Some(None) => self.stream = None,
+                None => break,
+            }
+        }
+        out
+    }
+}
+
 /// The runner's view of the bus. Every method is bounded by its implementation's timeouts.
 pub trait TurnPorts: Send + Sync {
     /// The most recently written checkpoint of `turn_id` under `owner`, read fenced as delivery
@@ -65,6 +119,11 @@ pub trait TurnPorts: Send + Sync {
         &self,
         checkpoint: Checkpoint,
     ) -> impl Future<Output = Result<(), ErrorBody>> + Send;
+
+    /// Subscribes to what the orchestrator pushes to `turn_id` (`cyrene.turn.input.<turn_id>`).
+    /// Called before the delivery's first steer, so nothing claimed after that steer's read can
+    /// miss the subscription.
+    fn turn_input(&self, turn_id: &str) -> impl Future<Output = TurnInput> + Send;
 
     /// Claims and returns steered messages; `conflict` means this attempt is fenced off.
     fn steer(

@@ -226,6 +226,7 @@ mod tests {
             state,
             turn_id: Some("t1".into()),
             attempt: Some(1),
+            base: None,
             created_at: None,
             updated_at: None,
         }

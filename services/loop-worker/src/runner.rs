@@ -41,7 +41,7 @@ use crate::assemble::{
     self, ContextBlocks, NoExtraction, SteeredMessage, ViewInputs, merge_steered,
 };
 use crate::attribution::{PersonaNames, SpeakerEnv};
-use crate::ports::{ToolContext, ToolOutput, TurnPorts};
+use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
 use cyrene_protocol::checkpoint::{
     Checkpoint, CheckpointState, CheckpointStateRef, checkpoint_id, owner_key,
@@ -106,8 +106,17 @@ struct Turn<'a, P> {
     attempt: u32,
     owner: String,
     window: Vec<Message>,
+    /// How many messages of `window` the store already holds for this turn (its base and the
+    /// rows saved so far): a save sends only what follows. `None` while the turn's base is not
+    /// stored: the next save carries the first `seed` messages as the base.
+    stored: Option<usize>,
+    seed: usize,
     steered: Vec<SteeredMessage>,
     after_seq: u64,
+    /// What the orchestrator pushes to this turn; once the first steer of the delivery has
+    /// answered, later boundaries take from here instead of asking.
+    input: TurnInput,
+    asked: bool,
     blocks: ContextBlocks,
     speakers: SpeakerEnv,
     names: PersonaNames,
@@ -157,28 +166,37 @@ pub async fn run_turn<P: TurnPorts>(
     }
     let decision = resume::decide(latest, &job.messages);
     let next_step = decision.next_step();
-    let window = match decision {
+    let (window, stored) = match decision {
         ResumeDecision::Resume { messages, .. } => {
             tracing::info!(turn = %job.turn_id, next_step, "resuming from checkpoint");
-            messages
+            let held = messages.len();
+            (messages, Some(held))
         }
         ResumeDecision::Fresh { reason } => {
             tracing::debug!(turn = %job.turn_id, ?reason, "starting fresh");
-            job.messages.clone()
+            (job.messages.clone(), None)
         }
     };
+    let seed = window.len();
     let mut names = PersonaNames::new();
     for (id, name) in &job.persona_names {
         names.insert(id.clone(), name.clone());
     }
+    // Subscribed before the first steer: whatever is claimed for this turn after that steer's
+    // read is pushed to a subscription that already exists.
+    let input = ports.turn_input(&job.turn_id).await;
     let mut turn = Turn {
         ports,
         job,
         attempt,
         owner,
         window,
+        stored,
+        seed,
         steered: Vec::new(),
         after_seq: job.base_seq,
+        input,
+        asked: false,
         blocks: ContextBlocks {
             instructions: job.instructions.clone(),
             // Stamped once per attempt: every step of it shows the same block, so a provider's
@@ -250,11 +268,12 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             // before this step is durable (or this attempt learns it was fenced off).
             let ports = self.ports;
             let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS);
+            let covered = self.window.len();
             let (saved, next) = tokio::join!(
                 ports.save_checkpoint(checkpoint),
                 self.boundary_then_model(step + 1, config)
             );
-            if let Err(exit) = self.saved(saved) {
+            if let Err(exit) = self.saved(saved, covered) {
                 return (exit, step);
             }
             step += 1;
@@ -378,7 +397,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             .ports
             .save_checkpoint(self.checkpoint(step, &stop))
             .await;
-        if self.saved(saved).is_err() {
+        if self.saved(saved, self.window.len()).is_err() {
             return TurnEnd::Stale;
         }
         match (&message, &error) {
@@ -533,16 +552,31 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             .collect()
     }
 
+    /// The step's checkpoint as a delta (docs/checkpoint-store.md, "Incremental checkpoints"):
+    /// the window's messages past what the store holds, and the turn's base when it holds none.
+    /// Its size does not grow with the window.
     fn checkpoint(&self, step: u32, stop: &str) -> Checkpoint {
         let steered_ids: Vec<String> = self.steered.iter().map(|s| s.id.clone()).collect();
+        let from = self.stored.unwrap_or(self.seed).min(self.window.len());
         let state = CheckpointStateRef {
             step,
-            messages: &self.window,
+            from: Some(from),
+            messages: &self.window[from..],
             stop_reason: stop,
             turn_id: &self.job.turn_id,
             steered_ids: &steered_ids,
         };
+        #[derive(serde::Serialize)]
+        struct Base<'m> {
+            messages: &'m [Message],
+        }
         // A struct of messages always encodes, and as an object.
+        let base = self.stored.is_none().then(|| {
+            JsonObject::encode(&Base {
+                messages: &self.window[..from],
+            })
+            .unwrap_or_default()
+        });
         let state = JsonObject::encode(&state).unwrap_or_default();
         Checkpoint {
             id: checkpoint_id(&self.owner, Some(&self.job.turn_id), step),
@@ -551,14 +585,21 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             state,
             turn_id: Some(self.job.turn_id.clone()),
             attempt: Some(self.attempt),
+            base,
             created_at: None,
             updated_at: None,
         }
     }
 
-    fn saved(&self, result: Result<(), ErrorBody>) -> Result<(), Exit> {
+    /// Takes a save's outcome; `covered` is the window length the saved checkpoint reached.
+    /// Only a save known to have landed moves `stored` on: after any other outcome the next
+    /// save sends again from the last known point (and the base, if that was never stored).
+    fn saved(&mut self, result: Result<(), ErrorBody>, covered: usize) -> Result<(), Exit> {
         match result {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.stored = Some(covered);
+                Ok(())
+            }
             Err(err) if err.code == ErrorCode::Conflict => {
                 tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
                     "checkpoint refused: a newer attempt owns this turn; stopping");
@@ -585,8 +626,18 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         })
     }
 
+    /// A boundary's input. The delivery's first boundary asks `cyrene.turn.steer` (it claims
+    /// what is pending and returns everything already claimed for the turn — all of it again
+    /// for a resumed turn); every later one takes what was pushed since, with no round trip.
+    /// Without a live subscription every boundary asks.
     async fn steer(&mut self, step: u32) -> Result<(), Exit> {
+        if self.asked && self.input.is_live() {
+            let mut messages = self.input.take();
+            messages.sort_by_key(|m| m.seq);
+            return self.merge(Ok(SteerResponse { messages }), step).await;
+        }
         let steered = self.steer_request(step).await;
+        self.asked = true;
         self.merge(steered, step).await
     }
 
@@ -715,6 +766,13 @@ mod tests {
         model_delay: Mutex<Option<std::time::Duration>>,
         /// The contexts tools were called with.
         tool_contexts: Mutex<Vec<ToolContext>>,
+        /// How many of the next saves fail (without landing).
+        failing_saves: Mutex<usize>,
+        /// Saves as sent (deltas) and the window they rebuild.
+        deltas: Mutex<Vec<Checkpoint>>,
+        window: Mutex<Vec<Message>>,
+        /// Pushed input: `None` = no subscription (every boundary asks).
+        pushes: Mutex<Option<futures::channel::mpsc::UnboundedReceiver<SteeredMessage>>>,
     }
 
     impl TurnPorts for Fake {
@@ -733,14 +791,57 @@ mod tests {
             if latest.as_ref().and_then(|c| c.attempt) > Some(attempt) {
                 return Err(ErrorBody::new(ErrorCode::Conflict, "a newer attempt read"));
             }
+            // The rows a resumed turn's next delta builds on.
+            if let Some(cp) = &latest {
+                *self.window.lock().unwrap() = state(cp).messages;
+            }
             Ok(latest)
         }
+        /// Like the store: keeps the delta as sent (`deltas`) and the full snapshot a read
+        /// would rebuild from it (`saved`).
         async fn save_checkpoint(&self, checkpoint: Checkpoint) -> Result<(), ErrorBody> {
             if let Some(err) = self.save_error.lock().unwrap().clone() {
                 return Err(err);
             }
-            self.saved.lock().unwrap().push(checkpoint);
+            {
+                let mut failing = self.failing_saves.lock().unwrap();
+                if *failing > 0 {
+                    *failing -= 1;
+                    return Err(ErrorBody::new(ErrorCode::Timeout, "no answer"));
+                }
+            }
+            #[derive(serde::Deserialize)]
+            struct Delta {
+                from: Option<usize>,
+                messages: Vec<Message>,
+            }
+            #[derive(serde::Deserialize)]
+            struct Base {
+                messages: Vec<Message>,
+            }
+            let mut window = self.window.lock().unwrap();
+            if let Some(base) = &checkpoint.base {
+                *window = base.parse::<Base>().unwrap().messages;
+            }
+            let delta: Delta = checkpoint.state.parse().unwrap();
+            let from = delta.from.expect("a turn saves deltas");
+            assert!(from <= window.len(), "a delta past the stored window");
+            window.truncate(from);
+            window.extend(delta.messages);
+            let mut full: CheckpointState = checkpoint.state.parse().unwrap();
+            full.messages = window.clone();
+            let mut assembled = checkpoint.clone();
+            assembled.state = JsonObject::encode(&full).unwrap();
+            assembled.base = None;
+            self.deltas.lock().unwrap().push(checkpoint);
+            self.saved.lock().unwrap().push(assembled);
             Ok(())
+        }
+        async fn turn_input(&self, _turn_id: &str) -> TurnInput {
+            match self.pushes.lock().unwrap().take() {
+                Some(receiver) => TurnInput::new(receiver),
+                None => TurnInput::none(),
+            }
         }
         async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {
             self.steer_requests.lock().unwrap().push(request);
@@ -960,6 +1061,104 @@ mod tests {
             (ack.at_step, ack.message_ids),
             (Some(2), vec!["m2".to_owned()])
         );
+    }
+
+    #[tokio::test]
+    async fn each_save_sends_only_what_its_step_added_and_the_base_once() {
+        let fake = Fake::default();
+        fake.replies.lock().unwrap().extend([
+            reply_tools(&["c1"]),
+            reply_tools(&["c2", "c3"]),
+            reply_text("done"),
+        ]);
+        let mut j = job();
+        j.messages = (0..50)
+            .map(|i| Message::text(Role::User, format!("old {i}")))
+            .collect();
+        completed(run_turn(&fake, &j, 1, &CFG).await);
+
+        let deltas = fake.deltas.lock().unwrap();
+        let shape = |cp: &Checkpoint| {
+            let map = cp.state.to_map();
+            let added = map["messages"].as_array().unwrap().len();
+            (map["from"].as_u64().unwrap(), added, cp.base.is_some())
+        };
+        // The base (50 seeded messages) goes once, with the first save; then each step's call
+        // and results, then the answer.
+        assert_eq!(
+            deltas.iter().map(shape).collect::<Vec<_>>(),
+            [(50, 2, true), (52, 3, false), (55, 1, false)]
+        );
+        let base = deltas[0].base.as_ref().unwrap().to_map();
+        assert_eq!(base["messages"].as_array().unwrap().len(), 50);
+        // What a read rebuilds is the whole window.
+        let last = state(fake.saved.lock().unwrap().last().unwrap());
+        assert_eq!(last.messages.len(), 56);
+        assert_eq!(last.messages[..50], j.messages[..]);
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_save_the_next_one_resends_from_the_last_stored_point() {
+        let fake = Fake::default();
+        fake.replies.lock().unwrap().extend([
+            reply_tools(&["c1"]),
+            reply_tools(&["c2"]),
+            reply_text("done"),
+        ]);
+        // The first save (with the base) fails: the second carries the base and both steps.
+        *fake.failing_saves.lock().unwrap() = 1;
+        completed(run_turn(&fake, &job(), 1, &CFG).await);
+        let deltas = fake.deltas.lock().unwrap();
+        let first = deltas[0].state.to_map();
+        assert_eq!(deltas[0].step, 2);
+        assert!(deltas[0].base.is_some(), "the base was never stored");
+        assert_eq!(first["from"], 1);
+        assert_eq!(first["messages"].as_array().unwrap().len(), 4);
+        let last = state(fake.saved.lock().unwrap().last().unwrap());
+        assert_eq!(last.messages.len(), 6);
+    }
+
+    #[tokio::test]
+    async fn pushed_input_reaches_the_next_boundary_without_a_steer_request() {
+        let fake = Fake::default();
+        let (push, receiver) = futures::channel::mpsc::unbounded();
+        *fake.pushes.lock().unwrap() = Some(receiver);
+        fake.replies.lock().unwrap().extend([
+            reply_tools(&["c1"]),
+            reply_tools(&["c2"]),
+            reply_text("done"),
+        ]);
+        let pushed = |id: &str, seq: u64| SteeredMessage {
+            id: id.into(),
+            seq,
+            message: Message::text(Role::User, format!("pushed {id}")),
+        };
+        // Two pushes before the second boundary, out of order, one of them also returned by the
+        // first steer: taken in once each, in seq order.
+        fake.steers.lock().unwrap().push_back(Ok(SteerResponse {
+            messages: vec![pushed("m2", 2)],
+        }));
+        push.unbounded_send(pushed("m3", 3)).unwrap();
+        push.unbounded_send(pushed("m2", 2)).unwrap();
+        push.unbounded_send(pushed("m4", 4)).unwrap();
+        let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
+
+        assert_eq!(done.steered_ids, ["m2", "m3", "m4"]);
+        let steers = fake.steer_requests.lock().unwrap();
+        assert_eq!(steers.len(), 1, "only the first boundary asks");
+        assert_eq!(steers[0].step, 1);
+        let requests = fake.requests.lock().unwrap();
+        let texts = |i: usize| -> Vec<String> {
+            requests[i]
+                .messages
+                .iter()
+                .map(Message::text_content)
+                .filter(|t| t.starts_with("pushed"))
+                .collect()
+        };
+        assert_eq!(texts(0), ["pushed m2"]);
+        assert_eq!(texts(1), ["pushed m2", "pushed m3", "pushed m4"]);
+        assert_eq!(texts(2), texts(1));
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@
 
 use crate::config::Config;
 use crate::progress::Progress;
-use crate::store::{NewMessage, NewTurn, Store};
+use crate::store::{NewMessage, NewTurn, Pushed, Store};
 use async_nats::jetstream;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
@@ -236,7 +236,28 @@ impl Engine {
         if let Some(turn) = &sent.started {
             self.dispatch(turn).await;
         }
+        if let Some(pushed) = &sent.pushed {
+            self.push(pushed).await;
+        }
         Ok(sent.ack)
+    }
+
+    /// Pushes messages already claimed for a running turn to the worker running it (core NATS,
+    /// at most once): the turn takes them in at its next boundary with no request of its own.
+    /// A push that is lost — no worker subscribed yet, a crash, a full buffer — costs only
+    /// latency: the worker's first steer of each delivery returns everything claimed for it,
+    /// and the completion hands back what the turn never took in (docs/orchestrator.md).
+    async fn push(&self, pushed: &Pushed) {
+        let Ok(subject) = subjects::turn_input(&pushed.turn_id) else {
+            return;
+        };
+        for message in &pushed.messages {
+            let payload: Bytes = serde_json::to_vec(message).unwrap_or_default().into();
+            if let Err(err) = self.client.publish(subject.clone(), payload).await {
+                tracing::warn!(turn = %pushed.turn_id, error = %err, "could not push a steered message");
+            }
+        }
+        metrics::counter!("cyrene_steer_pushes_total").increment(pushed.messages.len() as u64);
     }
 
     /// `cyrene.turn.steer`.
@@ -297,6 +318,9 @@ impl Engine {
         }
         if let Some(next) = &done.next {
             self.dispatch(next).await;
+        }
+        if let Some(pushed) = &done.pushed {
+            self.push(pushed).await;
         }
         Ok(TurnCompleteAck { first: true })
     }

@@ -186,6 +186,17 @@ pub struct Sent {
     pub duplicate: bool,
     /// A turn created by this send (for this message, or for older pending ones).
     pub started: Option<NewTurn>,
+    /// This message, claimed for the running turn that takes it in: push it to that turn.
+    pub pushed: Option<Pushed>,
+}
+
+/// Messages claimed (durably, in the transaction that returned this) for a running turn, to be
+/// pushed to the worker running it on `cyrene.turn.input.<turn_id>`. A push that never arrives
+/// costs nothing: the turn's completion hands every claimed message it did not take in back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pushed {
+    pub turn_id: String,
+    pub messages: Vec<SteeredMessage>,
 }
 
 /// What `complete` did.
@@ -199,6 +210,8 @@ pub struct Completed {
     pub reply_to: Vec<String>,
     /// The turn started from pending messages, if any.
     pub next: Option<NewTurn>,
+    /// Pending messages claimed for the one leg still running, to push to it.
+    pub pushed: Option<Pushed>,
 }
 
 /// A turn that has not been confirmed as published.
@@ -223,6 +236,18 @@ struct RunningTurn {
     turn_id: String,
     client_id: String,
     first_message_id: String,
+    base_seq: i64,
+}
+
+impl RunningTurn {
+    /// The running turn a new steerable message from `client_id` goes to, as a boundary would
+    /// claim it: the only turn of the session, or — beside other legs — its client's own leg.
+    fn taker<'r>(running: &'r [RunningTurn], client_id: &str) -> Option<&'r RunningTurn> {
+        match running {
+            [only] => Some(only),
+            _ => running.iter().find(|t| t.client_id == client_id),
+        }
+    }
 }
 
 struct PendingRow {
@@ -375,7 +400,7 @@ impl Store {
         session_id: &str,
     ) -> Result<Vec<RunningTurn>, StoreError> {
         let rows = sqlx::query(
-            "SELECT turn_id, client_id, first_message_id FROM orch_turns \
+            "SELECT turn_id, client_id, first_message_id, base_seq FROM orch_turns \
              WHERE session_id = $1 AND status = 'running' ORDER BY created_at, turn_id",
         )
         .bind(session_id)
@@ -387,6 +412,7 @@ impl Store {
                     turn_id: r.try_get(0)?,
                     client_id: r.try_get(1)?,
                     first_message_id: r.try_get(2)?,
+                    base_seq: r.try_get(3)?,
                 })
             })
             .collect()
@@ -624,6 +650,7 @@ impl Store {
                     ack,
                     duplicate: true,
                     started: None,
+                    pushed: None,
                 });
             }
         }
@@ -646,11 +673,22 @@ impl Store {
         };
         let seq = Self::next_seq(&mut tx, &input.session_id).await?;
         let message_id = new_id();
+        // A steerable message arriving while a turn runs is claimed for that turn right here,
+        // in the transaction that stores it, and pushed to it after the commit: the turn takes
+        // it in at its next boundary without asking (docs/orchestrator.md, "Steering").
+        let steerable = !input.solo && input.policy != BusyPolicy::Enqueue;
+        let parallel_leg = input.policy == BusyPolicy::Parallel
+            && !input.solo
+            && running.iter().all(|t| t.client_id != input.client_id);
+        let taker = match running.is_empty() || parallel_leg || !steerable {
+            true => None,
+            false => RunningTurn::taker(&running, &input.client_id),
+        };
         sqlx::query(
             "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
              message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
              ask_chain) \
-             VALUES ($1, $2, $3, $4, $5, 'user', $6, NULL, 0, $7, $8, NULL, $9, $10, $11)",
+             VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, NULL, $9, $10, $11)",
         )
         .bind(&message_id)
         .bind(&input.session_id)
@@ -663,8 +701,18 @@ impl Store {
         .bind(now)
         .bind(i64::from(input.policy == BusyPolicy::Enqueue))
         .bind(ask_chain)
+        .bind(taker.map(|t| t.turn_id.clone()))
+        .bind(i64::from(taker.is_some()))
         .execute(&mut *tx)
         .await?;
+        let pushed = taker.map(|t| Pushed {
+            turn_id: t.turn_id.clone(),
+            messages: vec![SteeredMessage {
+                id: message_id.clone(),
+                seq: to_u64(seq),
+                message: input.message.clone(),
+            }],
+        });
 
         let (disposition, started) = if running.is_empty() {
             // No turn in flight: start one from the pending queue (normally just this message).
@@ -685,10 +733,7 @@ impl Store {
                 Disposition::Pending
             };
             (disposition, turn)
-        } else if input.policy == BusyPolicy::Parallel
-            && !input.solo
-            && running.iter().all(|t| t.client_id != input.client_id)
-        {
+        } else if parallel_leg {
             // Parallel policy: a leg of its own, told what the newest live leg is doing.
             let other = running.last();
             let (step, tool_names) = other.map(|t| progress(&t.turn_id)).unwrap_or_default();
@@ -744,6 +789,7 @@ impl Store {
             ack,
             duplicate: false,
             started,
+            pushed,
         })
     }
 
@@ -932,6 +978,7 @@ impl Store {
                 leg_id: turn.leg_id,
                 reply_to: Vec::new(),
                 next: None,
+                pushed: None,
             });
         }
         let now = now_ms();
@@ -973,18 +1020,25 @@ impl Store {
             .map(|r| r.try_get::<String, _>(0))
             .collect::<Result<Vec<_>, _>>()?;
         let running = Self::running_turns(&mut tx, &req.session_id).await?;
-        let next = if running.is_empty() {
-            let batch = self.pending_batch(&mut tx, &req.session_id).await?;
-            if batch.is_empty() {
-                None
-            } else {
-                Some(
-                    self.start_turn(&mut tx, &req.session_id, &env, batch, String::new(), None)
-                        .await?,
-                )
+        let (next, pushed) = match running.as_slice() {
+            [] => {
+                let batch = self.pending_batch(&mut tx, &req.session_id).await?;
+                if batch.is_empty() {
+                    (None, None)
+                } else {
+                    let next = self
+                        .start_turn(&mut tx, &req.session_id, &env, batch, String::new(), None)
+                        .await?;
+                    (Some(next), None)
+                }
             }
-        } else {
-            None
+            // One leg left: it is now alone in its session and takes every pending message,
+            // as its next boundary would have claimed them.
+            [only] => (
+                None,
+                Self::claim_pending(&mut tx, &req.session_id, only).await?,
+            ),
+            _ => (None, None),
         };
         tx.commit().await?;
         Ok(Completed {
@@ -993,7 +1047,56 @@ impl Store {
             leg_id: turn.leg_id,
             reply_to,
             next,
+            pushed,
         })
+    }
+
+    /// Claims for `turn`, the only running turn of its session, every steerable pending message
+    /// past what it holds (as the locked steer path would), to push to it.
+    async fn claim_pending(
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+        turn: &RunningTurn,
+    ) -> Result<Option<Pushed>, StoreError> {
+        let row = sqlx::query("SELECT MAX(seq) FROM orch_messages WHERE claimed_by_turn = $1")
+            .bind(&turn.turn_id)
+            .fetch_one(&mut **tx)
+            .await?;
+        let held: Option<i64> = row.try_get(0)?;
+        let floor = held.unwrap_or(0).max(turn.base_seq);
+        let rows = sqlx::query(
+            "SELECT id, seq, message FROM orch_messages \
+             WHERE session_id = $1 AND claimed_by_turn IS NULL AND solo = 0 AND queued = 0 \
+             AND seq > $2 ORDER BY seq",
+        )
+        .bind(session_id)
+        .bind(floor)
+        .fetch_all(&mut **tx)
+        .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut messages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let message = SteeredMessage {
+                id: r.try_get(0)?,
+                seq: to_u64(r.try_get(1)?),
+                message: decode_message(&r.try_get::<String, _>(2)?)?,
+            };
+            sqlx::query(
+                "UPDATE orch_messages SET claimed_by_turn = $1, steered = 1 \
+                 WHERE id = $2 AND claimed_by_turn IS NULL",
+            )
+            .bind(&turn.turn_id)
+            .bind(&message.id)
+            .execute(&mut **tx)
+            .await?;
+            messages.push(message);
+        }
+        Ok(Some(Pushed {
+            turn_id: turn.turn_id.clone(),
+            messages,
+        }))
     }
 
     /// Gives back to pending every message this turn claimed at a boundary but never took in
@@ -1014,8 +1117,9 @@ impl Store {
             if req.steered_ids.contains(&id) {
                 continue;
             }
-            tracing::warn!(turn = %req.turn_id, message = %id,
-                "a message claimed at a boundary never reached the turn; it is pending again");
+            // Routine when a message was pushed after the turn's last boundary.
+            tracing::info!(turn = %req.turn_id, message = %id,
+                "a message claimed for the turn never reached it; it is pending again");
             sqlx::query(
                 "UPDATE orch_messages SET claimed_by_turn = NULL, steered = 0 \
                  WHERE id = $1 AND claimed_by_turn = $2",

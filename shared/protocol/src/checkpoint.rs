@@ -28,6 +28,11 @@ pub struct Checkpoint {
     /// … and that turn's delivery attempt; older attempts are refused once a newer one wrote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    /// Only in a fenced save whose `state` is a step's delta: the turn's base window
+    /// (`{"messages":[…]}`), stored once per turn; never in a reply (docs/checkpoint-store.md,
+    /// "Incremental checkpoints").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<JsonObject>,
     /// RFC 3339, set by the store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
@@ -50,10 +55,14 @@ pub struct CheckpointState {
     pub steered_ids: Vec<String>,
 }
 
-/// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window.
+/// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window. With
+/// `from`, it is a step's *delta*: `messages` are the window's messages from position `from` on,
+/// and the store rebuilds the full window from the turn's base and its earlier rows.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct CheckpointStateRef<'a> {
     pub step: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<usize>,
     pub messages: &'a [Message],
     #[serde(skip_serializing_if = "str::is_empty")]
     pub stop_reason: &'a str,
@@ -240,6 +249,7 @@ mod tests {
         };
         let borrowed = CheckpointStateRef {
             step: state.step,
+            from: None,
             messages: &state.messages,
             stop_reason: &state.stop_reason,
             turn_id: &state.turn_id,
@@ -257,6 +267,7 @@ mod tests {
             state,
             turn_id: None,
             attempt: None,
+            base: None,
             created_at: None,
             updated_at: None,
         };

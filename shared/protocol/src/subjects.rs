@@ -25,6 +25,8 @@ pub const SESSION_HISTORY: &str = "cyrene.session.history";
 pub const TURN_RUN: &str = "cyrene.turn.run";
 pub const TURN_STEER: &str = "cyrene.turn.steer";
 pub const TURN_COMPLETE: &str = "cyrene.turn.complete";
+/// Subscribe pattern for every running turn's input (see [`turn_input`]).
+pub const TURN_INPUT_ALL: &str = "cyrene.turn.input.*";
 /// Subscribe pattern for every session's events.
 pub const SESSION_EVENTS_ALL: &str = "cyrene.session.*.events";
 
@@ -103,6 +105,14 @@ pub fn session_events(session_id: &str) -> Result<String, IdError> {
     Ok(format!("cyrene.session.{session_id}.events"))
 }
 
+/// `cyrene.turn.input.<turn_id>`: the messages the orchestrator claimed for a running turn,
+/// pushed to the worker running it (docs/orchestrator.md, "Steering").
+pub fn turn_input(turn_id: &str) -> Result<String, IdError> {
+    // Turn ids follow the session id rule (1–128 of `[A-Za-z0-9_-]`).
+    ids::validate(IdKind::Session, turn_id)?;
+    Ok(format!("cyrene.turn.input.{turn_id}"))
+}
+
 /// `cyrene.tool.<name>`
 pub fn tool(name: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Tool, name)?;
@@ -160,6 +170,8 @@ mod tests {
         assert!(session_events("s1.>").is_err());
         assert!(session_events("").is_err());
         assert_eq!(tool("get_time").unwrap(), "cyrene.tool.get_time");
+        assert_eq!(turn_input("t-1").unwrap(), "cyrene.turn.input.t-1");
+        assert!(turn_input("t.>").is_err());
         assert!(tool("a*").is_err());
     }
 }

@@ -2,9 +2,10 @@
 //! seed 000).
 //!
 //! The orchestrator publishes a [`TurnJob`] on `cyrene.turn.run` (stream `CYRENE_TURNS`,
-//! `Nats-Msg-Id` = turn id); a loop worker runs it, asks `cyrene.turn.steer` at every boundary
-//! ([`SteerRequest`] → [`SteerResponse`]) and reports `cyrene.turn.complete` ([`TurnComplete`] →
-//! [`TurnCompleteAck`]).
+//! `Nats-Msg-Id` = turn id); a loop worker runs it, asks `cyrene.turn.steer` once at the first
+//! boundary of each delivery ([`SteerRequest`] → [`SteerResponse`]), takes in what the
+//! orchestrator pushes to `cyrene.turn.input.<turn_id>` ([`SteeredMessage`]) at every later one,
+//! and reports `cyrene.turn.complete` ([`TurnComplete`] → [`TurnCompleteAck`]).
 //!
 //! # Invariants
 //! - `attempt` is the JetStream delivery count of the job. Steer claims, checkpoint saves and the
@@ -73,7 +74,8 @@ fn default_max_steps() -> u32 {
     DEFAULT_MAX_STEPS
 }
 
-/// `cyrene.turn.steer` request, sent at every boundary.
+/// `cyrene.turn.steer` request, sent at the first boundary of a delivery (and at every boundary by
+/// a worker that could not subscribe to its turn's input).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SteerRequest {
@@ -88,7 +90,8 @@ pub struct SteerRequest {
     pub attempt: u32,
 }
 
-/// A user message steered into a running turn.
+/// A user message steered into a running turn: an item of the steer reply, and the body of a
+/// push on `cyrene.turn.input.<turn_id>` (claimed for that turn before it is pushed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SteeredMessage {
     pub id: String,

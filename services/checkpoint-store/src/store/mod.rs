@@ -212,6 +212,10 @@ pub(crate) struct SaveRow {
     /// Checked once, when the request was decoded; bound as its text.
     pub state: JsonObject,
     pub fence: Option<Fence>,
+    /// The turn's base window, when this save stores it (`{"messages":[…]}`).
+    pub base: Option<JsonObject>,
+    /// The state's `from` when it is a step's delta.
+    pub delta_from: Option<i64>,
     pub now: DateTime<Utc>,
 }
 
@@ -230,6 +234,7 @@ impl SaveRow {
             state: self.state,
             turn_id,
             attempt,
+            base: None,
             created_at: Some(created_at),
             updated_at: Some(updated_at),
         }
@@ -296,11 +301,30 @@ pub(crate) fn prepare_save(
     }
     // Stored as sent: decoding already checked it is one JSON object.
     let state = checkpoint.state;
-    if state.as_str().len() > max_state_bytes {
-        return Err(StoreError::TooLarge {
-            size: state.as_str().len(),
-            max: max_state_bytes,
-        });
+    for text in std::iter::once(&state).chain(checkpoint.base.as_ref()) {
+        if text.as_str().len() > max_state_bytes {
+            return Err(StoreError::TooLarge {
+                size: text.as_str().len(),
+                max: max_state_bytes,
+            });
+        }
+    }
+    let from = delta_from(state.as_str())?;
+    let delta = from.is_some();
+    if (delta || checkpoint.base.is_some()) && fence.is_none() {
+        return Err(StoreError::BadRequest(
+            "a delta state (`from`) or a `base` belongs to a turn: give turn_id and attempt".into(),
+        ));
+    }
+    if let Some(base) = &checkpoint.base {
+        if !delta {
+            return Err(StoreError::BadRequest(
+                "a `base` goes with a delta state (`from`)".into(),
+            ));
+        }
+        base.parse::<Window>().map_err(|e| {
+            StoreError::BadRequest(format!("base must be {{\"messages\":[…]}}: {e}"))
+        })?;
     }
     Ok(SaveRow {
         id: checkpoint.id,
@@ -308,6 +332,8 @@ pub(crate) fn prepare_save(
         step: checkpoint.step,
         state,
         fence,
+        base: checkpoint.base,
+        delta_from: from.map(|f| i64::try_from(f).unwrap_or(i64::MAX)),
         now,
     })
 }
@@ -396,6 +422,7 @@ pub(crate) struct RawRow {
     pub state: String,
     pub turn_id: Option<String>,
     pub attempt: Option<i64>,
+    pub delta_from: Option<i64>,
     pub created_at: String,
     pub updated_at: String,
 }
@@ -410,6 +437,7 @@ impl RawRow {
             state,
             turn_id,
             attempt,
+            delta_from: _,
             created_at,
             updated_at,
         } = self;
@@ -428,9 +456,117 @@ impl RawRow {
             state,
             turn_id,
             attempt,
+            base: None,
             created_at: Some(created_at),
             updated_at: Some(updated_at),
         })
+    }
+}
+
+/// The part of a state the store reads: `from`, present when the state is a step's delta.
+#[derive(serde::Deserialize)]
+struct Shape {
+    #[serde(default)]
+    from: Option<u64>,
+}
+
+/// Where a delta state's messages start in the turn's window; `None` for a full snapshot.
+pub(crate) fn delta_from(state: &str) -> Result<Option<u64>, StoreError> {
+    // Only a state that names `from` can be a delta; most full snapshots skip the parse.
+    if !state.contains("\"from\"") {
+        return Ok(None);
+    }
+    serde_json::from_str::<Shape>(state)
+        .map(|shape| shape.from)
+        .map_err(|e| StoreError::BadRequest(format!("state.from must be a window position: {e}")))
+}
+
+/// A window as stored: a base (`{"messages":[…]}`) or a row's messages, kept as their JSON.
+#[derive(serde::Deserialize)]
+struct Window {
+    #[serde(default)]
+    messages: Vec<Box<serde_json::value::RawValue>>,
+}
+
+/// Rebuilds the full snapshot of a delta row (docs/checkpoint-store.md, "Incremental
+/// checkpoints"): the turn's `base`, then every row of the turn up to and including `target`, in
+/// step order — a full row (no `from`) replaces the window, a delta cuts it at `from` and appends
+/// its messages. The result has the shape of a full snapshot: `from` is gone, `messages` is the
+/// whole window.
+pub(crate) fn assemble(
+    target: RawRow,
+    base: Option<&str>,
+    chain: &[String],
+) -> Result<Checkpoint, StoreError> {
+    let corrupt = |what: String| StoreError::Internal(format!("row {:?}: {what}", target.id));
+    let mut window: Vec<Box<serde_json::value::RawValue>> = match base {
+        Some(text) => {
+            serde_json::from_str::<Window>(text)
+                .map_err(|e| corrupt(format!("base: {e}")))?
+                .messages
+        }
+        None => Vec::new(),
+    };
+    #[derive(serde::Deserialize)]
+    struct Link {
+        #[serde(default)]
+        from: Option<usize>,
+        #[serde(default)]
+        messages: Vec<Box<serde_json::value::RawValue>>,
+    }
+    for text in chain {
+        let link: Link = serde_json::from_str(text).map_err(|e| corrupt(format!("chain: {e}")))?;
+        match link.from {
+            None => window = link.messages,
+            Some(from) if from <= window.len() => {
+                window.truncate(from);
+                window.extend(link.messages);
+            }
+            Some(from) => {
+                return Err(corrupt(format!(
+                    "a delta from {from} follows a window of {} messages (its base or an earlier \
+                     step is missing)",
+                    window.len()
+                )));
+            }
+        }
+    }
+    let mut state: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&target.state).map_err(|e| corrupt(format!("state: {e}")))?;
+    state.remove("from");
+    state.remove("messages");
+    let messages =
+        serde_json::value::to_raw_value(&window).map_err(|e| corrupt(format!("window: {e}")))?;
+    // `messages` goes in as its text: a map of values would parse the whole window again.
+    let mut text = serde_json::to_string(&state).map_err(|e| corrupt(format!("state: {e}")))?;
+    text.pop();
+    if !state.is_empty() {
+        text.push(',');
+    }
+    text.push_str("\"messages\":");
+    text.push_str(messages.get());
+    text.push('}');
+    RawRow {
+        state: text,
+        ..target
+    }
+    .into_checkpoint()
+}
+
+/// A row as the reads give it: a delta row is rebuilt into its full snapshot from the turn's
+/// base and earlier rows, which `load(agent_id, turn_id, step)` fetches (base, then every row's
+/// state up to `step` in step order); a full row is given as stored.
+pub(crate) async fn full<F, Fut>(raw: RawRow, load: F) -> Result<Checkpoint, StoreError>
+where
+    F: FnOnce(String, String, i64) -> Fut,
+    Fut: Future<Output = Result<(Option<String>, Vec<String>), StoreError>>,
+{
+    match (&raw.turn_id, raw.delta_from) {
+        (Some(turn), Some(_)) => {
+            let (base, chain) = load(raw.agent_id.clone(), turn.clone(), raw.step).await?;
+            assemble(raw, base.as_deref(), &chain)
+        }
+        _ => raw.into_checkpoint(),
     }
 }
 
@@ -460,6 +596,7 @@ mod tests {
             state: JsonObject::empty(),
             turn_id: None,
             attempt: None,
+            base: None,
             created_at: None,
             updated_at: None,
         }

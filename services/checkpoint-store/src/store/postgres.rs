@@ -24,8 +24,8 @@
 
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner, check_page,
-    check_turn_read, classify, cursor_gone, cutoff, fenced, format_ts, no_checkpoint, parse_id,
-    prepare_save, retain_mode,
+    check_turn_read, classify, cursor_gone, cutoff, fenced, format_ts, full, no_checkpoint,
+    parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -40,18 +40,18 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
 macro_rules! select {
     ($rest:literal) => {
         concat!(
-            "SELECT id, agent_id, step, state::text AS state, turn_id, attempt, created_at, \
-             updated_at FROM checkpoints ",
+            "SELECT id, agent_id, step, state::text AS state, turn_id, attempt, \
+             delta_from, created_at, updated_at FROM checkpoints ",
             $rest
         )
     };
 }
 
 const UPSERT: &str = "INSERT INTO checkpoints \
-     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
-     VALUES ($1, $2, $3, $4::json, $5, $6, $7, $7) \
+     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
+     VALUES ($1, $2, $3, $4::json, $5, $6, $7, $7, $8) \
      ON CONFLICT (id) DO UPDATE SET write_seq = nextval('checkpoints_write_seq'), \
-     state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
+     state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, delta_from = EXCLUDED.delta_from, \
      attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
      RETURNING created_at, updated_at";
 
@@ -72,14 +72,28 @@ const FENCED_UPSERT: &str = "WITH fence AS ( \
        updated_at = EXCLUDED.updated_at \
        RETURNING max_attempt), \
      saved AS ( \
-       INSERT INTO checkpoints (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
-       SELECT $1, $2, $3, $4::json, $5, $6, $7, $7 FROM fence WHERE fence.max_attempt <= $6 \
+       INSERT INTO checkpoints \
+       (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
+       SELECT $1, $2, $3, $4::json, $5, $6, $7, $7, $8 FROM fence WHERE fence.max_attempt <= $6 \
        ON CONFLICT (id) DO UPDATE SET write_seq = nextval('checkpoints_write_seq'), \
-       state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, \
+       state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, delta_from = EXCLUDED.delta_from, \
        attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
        RETURNING created_at, updated_at) \
      SELECT fence.max_attempt, saved.created_at, saved.updated_at \
      FROM fence LEFT JOIN saved ON true";
+
+/// Keeps the `$2` most recently written rows of owner `$1` and the earlier rows of their turns
+/// that they are rebuilt from; deletes the rest.
+const KEEP_LAST: &str = "WITH kept AS (SELECT turn_id, step, write_seq, delta_from FROM checkpoints \
+       WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT $2) \
+     DELETE FROM checkpoints c WHERE c.agent_id = $1 \
+     AND c.write_seq NOT IN (SELECT write_seq FROM kept) \
+     AND NOT EXISTS (SELECT 1 FROM kept k WHERE k.turn_id = c.turn_id AND k.step > c.step \
+       AND k.delta_from IS NOT NULL)";
+
+/// Drops the bases of turns that have no row left.
+const DROP_ORPHAN_BASES: &str = "DELETE FROM checkpoint_bases b WHERE NOT EXISTS \
+     (SELECT 1 FROM checkpoints c WHERE c.agent_id = b.agent_id AND c.turn_id = b.turn_id)";
 
 /// Checkpoints in PostgreSQL.
 #[derive(Debug, Clone)]
@@ -127,6 +141,7 @@ impl PgStore {
             .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
             .bind(row.fence.as_ref().map(|f| f.attempt))
             .bind(row.now)
+            .bind(row.delta_from)
             .fetch_one(executor)
             .await
             .map_err(classify)?;
@@ -139,6 +154,9 @@ impl PgStore {
         let Some(fence) = &row.fence else {
             return Self::upsert(&self.pool, row).await;
         };
+        if row.base.is_some() {
+            return self.save_with_base(row).await;
+        }
         let stored = sqlx::query(FENCED_UPSERT)
             .bind(&row.id)
             .bind(&row.agent_id)
@@ -147,6 +165,7 @@ impl PgStore {
             .bind(&fence.turn_id)
             .bind(fence.attempt)
             .bind(row.now)
+            .bind(row.delta_from)
             .fetch_one(&self.pool)
             .await
             .map_err(classify)?;
@@ -163,6 +182,86 @@ impl PgStore {
     }
 }
 
+impl PgStore {
+    /// A fenced save that (re)starts its turn from a base: the fenced upsert, the base, and the
+    /// removal of the turn's rows from any earlier start, in one transaction.
+    async fn save_with_base(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
+        let (Some(fence), Some(base)) = (row.fence.clone(), row.base.clone()) else {
+            return Err(StoreError::Internal(
+                "a base save without fence or base".into(),
+            ));
+        };
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let stored = sqlx::query(FENCED_UPSERT)
+            .bind(&row.id)
+            .bind(&row.agent_id)
+            .bind(i64::from(row.step))
+            .bind(row.state.as_str())
+            .bind(&fence.turn_id)
+            .bind(fence.attempt)
+            .bind(row.now)
+            .bind(row.delta_from)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(classify)?;
+        let recorded: i64 = stored.try_get("max_attempt").map_err(classify)?;
+        let created: Option<DateTime<Utc>> = stored.try_get("created_at").map_err(classify)?;
+        let updated: Option<DateTime<Utc>> = stored.try_get("updated_at").map_err(classify)?;
+        let (Some(created), Some(updated)) = (created, updated) else {
+            let _ = tx.rollback().await;
+            return Err(fenced(&fence, recorded));
+        };
+        sqlx::query(
+            "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
+             VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
+             state = EXCLUDED.state, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at",
+        )
+        .bind(&row.agent_id)
+        .bind(&fence.turn_id)
+        .bind(base.as_str())
+        .bind(fence.attempt)
+        .bind(row.now)
+        .execute(&mut *tx)
+        .await
+        .map_err(classify)?;
+        sqlx::query("DELETE FROM checkpoints WHERE agent_id = $1 AND turn_id = $2 AND id <> $3")
+            .bind(&row.agent_id)
+            .bind(&fence.turn_id)
+            .bind(&row.id)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        tx.commit().await.map_err(classify)?;
+        Ok(row.stored(format_ts(created), format_ts(updated)))
+    }
+
+    /// A row as the reads give it (delta rows rebuilt, see [`full`]).
+    async fn full(&self, row: &PgRow) -> Result<Checkpoint, StoreError> {
+        full(raw(row)?, |agent_id, turn_id, step| async move {
+            let base: Option<String> = sqlx::query_scalar(
+                "SELECT state::text FROM checkpoint_bases WHERE agent_id = $1 AND turn_id = $2",
+            )
+            .bind(&agent_id)
+            .bind(&turn_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+            let chain: Vec<String> = sqlx::query_scalar(
+                "SELECT state::text FROM checkpoints WHERE agent_id = $1 AND turn_id = $2 \
+                 AND step <= $3 ORDER BY step",
+            )
+            .bind(&agent_id)
+            .bind(&turn_id)
+            .bind(step)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+            Ok((base, chain))
+        })
+        .await
+    }
+}
+
 fn raw(row: &PgRow) -> Result<RawRow, StoreError> {
     let created: DateTime<Utc> = row.try_get("created_at").map_err(classify)?;
     let updated: DateTime<Utc> = row.try_get("updated_at").map_err(classify)?;
@@ -173,6 +272,7 @@ fn raw(row: &PgRow) -> Result<RawRow, StoreError> {
         state: row.try_get("state").map_err(classify)?,
         turn_id: row.try_get("turn_id").map_err(classify)?,
         attempt: row.try_get("attempt").map_err(classify)?,
+        delta_from: row.try_get("delta_from").map_err(classify)?,
         created_at: format_ts(created),
         updated_at: format_ts(updated),
     })
@@ -198,7 +298,7 @@ impl CheckpointStore for PgStore {
         .await
         .map_err(classify)?;
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
         }
     }
@@ -236,7 +336,7 @@ impl CheckpointStore for PgStore {
         .await
         .map_err(classify)?;
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!(
                 "agent_id {agent_id} turn {turn_id}"
             ))),
@@ -251,7 +351,7 @@ impl CheckpointStore for PgStore {
             .await
             .map_err(classify)?;
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!("id {id}"))),
         }
     }
@@ -281,7 +381,11 @@ impl CheckpointStore for PgStore {
         .fetch_all(&self.pool)
         .await
         .map_err(classify)?;
-        rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            out.push(self.full(row).await?);
+        }
+        Ok(out)
     }
 
     async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -290,16 +394,18 @@ impl CheckpointStore for PgStore {
                 agent_id,
                 keep_last,
             } => {
-                let done = sqlx::query(
-                    "DELETE FROM checkpoints WHERE agent_id = $1 AND write_seq NOT IN \
-                     (SELECT write_seq FROM checkpoints WHERE agent_id = $1 \
-                      ORDER BY write_seq DESC LIMIT $2)",
-                )
-                .bind(&agent_id)
-                .bind(i64::from(keep_last))
-                .execute(&self.pool)
-                .await
-                .map_err(classify)?;
+                let mut tx = self.pool.begin().await.map_err(classify)?;
+                let done = sqlx::query(KEEP_LAST)
+                    .bind(&agent_id)
+                    .bind(i64::from(keep_last))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                sqlx::query(DROP_ORPHAN_BASES)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
                 Ok(done.rows_affected())
             }
             RetainMode::OlderThan { secs } => {
@@ -316,6 +422,10 @@ impl CheckpointStore for PgStore {
                 .map_err(classify)?;
                 sqlx::query("DELETE FROM turn_attempts WHERE updated_at < $1")
                     .bind(cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                sqlx::query(DROP_ORPHAN_BASES)
                     .execute(&mut *tx)
                     .await
                     .map_err(classify)?;

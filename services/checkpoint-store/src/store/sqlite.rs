@@ -18,8 +18,8 @@
 
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, StoreOptions, check_owner, check_page,
-    check_turn_read, classify, cursor_gone, cutoff, fenced, format_ts, no_checkpoint, parse_id,
-    prepare_save, retain_mode,
+    check_turn_read, classify, cursor_gone, cutoff, fenced, format_ts, full, no_checkpoint,
+    parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -42,18 +42,18 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 macro_rules! select {
     ($rest:literal) => {
         concat!(
-            "SELECT id, agent_id, step, state, turn_id, attempt, created_at, updated_at \
-             FROM checkpoints ",
+            "SELECT id, agent_id, step, state, turn_id, attempt, delta_from, created_at, \
+             updated_at FROM checkpoints ",
             $rest
         )
     };
 }
 
 const UPSERT: &str = "INSERT INTO checkpoints \
-     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at) \
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) \
+     (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8) \
      ON CONFLICT (id) DO UPDATE SET write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
-     state = excluded.state, turn_id = excluded.turn_id, \
+     state = excluded.state, turn_id = excluded.turn_id, delta_from = excluded.delta_from, \
      attempt = excluded.attempt, updated_at = excluded.updated_at \
      RETURNING created_at, updated_at";
 
@@ -63,6 +63,21 @@ const RAISE_ATTEMPT: &str = "INSERT INTO turn_attempts (turn_id, max_attempt, up
      max_attempt = MAX(turn_attempts.max_attempt, excluded.max_attempt), \
      updated_at = excluded.updated_at \
      RETURNING max_attempt";
+
+/// Keeps the `?2` most recently written rows of owner `?1` and the earlier rows of their turns
+/// that they are rebuilt from; deletes the rest.
+const KEEP_LAST: &str = "DELETE FROM checkpoints WHERE agent_id = ?1 AND write_seq NOT IN \
+     (SELECT write_seq FROM checkpoints WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT ?2) \
+     AND NOT EXISTS (SELECT 1 FROM checkpoints k WHERE k.agent_id = ?1 \
+       AND k.turn_id = checkpoints.turn_id AND k.step > checkpoints.step \
+       AND k.delta_from IS NOT NULL \
+       AND k.write_seq IN (SELECT write_seq FROM checkpoints WHERE agent_id = ?1 \
+         ORDER BY write_seq DESC LIMIT ?2))";
+
+/// Drops the bases of turns that have no row left.
+const DROP_ORPHAN_BASES: &str = "DELETE FROM checkpoint_bases WHERE NOT EXISTS \
+     (SELECT 1 FROM checkpoints c WHERE c.agent_id = checkpoint_bases.agent_id \
+      AND c.turn_id = checkpoint_bases.turn_id)";
 
 /// Checkpoints in an SQLite file.
 #[derive(Debug, Clone)]
@@ -121,6 +136,7 @@ impl SqliteStore {
             .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
             .bind(row.fence.as_ref().map(|f| f.attempt))
             .bind(&now)
+            .bind(row.delta_from)
             .fetch_one(executor)
             .await
             .map_err(classify)?;
@@ -130,7 +146,7 @@ impl SqliteStore {
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
-        let Some(fence) = &row.fence else {
+        let Some(fence) = row.fence.clone() else {
             return Self::upsert(&self.pool, row).await;
         };
         let mut tx = self
@@ -147,11 +163,66 @@ impl SqliteStore {
             .map_err(classify)?;
         if recorded > fence.attempt {
             let _ = tx.rollback().await;
-            return Err(fenced(fence, recorded));
+            return Err(fenced(&fence, recorded));
         }
+        let base = row.base.clone();
+        let (agent_id, id, now) = (row.agent_id.clone(), row.id.clone(), format_ts(row.now));
         let saved = Self::upsert(&mut *tx, row).await?;
+        if let Some(base) = base {
+            // A turn (re)starting from its base: the rows of any earlier start are no longer
+            // part of its window.
+            sqlx::query(
+                "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
+                 state = excluded.state, attempt = excluded.attempt, \
+                 updated_at = excluded.updated_at",
+            )
+            .bind(&agent_id)
+            .bind(&fence.turn_id)
+            .bind(base.as_str())
+            .bind(fence.attempt)
+            .bind(&now)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+            sqlx::query(
+                "DELETE FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2 AND id <> ?3",
+            )
+            .bind(&agent_id)
+            .bind(&fence.turn_id)
+            .bind(&id)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        }
         tx.commit().await.map_err(classify)?;
         Ok(saved)
+    }
+
+    /// A row as the reads give it (delta rows rebuilt, see [`full`]).
+    async fn full(&self, row: &SqliteRow) -> Result<Checkpoint, StoreError> {
+        full(raw(row)?, |agent_id, turn_id, step| async move {
+            let base: Option<String> = sqlx::query_scalar(
+                "SELECT state FROM checkpoint_bases WHERE agent_id = ?1 AND turn_id = ?2",
+            )
+            .bind(&agent_id)
+            .bind(&turn_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+            let chain: Vec<String> = sqlx::query_scalar(
+                "SELECT state FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2 \
+                 AND step <= ?3 ORDER BY step",
+            )
+            .bind(&agent_id)
+            .bind(&turn_id)
+            .bind(step)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+            Ok((base, chain))
+        })
+        .await
     }
 }
 
@@ -163,6 +234,7 @@ fn raw(row: &SqliteRow) -> Result<RawRow, StoreError> {
         state: row.try_get("state").map_err(classify)?,
         turn_id: row.try_get("turn_id").map_err(classify)?,
         attempt: row.try_get("attempt").map_err(classify)?,
+        delta_from: row.try_get("delta_from").map_err(classify)?,
         created_at: row.try_get("created_at").map_err(classify)?,
         updated_at: row.try_get("updated_at").map_err(classify)?,
     })
@@ -188,7 +260,7 @@ impl CheckpointStore for SqliteStore {
         .await
         .map_err(classify)?;
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!("agent_id {agent_id}"))),
         }
     }
@@ -241,7 +313,7 @@ impl CheckpointStore for SqliteStore {
             }
         };
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!(
                 "agent_id {agent_id} turn {turn_id}"
             ))),
@@ -256,7 +328,7 @@ impl CheckpointStore for SqliteStore {
             .await
             .map_err(classify)?;
         match row {
-            Some(row) => raw(&row)?.into_checkpoint(),
+            Some(row) => self.full(&row).await,
             None => Err(no_checkpoint(&format!("id {id}"))),
         }
     }
@@ -286,7 +358,11 @@ impl CheckpointStore for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(classify)?;
-        rows.iter().map(|r| raw(r)?.into_checkpoint()).collect()
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            out.push(self.full(row).await?);
+        }
+        Ok(out)
     }
 
     async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -295,16 +371,22 @@ impl CheckpointStore for SqliteStore {
                 agent_id,
                 keep_last,
             } => {
-                let done = sqlx::query(
-                    "DELETE FROM checkpoints WHERE agent_id = ?1 AND write_seq NOT IN \
-                     (SELECT write_seq FROM checkpoints WHERE agent_id = ?1 \
-                      ORDER BY write_seq DESC LIMIT ?2)",
-                )
-                .bind(&agent_id)
-                .bind(i64::from(keep_last))
-                .execute(&self.pool)
-                .await
-                .map_err(classify)?;
+                let mut tx = self
+                    .pool
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(classify)?;
+                let done = sqlx::query(KEEP_LAST)
+                    .bind(&agent_id)
+                    .bind(i64::from(keep_last))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                sqlx::query(DROP_ORPHAN_BASES)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                tx.commit().await.map_err(classify)?;
                 Ok(done.rows_affected())
             }
             RetainMode::OlderThan { secs } => {
@@ -325,6 +407,10 @@ impl CheckpointStore for SqliteStore {
                 .map_err(classify)?;
                 sqlx::query("DELETE FROM turn_attempts WHERE updated_at < ?1")
                     .bind(&cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                sqlx::query(DROP_ORPHAN_BASES)
                     .execute(&mut *tx)
                     .await
                     .map_err(classify)?;

@@ -63,6 +63,7 @@ pub fn checkpoint(owner: &str, step: u32, note: &str) -> Checkpoint {
         state: state.into(),
         turn_id: None,
         attempt: None,
+        base: None,
         created_at: None,
         updated_at: None,
     }

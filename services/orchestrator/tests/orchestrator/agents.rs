@@ -280,7 +280,10 @@ async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
     assert_eq!(notice.other_message_id, m1.message_id);
     assert_eq!(notice.step, 3);
     assert_eq!(notice.tool_names, ["search", "read"]);
-    assert_eq!(notice.queued, 1, "the desk's second message waits");
+    assert_eq!(
+        notice.queued, 0,
+        "the desk's second message is already claimed by the desk's leg, not pending"
+    );
 
     // Each leg steers its own client's messages.
     assert!(steer(c, &leg2, 1, 0).await.unwrap().messages.is_empty());

@@ -4,6 +4,7 @@ use crate::harness::*;
 use cyrene_protocol::ErrorCode;
 use cyrene_protocol::message::Role;
 use cyrene_protocol::session::{Disposition, SessionEventType};
+use futures::StreamExt;
 
 async fn dispositions_follow_the_fence(backend: Backend) {
     let world = World::new(backend).await;
@@ -61,11 +62,26 @@ async fn dispositions_follow_the_fence(backend: Backend) {
     assert_eq!(job2.messages[1].role, Role::Assistant);
     assert_eq!(job2.base_seq, 4, "the answer got seq 4");
 
-    // Still one turn in flight: the next message waits again.
+    // Still one turn in flight: the next message is claimed for it and pushed to it at once
+    // (the turn takes it in at its next boundary without asking).
+    let mut input = c
+        .subscribe(cyrene_protocol::subjects::turn_input(&job2.turn_id).unwrap())
+        .await
+        .unwrap();
+    c.flush().await.unwrap();
+    let m4 = send_ok(c, "s1", "fourth").await;
+    assert_eq!(m4.disposition, Disposition::Pending);
+    let pushed = tokio::time::timeout(std::time::Duration::from_secs(10), input.next())
+        .await
+        .expect("a push to the running turn")
+        .unwrap();
+    let pushed: cyrene_protocol::turn::SteeredMessage =
+        serde_json::from_slice(&pushed.payload).unwrap();
     assert_eq!(
-        send_ok(c, "s1", "fourth").await.disposition,
-        Disposition::Pending
+        (pushed.id.as_str(), pushed.seq),
+        (m4.message_id.as_str(), 5)
     );
+    assert_eq!(pushed.message.text_content(), "fourth");
 
     let started = world
         .wait_event("turn_started of job 2", |e| {
@@ -106,9 +122,9 @@ async fn dispositions_follow_the_fence(backend: Backend) {
     assert_eq!(h[1].turn_id, job2.turn_id);
     assert_eq!(h[3].turn_id, job1.turn_id, "the answer carries its turn");
     assert_eq!(h[3].message.role, Role::Assistant);
-    assert!(
-        h[4].turn_id.is_empty(),
-        "the fourth message is still pending"
+    assert_eq!(
+        h[4].turn_id, job2.turn_id,
+        "the fourth message is claimed for the running turn"
     );
 }
 
