@@ -212,7 +212,7 @@ fn secrets_are_generated_never_committed_placeholders() {
         .filter(|l| l.contains("_PASSWORD="))
         .map(|l| l.split_once('=').unwrap().1)
         .collect();
-    assert_eq!(passwords.len(), 8);
+    assert_eq!(passwords.len(), 10);
     for p in &passwords {
         assert_eq!(p.len(), 48, "{p}");
         assert!(!p.contains("change-me"));
@@ -262,7 +262,7 @@ fn the_kustomization_renders_when_kubectl_is_here() {
     assert_eq!(kinds.iter().filter(|k| **k == "Deployment").count(), 4);
     assert!(kinds.contains(&"StatefulSet") && kinds.contains(&"Secret"));
     // The config the permission test runs is the one deployed.
-    let conf = std::fs::read_to_string(deploy_dir().join("nats/cyrene.conf")).unwrap();
+    let conf = std::fs::read_to_string(deploy_dir().join("nats/users.conf")).unwrap();
     let first_user = conf.lines().find(|l| l.contains("user: ")).unwrap().trim();
     assert!(
         rendered.contains(first_user),
