@@ -1143,6 +1143,54 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
             .unwrap();
     assert!(!history.messages.is_empty(), "alice reads her ask session");
 
+    // The CLI as a person (`--person`): her private inbox prefix (person-alice may not subscribe
+    // to any other), her subjects, `-s s1` taken as `alice.s1`; bob's CLI is refused hers.
+    let cli = |user: &str, password: &str, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+            .env("NATS_URL", server.url())
+            .env("NATS_USER", user)
+            .env("NATS_PASSWORD", password)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(
+        "person-alice",
+        "pw-alice",
+        &["--person", "alice", "history", "-s", "s1"],
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && printed.contains("It is "),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        "person-alice",
+        "pw-alice",
+        &["--person", "alice", "checkpoints", "s1"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        "person-bob",
+        "pw-bob",
+        &["--person", "bob", "history", "-s", "alice.s1"],
+    );
+    let printed = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{printed}");
+    assert!(printed.contains("forbidden"), "{printed}");
+    // Without its prefix, alice's client cannot even hear its replies.
+    let out = cli("person-alice", "pw-alice", &["history", "-s", "alice.s1"]);
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
     // Bob, on his own subjects, is refused everything of alice's.
     let bob_history = subjects::person("bob", subjects::PERSON_SESSION_HISTORY).unwrap();
     refused_with(&bob, &bob_history, &own, "forbidden").await;

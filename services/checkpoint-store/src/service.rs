@@ -224,7 +224,7 @@ fn may_read(subject: &str, owner_or_id: &str) -> Result<(), ErrorBody> {
         Some(caller) => Err(ErrorBody::new(
             ErrorCode::Forbidden,
             format!(
-                "{:?} is not a checkpoint of person {caller:?}'s sessions ({caller}.<name>)",
+                "{:?} is not a checkpoint of {caller:?}'s sessions ({caller}.<name>)",
                 cut(owner_or_id)
             ),
         )),
@@ -234,7 +234,7 @@ fn may_read(subject: &str, owner_or_id: &str) -> Result<(), ErrorBody> {
             Some(owner) => Err(ErrorBody::new(
                 ErrorCode::Forbidden,
                 format!(
-                    "{:?} belongs to person {owner:?}: only they read it, on \
+                    "{:?} is {owner:?}'s: only they read it, on \
                      cyrene.person.{owner}.checkpoint.*",
                     cut(owner_or_id)
                 ),

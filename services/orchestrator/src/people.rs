@@ -27,14 +27,14 @@ pub fn may_touch(subject: &str, session_id: &str) -> Result<(), ErrorBody> {
         (Some(caller), _) => Err(ErrorBody::new(
             ErrorCode::Forbidden,
             format!(
-                "session {session_id:?} is not one of person {caller:?}'s: a person's sessions \
-                 are named {caller}.<name>"
+                "session {session_id:?} is not one of {caller:?}'s: their sessions are named \
+                 {caller}.<name>"
             ),
         )),
         (None, Some(owner)) => Err(ErrorBody::new(
             ErrorCode::Forbidden,
             format!(
-                "session {session_id:?} belongs to person {owner:?}: only they reach it, on \
+                "session {session_id:?} is {owner:?}'s: only they reach it, on \
                  cyrene.person.{owner}.…"
             ),
         )),
