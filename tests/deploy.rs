@@ -212,7 +212,7 @@ fn secrets_are_generated_never_committed_placeholders() {
         .filter(|l| l.contains("_PASSWORD="))
         .map(|l| l.split_once('=').unwrap().1)
         .collect();
-    assert_eq!(passwords.len(), 8);
+    assert_eq!(passwords.len(), 10);
     for p in &passwords {
         assert_eq!(p.len(), 48, "{p}");
         assert!(!p.contains("change-me"));
@@ -262,7 +262,7 @@ fn the_kustomization_renders_when_kubectl_is_here() {
     assert_eq!(kinds.iter().filter(|k| **k == "Deployment").count(), 4);
     assert!(kinds.contains(&"StatefulSet") && kinds.contains(&"Secret"));
     // The config the permission test runs is the one deployed.
-    let conf = std::fs::read_to_string(deploy_dir().join("nats/cyrene.conf")).unwrap();
+    let conf = std::fs::read_to_string(deploy_dir().join("nats/users.conf")).unwrap();
     let first_user = conf.lines().find(|l| l.contains("user: ")).unwrap().trim();
     assert!(
         rendered.contains(first_user),
@@ -319,12 +319,24 @@ fn every_rendered_object_is_valid_for_kubernetes() {
         return;
     };
     let copy = deploy_with_secrets();
+    let overlay = cluster_overlay(&copy);
+    for (root, least) in [(copy.path().join("deploy"), 12), (overlay, 9)] {
+        validate_rendered(&validator, &copy, &root, least);
+    }
+}
+
+/// Renders the kustomization at `root` and validates every object (at least `least` of them).
+fn validate_rendered(validator: &str, copy: &tempfile::TempDir, root: &Path, least: usize) {
     let rendered = Command::new("kubectl")
         .arg("kustomize")
-        .arg(copy.path().join("deploy"))
+        .arg(root)
         .output()
         .expect("kubectl (make deploy-check needs it)");
-    assert!(rendered.status.success());
+    assert!(
+        rendered.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rendered.stderr)
+    );
     let file = copy.path().join("rendered.yaml");
     std::fs::write(&file, &rendered.stdout).unwrap();
     let out = Command::new("python3")
@@ -350,5 +362,228 @@ fn every_rendered_object_is_valid_for_kubernetes() {
         .lines()
         .filter(|l| l.starts_with("kind: "))
         .count();
-    assert!(kinds >= 12, "{kinds} objects rendered");
+    assert!(
+        kinds >= least,
+        "{}: {kinds} objects rendered",
+        root.display()
+    );
+}
+
+/// An overlay of one's own beside the copied deploy/: the base plus the `cluster` component
+/// (docs/operations.md, "A 3-node NATS with the official Helm chart").
+fn cluster_overlay(copy: &tempfile::TempDir) -> std::path::PathBuf {
+    let overlay = copy.path().join("my-cyrene");
+    std::fs::create_dir_all(&overlay).unwrap();
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources: [../deploy]\ncomponents: [../deploy/cluster]\n",
+    )
+    .unwrap();
+    overlay
+}
+
+/// The cluster variant: no nats-server of our own (the Helm chart runs NATS), the turn queue on 3
+/// replicas for the orchestrator and the workers, the Secret under the plain name the Helm
+/// values read.
+#[test]
+fn the_cluster_component_replicates_the_turn_queue_and_leaves_nats_to_the_chart() {
+    let copy = deploy_with_secrets();
+    let overlay = cluster_overlay(&copy);
+    let Ok(out) = Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&overlay)
+        .output()
+    else {
+        eprintln!(
+            "kubectl not found: the cluster component is not rendered (make deploy-check does)"
+        );
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rendered = String::from_utf8_lossy(&out.stdout).into_owned();
+    let objects: Vec<&str> = rendered.split("\n---\n").collect();
+    assert!(
+        !rendered.contains("kind: StatefulSet"),
+        "no nats-server of our own"
+    );
+    assert!(!objects.iter().any(|o| o.contains("kind: Service\n")));
+    for name in ["cyrene-orchestrator", "cyrene-loop-worker"] {
+        let object = objects
+            .iter()
+            .find(|o| o.contains("kind: Deployment") && o.contains(&format!("  name: {name}\n")))
+            .unwrap_or_else(|| panic!("{name} rendered"));
+        assert!(
+            object.contains("- name: CYRENE_TURNS_REPLICAS\n          value: \"3\""),
+            "{name} runs the turn queue on 3 replicas:\n{object}"
+        );
+    }
+    let values = helm_values();
+    let secret = values
+        .iter()
+        .find(|(path, _)| path.ends_with(".valueFrom.secretKeyRef.name"))
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    assert!(
+        rendered.contains(&format!("kind: Secret\nmetadata:\n  labels:\n    app.kubernetes.io/part-of: cyrene\n  name: {secret}\n")),
+        "the Secret the Helm values read is rendered under its plain name {secret}"
+    );
+    // The default kustomization stays a single node with one replica.
+    let base = std::fs::read_to_string(deploy_dir().join("k8s/orchestrator.yaml")).unwrap();
+    assert!(!base.contains("CYRENE_TURNS_REPLICAS"));
+}
+
+/// `(path, value)` of every leaf of a block-style YAML file (nested mappings, scalars, `|` block
+/// scalars): enough for deploy/nats/values.yaml, which keeps to that style. Paths join keys with
+/// `.`; a block scalar's value is its text, de-indented.
+fn yaml_leaves(text: &str) -> Vec<(String, String)> {
+    let mut leaves = Vec::new();
+    let mut stack: Vec<(usize, String)> = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let trimmed = line.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let indent = line.len() - trimmed.len();
+        let (key, value) = trimmed.split_once(':').expect("key: value");
+        let value = value.trim();
+        while stack.last().is_some_and(|(i, _)| *i >= indent) {
+            stack.pop();
+        }
+        let path: Vec<&str> = stack.iter().map(|(_, k)| k.as_str()).chain([key]).collect();
+        let path = path.join(".");
+        if value == "|" {
+            let mut block = String::new();
+            let mut inner = None;
+            while let Some(next) = lines.peek() {
+                let next_indent = next.len() - next.trim_start().len();
+                if !next.trim().is_empty() && next_indent <= indent {
+                    break;
+                }
+                let inner = *inner.get_or_insert(next_indent);
+                block.push_str(next.get(inner..).unwrap_or_default());
+                block.push('\n');
+                lines.next();
+            }
+            leaves.push((path, block));
+        } else if value.is_empty() {
+            stack.push((indent, key.to_owned()));
+        } else {
+            leaves.push((path, value.to_owned()));
+        }
+    }
+    leaves
+}
+
+fn helm_values() -> Vec<(String, String)> {
+    yaml_leaves(&std::fs::read_to_string(deploy_dir().join("nats/values.yaml")).unwrap())
+}
+
+/// The keys of the official NATS Helm chart's values.yaml (chart 2.14.2) that
+/// deploy/nats/values.yaml sets, pinned here: the check runs offline. Below `FREE_FORM` the chart
+/// takes any map (NATS config, container env, ConfigMap data).
+const CHART_KEYS: &[&str] = &[
+    "config.cluster.enabled",
+    "config.cluster.replicas",
+    "config.jetstream.enabled",
+    "config.jetstream.fileStore.enabled",
+    "config.jetstream.fileStore.dir",
+    "config.jetstream.fileStore.pvc.enabled",
+    "config.jetstream.fileStore.pvc.size",
+    "config.monitor.enabled",
+    "config.monitor.port",
+    "service.ports.monitor.enabled",
+];
+const FREE_FORM: &[&str] = &["config.merge.", "container.env.", "configMap.merge.data."];
+
+/// deploy/nats/values.yaml: only keys the chart has, 3 nodes, JetStream on file storage, the
+/// monitoring port, a max_payload that fits a checkpoint, users.conf carried byte for byte and
+/// included, and every password it needs from the Secret.
+#[test]
+fn the_helm_values_carry_the_users_and_what_cyrene_needs() {
+    let values = helm_values();
+    for (path, _) in &values {
+        assert!(
+            CHART_KEYS.contains(&path.as_str()) || FREE_FORM.iter().any(|p| path.starts_with(p)),
+            "{path} is not a key of the NATS chart's values"
+        );
+    }
+    let get = |key: &str| -> &str {
+        values
+            .iter()
+            .find(|(path, _)| path == key)
+            .map(|(_, v)| v.as_str())
+            .unwrap_or_else(|| panic!("{key} missing"))
+    };
+    assert_eq!(get("config.cluster.enabled"), "true");
+    assert_eq!(get("config.cluster.replicas"), "3");
+    assert_eq!(get("config.jetstream.enabled"), "true");
+    assert_eq!(get("config.jetstream.fileStore.enabled"), "true");
+    assert_eq!(get("config.jetstream.fileStore.pvc.enabled"), "true");
+    assert_eq!(get("config.monitor.enabled"), "true");
+    assert_eq!(get("service.ports.monitor.enabled"), "true");
+    // The KEDA scaler reads the monitoring port the values open.
+    let port = get("config.monitor.port");
+    let scaled = std::fs::read_to_string(deploy_dir().join("keda/scaledobject.yaml")).unwrap();
+    assert!(
+        scaled.contains(&format!(":{port}")),
+        "KEDA reads port {port}"
+    );
+    // max_payload: "<< 8MB >>" (NATS units: MB = 1024 * 1024) holds the largest checkpoint state
+    // and the envelope around it.
+    let payload = get("config.merge.max_payload");
+    let megabytes: usize = payload
+        .trim_start_matches("<< ")
+        .trim_end_matches(" >>")
+        .strip_suffix("MB")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("max_payload {payload} is not << NMB >>"));
+    let state = cyrene_checkpoint_store::Config::new(std::env::temp_dir()).max_state_bytes;
+    assert!(
+        megabytes * 1024 * 1024 >= state + 8 * 1024,
+        "max_payload {payload} is smaller than a checkpoint state ({state} bytes) and its envelope"
+    );
+    // users.conf, included and carried unchanged.
+    assert_eq!(get("config.merge.$include"), "users.conf");
+    let users = std::fs::read_to_string(deploy_dir().join("nats/users.conf")).unwrap();
+    assert!(
+        get("configMap.merge.data.users.conf") == users,
+        "deploy/nats/values.yaml must carry deploy/nats/users.conf unchanged under \
+         configMap.merge.data.users.conf: copy it there"
+    );
+    // Every password users.conf reads comes from the Secret, in the values, in the single-node
+    // manifest and from scripts/secrets.sh.
+    let needed: BTreeSet<String> = users
+        .split('$')
+        .skip(1)
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_uppercase() || *c == '_')
+                .collect()
+        })
+        .filter(|name: &String| name.starts_with("CYRENE_"))
+        .collect();
+    assert!(needed.len() >= 10, "{needed:?}");
+    let nats = std::fs::read_to_string(deploy_dir().join("k8s/nats.yaml")).unwrap();
+    let secrets = std::fs::read_to_string(deploy_dir().join("k8s/secrets.env.example")).unwrap();
+    for name in &needed {
+        assert_eq!(
+            get(&format!("container.env.{name}.valueFrom.secretKeyRef.key")),
+            name,
+            "values.yaml: {name}"
+        );
+        assert!(
+            nats.contains(&format!("- name: {name}\n")),
+            "k8s/nats.yaml: {name}"
+        );
+        assert!(
+            secrets.contains(&format!("\n{name}=")),
+            "secrets.env.example: {name}"
+        );
+    }
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-const USERS: [(&str, &str); 8] = [
+const USERS: [(&str, &str); 10] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
@@ -33,10 +33,12 @@ const USERS: [(&str, &str); 8] = [
     ("CYRENE_CLIENT_PASSWORD", "pw-client"),
     ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
     ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
+    ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
+    ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
 ];
 
 /// Every user of the config, in the order of [`USERS`] and of the matrix's columns.
-const MATRIX_USERS: [(&str, &str); 8] = [
+const MATRIX_USERS: [(&str, &str); 10] = [
     ("cyrene-model-gateway", "pw-gateway"),
     ("cyrene-checkpoint-store", "pw-store"),
     ("cyrene-orchestrator", "pw-orchestrator"),
@@ -45,6 +47,8 @@ const MATRIX_USERS: [(&str, &str); 8] = [
     ("cyrene-client", "pw-client"),
     ("cyrene-operator", "pw-operator"),
     ("agent-hoshi", "pw-hoshi"),
+    ("person-alice", "pw-alice"),
+    ("person-bob", "pw-bob"),
 ];
 
 /// Who may publish (`pub`) and subscribe (`sub`) on what: one row per subject family (a
@@ -52,273 +56,343 @@ const MATRIX_USERS: [(&str, &str); 8] = [
 /// through `allow_responses` (to the reply subject of a request the user received) are not
 /// rows: they exist only while a request is answered. docs/security.md holds this table as
 /// [`render_matrix`] prints it.
-const MATRIX: &[(&str, &str, [&str; 8])] = {
+const MATRIX: &[(&str, &str, [&str; 10])] = {
     const N: &str = "—";
     const P: &str = "pub";
     const S: &str = "sub";
     const PS: &str = "pub sub";
     &[
-        // subject, what; gateway, store, orchestrator, worker, tools, client, operator, hoshi
+        // subject, what; gateway, store, orchestrator, worker, tools, client, operator, hoshi,
+        // alice, bob
         (
             "cyrene.session.send",
             "a person sends a message",
-            [N, N, S, N, N, P, N, N],
+            [N, N, S, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.session.history",
             "a transcript is read",
-            [N, N, S, N, N, P, N, N],
+            [N, N, S, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.session.s1.events",
             "a session's live events",
-            [N, N, PS, P, N, S, N, N],
+            [N, N, PS, P, N, S, N, N, N, N],
+        ),
+        (
+            "cyrene.person.alice.session.send",
+            "a person sends to their own session",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.session.history",
+            "a person reads their own transcript",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.checkpoint.latest",
+            "a person's last checkpoint",
+            [N, S, N, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.checkpoint.get",
+            "one checkpoint of a person's",
+            [N, S, N, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.checkpoint.list",
+            "a person's checkpoints",
+            [N, S, N, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.bob.session.send",
+            "another person sends",
+            [N, N, S, N, N, N, N, N, N, P],
+        ),
+        (
+            "cyrene.session.alice.s1.events",
+            "a person's session's live events",
+            [N, N, PS, P, N, N, N, N, S, N],
+        ),
+        (
+            "cyrene.session.bob.s1.events",
+            "another person's session's events",
+            [N, N, PS, P, N, N, N, N, N, S],
+        ),
+        (
+            "cyrene.agent.alice.cyrene.ask",
+            "a person asks a persona as themself",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.agent.cyrene.alice.reply.q1",
+            "a persona answers a person",
+            [N, N, N, N, N, N, N, N, S, N],
+        ),
+        (
+            "cyrene.agent.bob.event",
+            "a person broadcasts as themself",
+            [N, N, S, N, N, N, N, S, N, P],
         ),
         (
             "cyrene.turn.steer",
             "a turn takes in new messages",
-            [N, N, S, P, N, N, N, N],
+            [N, N, S, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.turn.input.t1",
             "a message pushed to a running turn",
-            [N, N, P, S, N, N, N, N],
+            [N, N, P, S, N, N, N, N, N, N],
         ),
         (
             "cyrene.turn.complete",
             "a turn ends",
-            [N, N, S, P, N, N, N, N],
+            [N, N, S, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.turn.run",
             "a turn is dispatched (JetStream)",
-            [N, N, P, N, N, N, N, N],
+            [N, N, P, N, N, N, N, N, N, N],
         ),
         (
             "cyrene.checkpoint.save",
             "a step is checkpointed",
-            [N, S, N, P, N, N, N, N],
+            [N, S, N, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.checkpoint.latest",
-            "the last checkpoint",
-            [N, S, N, P, N, P, N, N],
+            "the last checkpoint (the worker resumes a turn)",
+            [N, S, N, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.checkpoint.get",
             "one checkpoint",
-            [N, S, N, N, N, P, N, N],
+            [N, S, N, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.checkpoint.list",
             "checkpoints of an owner",
-            [N, S, N, N, N, P, N, N],
+            [N, S, N, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.checkpoint.retain",
             "checkpoints are deleted",
-            [N, S, N, N, N, N, P, N],
+            [N, S, N, N, N, N, P, N, N, N],
         ),
         (
             "cyrene.model.complete",
             "a model call",
-            [S, N, N, P, N, N, N, N],
+            [S, N, N, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.model.route",
             "a route is explained",
-            [S, N, N, P, N, N, N, N],
+            [S, N, N, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.model.calls",
             "call records",
-            [P, N, N, N, N, N, S, N],
+            [P, N, N, N, N, N, S, N, N, N],
         ),
         (
             "cyrene.agent.me.cyrene.ask",
             "a person asks a persona",
-            [N, N, S, N, N, P, N, N],
+            [N, N, S, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.agent.me.hoshi.ask",
             "a person asks an agent",
-            [N, N, N, N, N, P, N, S],
+            [N, N, N, N, N, P, N, S, N, N],
         ),
         (
             "cyrene.agent.hoshi.cyrene.ask",
             "an agent asks a persona",
-            [N, N, S, N, N, N, N, P],
+            [N, N, S, N, N, N, N, P, N, N],
         ),
         (
             "cyrene.agent.cyrene.hoshi.ask",
             "a persona asks an agent",
-            [N, N, N, P, N, N, N, S],
+            [N, N, N, P, N, N, N, S, N, N],
         ),
         (
             "cyrene.agent.hoshi.me.ask",
             "an agent asks a person",
-            [N, N, N, N, N, N, N, P],
+            [N, N, N, N, N, N, N, P, N, N],
         ),
         (
             "cyrene.agent.cyrene.me.reply.q1",
             "a persona answers a person",
-            [N, N, N, N, N, S, N, N],
+            [N, N, N, N, N, S, N, N, N, N],
         ),
         (
             "cyrene.agent.hoshi.cyrene.reply.q1",
             "an agent answers a persona",
-            [N, N, N, S, N, S, N, N],
+            [N, N, N, S, N, S, N, N, N, N],
         ),
         (
             "cyrene.agent.cyrene.hoshi.reply.q1",
             "a persona answers an agent",
-            [N, N, N, N, N, S, N, S],
+            [N, N, N, N, N, S, N, S, N, N],
         ),
         (
             "cyrene.agent.me.cyrene.event",
             "a person notifies a persona",
-            [N, N, S, N, N, P, N, N],
+            [N, N, S, N, N, P, N, N, N, N],
         ),
         (
             "cyrene.agent.hoshi.cyrene.event",
             "an agent notifies a persona",
-            [N, N, S, N, N, N, N, P],
+            [N, N, S, N, N, N, N, P, N, N],
         ),
         (
             "cyrene.agent.cyrene.hoshi.event",
             "a persona notifies an agent",
-            [N, N, N, P, N, N, N, S],
+            [N, N, N, P, N, N, N, S, N, N],
         ),
         (
             "cyrene.agent.me.event",
             "a person broadcasts",
-            [N, N, S, N, N, P, N, S],
+            [N, N, S, N, N, P, N, S, N, N],
         ),
         (
             "cyrene.agent.cyrene.event",
             "a persona broadcasts",
-            [N, N, S, P, N, N, N, S],
+            [N, N, S, P, N, N, N, S, N, N],
         ),
         (
             "cyrene.agent.hoshi.event",
             "an agent broadcasts",
-            [N, N, S, N, N, N, N, PS],
+            [N, N, S, N, N, N, N, PS, N, N],
         ),
         (
             "cyrene.orchestrator.ask.a1.done",
             "an ask's turn ended (between replicas)",
-            [N, N, PS, N, N, N, N, N],
+            [N, N, PS, N, N, N, N, N, N, N],
         ),
         (
             "cyrene.tool.search_notes",
             "a tool call",
-            [N, N, N, P, S, N, N, N],
+            [N, N, N, P, S, N, N, N, N, N],
         ),
         (
             "$SRV.PING",
             "discovery of every service",
-            [S, S, S, S, S, N, P, N],
+            [S, S, S, S, S, N, P, N, N, N],
         ),
         (
             "$SRV.INFO",
             "tools and endpoints of every service",
-            [S, S, S, PS, S, N, P, N],
+            [S, S, S, PS, S, N, P, N, N, N],
         ),
         (
             "$SRV.STATS.cyrene-orchestrator",
             "one service's figures",
-            [S, S, S, S, S, N, P, N],
+            [S, S, S, S, S, N, P, N, N, N],
         ),
         (
             "$JS.API.INFO",
             "JetStream account info",
-            [N, N, P, P, N, N, N, N],
+            [N, N, P, P, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.CREATE.CYRENE_TURNS",
             "the turn queue is created",
-            [N, N, P, P, N, N, N, N],
+            [N, N, P, P, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.DELETE.CYRENE_TURNS",
             "the turn queue is deleted",
-            [N, N, N, N, N, N, N, N],
+            [N, N, N, N, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.PURGE.CYRENE_TURNS",
             "the turn queue is purged",
-            [N, N, N, N, N, N, N, N],
+            [N, N, N, N, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.MSG.GET.CYRENE_TURNS",
             "a queued turn is read",
-            [N, N, N, P, N, N, N, N],
+            [N, N, N, P, N, N, N, N, N, N],
         ),
         (
             "$JS.API.CONSUMER.MSG.NEXT.CYRENE_TURNS.loop-workers",
             "a worker pulls a turn",
-            [N, N, N, P, N, N, N, N],
+            [N, N, N, P, N, N, N, N, N, N],
         ),
         (
             "$JS.ACK.CYRENE_TURNS.loop-workers.1.1.1.1.0",
             "a worker acknowledges a turn",
-            [N, N, N, P, N, N, N, N],
+            [N, N, N, P, N, N, N, N, N, N],
         ),
         (
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.CYRENE_TURNS.loop-workers",
             "a turn ran out of deliveries",
-            [N, N, N, S, N, N, N, N],
+            [N, N, N, S, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.CREATE.OTHER",
             "any other stream",
-            [N, N, N, N, N, N, N, N],
+            [N, N, N, N, N, N, N, N, N, N],
         ),
-        ("_INBOX.a1", "default inboxes", [N, N, N, N, N, S, N, N]),
+        (
+            "_INBOX.a1",
+            "default inboxes",
+            [N, N, N, N, N, S, N, N, N, N],
+        ),
         (
             "_INBOX_cyrene-cli.a1",
             "replies to the cyrene CLI",
-            [N, N, N, N, N, S, S, N],
+            [N, N, N, N, N, S, S, N, N, N],
         ),
         (
             "_INBOX_cyrene-operator.a1",
             "replies to an operator's nats CLI",
-            [N, N, N, N, N, N, S, N],
+            [N, N, N, N, N, N, S, N, N, N],
+        ),
+        (
+            "_INBOX_person-alice.a1",
+            "replies to a person",
+            [N, N, N, N, N, N, N, N, S, N],
+        ),
+        (
+            "_INBOX_person-bob.a1",
+            "replies to another person",
+            [N, N, N, N, N, N, N, N, N, S],
         ),
         (
             "_INBOX_cyrene-model-gateway.a1",
             "replies to the gateway",
-            [S, N, N, N, N, N, N, N],
+            [S, N, N, N, N, N, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-checkpoint-store.a1",
             "replies to the store",
-            [N, S, N, N, N, N, N, N],
+            [N, S, N, N, N, N, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-orchestrator.a1",
             "replies to the orchestrator",
-            [N, N, S, N, N, N, N, N],
+            [N, N, S, N, N, N, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-loop-worker.a1",
             "replies to the worker",
-            [N, N, N, S, N, N, N, N],
+            [N, N, N, S, N, N, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-tools.a1",
             "replies to a tool",
-            [N, N, N, N, S, N, N, N],
+            [N, N, N, N, S, N, N, N, N, N],
         ),
         (
             "$SYS.REQ.SERVER.PING",
             "the server's system account",
-            [N, N, N, N, N, N, N, N],
+            [N, N, N, N, N, N, N, N, N, N],
         ),
         (
             "anything.else",
             "any other subject",
-            [N, N, N, N, N, N, N, N],
+            [N, N, N, N, N, N, N, N, N, N],
         ),
     ]
 };
@@ -339,14 +413,25 @@ const DISCOVERABLE: [&str; 5] = [
     "test-tools",
 ];
 
+/// deploy/nats/users.conf, the users and their permissions.
+fn users_conf() -> String {
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/nats/users.conf"
+    ))
+    .unwrap()
+}
+
 fn server() -> NatsServer {
     let mut config = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/deploy/nats/cyrene.conf"
     ))
     .unwrap();
-    // The harness gives the server its own store dir (a flag) in place of the deployed one.
+    // The harness gives the server its own store dir (a flag) in place of the deployed one, and
+    // writes the config to a directory of its own: users.conf goes in its place.
     config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
+    config = config.replace("include ./users.conf\n", &users_conf());
     for (var, password) in USERS {
         config = config.replace(&format!("${var}"), &format!("\"{password}\""));
     }
@@ -451,10 +536,16 @@ async fn discovered(operator: &async_nats::Client) -> Vec<String> {
     names
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused() {
-    let server = server();
-    let shutdown = CancellationToken::new();
+/// The four services, each connected as its own user, and the test tools as `cyrene-tools`;
+/// returns once an operator sees every one of them (the operator, the tools, the data dir).
+async fn start_services(
+    server: &NatsServer,
+    shutdown: &CancellationToken,
+) -> (
+    async_nats::Client,
+    Arc<common::TestTools>,
+    tempfile::TempDir,
+) {
     let data = tempfile::tempdir().unwrap();
 
     let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
@@ -468,7 +559,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     )
     .unwrap();
     let client = connect_as(
-        &server,
+        server,
         "cyrene-model-gateway",
         "pw-gateway",
         "cyrene-model-gateway",
@@ -481,7 +572,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         shutdown.clone(),
     ));
     let client = connect_as(
-        &server,
+        server,
         "cyrene-checkpoint-store",
         "pw-store",
         "cyrene-checkpoint-store",
@@ -493,7 +584,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         shutdown.clone(),
     ));
     let client = connect_as(
-        &server,
+        server,
         "cyrene-orchestrator",
         "pw-orchestrator",
         "cyrene-orchestrator",
@@ -505,7 +596,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         shutdown.clone(),
     ));
     let client = connect_as(
-        &server,
+        server,
         "cyrene-loop-worker",
         "pw-worker",
         "cyrene-loop-worker",
@@ -518,14 +609,23 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     ));
 
     // External tools run as the tools user.
-    let client = connect_as(&server, "cyrene-tools", "pw-tools", "cyrene-tools").await;
+    let client = connect_as(server, "cyrene-tools", "pw-tools", "cyrene-tools").await;
     let tools = common::TestTools::start(&client, shutdown.clone()).await;
 
     // An operator (as `cyrene probe` connects) waits for the services.
-    let operator = connect_as(&server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
+    let operator = connect_as(server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
     for name in SERVICES.into_iter().chain(["test-tools"]) {
         common::wait_for_service(&operator, name).await;
     }
+
+    (operator, tools, data)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused() {
+    let server = server();
+    let shutdown = CancellationToken::new();
+    let (operator, tools, _data) = start_services(&server, &shutdown).await;
 
     // A person's client: one full turn with a tool call, answered in the transcript.
     let cli = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
@@ -738,10 +838,18 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     let mut as_hoshi = RawConnection::connect(port, Some(("agent-hoshi", "pw-hoshi"))).await;
     let mut as_operator =
         RawConnection::connect(port, Some(("cyrene-operator", "pw-operator"))).await;
+    let mut as_alice = RawConnection::connect(port, Some(("person-alice", "pw-alice"))).await;
+    let alice_subjects = [
+        "cyrene.person.alice.session.send",
+        "cyrene.person.alice.session.history",
+        "cyrene.person.alice.checkpoint.latest",
+        "cyrene.person.alice.checkpoint.get",
+        "cyrene.person.alice.checkpoint.list",
+        "cyrene.agent.alice.cyrene.ask",
+    ];
     let client_subjects = [
         subjects::SESSION_SEND,
         subjects::SESSION_HISTORY,
-        "cyrene.checkpoint.latest",
         "cyrene.checkpoint.get",
         "cyrene.checkpoint.list",
         "cyrene.agent.cli.cyrene.ask",
@@ -756,11 +864,20 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         as_hoshi
             .hpub("cyrene.agent.hoshi.cyrene.ask", None, block, b"{}")
             .await;
+        for subject in alice_subjects {
+            let reply = Some("_INBOX_person-alice.raw");
+            as_alice.hpub(subject, reply, block, b"{}").await;
+        }
         for subject in ["$SRV.PING", "$SRV.INFO", "$SRV.STATS"] {
             let reply = Some("_INBOX_cyrene-operator.raw");
             as_operator.hpub(subject, reply, block, b"").await;
         }
-        for raw in [&mut as_client, &mut as_hoshi, &mut as_operator] {
+        for raw in [
+            &mut as_client,
+            &mut as_hoshi,
+            &mut as_operator,
+            &mut as_alice,
+        ] {
             let errors = raw.round_trip().await;
             assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
         }
@@ -780,7 +897,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
 }
 
 /// The permission matrix as a Markdown table (docs/security.md holds it verbatim).
-fn render_matrix(matrix: &[(&str, &str, [&str; 8])]) -> String {
+fn render_matrix(matrix: &[(&str, &str, [&str; 10])]) -> String {
     let mut table = String::from("| subject | what |");
     for (user, _) in MATRIX_USERS {
         table.push_str(&format!(" `{user}` |"));
@@ -826,9 +943,9 @@ async fn permitted(raw: &mut RawConnection, subject: &str, sid: u64) -> &'static
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     let server = server();
-    let mut observed: Vec<(&str, &str, [&str; 8])> = MATRIX
+    let mut observed: Vec<(&str, &str, [&str; 10])> = MATRIX
         .iter()
-        .map(|(subject, what, _)| (*subject, *what, ["?"; 8]))
+        .map(|(subject, what, _)| (*subject, *what, ["?"; 10]))
         .collect();
     for (column, (user, password)) in MATRIX_USERS.into_iter().enumerate() {
         let mut raw = RawConnection::connect(server.port(), Some((user, password))).await;
@@ -840,7 +957,7 @@ async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     let observed = render_matrix(&observed);
     assert_eq!(
         observed, expected,
-        "deploy/nats/cyrene.conf permits (left) what the matrix does not say (right)"
+        "deploy/nats/users.conf permits (left) what the matrix does not say (right)"
     );
 
     let doc =
@@ -851,15 +968,359 @@ async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     );
 
     // Every user of the config is in the matrix.
-    let conf = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/deploy/nats/cyrene.conf"
-    ))
-    .unwrap();
+    let conf = users_conf();
     let users: Vec<&str> = conf
         .lines()
         .filter_map(|line| line.trim().strip_prefix("user: "))
         .collect();
     let columns: Vec<&str> = MATRIX_USERS.iter().map(|(user, _)| *user).collect();
-    assert_eq!(users, columns, "users of deploy/nats/cyrene.conf");
+    assert_eq!(users, columns, "users of deploy/nats/users.conf");
+}
+
+/// A person's client as `cyrene --person <id>` connects: the person's user, the connection name
+/// `person-<id>`, so the private inbox prefix `_INBOX_person-<id>`.
+async fn person(server: &NatsServer, id: &str) -> async_nats::Client {
+    connect_as(
+        server,
+        &format!("person-{id}"),
+        &format!("pw-{id}"),
+        &format!("person-{id}"),
+    )
+    .await
+}
+
+/// A request that the service must refuse with `code`.
+async fn refused_with<Req: serde::Serialize>(
+    client: &async_nats::Client,
+    subject: &str,
+    request: &Req,
+    code: &str,
+) {
+    let answer: Result<serde_json::Value, _> =
+        request_json(client, subject, request, Duration::from_secs(5)).await;
+    match answer {
+        Err(cyrene_bus::RequestError::Remote(body)) => {
+            assert_eq!(body.code.as_str(), code, "{subject}: {body}")
+        }
+        other => panic!("{subject}: expected {code}, got {other:?}"),
+    }
+}
+
+/// Collects every message of `subscriber` until the test looks.
+fn record(mut subscriber: async_nats::Subscriber) -> Arc<Mutex<Vec<String>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Some(message) = subscriber.next().await {
+            let text = String::from_utf8_lossy(&message.payload).into_owned();
+            s.lock()
+                .unwrap()
+                .push(format!("{}: {text}", message.subject));
+        }
+    });
+    seen
+}
+
+/// Issue 12, item 3: two people with separate identities (the shipped `person-alice` and
+/// `person-bob`) cannot read each other's events, history, checkpoints or replies, the shared
+/// client cannot either, and nobody — person or agent — asks or emits as another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
+    let server = server();
+    let shutdown = CancellationToken::new();
+    let (_operator, _tools, _data) = start_services(&server, &shutdown).await;
+    let alice = person(&server, "alice").await;
+    let bob = person(&server, "bob").await;
+    let shared = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
+    assert!(alice.new_inbox().starts_with("_INBOX_person-alice."));
+
+    // What bob and the shared client may listen to, listened to the whole time.
+    let mut spies = Vec::new();
+    for subject in ["cyrene.session.bob.*.events", "cyrene.agent.*.bob.reply.*"] {
+        spies.push((subject, record(bob.subscribe(subject).await.unwrap())));
+    }
+    for subject in [
+        "cyrene.session.*.events",
+        "cyrene.agent.*.*.reply.*",
+        "_INBOX.>",
+        "_INBOX_cyrene-cli.>",
+    ] {
+        spies.push((subject, record(shared.subscribe(subject).await.unwrap())));
+    }
+    // What alice may listen to: her own sessions' events (so the spies' silence means something).
+    let own_events = record(
+        alice
+            .subscribe("cyrene.session.alice.*.events")
+            .await
+            .unwrap(),
+    );
+    bob.flush().await.unwrap();
+    shared.flush().await.unwrap();
+    alice.flush().await.unwrap();
+
+    // Bob cannot even subscribe to alice's events, replies or inbox, nor to every session.
+    let (bob_watched, violations) = watched(&server, "person-bob", "pw-bob").await;
+    for subject in [
+        "cyrene.session.alice.*.events",
+        "cyrene.session.*.*.events",
+        "cyrene.session.*.events",
+        "cyrene.agent.*.alice.reply.*",
+        "_INBOX_person-alice.>",
+        "_INBOX.>",
+        ">",
+    ] {
+        let _sub = bob_watched.subscribe(subject).await.unwrap();
+        bob_watched.flush().await.unwrap();
+        refused(&violations, &format!("bob subscribing to {subject}")).await;
+    }
+
+    // Alice: a turn with a tool call in her own session, on her own subject.
+    let alice_send = subjects::person("alice", subjects::PERSON_SESSION_SEND).unwrap();
+    let alice_history = subjects::person("alice", subjects::PERSON_SESSION_HISTORY).unwrap();
+    let send = SendRequest {
+        session_id: "alice.s1".into(),
+        message: Message::text(Role::User, "what time is it? secret-of-alice"),
+        client_id: "alice-phone".into(),
+        idempotency_key: "a1".into(),
+        env: None,
+        parallel: false,
+        when_busy: None,
+    };
+    let ack: SendAck = request_json(&alice, &alice_send, &send, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(!ack.turn_id.is_empty());
+    let own = HistoryRequest {
+        session_id: "alice.s1".into(),
+        limit: None,
+        before_seq: None,
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let history: HistoryResponse =
+                request_json(&alice, &alice_history, &own, Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            if let Some(answer) = history
+                .messages
+                .iter()
+                .find(|e| e.message.role == Role::Assistant)
+            {
+                return answer.message.text_content();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("alice's turn is answered");
+    assert!(answer.starts_with("It is "), "{answer}");
+    let list = cyrene_protocol::checkpoint::ListRequest {
+        agent_id: "alice.s1".into(),
+        limit: None,
+        before: None,
+    };
+    let alice_list = subjects::person("alice", subjects::PERSON_CHECKPOINT_LIST).unwrap();
+    let checkpoints: cyrene_protocol::checkpoint::ListResponse =
+        request_json(&alice, &alice_list, &list, Duration::from_secs(5))
+            .await
+            .unwrap();
+    let first = checkpoints
+        .checkpoints
+        .first()
+        .expect("alice reads her checkpoints")
+        .id
+        .clone();
+    // Alice asks the persona as herself; the answer comes back to her alone.
+    let reply = Probe::new(alice.clone(), "alice")
+        .ask("cyrene", "what time is it? ask-of-alice")
+        .await
+        .unwrap();
+    assert!(reply.text.starts_with("It is "), "{}", reply.text);
+    let ask_session = cyrene_orchestrator::agents::ask_session_id("cyrene", "alice");
+    let asked = HistoryRequest {
+        session_id: ask_session.clone(),
+        limit: None,
+        before_seq: None,
+    };
+    let history: HistoryResponse =
+        request_json(&alice, &alice_history, &asked, Duration::from_secs(5))
+            .await
+            .unwrap();
+    assert!(!history.messages.is_empty(), "alice reads her ask session");
+
+    // The CLI as a person (`--person`): her private inbox prefix (person-alice may not subscribe
+    // to any other), her subjects, `-s s1` taken as `alice.s1`; bob's CLI is refused hers.
+    let cli = |user: &str, password: &str, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+            .env("NATS_URL", server.url())
+            .env("NATS_USER", user)
+            .env("NATS_PASSWORD", password)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(
+        "person-alice",
+        "pw-alice",
+        &["--person", "alice", "history", "-s", "s1"],
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && printed.contains("It is "),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        "person-alice",
+        "pw-alice",
+        &["--person", "alice", "checkpoints", "s1"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        "person-bob",
+        "pw-bob",
+        &["--person", "bob", "history", "-s", "alice.s1"],
+    );
+    let printed = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{printed}");
+    assert!(printed.contains("forbidden"), "{printed}");
+    // Without its prefix, alice's client cannot even hear its replies.
+    let out = cli("person-alice", "pw-alice", &["history", "-s", "alice.s1"]);
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // Bob, on his own subjects, is refused everything of alice's.
+    let bob_history = subjects::person("bob", subjects::PERSON_SESSION_HISTORY).unwrap();
+    refused_with(&bob, &bob_history, &own, "forbidden").await;
+    refused_with(&bob, &bob_history, &asked, "forbidden").await;
+    let steal = SendRequest {
+        idempotency_key: "b1".into(),
+        ..send.clone()
+    };
+    let bob_send = subjects::person("bob", subjects::PERSON_SESSION_SEND).unwrap();
+    refused_with(&bob, &bob_send, &steal, "forbidden").await;
+    let bob_list = subjects::person("bob", subjects::PERSON_CHECKPOINT_LIST).unwrap();
+    refused_with(&bob, &bob_list, &list, "forbidden").await;
+    let bob_latest = subjects::person("bob", subjects::PERSON_CHECKPOINT_LATEST).unwrap();
+    let latest = json!({"agent_id": "alice.s1"});
+    refused_with(&bob, &bob_latest, &latest, "forbidden").await;
+    let bob_get = subjects::person("bob", subjects::PERSON_CHECKPOINT_GET).unwrap();
+    refused_with(&bob, &bob_get, &json!({"id": first}), "forbidden").await;
+    // … and the server refuses him alice's subjects outright.
+    for subject in [
+        alice_history.as_str(),
+        alice_send.as_str(),
+        alice_list.as_str(),
+        subjects::SESSION_HISTORY,
+        subjects::CHECKPOINT_LATEST,
+        subjects::CHECKPOINT_LIST,
+    ] {
+        bob_watched
+            .publish(subject.to_owned(), "{}".into())
+            .await
+            .unwrap();
+        bob_watched.flush().await.unwrap();
+        refused(&violations, &format!("bob publishing on {subject}")).await;
+    }
+
+    // Alice saw her session's events; nobody else saw anything of hers (checked before the
+    // shared client's own refused requests, whose answers name alice, reach its inbox).
+    let own_events = own_events.lock().unwrap().clone();
+    assert!(
+        own_events.iter().any(|e| e.contains("turn_ended")),
+        "{own_events:?}"
+    );
+    for (subject, seen) in spies {
+        let seen = seen.lock().unwrap().clone();
+        let leaked: Vec<&String> = seen
+            .iter()
+            .filter(|m| m.contains("alice") || m.contains("It is "))
+            .collect();
+        assert!(leaked.is_empty(), "{subject} saw alice's: {leaked:?}");
+    }
+
+    // The shared client reaches no person's session either.
+    refused_with(&shared, subjects::SESSION_HISTORY, &own, "forbidden").await;
+    refused_with(&shared, subjects::SESSION_HISTORY, &asked, "forbidden").await;
+    refused_with(&shared, subjects::SESSION_SEND, &steal, "forbidden").await;
+    refused_with(&shared, subjects::CHECKPOINT_LIST, &list, "forbidden").await;
+    refused_with(
+        &shared,
+        subjects::CHECKPOINT_GET,
+        &json!({"id": first}),
+        "forbidden",
+    )
+    .await;
+    let (shared_watched, violations) = watched(&server, "cyrene-client", "pw-client").await;
+    for subject in [
+        subjects::CHECKPOINT_LATEST,
+        alice_history.as_str(),
+        "cyrene.agent.alice.cyrene.ask",
+    ] {
+        shared_watched
+            .publish(subject.to_owned(), "{}".into())
+            .await
+            .unwrap();
+        shared_watched.flush().await.unwrap();
+        refused(
+            &violations,
+            &format!("the shared client publishing {subject}"),
+        )
+        .await;
+    }
+
+    // Nobody asks or emits as another: not bob as alice, not alice as bob or as an agent or a
+    // persona, not an agent as a person.
+    let (alice_watched, violations) = watched(&server, "person-alice", "pw-alice").await;
+    for subject in [
+        "cyrene.agent.bob.cyrene.ask",
+        "cyrene.agent.bob.event",
+        "cyrene.agent.hoshi.cyrene.ask",
+        "cyrene.agent.cyrene.hoshi.event",
+        "cyrene.person.bob.session.send",
+    ] {
+        alice_watched.publish(subject, "{}".into()).await.unwrap();
+        alice_watched.flush().await.unwrap();
+        refused(&violations, &format!("alice publishing {subject}")).await;
+    }
+    let (hoshi, violations) = watched(&server, "agent-hoshi", "pw-hoshi").await;
+    for subject in [
+        "cyrene.agent.alice.cyrene.ask",
+        "cyrene.agent.alice.event",
+        "cyrene.person.alice.session.send",
+    ] {
+        hoshi.publish(subject, "{}".into()).await.unwrap();
+        hoshi.flush().await.unwrap();
+        refused(&violations, &format!("agent hoshi publishing {subject}")).await;
+    }
+    // On her own subject, a body that names someone else is refused by the persona.
+    let mut replies = alice
+        .subscribe("cyrene.agent.cyrene.alice.reply.q9")
+        .await
+        .unwrap();
+    alice.flush().await.unwrap();
+    let forged = json!({"id":"q9","from":"bob","to":"cyrene","question":"what time is it?"});
+    alice
+        .publish_with_reply(
+            "cyrene.agent.alice.cyrene.ask",
+            "cyrene.agent.cyrene.alice.reply.q9",
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let refusal = tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&refusal.payload).unwrap();
+    assert_eq!(body["error"]["code"], "forbidden", "{body}");
+
+    shutdown.cancel();
 }

@@ -161,9 +161,11 @@ impl Session {
 }
 
 pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
-    let id = args
-        .session
-        .unwrap_or_else(|| format!("chat-{}", ids::new_id()));
+    let id = super::person::session(
+        &args
+            .session
+            .unwrap_or_else(|| format!("chat-{}", ids::new_id())),
+    );
     let session = Session::open(client, id.clone(), args.client, args.verbose).await?;
     eprintln!(
         "cyrene: chatting in session {id} (Ctrl-D to leave). Type while she works: it is steered in."
@@ -197,9 +199,11 @@ pub struct DemoArgs {
 /// Plays: a question that makes her call a (slow) tool; a second message typed while the tool
 /// runs, which is steered into the same turn; then the checkpoints and the transcript.
 pub async fn demo(client: Client, args: DemoArgs) -> Result<(), CliError> {
-    let id = args
-        .session
-        .unwrap_or_else(|| format!("demo-{}", ids::new_id()));
+    let id = super::person::session(
+        &args
+            .session
+            .unwrap_or_else(|| format!("demo-{}", ids::new_id())),
+    );
     super::wait_for_services(
         &client,
         &[

@@ -3,6 +3,7 @@
 mod agent;
 mod chat;
 mod comm;
+mod person;
 mod probe;
 mod session;
 mod up;
@@ -20,6 +21,14 @@ use std::time::Duration;
 pub struct Cli {
     #[command(flatten)]
     pub bus: cyrene_bus::BusArgs,
+    /// Act as this person (docs/security.md, "People"): sessions `<person>.<name>` (a session
+    /// given without a dot is taken as theirs), requests on `cyrene.person.<person>.…`, replies
+    /// on the private inbox prefix `_INBOX_person-<person>`.
+    #[arg(long, env = "CYRENE_CLI_PERSON", global = true)]
+    pub person: Option<String>,
+    /// Inbox prefix for replies: `_INBOX_cyrene-cli`, or `_INBOX_person-<person>` with --person.
+    #[arg(long, env = "CYRENE_CLI_INBOX_PREFIX", global = true)]
+    pub inbox_prefix: Option<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -75,10 +84,12 @@ impl CliError {
 }
 
 pub async fn run(cli: Cli) -> Result<(), CliError> {
-    let config = cli
+    person::set(cli.person.clone()).map_err(CliError::Failed)?;
+    let mut config = cli
         .bus
-        .config("cyrene-cli", ConnectMode::Client)
+        .config(&person::connection_name(), ConnectMode::Client)
         .map_err(CliError::Failed)?;
+    config.inbox = cli.inbox_prefix.clone();
     let client = cyrene_bus::connect(&config).await.map_err(|e| {
         let at = config.redacted_urls().join(",");
         CliError::Failed(format!("cannot connect to NATS at {at}: {e}"))

@@ -1,5 +1,6 @@
 //! `cyrene send`, `cyrene events`, `cyrene checkpoints`: thin clients of the wire API.
 
+use super::person;
 use super::{CliError, parse_duration};
 use async_nats::Client;
 use clap::Args;
@@ -64,7 +65,7 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
         persona: args.persona.clone().unwrap_or_default(),
     });
     SendRequest {
-        session_id: args.session.clone(),
+        session_id: person::session(&args.session),
         message,
         client_id: args.client.clone(),
         idempotency_key: args.key.clone().unwrap_or_else(ids::new_id),
@@ -79,7 +80,8 @@ pub async fn send_message(
     request: &SendRequest,
     timeout: Duration,
 ) -> Result<SendAck, CliError> {
-    request_json(client, subjects::SESSION_SEND, request, timeout)
+    let subject = person::subject(subjects::SESSION_SEND, subjects::PERSON_SESSION_SEND);
+    request_json(client, &subject, request, timeout)
         .await
         .map_err(request_error)
 }
@@ -112,8 +114,9 @@ pub struct EventsArgs {
 
 pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
     let subject = match &args.session {
-        Some(s) => subjects::session_events(s).map_err(|e| CliError::Failed(e.to_string()))?,
-        None => subjects::SESSION_EVENTS_ALL.to_owned(),
+        Some(s) => subjects::session_events(&person::session(s))
+            .map_err(|e| CliError::Failed(e.to_string()))?,
+        None => person::all_events(),
     };
     let mut sub = client
         .subscribe(subject)
@@ -241,13 +244,13 @@ pub struct HistoryArgs {
 
 pub async fn history(client: Client, args: HistoryArgs) -> Result<(), CliError> {
     let request = HistoryRequest {
-        session_id: args.session.clone(),
+        session_id: person::session(&args.session),
         limit: Some(args.limit),
         before_seq: args.before_seq,
     };
     let history: HistoryResponse = request_json(
         &client,
-        subjects::SESSION_HISTORY,
+        &person::subject(subjects::SESSION_HISTORY, subjects::PERSON_SESSION_HISTORY),
         &request,
         Duration::from_secs(5),
     )
@@ -281,13 +284,13 @@ pub struct CheckpointsArgs {
 
 pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), CliError> {
     let request = ListRequest {
-        agent_id: args.owner.clone(),
+        agent_id: person::session(&args.owner),
         limit: Some(args.limit),
         before: None,
     };
     let list: ListResponse = request_json(
         &client,
-        subjects::CHECKPOINT_LIST,
+        &person::subject(subjects::CHECKPOINT_LIST, subjects::PERSON_CHECKPOINT_LIST),
         &request,
         Duration::from_secs(5),
     )

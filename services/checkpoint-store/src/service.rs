@@ -5,6 +5,10 @@
 //! - Every request is answered: bad input by the decoder (`bad_request`/`too_large`) or the store
 //!   checks, database trouble by `unavailable`, and every database operation is bounded by
 //!   `db_timeout`, so a silent database can never hang a caller.
+//! - A person reads only their own sessions' checkpoints, on `cyrene.person.<person>.checkpoint.*`
+//!   (`person-latest`, `person-get`, `person-list`); the shared `get` and `list` never reach a
+//!   person's ([`may_read`], docs/security.md "People"). The shared `latest` is the loop worker's
+//!   (it resumes every session); the shipped NATS config grants it to nobody else.
 //! - On shutdown the endpoints stop taking requests, in-flight handlers finish, then the pool is
 //!   closed.
 //!
@@ -20,9 +24,11 @@ use async_nats::service::ServiceExt;
 use chrono::Utc;
 use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{RequestContext, ServeOptions, page_within, reply_budget, serve_json};
+use cyrene_protocol::checkpoint::owner_person;
 use cyrene_protocol::checkpoint::{
     Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
 };
+use cyrene_protocol::error::{ErrorBody, ErrorCode};
 use cyrene_protocol::subjects;
 use std::sync::Arc;
 use tokio::task::JoinSet;
@@ -52,16 +58,21 @@ pub async fn serve<S: CheckpointStore>(
         .await
         .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
     let service_ref = &service;
-    let endpoint = |name: &'static str, subject: &'static str| async move {
-        cyrene_bus::service::add_endpoint(service_ref, name, subject)
+    let endpoint = |name: &'static str, subject: String| async move {
+        cyrene_bus::service::add_endpoint(service_ref, name, &subject)
             .await
             .map_err(Error::Bus)
     };
-    let save = endpoint("save", subjects::CHECKPOINT_SAVE).await?;
-    let latest = endpoint("latest", subjects::CHECKPOINT_LATEST).await?;
-    let get = endpoint("get", subjects::CHECKPOINT_GET).await?;
-    let list = endpoint("list", subjects::CHECKPOINT_LIST).await?;
-    let retain = endpoint("retain", subjects::CHECKPOINT_RETAIN).await?;
+    let person = |what: &str| subjects::person_all(what);
+    let save = endpoint("save", subjects::CHECKPOINT_SAVE.into()).await?;
+    let latest = endpoint("latest", subjects::CHECKPOINT_LATEST.into()).await?;
+    let get = endpoint("get", subjects::CHECKPOINT_GET.into()).await?;
+    let list = endpoint("list", subjects::CHECKPOINT_LIST.into()).await?;
+    let retain = endpoint("retain", subjects::CHECKPOINT_RETAIN.into()).await?;
+    let person_latest =
+        endpoint("person-latest", person(subjects::PERSON_CHECKPOINT_LATEST)).await?;
+    let person_get = endpoint("person-get", person(subjects::PERSON_CHECKPOINT_GET)).await?;
+    let person_list = endpoint("person-list", person(subjects::PERSON_CHECKPOINT_LIST)).await?;
 
     let limit = config.db_timeout;
     let budget = reply_budget(&client);
@@ -105,63 +116,74 @@ pub async fn serve<S: CheckpointStore>(
             }
         },
     ));
-    let s = store.clone();
-    tasks.spawn(serve_json(
-        latest,
-        small,
-        shutdown.clone(),
-        move |req: LatestRequest, _: RequestContext| {
-            let s = s.clone();
-            async move {
-                match (req.turn_id.as_deref(), req.attempt) {
-                    (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
-                    (Some(turn), attempt) => {
-                        let read = s.latest_of_turn(&req.agent_id, turn, attempt, Utc::now());
-                        bounded(limit, read).await
+    for latest in [latest, person_latest] {
+        let s = store.clone();
+        tasks.spawn(serve_json(
+            latest,
+            small,
+            shutdown.clone(),
+            move |req: LatestRequest, ctx: RequestContext| {
+                let s = s.clone();
+                async move {
+                    may_read(&ctx.subject, &req.agent_id)?;
+                    match (req.turn_id.as_deref(), req.attempt) {
+                        (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
+                        (Some(turn), attempt) => {
+                            let read = s.latest_of_turn(&req.agent_id, turn, attempt, Utc::now());
+                            bounded(limit, read).await
+                        }
+                        (None, Some(_)) => Err(StoreError::BadRequest(
+                            "attempt needs turn_id: a fenced read is of one turn".into(),
+                        )
+                        .to_body()),
                     }
-                    (None, Some(_)) => Err(StoreError::BadRequest(
-                        "attempt needs turn_id: a fenced read is of one turn".into(),
-                    )
-                    .to_body()),
                 }
-            }
-        },
-    ));
-    let s = store.clone();
-    tasks.spawn(serve_json(
-        get,
-        small,
-        shutdown.clone(),
-        move |req: GetRequest, _: RequestContext| {
-            let s = s.clone();
-            async move { bounded(limit, s.get(&req.id)).await }
-        },
-    ));
-    let s = store.clone();
-    tasks.spawn(serve_json(
-        list,
-        small,
-        shutdown.clone(),
-        move |req: ListRequest, _: RequestContext| {
-            let s = s.clone();
-            async move {
-                let count = crate::store::list_limit(req.limit).map_err(|e| e.to_body())?;
-                // One row more than asked tells whether another page follows.
-                let read = s.list_before(&req.agent_id, count + 1, req.before.as_deref());
-                let mut rows = bounded(limit, read).await?;
-                let more = rows.len() > count as usize;
-                rows.truncate(count as usize);
-                let (checkpoints, cut) = page_within(rows, budget);
-                let next_before = (more || cut)
-                    .then(|| checkpoints.last().map(|c| c.id.clone()))
-                    .flatten();
-                Ok(ListResponse {
-                    checkpoints,
-                    next_before,
-                })
-            }
-        },
-    ));
+            },
+        ));
+    }
+    for get in [get, person_get] {
+        let s = store.clone();
+        tasks.spawn(serve_json(
+            get,
+            small,
+            shutdown.clone(),
+            move |req: GetRequest, ctx: RequestContext| {
+                let s = s.clone();
+                async move {
+                    may_read(&ctx.subject, &req.id)?;
+                    bounded(limit, s.get(&req.id)).await
+                }
+            },
+        ));
+    }
+    for list in [list, person_list] {
+        let s = store.clone();
+        tasks.spawn(serve_json(
+            list,
+            small,
+            shutdown.clone(),
+            move |req: ListRequest, ctx: RequestContext| {
+                let s = s.clone();
+                async move {
+                    may_read(&ctx.subject, &req.agent_id)?;
+                    let count = crate::store::list_limit(req.limit).map_err(|e| e.to_body())?;
+                    // One row more than asked tells whether another page follows.
+                    let read = s.list_before(&req.agent_id, count + 1, req.before.as_deref());
+                    let mut rows = bounded(limit, read).await?;
+                    let more = rows.len() > count as usize;
+                    rows.truncate(count as usize);
+                    let (checkpoints, cut) = page_within(rows, budget);
+                    let next_before = (more || cut)
+                        .then(|| checkpoints.last().map(|c| c.id.clone()))
+                        .flatten();
+                    Ok(ListResponse {
+                        checkpoints,
+                        next_before,
+                    })
+                }
+            },
+        ));
+    }
     let s = store.clone();
     tasks.spawn(serve_json(
         retain,
@@ -189,4 +211,62 @@ pub async fn serve<S: CheckpointStore>(
     store.close().await;
     tracing::info!("checkpoint store stopped");
     Ok(())
+}
+
+/// Whether the caller of a read on `subject` may read the checkpoints of `owner_or_id` (an
+/// owner key or a checkpoint id): a person (`cyrene.person.<p>.checkpoint.*`) only their own
+/// sessions'; the shared `get` and `list` only sessions of nobody in particular; the shared
+/// `latest` (the loop worker's) any. `forbidden` otherwise; ids are checked by the store.
+fn may_read(subject: &str, owner_or_id: &str) -> Result<(), ErrorBody> {
+    let owner = owner_person(owner_or_id);
+    match subjects::person_of(subject) {
+        Some(caller) if owner == Some(caller) => Ok(()),
+        Some(caller) => Err(ErrorBody::new(
+            ErrorCode::Forbidden,
+            format!(
+                "{:?} is not a checkpoint of {caller:?}'s sessions ({caller}.<name>)",
+                cut(owner_or_id)
+            ),
+        )),
+        None if subject == subjects::CHECKPOINT_LATEST => Ok(()),
+        None => match owner {
+            None => Ok(()),
+            Some(owner) => Err(ErrorBody::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "{:?} is {owner:?}'s: only they read it, on \
+                     cyrene.person.{owner}.checkpoint.*",
+                    cut(owner_or_id)
+                ),
+            )),
+        },
+    }
+}
+
+/// At most 160 characters of a caller's value in an error message.
+fn cut(value: &str) -> String {
+    value.chars().take(160).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_person_reads_only_their_own_sessions_checkpoints() {
+        let alice = "cyrene.person.alice.checkpoint.list";
+        assert!(may_read(alice, "alice.s1").is_ok());
+        assert!(may_read("cyrene.person.alice.checkpoint.get", "alice.s1#l1:t1:3").is_ok());
+        for other in ["bob.s1", "s1", "s1#l1:2"] {
+            let err = may_read(alice, other).unwrap_err();
+            assert_eq!(err.code, ErrorCode::Forbidden, "{other}");
+        }
+        assert!(may_read(subjects::CHECKPOINT_LIST, "s1").is_ok());
+        for shared in [subjects::CHECKPOINT_LIST, subjects::CHECKPOINT_GET] {
+            let err = may_read(shared, "alice.s1:3").unwrap_err();
+            assert_eq!(err.code, ErrorCode::Forbidden, "{shared}");
+        }
+        // the loop worker resumes every session
+        assert!(may_read(subjects::CHECKPOINT_LATEST, "alice.s1").is_ok());
+    }
 }

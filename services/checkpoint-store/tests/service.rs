@@ -223,7 +223,7 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
         ),
         (
             subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s.1:1","agent_id":"s.1","step":1,"state":{}}"#.to_vec(),
+            br#"{"id":"s.1.2:1","agent_id":"s.1.2","step":1,"state":{}}"#.to_vec(),
             ErrorCode::BadRequest,
         ),
         (
@@ -379,6 +379,9 @@ async fn the_micro_service_lists_its_named_endpoints() {
         ("get", subjects::CHECKPOINT_GET),
         ("latest", subjects::CHECKPOINT_LATEST),
         ("list", subjects::CHECKPOINT_LIST),
+        ("person-get", "cyrene.person.*.checkpoint.get"),
+        ("person-latest", "cyrene.person.*.checkpoint.latest"),
+        ("person-list", "cyrene.person.*.checkpoint.list"),
         ("retain", subjects::CHECKPOINT_RETAIN),
         ("save", subjects::CHECKPOINT_SAVE),
     ]

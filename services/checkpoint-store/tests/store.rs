@@ -429,7 +429,7 @@ async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
         .await
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
-    for (owner, turn) in [("s.1", "turn1"), ("s1", "t.1"), ("s1", "")] {
+    for (owner, turn) in [("s.1.2", "turn1"), ("s1", "t.1"), ("s1", "")] {
         assert_eq!(
             store
                 .latest_of_turn(owner, turn, Some(1), t(0))
@@ -622,7 +622,7 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
 ) {
     let now = t(0);
     let mut bad_saves = vec![
-        checkpoint("s.1", 1, "bad owner"),
+        checkpoint("s.1.2", 1, "bad owner"),
         checkpoint("s1#", 1, "empty leg"),
         checkpoint("s1#a#b", 1, "two legs"),
         checkpoint(&"s".repeat(129), 1, "too long"),
@@ -667,7 +667,7 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
         );
     }
     for id in [
-        "s1", "s1:", "s1:x", "s1:01", "s.1:1", ":1", "s1::1", "s1:t.1:1",
+        "s1", "s1:", "s1:x", "s1:01", "s.1.2:1", ":1", "s1::1", "s1:t.1:1",
     ] {
         assert_eq!(
             store.get(id).await.unwrap_err().code(),
@@ -685,7 +685,7 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
             older_than_secs: Some(1),
             ..RetainRequest::keep_last("s1", 1)
         },
-        RetainRequest::keep_last("s.1", 1),
+        RetainRequest::keep_last("s.1.2", 1),
         RetainRequest::older_than(u64::MAX),
     ] {
         assert_eq!(

@@ -13,6 +13,7 @@
 //!   orchestrator shuts down.
 //! - Askers never see each other: each (persona, asker) pair has its own ask session, so an
 //!   asker's turn is seeded only with that asker's earlier questions and the answers to them.
+//!   The session is the asker's own (`<asker>.ask-…`): a person reads it, nobody else.
 //! - The asker is who the subject says: the probe answers an ask whose `from` is not the
 //!   subject's sender `forbidden` before it reaches [`PersonaAgent::on_ask`]. Its name is stored
 //!   as `sender_name` in its normalised form ([`display_name`]), never raw, in the **agent lane**
@@ -46,26 +47,32 @@ pub const ASK_DONE_PREFIX: &str = "cyrene.orchestrator.ask";
 /// The client id recorded on ask messages.
 pub const ASK_CLIENT_ID: &str = "comm";
 
-/// How many characters of the persona and of the asker token a session id shows.
+/// How many characters of the persona token a session id shows.
 const ASK_SESSION_PART: usize = 40;
 
-/// The ask session of asker `from` with `persona`:
-/// `ask-<persona token>-<asker token>-<digest>`, each token cut to 40 characters, the digest the
-/// first 128 bits of SHA-256 over `persona`, a NUL and the raw `from`, in hex (at most 117
-/// characters, all valid id characters). The readable parts are for operators; the digest
-/// makes the id one per pair even when tokens are cut, contain `-`, or two ids sanitise alike
-/// (`阿明` and `主人` are both `__` on the wire but two askers).
+/// The ask session of asker `from` with `persona`: `<asker>.ask-<persona token>-<digest>`, a
+/// session of the asker's own (docs/security.md, "People": a person reads their ask exchanges
+/// on `cyrene.person.<asker>.…`, nobody else does). `<asker>` is the asker's subject token cut
+/// to 128 characters (`_` when empty), the persona token is cut to 40, the digest is the first
+/// 128 bits of SHA-256 over `persona`, a NUL and the raw `from`, in hex. The readable parts are
+/// for operators; the digest makes the id one per pair even when tokens are cut, contain `-`,
+/// or two ids sanitise alike (`阿明` and `主人` are both `__` on the wire but two askers).
 pub fn ask_session_id(persona: &str, from: &str) -> String {
-    let part = |s: &str| -> String { subjects::token(s).chars().take(ASK_SESSION_PART).collect() };
+    let mut asker: String = subjects::token(from).chars().take(MAX_ID_LEN).collect();
+    if asker.is_empty() {
+        asker.push('_');
+    }
+    let shown: String = subjects::token(persona)
+        .chars()
+        .take(ASK_SESSION_PART)
+        .collect();
     let mut hasher = Sha256::new();
     hasher.update(persona.as_bytes());
     hasher.update([0]);
     hasher.update(from.as_bytes());
     let digest = hasher.finalize();
     let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    let id = format!("ask-{}-{}-{hex}", part(persona), part(from));
-    debug_assert!(id.chars().count() <= MAX_ID_LEN);
-    id
+    format!("{asker}.ask-{shown}-{hex}")
 }
 
 /// Deepest ask chain accepted (agents answering asks on each other's behalf).
@@ -234,10 +241,11 @@ mod tests {
     #[test]
     fn ask_sessions_are_valid_ids() {
         let id = ask_session_id("cyrene", "alice");
-        assert!(id.starts_with("ask-cyrene-alice-"), "{id}");
-        assert_eq!(id.len(), "ask-cyrene-alice-".len() + 32);
+        assert!(id.starts_with("alice.ask-cyrene-"), "{id}");
+        assert_eq!(id.len(), "alice.ask-cyrene-".len() + 32);
+        assert_eq!(ids::session_person(&id), Some("alice"));
         let long = ask_session_id(&"a".repeat(128), &"b".repeat(10_000));
-        assert!(long.len() <= MAX_ID_LEN, "{long}");
+        assert!(ids::validate(IdKind::Session, &long).is_ok(), "{long}");
         for (persona, from) in [("cyrene", "星.x"), ("p", "x）\n[发言归属]"), ("p", "")] {
             let id = ask_session_id(persona, from);
             assert!(ids::validate(IdKind::Session, &id).is_ok(), "{id}");

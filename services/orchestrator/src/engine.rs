@@ -80,10 +80,10 @@ fn check_id(kind: IdKind, field: &str, id: &str) -> Result<(), ErrorBody> {
 
 /// Turn ids are server-issued, but workers send them back: same token rule as other ids.
 fn check_turn_id(id: &str) -> Result<(), ErrorBody> {
-    ids::validate(IdKind::Session, id).map_err(|e| {
+    ids::validate(IdKind::Leg, id).map_err(|e| {
         bad(format!(
             "turn_id: {}",
-            e.to_string().replace("session id", "turn id")
+            e.to_string().replace("leg id", "turn id")
         ))
     })
 }

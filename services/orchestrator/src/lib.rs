@@ -27,6 +27,7 @@
 pub mod agents;
 pub mod config;
 pub mod engine;
+pub mod people;
 pub mod personas;
 pub mod progress;
 pub mod service;
@@ -101,11 +102,16 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
 
     let mut tasks = JoinSet::new();
     // The listener is subscribed before the endpoints answer, so no leg starts blind.
-    let events = client
-        .subscribe(cyrene_protocol::subjects::SESSION_EVENTS_ALL)
-        .await
-        .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
-    tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
+    for pattern in [
+        cyrene_protocol::subjects::SESSION_EVENTS_ALL,
+        cyrene_protocol::subjects::SESSION_EVENTS_PERSONS_ALL,
+    ] {
+        let events = client
+            .subscribe(pattern)
+            .await
+            .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
+        tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
+    }
     let service = service::start(engine.clone(), &mut tasks, shutdown.clone()).await?;
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())

@@ -7,14 +7,19 @@
 //! | `history`  | `cyrene.session.history`  | `HistoryRequest` | `HistoryResponse` |
 //! | `steer`    | `cyrene.turn.steer`       | `SteerRequest`   | `SteerResponse`   |
 //! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
+//! | `person-send`    | `cyrene.person.*.session.send`    | `SendRequest`    | `SendAck` |
+//! | `person-history` | `cyrene.person.*.session.history` | `HistoryRequest` | `HistoryResponse` |
 //!
 //! # Invariants
 //! - Every request is answered: bad input by the decoder or the engine's checks
 //!   (`bad_request`/`too_large`), database trouble by `unavailable` within `db_timeout`.
 //! - Replicas share the micro service queue group: each request reaches one replica.
+//! - `send` and `history` reach a session only when the request subject's caller may touch it
+//!   ([`crate::people::may_touch`]): a person their own sessions, the shared subjects the
+//!   sessions of nobody in particular.
 
 use crate::engine::Engine;
-use crate::{Error, SERVICE_NAME};
+use crate::{Error, SERVICE_NAME, people};
 use async_nats::service::{Service, ServiceExt};
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_protocol::session::{HistoryRequest, SendRequest};
@@ -47,10 +52,15 @@ pub async fn start(
         .await
         .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
     let service_ref = &service;
-    let endpoint = |name: &'static str, subject: &'static str| async move {
-        cyrene_bus::service::add_endpoint(service_ref, name, subject)
-            .await
-            .map_err(Error::Bus)
+    let person_send_all = subjects::person_all(subjects::PERSON_SESSION_SEND);
+    let person_history_all = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
+    let endpoint = |name: &'static str, subject: &str| {
+        let subject = subject.to_owned();
+        async move {
+            cyrene_bus::service::add_endpoint(service_ref, name, &subject)
+                .await
+                .map_err(Error::Bus)
+        }
     };
     let send = endpoint("send", subjects::SESSION_SEND).await?;
     let history = endpoint("history", subjects::SESSION_HISTORY).await?;
@@ -61,26 +71,38 @@ pub async fn start(
         max_in_flight: config.max_in_flight,
         ..ServeOptions::default()
     };
-    let e = engine.clone();
-    tasks.spawn(serve_json(
-        send,
-        options,
-        shutdown.clone(),
-        move |req: SendRequest, _: RequestContext| {
-            let e = e.clone();
-            async move { e.send(req).await }
-        },
-    ));
-    let e = engine.clone();
-    tasks.spawn(serve_json(
-        history,
-        options,
-        shutdown.clone(),
-        move |req: HistoryRequest, _: RequestContext| {
-            let e = e.clone();
-            async move { e.history(req).await }
-        },
-    ));
+    let person_send = endpoint("person-send", &person_send_all).await?;
+    let person_history = endpoint("person-history", &person_history_all).await?;
+    for send in [send, person_send] {
+        let e = engine.clone();
+        tasks.spawn(serve_json(
+            send,
+            options,
+            shutdown.clone(),
+            move |req: SendRequest, ctx: RequestContext| {
+                let e = e.clone();
+                async move {
+                    people::may_touch(&ctx.subject, &req.session_id)?;
+                    e.send(req).await
+                }
+            },
+        ));
+    }
+    for history in [history, person_history] {
+        let e = engine.clone();
+        tasks.spawn(serve_json(
+            history,
+            options,
+            shutdown.clone(),
+            move |req: HistoryRequest, ctx: RequestContext| {
+                let e = e.clone();
+                async move {
+                    people::may_touch(&ctx.subject, &req.session_id)?;
+                    e.history(req).await
+                }
+            },
+        ));
+    }
     let e = engine.clone();
     tasks.spawn(serve_json(
         steer,

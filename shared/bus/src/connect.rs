@@ -139,6 +139,8 @@ pub struct BusConfig {
     pub name: String,
     pub mode: ConnectMode,
     pub auth: Auth,
+    /// The inbox prefix when not `_INBOX_<name>` (a person's private one, given by hand).
+    pub inbox: Option<String>,
 }
 
 impl std::fmt::Debug for BusConfig {
@@ -160,6 +162,7 @@ impl BusConfig {
             name: name.into(),
             mode,
             auth: Auth::Url,
+            inbox: None,
         }
     }
 
@@ -216,6 +219,9 @@ impl BusConfig {
     /// Per-service inbox prefix (`_INBOX_<name>`), so the server config can grant each service
     /// exactly its own reply subjects.
     pub fn inbox_prefix(&self) -> String {
+        if let Some(inbox) = &self.inbox {
+            return inbox.clone();
+        }
         format!("_INBOX_{}", cyrene_protocol::subjects::token(&self.name))
     }
 }

@@ -221,6 +221,15 @@ pub fn checkpoint_id(owner: &str, turn_id: Option<&str>, step: u32) -> String {
     }
 }
 
+/// The person whose session an owner key (`session` or `session#leg`) or a checkpoint id
+/// (`{owner}:…`) belongs to: `alice` for `alice.s1#l1:3`; `None` for a session of nobody in
+/// particular.
+pub fn owner_person(owner_or_id: &str) -> Option<&str> {
+    let owner = owner_or_id.split(':').next().unwrap_or_default();
+    let session = owner.split('#').next().unwrap_or_default();
+    ids::session_person(session)
+}
+
 /// Validates an owner key: `session` or `session#leg`, each part a valid id.
 pub fn validate_owner(owner: &str) -> Result<(), IdError> {
     match owner.split_once('#') {
@@ -343,7 +352,7 @@ mod tests {
             json!({"keep_last":3}),
             json!({"agent_id":"s1","keep_last":3,"older_than_secs":5}),
             json!({"agent_id":"s1","older_than_secs":5}),
-            json!({"agent_id":"s.1","keep_last":3}),
+            json!({"agent_id":"s.1.2","keep_last":3}),
         ] {
             let r: RetainRequest = serde_json::from_value(bad.clone()).unwrap();
             assert!(r.mode().is_err(), "{bad}");
@@ -363,13 +372,24 @@ mod tests {
     }
 
     #[test]
+    fn the_person_of_an_owner_or_a_checkpoint_is_its_session_s() {
+        assert_eq!(owner_person("alice.s1"), Some("alice"));
+        assert_eq!(owner_person("alice.s1#l1"), Some("alice"));
+        assert_eq!(owner_person("alice.s1#l1:t1:3"), Some("alice"));
+        assert_eq!(owner_person("s1#l1:3"), None);
+        assert_eq!(owner_person(""), None);
+    }
+
+    #[test]
     fn owner_keys_separate_legs() {
         assert_eq!(owner_key("s1", None), "s1");
         assert_eq!(owner_key("s1", Some("leg2")), "s1#leg2");
         assert!(validate_owner("s1#leg2").is_ok());
         assert!(validate_owner("s1").is_ok());
         assert!(validate_owner("s1#").is_err());
-        assert!(validate_owner("s.1").is_err());
+        assert!(validate_owner("alice.s1#leg2").is_ok());
+        assert!(validate_owner("s.1.2").is_err());
+        assert!(validate_owner("s1#a.b").is_err());
         assert!(validate_owner("s1#a#b").is_err());
     }
 }

@@ -15,6 +15,7 @@ pub enum IdKind {
     Leg,
     Tool,
     Client,
+    Person,
 }
 
 impl fmt::Display for IdKind {
@@ -25,6 +26,7 @@ impl fmt::Display for IdKind {
             IdKind::Leg => "leg id",
             IdKind::Tool => "tool name",
             IdKind::Client => "client id",
+            IdKind::Person => "person id",
         })
     }
 }
@@ -40,8 +42,26 @@ pub enum IdError {
     BadChar { kind: IdKind, id: String, bad: char },
 }
 
-/// Checks `id` against the subject-token rule.
+/// Checks `id` against the subject-token rule. A session id may also be a person's
+/// (docs/security.md, "People"): `<person>.<name>`, both parts valid ids — two subject tokens,
+/// so that the person's permissions can name their own sessions' subjects.
 pub fn validate(kind: IdKind, id: &str) -> Result<(), IdError> {
+    if kind == IdKind::Session
+        && let Some((person, name)) = id.split_once('.')
+    {
+        validate_token(kind, person)?;
+        return validate_token(kind, name);
+    }
+    validate_token(kind, id)
+}
+
+/// The person a session belongs to: `alice` for `alice.s1`, `None` for a session of nobody in
+/// particular (`s1`). Assumes a valid id ([`validate`]).
+pub fn session_person(session_id: &str) -> Option<&str> {
+    session_id.split_once('.').map(|(person, _)| person)
+}
+
+fn validate_token(kind: IdKind, id: &str) -> Result<(), IdError> {
     if id.is_empty() {
         return Err(IdError::Empty(kind));
     }
@@ -97,6 +117,19 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn a_session_id_may_belong_to_a_person() {
+        assert!(validate(IdKind::Session, "alice.s1").is_ok());
+        assert_eq!(session_person("alice.s1"), Some("alice"));
+        assert_eq!(session_person("s1"), None);
+        for bad in ["alice.", ".s1", "a.b.c", "alice.*", "alice.>", "a b.s1"] {
+            assert!(validate(IdKind::Session, bad).is_err(), "{bad}");
+        }
+        // only session ids have an owner part
+        assert!(validate(IdKind::Leg, "alice.s1").is_err());
+        assert!(validate(IdKind::Agent, "alice.s1").is_err());
     }
 
     #[test]

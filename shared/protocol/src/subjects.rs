@@ -27,8 +27,45 @@ pub const TURN_STEER: &str = "cyrene.turn.steer";
 pub const TURN_COMPLETE: &str = "cyrene.turn.complete";
 /// Subscribe pattern for every running turn's input (see [`turn_input`]).
 pub const TURN_INPUT_ALL: &str = "cyrene.turn.input.*";
-/// Subscribe pattern for every session's events.
+/// Subscribe pattern for the events of every session of nobody in particular (`s1`).
 pub const SESSION_EVENTS_ALL: &str = "cyrene.session.*.events";
+/// Subscribe pattern for the events of every person's session (`alice.s1`).
+pub const SESSION_EVENTS_PERSONS_ALL: &str = "cyrene.session.*.*.events";
+
+/// A person's requests (docs/security.md, "People"): `cyrene.person.<person>.<what>`, where
+/// `<what>` is one of these. Only person `<person>` may publish there (its NATS user), so the
+/// subject proves who asks; the services answer only for that person's sessions.
+pub const PERSON_SESSION_SEND: &str = "session.send";
+pub const PERSON_SESSION_HISTORY: &str = "session.history";
+pub const PERSON_CHECKPOINT_LATEST: &str = "checkpoint.latest";
+pub const PERSON_CHECKPOINT_GET: &str = "checkpoint.get";
+pub const PERSON_CHECKPOINT_LIST: &str = "checkpoint.list";
+
+const PERSON_PREFIX: &str = "cyrene.person";
+
+/// `cyrene.person.<person>.<what>`, `what` one of the `PERSON_*` suffixes.
+pub fn person(person: &str, what: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Person, person)?;
+    Ok(format!("{PERSON_PREFIX}.{person}.{what}"))
+}
+
+/// `cyrene.person.*.<what>`: what a service serves for every person.
+pub fn person_all(what: &str) -> String {
+    format!("{PERSON_PREFIX}.*.{what}")
+}
+
+/// The person of a request subject `cyrene.person.<person>.…`; `None` for any other subject.
+pub fn person_of(subject: &str) -> Option<&str> {
+    let rest = subject.strip_prefix(PERSON_PREFIX)?.strip_prefix('.')?;
+    let (person, tail) = rest.split_once('.')?;
+    (!person.is_empty() && !tail.is_empty()).then_some(person)
+}
+
+/// `cyrene.session.<person>.*.events`: the events of every session of `person`.
+pub fn person_session_events(person: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Person, person)?;
+    Ok(format!("cyrene.session.{person}.*.events"))
+}
 
 const AGENT_PREFIX: &str = "cyrene.agent";
 
@@ -99,7 +136,7 @@ pub fn speaks_as(subject: &str, from: &str) -> bool {
     agent_sender(subject).is_some_and(|sender| token(from) == sender)
 }
 
-/// `cyrene.session.<sid>.events`
+/// `cyrene.session.<sid>.events` (`cyrene.session.<person>.<name>.events` for a person's session)
 pub fn session_events(session_id: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Session, session_id)?;
     Ok(format!("cyrene.session.{session_id}.events"))
@@ -108,8 +145,9 @@ pub fn session_events(session_id: &str) -> Result<String, IdError> {
 /// `cyrene.turn.input.<turn_id>`: the messages the orchestrator claimed for a running turn,
 /// pushed to the worker running it (docs/orchestrator.md, "Steering").
 pub fn turn_input(turn_id: &str) -> Result<String, IdError> {
-    // Turn ids follow the session id rule (1–128 of `[A-Za-z0-9_-]`).
-    ids::validate(IdKind::Session, turn_id)?;
+    // A turn id is one subject token: 1–128 of `[A-Za-z0-9_-]` (the plain id rule; never a
+    // person's two-token session id).
+    ids::validate(IdKind::Leg, turn_id)?;
     Ok(format!("cyrene.turn.input.{turn_id}"))
 }
 
@@ -165,10 +203,35 @@ mod tests {
     }
 
     #[test]
+    fn person_subjects_name_the_person_in_their_third_token() {
+        let send = person("alice", PERSON_SESSION_SEND).unwrap();
+        assert_eq!(send, "cyrene.person.alice.session.send");
+        assert_eq!(person_of(&send), Some("alice"));
+        assert_eq!(
+            person_all(PERSON_CHECKPOINT_GET),
+            "cyrene.person.*.checkpoint.get"
+        );
+        assert_eq!(person_of("cyrene.person.alice"), None);
+        assert_eq!(person_of("cyrene.personx.alice.session.send"), None);
+        assert_eq!(person_of("cyrene.session.send"), None);
+        assert!(person("a.b", PERSON_SESSION_SEND).is_err());
+        assert!(person("*", PERSON_SESSION_SEND).is_err());
+        assert_eq!(
+            person_session_events("alice").unwrap(),
+            "cyrene.session.alice.*.events"
+        );
+    }
+
+    #[test]
     fn id_subjects_refuse_unvalidated_ids() {
         assert_eq!(session_events("s1").unwrap(), "cyrene.session.s1.events");
         assert!(session_events("s1.>").is_err());
         assert!(session_events("").is_err());
+        assert_eq!(
+            session_events("alice.s1").unwrap(),
+            "cyrene.session.alice.s1.events"
+        );
+        assert!(session_events("alice.s1.x").is_err());
         assert_eq!(tool("get_time").unwrap(), "cyrene.tool.get_time");
         assert_eq!(turn_input("t-1").unwrap(), "cyrene.turn.input.t-1");
         assert!(turn_input("t.>").is_err());

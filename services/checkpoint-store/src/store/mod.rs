@@ -615,7 +615,8 @@ mod tests {
         assert!(err.to_string().contains("s1:t1:3"), "{err}");
         for bad in [
             cp("s1:4", "s1", 3),
-            cp("s.1:3", "s.1", 3),
+            cp("s.1.2:3", "s.1.2", 3),
+            cp("s.:3", "s.", 3),
             cp("s1#:3", "s1#", 3),
         ] {
             let err = prepare_save(bad, now, 10).unwrap_err();
@@ -646,9 +647,11 @@ mod tests {
         assert_eq!(parse_id("s1#leg:12").unwrap(), ("s1#leg", 12));
         assert_eq!(parse_id("s1#leg:t-1:12").unwrap(), ("s1#leg", 12));
         assert_eq!(parse_id("s1:3:4").unwrap(), ("s1", 4));
+        // a person's session (docs/security.md, "People")
+        assert_eq!(parse_id("alice.s1#l:t:4").unwrap(), ("alice.s1#l", 4));
         for bad in [
-            "s1", "s1:", ":3", "s1:03", "s1:-1", "s1:x", "s.1:3", "s1::4", "s1:t.1:4", "s1:t:1:4",
-            ":t:4", "s1:t:04",
+            "s1", "s1:", ":3", "s1:03", "s1:-1", "s1:x", "s.1.2:3", ".s1:3", "s1::4", "s1:t.1:4",
+            "s1:t:1:4", ":t:4", "s1:t:04",
         ] {
             assert!(parse_id(bad).is_err(), "{bad}");
         }

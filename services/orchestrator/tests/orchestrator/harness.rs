@@ -288,7 +288,13 @@ pub async fn history_raw(
     client: &async_nats::Client,
     req: &HistoryRequest,
 ) -> Result<HistoryResponse, RequestError> {
-    request_json(client, subjects::SESSION_HISTORY, req, TIMEOUT).await
+    // A session with an owner (an ask session, `<asker>.ask-…`) is read on its owner's subject.
+    let subject = match cyrene_protocol::ids::session_person(&req.session_id) {
+        Some(owner) => subjects::person(owner, subjects::PERSON_SESSION_HISTORY)
+            .unwrap_or_else(|_| subjects::SESSION_HISTORY.to_owned()),
+        None => subjects::SESSION_HISTORY.to_owned(),
+    };
+    request_json(client, &subject, req, TIMEOUT).await
 }
 
 pub async fn history(client: &async_nats::Client, session: &str) -> Vec<HistoryEntry> {
