@@ -3,6 +3,7 @@
 mod agent;
 mod chat;
 mod comm;
+mod documents;
 mod probe;
 mod session;
 mod up;

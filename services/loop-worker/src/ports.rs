@@ -1,6 +1,7 @@
 //! What a turn needs from the outside world, as one trait, so the turn runner is plain logic:
 //! production wires it to NATS ([`crate::nats::NatsPorts`]), unit tests to an in-memory fake.
 
+use crate::documents::FetchedDocument;
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::message::ToolCall;
@@ -97,6 +98,22 @@ pub trait TurnPorts: Send + Sync {
         context: &ToolContext,
         call: &ToolCall,
     ) -> impl Future<Output = ToolOutput> + Send;
+
+    /// A stored document of `session_id`, read from the document service by its server-issued
+    /// `cyrene-doc://` reference (docs/documents.md); `forbidden` for another session's
+    /// document. Never fetches any other URL. The default has no document service.
+    fn document(
+        &self,
+        _session_id: &str,
+        _url: &str,
+    ) -> impl Future<Output = Result<FetchedDocument, ErrorBody>> + Send {
+        async {
+            Err(ErrorBody::new(
+                cyrene_protocol::ErrorCode::Unavailable,
+                "no document service",
+            ))
+        }
+    }
 
     /// Publishes a live session event (fire and forget).
     fn publish(&self, event: SessionEvent) -> impl Future<Output = ()> + Send;

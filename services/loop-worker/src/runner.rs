@@ -37,10 +37,9 @@
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
 
-use crate::assemble::{
-    self, ContextBlocks, NoExtraction, SteeredMessage, ViewInputs, merge_steered,
-};
+use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
 use crate::attribution::{PersonaNames, SpeakerEnv};
+use crate::documents::DocumentTexts;
 use crate::ports::{ToolContext, ToolOutput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
 use cyrene_protocol::checkpoint::{
@@ -115,6 +114,8 @@ struct Turn<'a, P> {
     main_vision: Option<bool>,
     /// Image URL → its description, so each image is described once per turn.
     descriptions: HashMap<String, String>,
+    /// Document URL → its text in the view, so each document is read once per turn.
+    documents: DocumentTexts,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -190,6 +191,7 @@ pub async fn run_turn<P: TurnPorts>(
         names,
         main_vision: None,
         descriptions: HashMap::new(),
+        documents: DocumentTexts::default(),
     };
     let (exit, step) = turn.steps(next_step, config).await;
     turn.settle(exit, step, config).await
@@ -275,6 +277,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Err(Exit::Deadline);
         }
+        self.resolve_documents().await;
         let request = self.resolve_images(self.request(config)).await;
         match self.model_call(request).await? {
             Ok(response) => Ok(response),
@@ -310,6 +313,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Exit::Deadline;
         }
+        self.resolve_documents().await;
         let mut request = self.resolve_images(self.request(config)).await;
         request
             .messages
@@ -416,7 +420,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                 steered: &self.steered,
                 notice: self.job.notice.as_ref(),
             },
-            &NoExtraction,
+            &self.documents,
         );
         ModelRequest {
             messages: view,
@@ -425,6 +429,18 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             tools: self.ports.tool_specs(self.job.tools.as_deref()),
             ..Default::default()
         }
+    }
+
+    /// Reads and extracts every document of the window and the steered messages not read yet
+    /// this turn (docs/loop-worker.md, "Documents").
+    async fn resolve_documents(&mut self) {
+        let messages = self
+            .window
+            .iter()
+            .chain(self.steered.iter().map(|s| &s.message));
+        self.documents
+            .fill(self.ports, &self.job.session_id, messages)
+            .await;
     }
 
     /// The image resolver: when the view holds images and the main model has no vision, each

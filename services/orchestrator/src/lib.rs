@@ -9,6 +9,8 @@
 //! - the behaviour behind the endpoints ([`engine`]): input checks, dispositions, dispatch of
 //!   `TurnJob`s to `CYRENE_TURNS`, session events, the dispatch sweeper;
 //! - the endpoints `send`, `history`, `steer`, `complete` ([`service`]);
+//! - the document service: uploads into the object store, `cyrene-doc://` references, reads
+//!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
 //! - live progress of running legs for parallel notices ([`progress`]);
 //! - the personas ([`personas`]) and their comm agents ([`agents`]);
 //! - the configuration ([`config`]).
@@ -26,6 +28,7 @@
 
 pub mod agents;
 pub mod config;
+pub mod documents;
 pub mod engine;
 pub mod personas;
 pub mod progress;
@@ -90,6 +93,13 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let store = open_store(&config).await?;
     ensure_stream(&client, config.turns_replicas, &shutdown).await?;
+    let documents = documents::Documents::open(
+        &async_nats::jetstream::new(client.clone()),
+        config.turns_replicas,
+        config.max_document_bytes,
+    )
+    .await
+    .map_err(Error::Bus)?;
     let config = Arc::new(config);
     let progress = Arc::new(progress::Progress::new());
     let engine = Arc::new(Engine::new(
@@ -97,6 +107,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         client.clone(),
         config.clone(),
         progress.clone(),
+        documents,
     ));
 
     let mut tasks = JoinSet::new();

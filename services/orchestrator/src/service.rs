@@ -1,4 +1,4 @@
-//! The micro service `cyrene-orchestrator`: four named endpoints, each a bounded [`serve_json`]
+//! The micro service `cyrene-orchestrator`: six named endpoints, each a bounded [`serve_json`]
 //! loop in front of the [`Engine`].
 //!
 //! | endpoint   | subject                   | request          | reply             |
@@ -7,6 +7,8 @@
 //! | `history`  | `cyrene.session.history`  | `HistoryRequest` | `HistoryResponse` |
 //! | `steer`    | `cyrene.turn.steer`       | `SteerRequest`   | `SteerResponse`   |
 //! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
+//! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
+//! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //!
 //! # Invariants
 //! - Every request is answered: bad input by the decoder or the engine's checks
@@ -17,6 +19,7 @@ use crate::engine::Engine;
 use crate::{Error, SERVICE_NAME};
 use async_nats::service::{Service, ServiceExt};
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::session::{HistoryRequest, SendRequest};
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
@@ -56,6 +59,8 @@ pub async fn start(
     let history = endpoint("history", subjects::SESSION_HISTORY).await?;
     let steer = endpoint("steer", subjects::TURN_STEER).await?;
     let complete = endpoint("complete", subjects::TURN_COMPLETE).await?;
+    let upload = endpoint("upload", document::DOCUMENT_UPLOAD).await?;
+    let read = endpoint("read", document::DOCUMENT_READ).await?;
 
     let options = ServeOptions {
         max_in_flight: config.max_in_flight,
@@ -89,6 +94,26 @@ pub async fn start(
         move |req: SteerRequest, _: RequestContext| {
             let e = e.clone();
             async move { e.steer(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        upload,
+        options,
+        shutdown.clone(),
+        move |req: UploadRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.documents().upload(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        read,
+        options,
+        shutdown.clone(),
+        move |req: ReadRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.documents().read(req).await }
         },
     ));
     let e = engine;

@@ -14,6 +14,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod document;
 pub mod error;
 pub mod ids;
 pub mod json;
