@@ -98,6 +98,16 @@ const MATRIX: &[(&str, &str, [&str; 8])] = {
             [N, N, S, P, N, N, N, N],
         ),
         (
+            "cyrene.memory.read",
+            "a persona's memory is read",
+            [N, N, S, P, N, N, P, N],
+        ),
+        (
+            "cyrene.memory.write",
+            "a persona's memory is written",
+            [N, N, S, N, N, N, P, N],
+        ),
+        (
             "cyrene.turn.run",
             "a turn is dispatched (JetStream)",
             [N, N, P, N, N, N, N, N],

@@ -10,6 +10,7 @@ use cyrene_bus::request_json;
 use cyrene_checkpoint_client::{CheckpointClient, Error as CheckpointError};
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::document::{self, ReadRequest, ReadResponse};
+use cyrene_protocol::memory::{self, MemoryReadRequest, MemoryReadResponse};
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
@@ -179,6 +180,25 @@ impl TurnPorts for NatsPorts {
                 });
             }
         }
+    }
+
+    async fn memory(
+        &self,
+        persona_id: &str,
+        session_id: &str,
+    ) -> Result<MemoryReadResponse, ErrorBody> {
+        let request = MemoryReadRequest {
+            persona_id: persona_id.to_owned(),
+            session_id: session_id.to_owned(),
+        };
+        request_json(
+            &self.client,
+            memory::MEMORY_READ,
+            &request,
+            self.timeouts.steer,
+        )
+        .await
+        .map_err(|e| e.to_body())
     }
 
     async fn publish(&self, event: SessionEvent) {

@@ -4,6 +4,7 @@
 use crate::documents::FetchedDocument;
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::memory::MemoryReadResponse;
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
@@ -113,6 +114,16 @@ pub trait TurnPorts: Send + Sync {
                 "no document service",
             ))
         }
+    }
+
+    /// The persona's memory for a session (`cyrene.memory.read`, docs/memory.md). The default
+    /// has no memory.
+    fn memory(
+        &self,
+        _persona_id: &str,
+        _session_id: &str,
+    ) -> impl Future<Output = Result<MemoryReadResponse, ErrorBody>> + Send {
+        async { Ok(MemoryReadResponse::default()) }
     }
 
     /// Publishes a live session event (fire and forget).

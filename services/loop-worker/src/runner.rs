@@ -40,6 +40,7 @@
 use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
 use crate::attribution::{PersonaNames, SpeakerEnv};
 use crate::documents::DocumentTexts;
+use crate::memory;
 use crate::ports::{ToolContext, ToolOutput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
 use cyrene_protocol::checkpoint::{
@@ -193,6 +194,7 @@ pub async fn run_turn<P: TurnPorts>(
         descriptions: HashMap::new(),
         documents: DocumentTexts::default(),
     };
+    turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, config).await;
     turn.settle(exit, step, config).await
 }
@@ -428,6 +430,22 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             persona_id: self.job.env.persona.clone(),
             tools: self.ports.tool_specs(self.job.tools.as_deref()),
             ..Default::default()
+        }
+    }
+
+    /// Fills the working-memory and memory blocks from the persona's memory (docs/memory.md);
+    /// when memory cannot be read the blocks stay empty and the turn goes on.
+    async fn load_memory(&mut self) {
+        let persona = &self.job.env.persona;
+        match self.ports.memory(persona, &self.job.session_id).await {
+            Ok(read) => {
+                self.blocks.working_memory =
+                    memory::block(memory::WORKING_MEMORY_HEADER, &read.working_memory);
+                self.blocks.memory = memory::block(memory::MEMORY_HEADER, &read.memory);
+            }
+            Err(err) => {
+                tracing::warn!(turn = %self.job.turn_id, error = %err, "memory unavailable; the turn goes on without it");
+            }
         }
     }
 

@@ -12,6 +12,8 @@
 //! - the document service: uploads into the object store, `cyrene-doc://` references, reads
 //!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
 //! - live progress of running legs for parallel notices ([`progress`]);
+//! - persona memory: the [`memory::MemoryStore`] interface behind `cyrene.memory.*` and its SQL
+//!   default (docs/memory.md);
 //! - the personas ([`personas`]) and their comm agents ([`agents`]);
 //! - the configuration ([`config`]).
 //!
@@ -30,6 +32,7 @@ pub mod agents;
 pub mod config;
 pub mod documents;
 pub mod engine;
+pub mod memory;
 pub mod personas;
 pub mod progress;
 pub mod service;
@@ -117,7 +120,11 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         .await
         .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
     tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
-    let service = service::start(engine.clone(), &mut tasks, shutdown.clone()).await?;
+    let memory = Arc::new(memory::SqlMemory::new(
+        store.pool().clone(),
+        config.db_timeout,
+    ));
+    let service = service::start(engine.clone(), memory, &mut tasks, shutdown.clone()).await?;
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())
             .await

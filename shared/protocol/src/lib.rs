@@ -18,6 +18,7 @@ pub mod document;
 pub mod error;
 pub mod ids;
 pub mod json;
+pub mod memory;
 pub mod message;
 pub mod model;
 pub mod names;
