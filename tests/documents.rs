@@ -564,3 +564,95 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
         format!("[文档] {exe_name}（{exe_mime}，512 字节）：未能提取文字内容。")
     );
 }
+
+/// `cyrene send --file` and `/attach` in `cyrene chat` upload the file and send it with the
+/// message; its text reaches the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_uploads_files_with_send_and_chat() {
+    let world = World::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let notes = dir.path().join("notes.md");
+    std::fs::write(&notes, "# Plan\n\nBring the red blanket.").unwrap();
+    let tea = dir.path().join("tea.csv");
+    std::fs::write(&tea, "kind,grams\noolong,5\n").unwrap();
+    let cyrene = || {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"));
+        cmd.env("NATS_URL", world._server.url())
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true);
+        cmd
+    };
+
+    let out = cyrene()
+        .args(["send", "-s", "cli1", "--file"])
+        .arg(&notes)
+        .arg("read this")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let history = world.history("cli1").await;
+    let sent = &history.messages[0].message;
+    assert_eq!(
+        sent.content[0],
+        Part::Text {
+            text: "read this".into()
+        }
+    );
+    assert!(
+        matches!(&sent.content[1], Part::Document { mime, .. } if mime == "text/markdown"),
+        "{sent:?}"
+    );
+
+    let mut chat = cyrene()
+        .args(["chat", "-s", "cli2"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = chat.stdin.take().unwrap();
+    let script = format!("/attach {}\nhow much oolong?\n", tea.display());
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, script.as_bytes())
+        .await
+        .unwrap();
+    drop(stdin);
+    let out = tokio::time::timeout(Duration::from_secs(60), chat.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("attached"), "{err}");
+
+    // Both turns reach the model (each in its own time).
+    let user_texts = || -> Vec<String> {
+        world
+            .log
+            .snapshot()
+            .iter()
+            .flat_map(|r| r.messages.iter())
+            .filter(|m| m.role == Role::User)
+            .map(Message::text_content)
+            .collect()
+    };
+    let both = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let texts = user_texts();
+            let notes = texts.iter().any(|t| t.contains("Bring the red blanket."));
+            let tea = texts
+                .iter()
+                .any(|t| t.contains("how much oolong?") && t.contains("oolong,5"));
+            if notes && tea {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(both.is_ok(), "{:?}", user_texts());
+}
