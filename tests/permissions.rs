@@ -9,11 +9,14 @@
 mod common;
 
 use async_nats::{ConnectOptions, Event, ServerError};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{BusConfig, ConnectMode, request_json};
 use cyrene_comm::Probe;
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::Secrets;
+use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::subjects;
@@ -148,6 +151,26 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             "cyrene.turn.complete",
             "a turn ends",
             [N, N, S, P, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.document.upload",
+            "a person uploads a document",
+            [N, N, S, N, N, P, N, N, N, N],
+        ),
+        (
+            "cyrene.document.read",
+            "a turn reads a document",
+            [N, N, S, P, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.memory.read",
+            "a persona's memory is read",
+            [N, N, S, P, N, N, P, N, N, N],
+        ),
+        (
+            "cyrene.memory.write",
+            "a persona's memory is written",
+            [N, N, S, N, N, N, P, N, N, N],
         ),
         (
             "cyrene.turn.run",
@@ -307,6 +330,21 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "$JS.API.STREAM.PURGE.CYRENE_TURNS",
             "the turn queue is purged",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$O.CYRENE_DOCUMENTS.C.x",
+            "document bytes are stored (object store)",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.CREATE.OBJ_CYRENE_DOCUMENTS",
+            "the document bucket is created",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.DELETE.OBJ_CYRENE_DOCUMENTS",
+            "the document bucket is deleted",
             [N, N, N, N, N, N, N, N, N, N],
         ),
         (
@@ -700,6 +738,62 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     .expect("a turn calls the tool served as cyrene-tools");
     assert!(counted.starts_with("Counted: "), "{counted}");
     assert!(!tools.runs.lock().unwrap().is_empty());
+    // A document uploaded in two chunks by a person reaches the model through the worker's
+    // read: the object store works under the orchestrator's permissions, the read under the
+    // worker's.
+    let mut text = "the tea is oolong. ".repeat(40_000).into_bytes();
+    text.truncate(700 * 1024);
+    let mut upload_id = String::new();
+    let mut document = None;
+    for (seq, piece) in text.chunks(MAX_CHUNK_BYTES).enumerate() {
+        let last = (seq + 1) * MAX_CHUNK_BYTES >= text.len();
+        let request = UploadRequest {
+            session_id: "doc1".into(),
+            name: "tea.txt".into(),
+            upload_id: upload_id.clone(),
+            seq: seq as u32,
+            data: BASE64.encode(piece),
+            last,
+            ..Default::default()
+        };
+        let ack: UploadAck = request_json(&cli, DOCUMENT_UPLOAD, &request, Duration::from_secs(5))
+            .await
+            .unwrap();
+        upload_id = ack.upload_id;
+        document = ack.document;
+    }
+    let document = document.expect("the last chunk issues the document");
+    let send = SendRequest {
+        session_id: "doc1".into(),
+        message: Message {
+            content: vec![document.part],
+            ..Message::text(Role::User, "")
+        },
+        client_id: "cli".into(),
+        idempotency_key: "d1".into(),
+        env: None,
+        parallel: false,
+        when_busy: None,
+    };
+    let _: SendAck = request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let read = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let history = history(&cli, "doc1").await.unwrap();
+            if let Some(answer) = history
+                .messages
+                .iter()
+                .find(|e| e.message.role == Role::Assistant)
+            {
+                return answer.message.text_content();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the document turn is answered under least privilege");
+    assert!(read.contains("the tea is oolong."), "{read}");
     // … and no service ran into its limits on the way (the server logs every violation).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
     assert!(

@@ -8,7 +8,7 @@ use super::CliError;
 use super::session::{describe, send_message};
 use async_nats::Client;
 use clap::Args;
-use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{Disposition, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::{ids, subjects};
 use futures::StreamExt;
@@ -116,9 +116,24 @@ impl Session {
 
     /// Sends `text`; `echo` prints it first (the demo; a terminal already shows what was typed).
     async fn say(&self, text: &str, echo: bool) -> Result<(), CliError> {
+        self.say_with(text, Vec::new(), echo).await
+    }
+
+    /// Sends `text` with `attachments` (document parts) after it.
+    async fn say_with(
+        &self,
+        text: &str,
+        attachments: Vec<Part>,
+        echo: bool,
+    ) -> Result<(), CliError> {
+        let mut message = Message::text(Role::User, text);
+        if text.is_empty() {
+            message.content.clear();
+        }
+        message.content.extend(attachments);
         let request = SendRequest {
             session_id: self.id.clone(),
-            message: Message::text(Role::User, text),
+            message,
             client_id: self.client_id.clone(),
             idempotency_key: ids::new_id(),
             env: None,
@@ -168,8 +183,10 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
     );
     let session = Session::open(client, id.clone(), args.client, args.verbose).await?;
     eprintln!(
-        "cyrene: chatting in session {id} (Ctrl-D to leave). Type while she works: it is steered in."
+        "cyrene: chatting in session {id} (Ctrl-D to leave). Type while she works: it is steered in. \
+         /attach PATH uploads a file; it goes with your next message."
     );
+    let mut attachments: Vec<Part> = Vec::new();
     let interactive = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
@@ -179,7 +196,37 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
         };
         match line {
             Ok(Some(text)) if text.trim().is_empty() => continue,
-            Ok(Some(text)) => session.say(text.trim(), !interactive).await?,
+            Ok(Some(text)) if text.trim_start().starts_with("/attach") => {
+                let path = text.trim_start().trim_start_matches("/attach").trim();
+                if path.is_empty() {
+                    eprintln!("cyrene: /attach PATH");
+                    continue;
+                }
+                let upload = super::documents::upload_file(
+                    &session.client,
+                    &session.id,
+                    std::path::Path::new(path),
+                    Duration::from_secs(30),
+                );
+                match upload.await {
+                    Ok(document) => {
+                        if let Part::Document {
+                            name, mime, size, ..
+                        } = &document.part
+                        {
+                            eprintln!(
+                                "cyrene: attached {path} as {name} ({mime}, {size} bytes); it goes with your next message"
+                            );
+                        }
+                        attachments.push(document.part);
+                    }
+                    Err(err) => eprintln!("cyrene: cannot attach {path}: {err}"),
+                }
+            }
+            Ok(Some(text)) => {
+                let parts = std::mem::take(&mut attachments);
+                session.say_with(text.trim(), parts, !interactive).await?;
+            }
             Ok(None) | Err(_) => break,
         }
     }

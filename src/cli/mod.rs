@@ -4,6 +4,7 @@ mod agent;
 mod chat;
 mod comm;
 mod person;
+mod documents;
 mod probe;
 mod session;
 mod up;

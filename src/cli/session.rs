@@ -45,7 +45,12 @@ pub struct SendArgs {
     pub when_busy: Option<BusyPolicy>,
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub timeout: Duration,
-    /// The message text.
+    /// Upload this file into the session and attach it to the message (repeatable). The server
+    /// decides its type from the bytes (docs/documents.md).
+    #[arg(long = "file", value_name = "PATH")]
+    pub files: Vec<std::path::PathBuf>,
+    /// The message text (may be empty when a file is attached).
+    #[arg(default_value = "")]
     pub text: String,
 }
 
@@ -57,6 +62,9 @@ fn parse_busy_policy(text: &str) -> Result<BusyPolicy, String> {
 
 pub fn send_request(args: &SendArgs) -> SendRequest {
     let mut message = Message::text(Role::User, args.text.clone());
+    if args.text.is_empty() && !args.files.is_empty() {
+        message.content.clear();
+    }
     if let Some(sender) = &args.sender {
         message.sender_name = sender.clone();
     }
@@ -97,7 +105,18 @@ pub fn request_error(err: RequestError) -> CliError {
 }
 
 pub async fn send(client: Client, args: SendArgs) -> Result<(), CliError> {
-    let ack = send_message(&client, &send_request(&args), args.timeout).await?;
+    let mut request = send_request(&args);
+    for path in &args.files {
+        let document =
+            super::documents::upload_file(&client, &args.session, path, args.timeout).await?;
+        eprintln!(
+            "uploaded {} as {}",
+            path.display(),
+            serde_json::to_string(&document.part).unwrap_or_default()
+        );
+        request.message.content.push(document.part);
+    }
+    let ack = send_message(&client, &request, args.timeout).await?;
     println!("{}", serde_json::to_string(&ack).unwrap_or_default());
     Ok(())
 }

@@ -64,6 +64,14 @@ pub enum Endpoint {
     ModelRoute,
     /// An ask to the persona `cyrene` (the orchestrator's comm agent).
     AgentAsk,
+    /// A document chunk (docs/documents.md).
+    DocumentUpload,
+    /// A document read, as the loop worker makes it.
+    DocumentRead,
+    /// A persona's memory read (docs/memory.md).
+    MemoryRead,
+    /// A memory entry written.
+    MemoryWrite,
     /// `$SRV.PING|INFO|STATS.<service>` with a junk body (every service, the worker included).
     Discovery,
     /// A malformed job on the `CYRENE_TURNS` stream (the loop worker's input); JetStream
@@ -76,7 +84,7 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// Every endpoint with its weight in the mix.
-    pub const MIX: [(Endpoint, usize); 15] = [
+    pub const MIX: [(Endpoint, usize); 19] = [
         (Endpoint::SessionSend, 10),
         (Endpoint::SessionHistory, 8),
         (Endpoint::TurnSteer, 8),
@@ -89,6 +97,10 @@ impl Endpoint {
         (Endpoint::ModelComplete, 9),
         (Endpoint::ModelRoute, 6),
         (Endpoint::AgentAsk, 6),
+        (Endpoint::DocumentUpload, 6),
+        (Endpoint::DocumentRead, 5),
+        (Endpoint::MemoryRead, 4),
+        (Endpoint::MemoryWrite, 4),
         (Endpoint::Discovery, 4),
         (Endpoint::TurnRun, 3),
         (Endpoint::Unanswered, 3),
@@ -108,6 +120,10 @@ impl Endpoint {
             Endpoint::ModelComplete => "cyrene.model.complete",
             Endpoint::ModelRoute => "cyrene.model.route",
             Endpoint::AgentAsk => "cyrene.agent.<from>.cyrene.ask",
+            Endpoint::DocumentUpload => "cyrene.document.upload",
+            Endpoint::DocumentRead => "cyrene.document.read",
+            Endpoint::MemoryRead => "cyrene.memory.read",
+            Endpoint::MemoryWrite => "cyrene.memory.write",
             Endpoint::Discovery => "$SRV.<verb>.<service>",
             Endpoint::TurnRun => "cyrene.turn.run (JetStream)",
             Endpoint::Unanswered => "(no reply expected)",
@@ -170,6 +186,19 @@ impl Endpoint {
             Endpoint::ModelRoute => json!({"persona_id": "cyrene"}),
             Endpoint::AgentAsk => json!({
                 "id": format!("q{i}"), "from": "fuzzer", "to": "cyrene", "question": "hi?",
+            }),
+            Endpoint::DocumentUpload => json!({
+                "session_id": session, "name": "notes [1].txt", "mime": "text/plain",
+                "seq": 0, "data": "aGVsbG8gd29ybGQ=", "last": true,
+            }),
+            Endpoint::DocumentRead => json!({
+                "session_id": session,
+                "url": "cyrene-doc://d-00000000000000000000000000000000",
+                "offset": 0, "max_bytes": 1024,
+            }),
+            Endpoint::MemoryRead => json!({"persona_id": "cyrene", "session_id": session}),
+            Endpoint::MemoryWrite => json!({
+                "persona_id": "cyrene", "session_id": session, "text": format!("note {i}"),
             }),
             Endpoint::Discovery | Endpoint::TurnRun | Endpoint::Unanswered => json!({
                 "turn_id": format!("t{i}"), "session_id": session,

@@ -5,12 +5,16 @@
 //! - [`attribution`], [`notice`], [`resume`], [`assemble`]: the semantics of one step's view and
 //!   of resuming, with the seeds' exact wording; no I/O.
 //! - [`runner`]: one turn step by step against the [`ports::TurnPorts`] trait.
+//! - [`documents`]: documents resolved by reference and their text extracted for the view;
+//!   [`memory`]: the working-memory and memory blocks.
 //! - [`tools`]: built-in and discovered tools; [`nats`]: the ports over NATS.
 //! - [`worker`]: the JetStream consumer; [`run`] ties it together.
 
 pub mod assemble;
 pub mod attribution;
 pub mod config;
+pub mod documents;
+pub mod memory;
 pub mod nats;
 pub mod notice;
 pub mod ports;

@@ -1,11 +1,16 @@
 //! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
 
+use crate::documents::{FetchedDocument, MAX_FETCH_BYTES};
 use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
 use async_nats::Client;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use cyrene_bus::request_json;
 use cyrene_checkpoint_client::{CheckpointClient, Error as CheckpointError};
 use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::document::{self, ReadRequest, ReadResponse};
+use cyrene_protocol::memory::{self, MemoryReadRequest, MemoryReadResponse};
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
@@ -161,6 +166,70 @@ impl TurnPorts for NatsPorts {
 
     async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
         self.tools.call(context, call).await
+    }
+
+    async fn document(&self, session_id: &str, url: &str) -> Result<FetchedDocument, ErrorBody> {
+        let mut bytes = Vec::new();
+        loop {
+            let request = ReadRequest {
+                session_id: session_id.to_owned(),
+                url: url.to_owned(),
+                offset: bytes.len() as u64,
+                max_bytes: 0,
+            };
+            let chunk: ReadResponse = request_json(
+                &self.client,
+                document::DOCUMENT_READ,
+                &request,
+                self.timeouts.steer,
+            )
+            .await
+            .map_err(|e| e.to_body())?;
+            if chunk.size > MAX_FETCH_BYTES {
+                return Err(ErrorBody::new(
+                    ErrorCode::TooLarge,
+                    format!("the document is larger than {MAX_FETCH_BYTES} bytes"),
+                ));
+            }
+            let data = BASE64
+                .decode(chunk.data.as_bytes())
+                .map_err(|e| ErrorBody::new(ErrorCode::Internal, format!("document chunk: {e}")))?;
+            if data.is_empty() && !chunk.eof {
+                return Err(ErrorBody::new(
+                    ErrorCode::Internal,
+                    "the document service sent an empty chunk before the end",
+                ));
+            }
+            bytes.extend_from_slice(&data);
+            if chunk.eof || bytes.len() as u64 >= chunk.size {
+                return Ok(FetchedDocument {
+                    name: chunk.name,
+                    mime: chunk.mime,
+                    size: chunk.size,
+                    title: chunk.title,
+                    bytes,
+                });
+            }
+        }
+    }
+
+    async fn memory(
+        &self,
+        persona_id: &str,
+        session_id: &str,
+    ) -> Result<MemoryReadResponse, ErrorBody> {
+        let request = MemoryReadRequest {
+            persona_id: persona_id.to_owned(),
+            session_id: session_id.to_owned(),
+        };
+        request_json(
+            &self.client,
+            memory::MEMORY_READ,
+            &request,
+            self.timeouts.steer,
+        )
+        .await
+        .map_err(|e| e.to_body())
     }
 
     async fn publish(&self, event: SessionEvent) {

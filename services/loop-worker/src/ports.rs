@@ -1,8 +1,10 @@
 //! What a turn needs from the outside world, as one trait, so the turn runner is plain logic:
 //! production wires it to NATS ([`crate::nats::NatsPorts`]), unit tests to an in-memory fake.
 
+use crate::documents::FetchedDocument;
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::checkpoint::Checkpoint;
+use cyrene_protocol::memory::MemoryReadResponse;
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
@@ -156,6 +158,32 @@ pub trait TurnPorts: Send + Sync {
         context: &ToolContext,
         call: &ToolCall,
     ) -> impl Future<Output = ToolOutput> + Send;
+
+    /// A stored document of `session_id`, read from the document service by its server-issued
+    /// `cyrene-doc://` reference (docs/documents.md); `forbidden` for another session's
+    /// document. Never fetches any other URL. The default has no document service.
+    fn document(
+        &self,
+        _session_id: &str,
+        _url: &str,
+    ) -> impl Future<Output = Result<FetchedDocument, ErrorBody>> + Send {
+        async {
+            Err(ErrorBody::new(
+                cyrene_protocol::ErrorCode::Unavailable,
+                "no document service",
+            ))
+        }
+    }
+
+    /// The persona's memory for a session (`cyrene.memory.read`, docs/memory.md). The default
+    /// has no memory.
+    fn memory(
+        &self,
+        _persona_id: &str,
+        _session_id: &str,
+    ) -> impl Future<Output = Result<MemoryReadResponse, ErrorBody>> + Send {
+        async { Ok(MemoryReadResponse::default()) }
+    }
 
     /// Publishes a live session event (fire and forget).
     fn publish(&self, event: SessionEvent) -> impl Future<Output = ()> + Send;

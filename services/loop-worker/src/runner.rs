@@ -37,10 +37,10 @@
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
 
-use crate::assemble::{
-    self, ContextBlocks, NoExtraction, SteeredMessage, ViewInputs, merge_steered,
-};
+use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
 use crate::attribution::{PersonaNames, SpeakerEnv};
+use crate::documents::DocumentTexts;
+use crate::memory;
 use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
 use cyrene_protocol::checkpoint::{
@@ -124,6 +124,8 @@ struct Turn<'a, P> {
     main_vision: Option<bool>,
     /// Image URL → its description, so each image is described once per turn.
     descriptions: HashMap<String, String>,
+    /// Document URL → its text in the view, so each document is read once per turn.
+    documents: DocumentTexts,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -208,7 +210,9 @@ pub async fn run_turn<P: TurnPorts>(
         names,
         main_vision: None,
         descriptions: HashMap::new(),
+        documents: DocumentTexts::default(),
     };
+    turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, config).await;
     turn.settle(exit, step, config).await
 }
@@ -294,6 +298,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Err(Exit::Deadline);
         }
+        self.resolve_documents().await;
         let request = self.resolve_images(self.request(config)).await;
         match self.model_call(request).await? {
             Ok(response) => Ok(response),
@@ -329,6 +334,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Exit::Deadline;
         }
+        self.resolve_documents().await;
         let mut request = self.resolve_images(self.request(config)).await;
         request
             .messages
@@ -435,7 +441,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                 steered: &self.steered,
                 notice: self.job.notice.as_ref(),
             },
-            &NoExtraction,
+            &self.documents,
         );
         ModelRequest {
             messages: view,
@@ -444,6 +450,34 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             tools: self.ports.tool_specs(self.job.tools.as_deref()),
             ..Default::default()
         }
+    }
+
+    /// Fills the working-memory and memory blocks from the persona's memory (docs/memory.md);
+    /// when memory cannot be read the blocks stay empty and the turn goes on.
+    async fn load_memory(&mut self) {
+        let persona = &self.job.env.persona;
+        match self.ports.memory(persona, &self.job.session_id).await {
+            Ok(read) => {
+                self.blocks.working_memory =
+                    memory::block(memory::WORKING_MEMORY_HEADER, &read.working_memory);
+                self.blocks.memory = memory::block(memory::MEMORY_HEADER, &read.memory);
+            }
+            Err(err) => {
+                tracing::warn!(turn = %self.job.turn_id, error = %err, "memory unavailable; the turn goes on without it");
+            }
+        }
+    }
+
+    /// Reads and extracts every document of the window and the steered messages not read yet
+    /// this turn (docs/loop-worker.md, "Documents").
+    async fn resolve_documents(&mut self) {
+        let messages = self
+            .window
+            .iter()
+            .chain(self.steered.iter().map(|s| &s.message));
+        self.documents
+            .fill(self.ports, &self.job.session_id, messages)
+            .await;
     }
 
     /// The image resolver: when the view holds images and the main model has no vision, each

@@ -53,6 +53,8 @@ pub struct Config {
     pub max_message_bytes: usize,
     /// Byte budget of a turn job: the oldest window messages are left out to stay under it.
     pub max_job_bytes: usize,
+    /// Largest document an upload may store (`too_large` above; docs/documents.md).
+    pub max_document_bytes: u64,
     /// How long an agent ask waits for the turn that answers it (then `timeout`).
     pub ask_timeout: Duration,
     /// Register every persona on the comm protocol (answer `cyrene.agent.*.<persona>.ask`).
@@ -91,6 +93,7 @@ impl Config {
             reject_clients: Vec::new(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_job_bytes: DEFAULT_MAX_JOB_BYTES,
+            max_document_bytes: crate::documents::DEFAULT_MAX_DOCUMENT_BYTES,
             ask_timeout: Duration::from_secs(120),
             serve_agents: true,
             sweep_interval: Duration::from_secs(1),
@@ -130,6 +133,9 @@ impl Config {
             if d.is_zero() {
                 problems.push(format!("{name} must be longer than zero"));
             }
+        }
+        if self.max_document_bytes == 0 {
+            problems.push("max_document_bytes must be at least 1".to_owned());
         }
         for (name, n) in [
             ("max_connections", self.max_connections as usize),
@@ -274,6 +280,9 @@ pub struct Args {
     /// Largest serialised user message accepted, in bytes.
     #[arg(long, env = "CYRENE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
+    /// Largest document an upload may store, in bytes.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_DOCUMENT_BYTES", default_value_t = crate::documents::DEFAULT_MAX_DOCUMENT_BYTES)]
+    pub max_document_bytes: u64,
     /// How long an agent ask waits for its turn (e.g. 120s).
     #[arg(long, env = "CYRENE_ASK_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub ask_timeout: Duration,
@@ -323,6 +332,7 @@ impl Args {
         config.reject_sessions = clean(&self.reject_sessions);
         config.reject_clients = clean(&self.reject_clients);
         config.max_message_bytes = self.max_message_bytes;
+        config.max_document_bytes = self.max_document_bytes;
         config.ask_timeout = self.ask_timeout;
         config.serve_agents = !self.no_agents;
         config.db_timeout = self.db_timeout;

@@ -17,6 +17,7 @@
 //!   which the workers' fencing (`attempt`) and the completed-turn check absorb.
 
 use crate::config::Config;
+use crate::documents::Documents;
 use crate::progress::Progress;
 use crate::store::{NewMessage, NewTurn, Pushed, Store};
 use async_nats::jetstream;
@@ -68,6 +69,7 @@ pub struct Engine {
     js: jetstream::Context,
     config: Arc<Config>,
     progress: Arc<Progress>,
+    documents: Documents,
 }
 
 fn bad(message: impl Into<String>) -> ErrorBody {
@@ -153,7 +155,13 @@ pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), Err
 }
 
 impl Engine {
-    pub fn new(store: Store, client: Client, config: Arc<Config>, progress: Arc<Progress>) -> Self {
+    pub fn new(
+        store: Store,
+        client: Client,
+        config: Arc<Config>,
+        progress: Arc<Progress>,
+        documents: Documents,
+    ) -> Self {
         let js = jetstream::new(client.clone());
         Engine {
             store,
@@ -161,7 +169,13 @@ impl Engine {
             js,
             config,
             progress,
+            documents,
         }
+    }
+
+    /// The document service (docs/documents.md).
+    pub fn documents(&self) -> &Documents {
+        &self.documents
     }
 
     pub fn config(&self) -> &Config {
@@ -186,6 +200,11 @@ impl Engine {
             )));
         }
         check_user_message(&req.message, self.config.max_message_bytes)?;
+        // Document references: of this session, and described as stored, not as claimed.
+        let mut req = req;
+        self.documents
+            .bind(&req.session_id, &mut req.message)
+            .await?;
         if req.message.sender_kind != SenderKind::Person {
             // The agent lane means "asked over the comm protocol": only the ask path sets it.
             return Err(bad(

@@ -9,7 +9,11 @@
 //! - the behaviour behind the endpoints ([`engine`]): input checks, dispositions, dispatch of
 //!   `TurnJob`s to `CYRENE_TURNS`, session events, the dispatch sweeper;
 //! - the endpoints `send`, `history`, `steer`, `complete` ([`service`]);
+//! - the document service: uploads into the object store, `cyrene-doc://` references, reads
+//!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
 //! - live progress of running legs for parallel notices ([`progress`]);
+//! - persona memory: the [`memory::MemoryStore`] interface behind `cyrene.memory.*` and its SQL
+//!   default (docs/memory.md);
 //! - the personas ([`personas`]) and their comm agents ([`agents`]);
 //! - the configuration ([`config`]).
 //!
@@ -26,8 +30,10 @@
 
 pub mod agents;
 pub mod config;
+pub mod documents;
 pub mod engine;
 pub mod people;
+pub mod memory;
 pub mod personas;
 pub mod progress;
 pub mod service;
@@ -91,6 +97,13 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let store = open_store(&config).await?;
     ensure_stream(&client, config.turns_replicas, &shutdown).await?;
+    let documents = documents::Documents::open(
+        &async_nats::jetstream::new(client.clone()),
+        config.turns_replicas,
+        config.max_document_bytes,
+    )
+    .await
+    .map_err(Error::Bus)?;
     let config = Arc::new(config);
     let progress = Arc::new(progress::Progress::new());
     let engine = Arc::new(Engine::new(
@@ -98,6 +111,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         client.clone(),
         config.clone(),
         progress.clone(),
+        documents,
     ));
 
     let mut tasks = JoinSet::new();
@@ -112,7 +126,11 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
             .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
         tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
     }
-    let service = service::start(engine.clone(), &mut tasks, shutdown.clone()).await?;
+    let memory = Arc::new(memory::SqlMemory::new(
+        store.pool().clone(),
+        config.db_timeout,
+    ));
+    let service = service::start(engine.clone(), memory, &mut tasks, shutdown.clone()).await?;
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())
             .await

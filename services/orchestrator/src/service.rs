@@ -1,4 +1,4 @@
-//! The micro service `cyrene-orchestrator`: four named endpoints, each a bounded [`serve_json`]
+//! The micro service `cyrene-orchestrator`: nine named endpoints, each a bounded [`serve_json`]
 //! loop in front of the [`Engine`].
 //!
 //! | endpoint   | subject                   | request          | reply             |
@@ -9,6 +9,11 @@
 //! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
 //! | `person-send`    | `cyrene.person.*.session.send`    | `SendRequest`    | `SendAck` |
 //! | `person-history` | `cyrene.person.*.session.history` | `HistoryRequest` | `HistoryResponse` |
+//! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
+//! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
+//! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
+//! | `memory_write`  | `cyrene.memory.write`  | `MemoryWriteRequest`  | `MemoryWriteAck`     |
+//! | `memory_forget` | `cyrene.memory.forget` | `MemoryForgetRequest` | `MemoryForgetAck`    |
 //!
 //! # Invariants
 //! - Every request is answered: bad input by the decoder or the engine's checks
@@ -19,9 +24,12 @@
 //!   sessions of nobody in particular.
 
 use crate::engine::Engine;
+use crate::memory::MemoryStore;
 use crate::{Error, SERVICE_NAME, people};
 use async_nats::service::{Service, ServiceExt};
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
+use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest};
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
@@ -31,8 +39,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// Starts the micro service and spawns one serving loop per endpoint into `tasks`.
-pub async fn start(
+pub async fn start<M: MemoryStore + 'static>(
     engine: Arc<Engine>,
+    memory: Arc<M>,
     tasks: &mut JoinSet<()>,
     shutdown: CancellationToken,
 ) -> Result<Service, Error> {
@@ -66,6 +75,11 @@ pub async fn start(
     let history = endpoint("history", subjects::SESSION_HISTORY).await?;
     let steer = endpoint("steer", subjects::TURN_STEER).await?;
     let complete = endpoint("complete", subjects::TURN_COMPLETE).await?;
+    let upload = endpoint("upload", document::DOCUMENT_UPLOAD).await?;
+    let read = endpoint("read", document::DOCUMENT_READ).await?;
+    let memory_read = endpoint("memory_read", mem::MEMORY_READ).await?;
+    let memory_write = endpoint("memory_write", mem::MEMORY_WRITE).await?;
+    let memory_forget = endpoint("memory_forget", mem::MEMORY_FORGET).await?;
 
     let options = ServeOptions {
         max_in_flight: config.max_in_flight,
@@ -111,6 +125,56 @@ pub async fn start(
         move |req: SteerRequest, _: RequestContext| {
             let e = e.clone();
             async move { e.steer(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        upload,
+        options,
+        shutdown.clone(),
+        move |req: UploadRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.documents().upload(req).await }
+        },
+    ));
+    let e = engine.clone();
+    tasks.spawn(serve_json(
+        read,
+        options,
+        shutdown.clone(),
+        move |req: ReadRequest, _: RequestContext| {
+            let e = e.clone();
+            async move { e.documents().read(req).await }
+        },
+    ));
+    let m = memory.clone();
+    tasks.spawn(serve_json(
+        memory_read,
+        options,
+        shutdown.clone(),
+        move |req: mem::MemoryReadRequest, _: RequestContext| {
+            let m = m.clone();
+            async move { m.read(req).await }
+        },
+    ));
+    let m = memory.clone();
+    tasks.spawn(serve_json(
+        memory_write,
+        options,
+        shutdown.clone(),
+        move |req: mem::MemoryWriteRequest, _: RequestContext| {
+            let m = m.clone();
+            async move { m.write(req).await }
+        },
+    ));
+    let m = memory;
+    tasks.spawn(serve_json(
+        memory_forget,
+        options,
+        shutdown.clone(),
+        move |req: mem::MemoryForgetRequest, _: RequestContext| {
+            let m = m.clone();
+            async move { m.forget(req).await }
         },
     ));
     let e = engine;

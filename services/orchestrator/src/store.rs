@@ -344,6 +344,11 @@ impl Store {
         &self.settings
     }
 
+    /// The connection pool, for the SQL default of other interfaces ([`crate::memory`]).
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
     /// Closes the pool.
     pub async fn close(&self) {
         self.pool.close().await;

@@ -14,9 +14,11 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod document;
 pub mod error;
 pub mod ids;
 pub mod json;
+pub mod memory;
 pub mod message;
 pub mod model;
 pub mod names;

@@ -1,0 +1,284 @@
+//! Documents in the view (docs/loop-worker.md, "Documents"): a `document` part is resolved on
+//! the server side only — its `cyrene-doc://` reference read from the orchestrator's document
+//! service in the turn's own session — and its text extracted, bounded, and put in place of the
+//! part; a document whose text cannot be read keeps the manifest line
+//! ([`crate::assemble::manifest_line`]).
+//!
+//! # Invariants
+//! - No URL is ever fetched: only `cyrene-doc://d-…` references, read over the bus with the
+//!   turn's session id (the service refuses another session's document).
+//! - Text is extracted for plain text, Markdown, CSV, JSON and PDF; every other type gets the
+//!   manifest line. The text is cut to [`MAX_TEXT_CHARS`] characters, with [`TRUNCATED_NOTE`].
+//! - Each reference is resolved at most once per turn attempt ([`DocumentTexts`] caches it,
+//!   failures included), so every step of the turn shows the same text.
+//! - Extraction never takes the worker down: PDF parsing runs on a blocking thread and a panic
+//!   there is a failed extraction.
+
+use crate::assemble::{DocumentExtractor, DocumentRef};
+use crate::ports::TurnPorts;
+use cyrene_protocol::document;
+use cyrene_protocol::message::{Message, Part};
+use cyrene_protocol::names::display_name;
+use std::collections::HashMap;
+
+/// The most characters of one document's text that reach the model.
+pub const MAX_TEXT_CHARS: usize = 32_000;
+/// The most bytes the worker reads of one document (the orchestrator's default limit).
+pub const MAX_FETCH_BYTES: u64 = 8 * 1024 * 1024;
+/// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: the seeds define no wording).
+pub const TRUNCATED_NOTE: &str = "[文档过长，以上只是开头部分]";
+
+/// A stored document as read back from the document service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchedDocument {
+    pub name: String,
+    pub mime: String,
+    pub size: u64,
+    /// The sanitised client file name (may be empty).
+    pub title: String,
+    pub bytes: Vec<u8>,
+}
+
+/// Whether text is extracted for `mime`.
+pub fn readable(mime: &str) -> bool {
+    matches!(
+        mime,
+        "text/plain" | "text/markdown" | "text/csv" | "application/json" | "application/pdf"
+    )
+}
+
+/// The raw text of a document, `None` when its type has no extractor or extraction fails.
+pub async fn extract_text(mime: &str, bytes: Vec<u8>) -> Option<String> {
+    match mime {
+        "text/plain" | "text/markdown" | "text/csv" | "application/json" => {
+            let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
+            Some(String::from_utf8_lossy(body).into_owned())
+        }
+        "application/pdf" => match tokio::task::spawn_blocking(move || pdf_text(&bytes)).await {
+            Ok(text) => text,
+            Err(err) => {
+                tracing::warn!(error = %err, "PDF extraction panicked");
+                None
+            }
+        },
+        _ => None,
+    }
+}
+
+/// The text of every page of a PDF, in page order.
+pub fn pdf_text(bytes: &[u8]) -> Option<String> {
+    let doc = match lopdf::Document::load_mem(bytes) {
+        Ok(doc) => doc,
+        Err(err) => {
+            tracing::info!(error = %err, "not a readable PDF");
+            return None;
+        }
+    };
+    let pages: Vec<u32> = doc.get_pages().keys().copied().collect();
+    match doc.extract_text(&pages) {
+        Ok(text) => Some(text),
+        Err(err) => {
+            tracing::info!(error = %err, "no text in the PDF");
+            None
+        }
+    }
+}
+
+/// What replaces a readable document in the view: a header line naming it, then its text cut
+/// to [`MAX_TEXT_CHARS`]: `[文档] d-…「title」（mime，N 字节）：` + newline + text.
+pub fn render(document: &FetchedDocument, text: &str) -> String {
+    let text = text.trim();
+    let title = display_name(&document.title);
+    let label = if title.is_empty() {
+        String::new()
+    } else {
+        format!("「{title}」")
+    };
+    let mut out = format!(
+        "[文档] {}{label}（{}，{} 字节）：\n",
+        document.name, document.mime, document.size
+    );
+    match text.char_indices().nth(MAX_TEXT_CHARS) {
+        Some((cut, _)) => {
+            out.push_str(&text[..cut]);
+            out.push('\n');
+            out.push_str(TRUNCATED_NOTE);
+        }
+        None => out.push_str(text),
+    }
+    out
+}
+
+/// The texts of a turn's documents, by URL; `None` = no text (the manifest line).
+#[derive(Debug, Clone, Default)]
+pub struct DocumentTexts {
+    texts: HashMap<String, Option<String>>,
+}
+
+impl DocumentTexts {
+    /// Resolves every document part of `messages` not resolved yet.
+    pub async fn fill<'m, P: TurnPorts>(
+        &mut self,
+        ports: &P,
+        session_id: &str,
+        messages: impl Iterator<Item = &'m Message>,
+    ) {
+        for message in messages {
+            for part in &message.content {
+                let Part::Document { url, mime, .. } = part else {
+                    continue;
+                };
+                if self.texts.contains_key(url) {
+                    continue;
+                }
+                let text = self.resolve(ports, session_id, url, mime).await;
+                self.texts.insert(url.clone(), text);
+            }
+        }
+    }
+
+    async fn resolve<P: TurnPorts>(
+        &self,
+        ports: &P,
+        session_id: &str,
+        url: &str,
+        mime: &str,
+    ) -> Option<String> {
+        if document::name_of_url(url).is_none() {
+            // Never fetched: only server-issued references are resolved.
+            tracing::warn!(%url, "document part without a server-issued reference");
+            return None;
+        }
+        if !readable(mime) {
+            return None;
+        }
+        let fetched = match ports.document(session_id, url).await {
+            Ok(fetched) => fetched,
+            Err(err) => {
+                tracing::warn!(%url, error = %err, "cannot read a document");
+                return None;
+            }
+        };
+        // The stored type decides, not the part's.
+        let text = extract_text(&fetched.mime, fetched.bytes.clone()).await?;
+        if text.trim().is_empty() {
+            return None;
+        }
+        Some(render(&fetched, &text))
+    }
+}
+
+impl DocumentExtractor for DocumentTexts {
+    fn extract(&self, document: DocumentRef<'_>) -> Option<String> {
+        self.texts.get(document.url).cloned().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-page PDF whose page shows `text` (Helvetica), built with lopdf.
+    pub(crate) fn tiny_pdf(text: &str) -> Vec<u8> {
+        use lopdf::content::{Content, Operation};
+        use lopdf::{Document, Object, Stream, dictionary};
+        let mut doc = Document::with_version("1.5");
+        let pages_id = doc.new_object_id();
+        let font_id = doc.add_object(dictionary! {
+            "Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica",
+        });
+        let resources_id = doc.add_object(dictionary! {
+            "Font" => dictionary! { "F1" => font_id },
+        });
+        let content = Content {
+            operations: vec![
+                Operation::new("BT", vec![]),
+                Operation::new("Tf", vec!["F1".into(), 12.into()]),
+                Operation::new("Td", vec![72.into(), 700.into()]),
+                Operation::new("Tj", vec![Object::string_literal(text)]),
+                Operation::new("ET", vec![]),
+            ],
+        };
+        let content_id = doc.add_object(Stream::new(
+            dictionary! {},
+            content.encode().expect("content encodes"),
+        ));
+        let page_id = doc.add_object(dictionary! {
+            "Type" => "Page", "Parent" => pages_id, "Contents" => content_id,
+        });
+        doc.objects.insert(
+            pages_id,
+            Object::Dictionary(dictionary! {
+                "Type" => "Pages", "Kids" => vec![page_id.into()], "Count" => 1,
+                "Resources" => resources_id,
+                "MediaBox" => vec![0.into(), 0.into(), 595.into(), 842.into()],
+            }),
+        );
+        let catalog_id = doc.add_object(dictionary! { "Type" => "Catalog", "Pages" => pages_id });
+        doc.trailer.set("Root", catalog_id);
+        let mut bytes = Vec::new();
+        doc.save_to(&mut bytes).expect("pdf saves");
+        bytes
+    }
+
+    fn fetched(mime: &str, title: &str) -> FetchedDocument {
+        FetchedDocument {
+            name: "d-1".into(),
+            mime: mime.into(),
+            size: 10,
+            title: title.into(),
+            bytes: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn text_formats_and_pdf_have_text() {
+        for mime in [
+            "text/plain",
+            "text/markdown",
+            "text/csv",
+            "application/json",
+        ] {
+            assert_eq!(
+                extract_text(mime, b"\xEF\xBB\xBFa,b".to_vec())
+                    .await
+                    .as_deref(),
+                Some("a,b")
+            );
+        }
+        let pdf = extract_text("application/pdf", tiny_pdf("Quarterly revenue 42")).await;
+        assert!(pdf.unwrap().contains("Quarterly revenue 42"));
+    }
+
+    #[tokio::test]
+    async fn other_types_and_broken_pdfs_have_none() {
+        assert_eq!(extract_text("image/png", b"\x89PNG".to_vec()).await, None);
+        assert_eq!(
+            extract_text("application/octet-stream", b"x".to_vec()).await,
+            None
+        );
+        assert_eq!(
+            extract_text("application/pdf", b"%PDF-1.4 junk".to_vec()).await,
+            None
+        );
+        assert!(!readable("application/vnd.microsoft.portable-executable"));
+    }
+
+    #[test]
+    fn rendering_names_the_document_and_bounds_the_text() {
+        let doc = fetched("text/plain", "notes [1].txt");
+        assert_eq!(
+            render(&doc, "  hello \n"),
+            "[文档] d-1「notes 1 .txt」（text/plain，10 字节）：\nhello"
+        );
+        assert_eq!(
+            render(&fetched("text/plain", ""), "x"),
+            "[文档] d-1（text/plain，10 字节）：\nx"
+        );
+        let long = "字".repeat(MAX_TEXT_CHARS + 10);
+        let out = render(&doc, &long);
+        assert!(out.ends_with(TRUNCATED_NOTE));
+        let body = out.split_once('\n').unwrap().1;
+        assert_eq!(body.matches('字').count(), MAX_TEXT_CHARS);
+    }
+}

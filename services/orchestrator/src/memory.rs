@@ -1,0 +1,334 @@
+//! Persona memory (docs/memory.md): the [`MemoryStore`] interface behind the bus endpoints
+//! `cyrene.memory.read` / `write` / `forget`, and its SQL default [`SqlMemory`] (table
+//! `orch_memory`, PostgreSQL or SQLite through the orchestrator's pool).
+//!
+//! # Invariants
+//! - Memory belongs to a persona: every read, write and forget names it, and an entry of one
+//!   persona is never read or deleted through another.
+//! - Working memory (`session_id` set) is read only for its session; long-term memory
+//!   (`session_id` empty) in every session of the persona.
+//! - A read returns at most [`MAX_READ_ENTRIES`] of each kind, the newest, oldest first.
+//! - Every entry is one line of at most [`MAX_ENTRY_BYTES`] bytes, checked on write.
+
+use crate::store::{StoreError, now_ms};
+use cyrene_bus::service::database_call;
+use cyrene_protocol::ids::{self, IdKind};
+use cyrene_protocol::memory::{
+    MAX_ENTRY_BYTES, MAX_READ_ENTRIES, MemoryEntry, MemoryForgetAck, MemoryForgetRequest,
+    MemoryReadRequest, MemoryReadResponse, MemoryWriteAck, MemoryWriteRequest,
+};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use sqlx::{AnyPool, Row};
+use std::future::Future;
+use std::time::Duration;
+
+/// Where persona memory lives. The orchestrator serves the bus endpoints through one; another
+/// implementation (a vector store, a memory service) can take its place, or another service can
+/// answer the same subjects instead.
+pub trait MemoryStore: Send + Sync {
+    /// The session's working memory and the persona's long-term memory.
+    fn read(
+        &self,
+        req: MemoryReadRequest,
+    ) -> impl Future<Output = Result<MemoryReadResponse, ErrorBody>> + Send;
+
+    /// Remembers one entry.
+    fn write(
+        &self,
+        req: MemoryWriteRequest,
+    ) -> impl Future<Output = Result<MemoryWriteAck, ErrorBody>> + Send;
+
+    /// Deletes one entry of the persona.
+    fn forget(
+        &self,
+        req: MemoryForgetRequest,
+    ) -> impl Future<Output = Result<MemoryForgetAck, ErrorBody>> + Send;
+}
+
+fn bad(message: impl Into<String>) -> ErrorBody {
+    ErrorBody::new(ErrorCode::BadRequest, message)
+}
+
+fn check_ids(persona_id: &str, session_id: &str) -> Result<(), ErrorBody> {
+    ids::validate(IdKind::Agent, persona_id).map_err(|e| bad(format!("persona_id: {e}")))?;
+    if !session_id.is_empty() {
+        ids::validate(IdKind::Session, session_id).map_err(|e| bad(format!("session_id: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Checks an entry's text: not blank, one line (no control character), at most
+/// [`MAX_ENTRY_BYTES`] bytes.
+pub fn check_text(text: &str) -> Result<(), ErrorBody> {
+    if text.trim().is_empty() {
+        return Err(bad("text is empty"));
+    }
+    if text.len() > MAX_ENTRY_BYTES {
+        return Err(ErrorBody::new(
+            ErrorCode::TooLarge,
+            format!("an entry holds at most {MAX_ENTRY_BYTES} bytes"),
+        ));
+    }
+    if text
+        .chars()
+        .any(|c| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}'))
+    {
+        return Err(bad(
+            "an entry is one line: no line breaks or control characters",
+        ));
+    }
+    Ok(())
+}
+
+/// The SQL default: table `orch_memory` in the orchestrator's database.
+#[derive(Debug, Clone)]
+pub struct SqlMemory {
+    pool: AnyPool,
+    timeout: Duration,
+}
+
+impl SqlMemory {
+    /// Memory in `pool` (migrated by [`crate::Store::open`]); each operation bounded by
+    /// `timeout` (then `unavailable`).
+    pub fn new(pool: AnyPool, timeout: Duration) -> SqlMemory {
+        SqlMemory { pool, timeout }
+    }
+
+    async fn entries(
+        &self,
+        persona_id: &str,
+        session_id: &str,
+    ) -> Result<Vec<MemoryEntry>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, text, created_at FROM orch_memory \
+             WHERE persona_id = $1 AND session_id = $2 \
+             ORDER BY created_at DESC, id DESC LIMIT $3",
+        )
+        .bind(persona_id)
+        .bind(session_id)
+        .bind(MAX_READ_ENTRIES as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut entries = rows
+            .iter()
+            .map(|r| {
+                let created: i64 = r.try_get(2)?;
+                Ok(MemoryEntry {
+                    id: r.try_get(0)?,
+                    text: r.try_get(1)?,
+                    created_unix_ms: u64::try_from(created).unwrap_or(0),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        entries.reverse();
+        Ok(entries)
+    }
+
+    async fn read_both(&self, req: &MemoryReadRequest) -> Result<MemoryReadResponse, StoreError> {
+        let working_memory = if req.session_id.is_empty() {
+            Vec::new()
+        } else {
+            self.entries(&req.persona_id, &req.session_id).await?
+        };
+        let memory = self.entries(&req.persona_id, "").await?;
+        Ok(MemoryReadResponse {
+            working_memory,
+            memory,
+        })
+    }
+
+    async fn insert(&self, req: &MemoryWriteRequest, id: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO orch_memory (id, persona_id, session_id, text, created_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(id)
+        .bind(&req.persona_id)
+        .bind(&req.session_id)
+        .bind(&req.text)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn delete(&self, req: &MemoryForgetRequest) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM orch_memory WHERE persona_id = $1 AND id = $2")
+            .bind(&req.persona_id)
+            .bind(&req.id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+}
+
+impl MemoryStore for SqlMemory {
+    async fn read(&self, req: MemoryReadRequest) -> Result<MemoryReadResponse, ErrorBody> {
+        check_ids(&req.persona_id, &req.session_id)?;
+        database_call(self.timeout, self.read_both(&req)).await
+    }
+
+    async fn write(&self, req: MemoryWriteRequest) -> Result<MemoryWriteAck, ErrorBody> {
+        check_ids(&req.persona_id, &req.session_id)?;
+        check_text(&req.text)?;
+        let id = format!("m-{}", ids::new_id());
+        database_call(self.timeout, self.insert(&req, &id)).await?;
+        Ok(MemoryWriteAck { id })
+    }
+
+    async fn forget(&self, req: MemoryForgetRequest) -> Result<MemoryForgetAck, ErrorBody> {
+        check_ids(&req.persona_id, "")?;
+        let forgotten = database_call(self.timeout, self.delete(&req)).await?;
+        Ok(MemoryForgetAck { forgotten })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::store::{JobSettings, Store, StoreOptions};
+
+    async fn memory_on(url: &str) -> (Store, SqlMemory) {
+        let settings = JobSettings {
+            personas: crate::Personas::builtin(),
+            window: 40,
+            max_steps: 8,
+            max_job_bytes: 768 * 1024,
+        };
+        let store = Store::open(url, &StoreOptions::default(), settings)
+            .await
+            .unwrap();
+        let memory = SqlMemory::new(store.pool().clone(), Duration::from_secs(5));
+        (store, memory)
+    }
+
+    fn write(persona: &str, session: &str, text: &str) -> MemoryWriteRequest {
+        MemoryWriteRequest {
+            persona_id: persona.into(),
+            session_id: session.into(),
+            text: text.into(),
+        }
+    }
+
+    fn read(persona: &str, session: &str) -> MemoryReadRequest {
+        MemoryReadRequest {
+            persona_id: persona.into(),
+            session_id: session.into(),
+        }
+    }
+
+    fn texts(entries: &[MemoryEntry]) -> Vec<&str> {
+        entries.iter().map(|e| e.text.as_str()).collect()
+    }
+
+    /// The memory semantics, on whichever database `memory` uses.
+    async fn remembers_by_persona_and_session(memory: &SqlMemory) {
+        memory
+            .write(write("cyrene", "", "likes oolong"))
+            .await
+            .unwrap();
+        memory
+            .write(write("cyrene", "s1", "we plan a picnic"))
+            .await
+            .unwrap();
+        memory
+            .write(write("cyrene", "s2", "talking about exams"))
+            .await
+            .unwrap();
+        memory
+            .write(write("hoshi", "", "likes trains"))
+            .await
+            .unwrap();
+
+        let s1 = memory.read(read("cyrene", "s1")).await.unwrap();
+        assert_eq!(texts(&s1.working_memory), ["we plan a picnic"]);
+        assert_eq!(texts(&s1.memory), ["likes oolong"]);
+        let s2 = memory.read(read("cyrene", "s2")).await.unwrap();
+        assert_eq!(texts(&s2.working_memory), ["talking about exams"]);
+        let none = memory.read(read("cyrene", "")).await.unwrap();
+        assert!(none.working_memory.is_empty());
+        let hoshi = memory.read(read("hoshi", "s1")).await.unwrap();
+        assert!(hoshi.working_memory.is_empty());
+        assert_eq!(texts(&hoshi.memory), ["likes trains"]);
+
+        // The newest MAX_READ_ENTRIES, oldest first.
+        for i in 0..MAX_READ_ENTRIES + 5 {
+            memory
+                .write(write("cyrene", "s3", &format!("note {i:03}")))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let s3 = memory.read(read("cyrene", "s3")).await.unwrap();
+        assert_eq!(s3.working_memory.len(), MAX_READ_ENTRIES);
+        assert_eq!(s3.working_memory[0].text, "note 005");
+        assert_eq!(
+            s3.working_memory.last().unwrap().text,
+            format!("note {:03}", MAX_READ_ENTRIES + 4)
+        );
+
+        // Forget: only through the owning persona.
+        let id = s1.memory[0].id.clone();
+        let other = MemoryForgetRequest {
+            persona_id: "hoshi".into(),
+            id: id.clone(),
+        };
+        assert!(!memory.forget(other).await.unwrap().forgotten);
+        let own = MemoryForgetRequest {
+            persona_id: "cyrene".into(),
+            id,
+        };
+        assert!(memory.forget(own.clone()).await.unwrap().forgotten);
+        assert!(!memory.forget(own).await.unwrap().forgotten);
+        assert!(
+            memory
+                .read(read("cyrene", "s1"))
+                .await
+                .unwrap()
+                .memory
+                .is_empty()
+        );
+
+        // Bad input.
+        let code = |r: Result<MemoryWriteAck, ErrorBody>| r.unwrap_err().code;
+        assert_eq!(
+            code(memory.write(write("cyrene", "", " ")).await),
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            code(memory.write(write("cyrene", "", "a\nb")).await),
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            code(memory.write(write("a.b", "", "x")).await),
+            ErrorCode::BadRequest
+        );
+        assert_eq!(
+            code(memory.write(write("cyrene", "s>", "x")).await),
+            ErrorCode::BadRequest
+        );
+        let long = "x".repeat(MAX_ENTRY_BYTES + 1);
+        assert_eq!(
+            code(memory.write(write("cyrene", "", &long)).await),
+            ErrorCode::TooLarge
+        );
+    }
+
+    #[tokio::test]
+    async fn sqlite_memory_remembers_by_persona_and_session() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/memory.db", dir.path().display());
+        let (store, memory) = memory_on(&url).await;
+        remembers_by_persona_and_session(&memory).await;
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn postgres_memory_remembers_by_persona_and_session() {
+        let db = cyrene_sql::testing::TestDatabase::create("orch_memory").await;
+        let (store, memory) = memory_on(&db.url).await;
+        remembers_by_persona_and_session(&memory).await;
+        store.close().await;
+    }
+}
