@@ -3,8 +3,8 @@
 mod agent;
 mod chat;
 mod comm;
-mod person;
 mod documents;
+mod person;
 mod probe;
 mod session;
 mod up;

@@ -9,18 +9,22 @@
 //!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
 //!   resumable stop reason); every other exit — final answer, `safety_net` answer, budget
 //!   exhausted, deadline at a boundary (`canceled`) or during a model call (`aborted`), error —
-//!   is settled by a non-resumable checkpoint before it is reported.
+//!   is settled by a non-resumable checkpoint before it is reported. A checkpoint is a delta
+//!   (docs/checkpoint-store.md, "Incremental checkpoints"): the turn's base once, then only what
+//!   each step added, from the last point the store is known to hold.
 //! - **The step budget has a safety net.** When step `max_steps` ends in tool calls, one more
 //!   model call with tool use off asks for an answer from what the window holds; it shares the
 //!   last step's number and checkpoint. Only when it gives no text does the turn end as
 //!   `budget_exhausted`.
 //! - **Steering never cancels** (I1–I3): it happens only at boundaries, after the whole tool batch
-//!   finished, and only adds to the next view. A failed or slow steer yields nothing; the
-//!   messages stay pending at the orchestrator and are answered later.
+//!   finished, and only adds to the next view. The first boundary of a delivery asks
+//!   `cyrene.turn.steer`; later ones take what the orchestrator pushed meanwhile, with no round
+//!   trip (docs/orchestrator.md, "Steering"). A failed steer or a lost push yields nothing; the
+//!   messages are handed back at completion and answered later.
 //! - **Fencing.** A `conflict` from a checkpoint save or a steer means a newer attempt of this
 //!   turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
 //! - **Overlap, never reorder.** After a tool batch, the step's checkpoint save, the next
-//!   boundary's steer and the next model call run together; the next tool batch starts only when
+//!   boundary's input and the next model call run together; the next tool batch starts only when
 //!   the save is back. So a step is durable before any later side effect, and a fenced-off
 //!   attempt runs no tool after its refused save (at most one model call overlapped it).
 //! - **Resume never redoes work.** A delivery reads only its own turn's latest checkpoint, fenced
