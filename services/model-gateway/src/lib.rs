@@ -1,9 +1,10 @@
 //! The model-gateway service: the only component that talks to LLM providers (docs/architecture.md
 //! §2, §9).
 //!
-//! Owns the micro service `cyrene-model-gateway` with one endpoint, `complete` on
+//! Owns the micro service `cyrene-model-gateway` with the endpoints `complete` on
 //! `cyrene.model.complete` (a [`ModelRequest`] in, a [`ModelResponse`] or the error envelope
-//! out), and the call records on `cyrene.model.calls`. Translation lives in [`providers`] (one
+//! out), `complete_stream` on `cyrene.model.complete.stream` (the same, with deltas first:
+//! [`stream`]) and `route`, and the call records on `cyrene.model.calls`. Translation lives in [`providers`] (one
 //! file per dialect behind one trait), chain choice, fallback and cooldown in [`router`], the
 //! config file and its validation in [`config`].
 //!
@@ -22,6 +23,7 @@
 pub mod config;
 pub mod providers;
 pub mod router;
+pub mod stream;
 
 use crate::config::{ModelsConfig, Protocol, Secrets};
 use crate::providers::Provider;
@@ -46,6 +48,8 @@ pub use crate::config::ConfigError;
 pub const SERVICE_NAME: &str = "cyrene-model-gateway";
 /// The endpoint name of `cyrene.model.complete`.
 pub const ENDPOINT_NAME: &str = "complete";
+/// The endpoint name of `cyrene.model.complete.stream`.
+pub const STREAM_ENDPOINT_NAME: &str = "complete_stream";
 /// The endpoint name of `cyrene.model.route`.
 pub const ROUTE_ENDPOINT_NAME: &str = "route";
 
@@ -219,6 +223,41 @@ impl Gateway {
         self.router.complete(req).await
     }
 
+    /// [`Gateway::complete`], passing the output to `sink` as it is produced (fallback only
+    /// before the first delta: [`Router::complete_stream`]).
+    pub async fn complete_stream(
+        &self,
+        req: &ModelRequest,
+        sink: &providers::DeltaSink,
+    ) -> Result<ModelResponse, ErrorBody> {
+        router::check_request(req)?;
+        self.router.complete_stream(req, sink).await
+    }
+
+    /// One call as every front door makes it — streamed into `sink` when given — with its call
+    /// record published on `cyrene.model.calls` when it succeeds.
+    pub async fn call(
+        &self,
+        client: &async_nats::Client,
+        req: &ModelRequest,
+        sink: Option<&providers::DeltaSink>,
+    ) -> Result<ModelResponse, ErrorBody> {
+        let started = Instant::now();
+        let response = match sink {
+            Some(sink) => self.complete_stream(req, sink).await?,
+            None => self.complete(req).await?,
+        };
+        let record = CallRecord {
+            model: response.model.clone(),
+            purpose: req.purpose.clone(),
+            tokens: response.total_tokens,
+            took_ms: started.elapsed().as_millis() as u64,
+            provider: response.provider.clone(),
+        };
+        publish_record(client, &record).await;
+        Ok(response)
+    }
+
     /// Logs providers and chains (never keys).
     pub fn log_routing_table(&self) {
         let c = self.config();
@@ -293,23 +332,26 @@ pub async fn serve(
         .map_err(|e| Error::Service(e.to_string()))?;
     tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
     let gateway_for_route = gateway.clone();
+    let gateway_for_stream = gateway.clone();
+    let stream_client = client.clone();
     let handler = move |req: ModelRequest, _ctx| {
         let gateway = gateway.clone();
         let client = client.clone();
-        async move {
-            let started = Instant::now();
-            let response = gateway.complete(&req).await?;
-            let record = CallRecord {
-                model: response.model.clone(),
-                purpose: req.purpose.clone(),
-                tokens: response.total_tokens,
-                took_ms: started.elapsed().as_millis() as u64,
-                provider: response.provider.clone(),
-            };
-            publish_record(&client, &record).await;
-            Ok(response)
-        }
+        async move { gateway.call(&client, &req, None).await }
     };
+    let stream_endpoint = service
+        .endpoint_builder()
+        .name(STREAM_ENDPOINT_NAME)
+        .add(subjects::MODEL_COMPLETE_STREAM)
+        .await
+        .map_err(|e| Error::Service(e.to_string()))?;
+    let streamed = stream::serve_stream(
+        stream_endpoint,
+        gateway_for_stream,
+        stream_client,
+        options,
+        shutdown.clone(),
+    );
     let route_endpoint = service
         .endpoint_builder()
         .name(ROUTE_ENDPOINT_NAME)
@@ -327,7 +369,11 @@ pub async fn serve(
             async move { gateway.route(&req) }
         },
     );
-    tokio::join!(serve_json(endpoint, options, shutdown, handler), route);
+    tokio::join!(
+        serve_json(endpoint, options, shutdown, handler),
+        route,
+        streamed
+    );
     if let Err(err) = service.stop().await {
         tracing::debug!(error = %err, "stopping the micro service");
     }

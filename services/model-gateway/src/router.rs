@@ -23,7 +23,7 @@
 //! - Health is per gateway process: replicas learn about a failing provider independently.
 
 use crate::config::{ModelsConfig, Step};
-use crate::providers::{Provider, ProviderError};
+use crate::providers::{DeltaSink, Provider, ProviderError};
 use cyrene_protocol::message::{Part, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::{ErrorBody, ErrorCode};
@@ -137,6 +137,27 @@ impl Router {
 
     /// Serves `req`: routes it, tries the chain, and returns the first success.
     pub async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ErrorBody> {
+        self.attempts(req, None).await
+    }
+
+    /// [`Router::complete`], streaming each attempt's output into `sink`. Fallback and cooldown
+    /// apply only while `sink` has seen no output: once a delta went out, a failure of that
+    /// attempt is the answer (code `timeout` for its deadline, else `unavailable`), the next
+    /// step is not tried (the caller has shown that provider's words already) and the failure
+    /// does not count towards the provider's cooldown.
+    pub async fn complete_stream(
+        &self,
+        req: &ModelRequest,
+        sink: &DeltaSink,
+    ) -> Result<ModelResponse, ErrorBody> {
+        self.attempts(req, Some(sink)).await
+    }
+
+    async fn attempts(
+        &self,
+        req: &ModelRequest,
+        sink: Option<&DeltaSink>,
+    ) -> Result<ModelResponse, ErrorBody> {
         let chain = self.route(req)?;
         let timeout = req
             .total_timeout_ms
@@ -181,9 +202,32 @@ impl Router {
                 Some(t) => deadline.min(started + t),
                 None => deadline,
             };
-            let outcome = entry.provider.complete(req, step, attempt_deadline).await;
+            let outcome = match sink {
+                Some(sink) => {
+                    entry
+                        .provider
+                        .stream(req, step, attempt_deadline, sink)
+                        .await
+                }
+                None => entry.provider.complete(req, step, attempt_deadline).await,
+            };
             record_call(step, &outcome, started.elapsed());
             match outcome {
+                Err(err) if sink.is_some_and(DeltaSink::started) => {
+                    tracing::warn!(step = %step, error = %err, "stream broke after output started; not falling back");
+                    let code = match err {
+                        ProviderError::Timeout(_) => ErrorCode::Timeout,
+                        _ => ErrorCode::Unavailable,
+                    };
+                    return Err(ErrorBody::new(
+                        code,
+                        format!(
+                            "provider {} (model {}) failed after its output started \
+                             (no fallback once output was streamed): {err}",
+                            step.provider, step.model
+                        ),
+                    ));
+                }
                 Ok(mut response) => {
                     entry.succeeded();
                     response.provider = step.provider.clone();

@@ -16,6 +16,7 @@ pub mod entry;
 pub mod guard;
 pub mod headers;
 pub mod health;
+pub mod model_stream;
 pub mod request;
 pub mod service;
 pub mod signal;

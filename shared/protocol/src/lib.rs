@@ -23,6 +23,7 @@ pub mod message;
 pub mod model;
 pub mod names;
 pub mod session;
+pub mod stream;
 pub mod subjects;
 pub mod turn;
 

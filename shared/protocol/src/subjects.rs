@@ -9,6 +9,9 @@ use crate::ids::{self, IdError, IdKind};
 
 /// Model completions (micro endpoint `complete`).
 pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
+/// Streamed model completions (micro endpoint `complete_stream`): deltas and an end marker on the
+/// caller's reply inbox (docs/model-gateway.md, "Streaming").
+pub const MODEL_COMPLETE_STREAM: &str = "cyrene.model.complete.stream";
 /// Which chain (and main model) serves a persona (micro endpoint `route`).
 pub const MODEL_ROUTE: &str = "cyrene.model.route";
 /// Call records, one per successful model call.

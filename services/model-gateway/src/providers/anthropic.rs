@@ -27,10 +27,15 @@
 //!   reported by this dialect (they are inside `output_tokens`) and stay 0.
 
 use super::openai::u64_at;
-use super::{ProviderError, normalise_effort, parse_data_uri, post_json, strings};
+use super::sse::SseReader;
+use super::{
+    DeltaSink, ProviderError, normalise_effort, parse_data_uri, post_for_stream, post_json,
+    strings, upstream_message,
+};
 use crate::config::{ModelCaps, ProviderConfig, Step, ThinkingStyle};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -171,6 +176,200 @@ impl super::Provider for AnthropicProvider {
             decode(&reply, &step.model)
         })
     }
+
+    /// `"stream": true`: the events (`message_start`, `content_block_*` with text, thinking,
+    /// signature and `input_json` deltas, `message_delta`, `message_stop`) are put back together
+    /// into the non-streamed reply's shape and decoded by the same [`decode`].
+    fn stream<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+        sink: &'a DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let mut body = self.encode(request, &step.model)?;
+            if let Some(obj) = body.as_object_mut() {
+                obj.insert("stream".into(), json!(true));
+            }
+            let bytes = serde_json::to_vec(&body)
+                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
+            let mut http = self
+                .http
+                .post(&self.url)
+                .header("anthropic-version", ANTHROPIC_VERSION);
+            if let Some(key) = &self.api_key {
+                http = http.header("x-api-key", key);
+            }
+            let response = post_for_stream(http, bytes, deadline).await?;
+            let mut events = SseReader::new(response, started, deadline);
+            let mut acc = StreamAccumulator::default();
+            while let Some(event) = events.next().await? {
+                let v: Value = serde_json::from_str(&event.data).map_err(|e| {
+                    ProviderError::BadResponse(format!("a stream event is not JSON: {e}"))
+                })?;
+                if acc.feed(&v, sink)? {
+                    break;
+                }
+            }
+            acc.finish(&step.model)
+        })
+    }
+}
+
+/// The blocks of a streamed `/v1/messages` reply seen so far.
+#[derive(Debug, Default)]
+struct StreamAccumulator {
+    model: String,
+    /// By block index: the block as the non-streamed reply would hold it.
+    blocks: BTreeMap<u64, Value>,
+    /// `input_json_delta` characters of tool_use blocks, by block index.
+    partial_json: BTreeMap<u64, String>,
+    /// Block index → the tool call's position among the reply's tool calls.
+    tool_index: BTreeMap<u64, u32>,
+    usage: Map<String, Value>,
+    stop_reason: Value,
+    stopped: bool,
+}
+
+impl StreamAccumulator {
+    /// Takes one event; `true` once `message_stop` arrived.
+    fn feed(&mut self, v: &Value, sink: &DeltaSink) -> Result<bool, ProviderError> {
+        let index = v.get("index").and_then(Value::as_u64).unwrap_or(0);
+        match v.get("type").and_then(Value::as_str) {
+            Some("message_start") => {
+                let message = v.get("message").unwrap_or(&Value::Null);
+                self.model = str_of(message.get("model"));
+                self.merge_usage(message.get("usage"));
+            }
+            Some("content_block_start") => {
+                let mut block = v.get("content_block").cloned().unwrap_or(Value::Null);
+                match block.get("type").and_then(Value::as_str) {
+                    Some("text") => sink.send(Delta::Text {
+                        text: str_of(block.get("text")),
+                    }),
+                    Some("thinking") => sink.send(Delta::Reasoning {
+                        text: str_of(block.get("thinking")),
+                    }),
+                    Some("tool_use") => {
+                        let position = self.tool_index.len() as u32;
+                        self.tool_index.insert(index, position);
+                        // The input arrives as input_json_delta characters.
+                        block["input"] = json!({});
+                        sink.send(Delta::ToolCall {
+                            index: position,
+                            id: str_of(block.get("id")),
+                            name: str_of(block.get("name")),
+                            args: String::new(),
+                        });
+                    }
+                    _ => {}
+                }
+                self.blocks.insert(index, block);
+            }
+            Some("content_block_delta") => {
+                let delta = v.get("delta").unwrap_or(&Value::Null);
+                let Some(block) = self.blocks.get_mut(&index) else {
+                    return Err(ProviderError::BadResponse(format!(
+                        "content_block_delta for block {index}, which never started"
+                    )));
+                };
+                let piece = |key: &str| str_of(delta.get(key));
+                match delta.get("type").and_then(Value::as_str) {
+                    Some("text_delta") => {
+                        let text = piece("text");
+                        append(block, "text", &text);
+                        sink.send(Delta::Text { text });
+                    }
+                    Some("thinking_delta") => {
+                        let text = piece("thinking");
+                        append(block, "thinking", &text);
+                        sink.send(Delta::Reasoning { text });
+                    }
+                    Some("signature_delta") => append(block, "signature", &piece("signature")),
+                    Some("input_json_delta") => {
+                        let args = piece("partial_json");
+                        self.partial_json.entry(index).or_default().push_str(&args);
+                        if let Some(&position) = self.tool_index.get(&index) {
+                            sink.send(Delta::ToolCall {
+                                index: position,
+                                id: String::new(),
+                                name: String::new(),
+                                args,
+                            });
+                        }
+                    }
+                    other => tracing::debug!(delta_type = ?other, "unknown block delta ignored"),
+                }
+            }
+            Some("content_block_stop") => {
+                if let (Some(raw), Some(block)) = (
+                    self.partial_json.remove(&index),
+                    self.blocks.get_mut(&index),
+                ) {
+                    // Not JSON: kept as a string, so decode reports it as `args_error`.
+                    block["input"] = if raw.trim().is_empty() {
+                        json!({})
+                    } else {
+                        serde_json::from_str(&raw).unwrap_or(Value::String(raw))
+                    };
+                }
+            }
+            Some("message_delta") => {
+                if let Some(reason) = v.get("delta").and_then(|d| d.get("stop_reason")) {
+                    self.stop_reason = reason.clone();
+                }
+                self.merge_usage(v.get("usage"));
+            }
+            Some("message_stop") => {
+                self.stopped = true;
+                return Ok(true);
+            }
+            Some("error") => {
+                let body = serde_json::to_vec(v).unwrap_or_default();
+                return Err(ProviderError::BadResponse(format!(
+                    "the provider reported an error mid-stream: {}",
+                    upstream_message(&body)
+                )));
+            }
+            _ => {} // ping, and event types added later
+        }
+        Ok(false)
+    }
+
+    fn merge_usage(&mut self, usage: Option<&Value>) {
+        if let Some(Value::Object(u)) = usage {
+            for (k, v) in u {
+                if !v.is_null() {
+                    self.usage.insert(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+
+    /// The non-streamed reply these events add up to, decoded.
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
+        if !self.stopped {
+            return Err(ProviderError::Transport(
+                "the event stream ended before message_stop".to_owned(),
+            ));
+        }
+        let reply = json!({
+            "model": self.model,
+            "content": self.blocks.into_values().collect::<Vec<_>>(),
+            "stop_reason": self.stop_reason,
+            "usage": Value::Object(self.usage),
+        });
+        decode_value(&reply, model)
+    }
+}
+
+/// Appends `text` to the string field `key` of `block`.
+fn append(block: &mut Value, key: &str, text: &str) {
+    let mut joined = str_of(block.get(key));
+    joined.push_str(text);
+    block[key] = Value::String(joined);
 }
 
 /// The `thinking` object for `style`; a budget the object cannot carry is reported (seed 004:
@@ -332,6 +531,11 @@ fn assistant_blocks(m: &Message) -> Vec<Value> {
 pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    decode_value(&v, model)
+}
+
+/// [`decode`] of a parsed reply.
+fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let blocks = v
         .get("content")
         .and_then(Value::as_array)

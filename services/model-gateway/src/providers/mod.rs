@@ -17,13 +17,55 @@
 pub mod anthropic;
 pub mod openai;
 pub mod scripted;
+pub mod sse;
 
 use crate::config::Step;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
 use serde_json::Value;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+/// Where a streaming provider puts its deltas; remembers whether any output was produced (the
+/// router falls back only before the first one).
+#[derive(Debug, Clone)]
+pub struct DeltaSink {
+    tx: mpsc::UnboundedSender<Delta>,
+    started: Arc<AtomicBool>,
+}
+
+impl DeltaSink {
+    /// A sink and the receiving end of its deltas.
+    pub fn new() -> (DeltaSink, mpsc::UnboundedReceiver<Delta>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            DeltaSink {
+                tx,
+                started: Arc::new(AtomicBool::new(false)),
+            },
+            rx,
+        )
+    }
+
+    /// Passes `delta` on (an empty one is dropped); from now on output has started.
+    pub fn send(&self, delta: Delta) {
+        if delta.is_empty() {
+            return;
+        }
+        self.started.store(true, Ordering::Release);
+        // The receiver gone = the caller stopped listening; the call still completes.
+        let _ = self.tx.send(delta);
+    }
+
+    /// Whether any output has been passed on.
+    pub fn started(&self) -> bool {
+        self.started.load(Ordering::Acquire)
+    }
+}
 
 /// One upstream (or the offline script) that can complete a request.
 pub trait Provider: Send + Sync + std::fmt::Debug {
@@ -34,6 +76,47 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
         step: &'a Step,
         deadline: Instant,
     ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>>;
+
+    /// Like [`Provider::complete`], passing output to `sink` as it is produced; the returned
+    /// response is the one `complete` would have given. The default completes first and then
+    /// passes the whole answer on as one delta per part.
+    fn stream<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+        sink: &'a DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(async move {
+            let response = self.complete(request, step, deadline).await?;
+            for delta in response_deltas(&response) {
+                sink.send(delta);
+            }
+            Ok(response)
+        })
+    }
+}
+
+/// A whole response as deltas: reasoning, text, then one per tool call (arguments as JSON).
+pub fn response_deltas(response: &ModelResponse) -> Vec<Delta> {
+    use cyrene_protocol::message::Part;
+    let mut out = Vec::new();
+    for part in &response.message.content {
+        match part {
+            Part::Reasoning { text, .. } => out.push(Delta::Reasoning { text: text.clone() }),
+            Part::Text { text } => out.push(Delta::Text { text: text.clone() }),
+            _ => {}
+        }
+    }
+    for (i, call) in response.tool_calls.iter().enumerate() {
+        out.push(Delta::ToolCall {
+            index: i as u32,
+            id: call.id.clone(),
+            name: call.name.clone(),
+            args: serde_json::to_string(&call.args).unwrap_or_default(),
+        });
+    }
+    out
 }
 
 /// Why one attempt failed.
@@ -123,6 +206,50 @@ pub(crate) async fn post_json(
     }
 }
 
+/// Sends a JSON POST and returns the response once its status is 2xx (the body still to read),
+/// or the failure a non-2xx status (its body read) means — the classification [`post_json`]
+/// uses, before `deadline`.
+pub(crate) async fn post_for_stream(
+    request: reqwest::RequestBuilder,
+    body: Vec<u8>,
+    deadline: Instant,
+) -> Result<reqwest::Response, ProviderError> {
+    let started = Instant::now();
+    let call = async {
+        let response = request
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_retry_after);
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+        Err(ProviderError::Status {
+            status: status.as_u16(),
+            message: upstream_message(&bytes),
+            retry_after,
+        })
+    };
+    match tokio::time::timeout_at(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(ProviderError::Timeout(
+            deadline.saturating_duration_since(started),
+        )),
+    }
+}
+
 /// `Retry-After` in seconds (the HTTP-date form is not used by LLM providers; ignored).
 fn parse_retry_after(value: &str) -> Option<Duration> {
     let secs: f64 = value.trim().parse().ok()?;
@@ -130,7 +257,7 @@ fn parse_retry_after(value: &str) -> Option<Duration> {
 }
 
 /// The provider's own error message: `error.message` in both dialects, else the raw body.
-fn upstream_message(body: &[u8]) -> String {
+pub(crate) fn upstream_message(body: &[u8]) -> String {
     if let Ok(v) = serde_json::from_slice::<Value>(body) {
         let error = v.get("error").unwrap_or(&v);
         if let Some(msg) = error.get("message").and_then(Value::as_str) {
@@ -153,7 +280,7 @@ fn upstream_message(body: &[u8]) -> String {
 }
 
 /// reqwest's error with its sources (the top level alone says only "error sending request").
-fn error_chain(err: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
     let mut out = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {

@@ -19,12 +19,18 @@
 //! - `max_tokens` is sent as `max_completion_tokens` to OpenAI itself (its reasoning models
 //!   refuse `max_tokens`), as `max_tokens` elsewhere.
 
-use super::{ProviderError, normalise_effort, post_json, strings, tool_choice_forces};
+use super::sse::SseReader;
+use super::{
+    DeltaSink, ProviderError, normalise_effort, post_for_stream, post_json, strings,
+    tool_choice_forces, upstream_message,
+};
 use crate::config::{ProviderConfig, Step, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking};
+use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
 use std::fmt;
 use tokio::time::Instant;
 
@@ -199,6 +205,170 @@ impl super::Provider for OpenAiProvider {
             decode(&reply, &step.model)
         })
     }
+
+    /// `"stream": true` with `stream_options.include_usage`, so the last event carries the usage
+    /// the non-streamed reply has; the events are put back together into that reply's shape and
+    /// decoded by the same [`decode`].
+    fn stream<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+        sink: &'a DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let mut body = self.encode(request, &step.model)?;
+            if let Some(obj) = body.as_object_mut() {
+                obj.insert("stream".into(), json!(true));
+                obj.insert("stream_options".into(), json!({"include_usage": true}));
+            }
+            let bytes = serde_json::to_vec(&body)
+                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
+            let mut http = self.http.post(&self.url);
+            if let Some(key) = &self.api_key {
+                http = http.bearer_auth(key);
+            }
+            let response = post_for_stream(http, bytes, deadline).await?;
+            let mut events = SseReader::new(response, started, deadline);
+            let mut acc = StreamAccumulator::default();
+            while let Some(event) = events.next().await? {
+                if event.data.trim() == "[DONE]" {
+                    acc.done = true;
+                    break;
+                }
+                let v: Value = serde_json::from_str(&event.data).map_err(|e| {
+                    ProviderError::BadResponse(format!("a stream event is not JSON: {e}"))
+                })?;
+                acc.feed(&v, sink)?;
+            }
+            acc.finish(&step.model)
+        })
+    }
+}
+
+/// The parts of a streamed `/chat/completions` reply seen so far (first choice only).
+#[derive(Debug, Default)]
+struct StreamAccumulator {
+    model: String,
+    text: String,
+    reasoning: String,
+    /// By the provider's tool-call index: id, name, argument characters.
+    calls: BTreeMap<u64, (String, String, String)>,
+    finish_reason: Option<String>,
+    usage: Option<Value>,
+    done: bool,
+}
+
+impl StreamAccumulator {
+    fn feed(&mut self, v: &Value, sink: &DeltaSink) -> Result<(), ProviderError> {
+        if let Some(error) = v.get("error") {
+            let body = serde_json::to_vec(&json!({ "error": error })).unwrap_or_default();
+            return Err(ProviderError::BadResponse(format!(
+                "the provider reported an error mid-stream: {}",
+                upstream_message(&body)
+            )));
+        }
+        if self.model.is_empty()
+            && let Some(m) = v.get("model").and_then(Value::as_str)
+        {
+            self.model = m.to_owned();
+        }
+        if let Some(usage) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage = Some(usage.clone());
+        }
+        let Some(choice) = v.get("choices").and_then(Value::as_array).and_then(|c| {
+            c.iter()
+                .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0)
+        }) else {
+            return Ok(());
+        };
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish_reason = Some(reason.to_owned());
+        }
+        let delta = choice.get("delta").unwrap_or(&Value::Null);
+        if let Some(r) = delta
+            .get("reasoning_content")
+            .or_else(|| delta.get("reasoning"))
+            .and_then(Value::as_str)
+        {
+            self.reasoning.push_str(r);
+            sink.send(Delta::Reasoning { text: r.to_owned() });
+        }
+        match delta.get("content") {
+            Some(Value::String(t)) => {
+                self.text.push_str(t);
+                sink.send(Delta::Text { text: t.clone() });
+            }
+            Some(Value::Array(parts)) => {
+                for t in parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                {
+                    self.text.push_str(t);
+                    sink.send(Delta::Text { text: t.to_owned() });
+                }
+            }
+            _ => {}
+        }
+        for call in delta
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            let next = self.calls.len() as u64;
+            let index = call.get("index").and_then(Value::as_u64).unwrap_or(next);
+            let function = call.get("function").unwrap_or(&Value::Null);
+            let id = str_of(call.get("id"));
+            let name = str_of(function.get("name"));
+            let args = str_of(function.get("arguments"));
+            let entry = self.calls.entry(index).or_default();
+            if entry.0.is_empty() {
+                entry.0.clone_from(&id);
+            }
+            entry.1.push_str(&name);
+            entry.2.push_str(&args);
+            sink.send(Delta::ToolCall {
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                id,
+                name,
+                args,
+            });
+        }
+        Ok(())
+    }
+
+    /// The non-streamed reply these events add up to, decoded.
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
+        if !self.done && self.finish_reason.is_none() {
+            return Err(ProviderError::Transport(
+                "the event stream ended before the reply did (no finish_reason, no [DONE])"
+                    .to_owned(),
+            ));
+        }
+        let calls: Vec<Value> = self
+            .calls
+            .into_values()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function",
+                       "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        let mut message = json!({"role": "assistant", "content": self.text});
+        if !self.reasoning.is_empty() {
+            message["reasoning_content"] = json!(self.reasoning);
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        let reply = json!({
+            "model": self.model,
+            "choices": [{"message": message, "finish_reason": self.finish_reason}],
+            "usage": self.usage.unwrap_or(Value::Null),
+        });
+        decode_value(&reply, model)
+    }
 }
 
 /// Neutral → OpenAI tool_choice: the Anthropic-shaped neutral forms are translated, the
@@ -325,6 +495,11 @@ fn tool_messages(m: &Message, out: &mut Vec<Value>) {
 pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    decode_value(&v, model)
+}
+
+/// [`decode`] of a parsed reply.
+fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let choice = v
         .get("choices")
         .and_then(|c| c.get(0))

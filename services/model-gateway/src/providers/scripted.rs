@@ -20,6 +20,7 @@ use super::ProviderError;
 use crate::config::{Rule, Script, ScriptedCall, Step};
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -235,6 +236,30 @@ impl super::Provider for ScriptedProvider {
     ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
         self.log.push(request);
         let response = self.answer(request, &step.model);
+        Box::pin(async move { Ok(response) })
+    }
+
+    /// The answer's text word by word (each piece keeps its trailing whitespace, so the pieces
+    /// concatenate to `content`), then one delta per tool call.
+    fn stream<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        _deadline: Instant,
+        sink: &'a super::DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        self.log.push(request);
+        let response = self.answer(request, &step.model);
+        for piece in response.content.split_inclusive(char::is_whitespace) {
+            sink.send(Delta::Text {
+                text: piece.to_owned(),
+            });
+        }
+        for delta in super::response_deltas(&response) {
+            if matches!(delta, Delta::ToolCall { .. }) {
+                sink.send(delta);
+            }
+        }
         Box::pin(async move { Ok(response) })
     }
 }

@@ -1,0 +1,550 @@
+//! Provider streaming against real HTTP mock upstreams (wiremock serving `text/event-stream`):
+//! both dialects' events put back into the same response as the non-streamed call, the deltas in
+//! order, fallback only before the first delta — and the streamed variant over a real
+//! nats-server (`cyrene.model.complete.stream`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cyrene_bus::RequestError;
+use cyrene_bus::model_stream::complete_stream;
+use cyrene_bus::service::ServeOptions;
+use cyrene_model_gateway::Gateway;
+use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+use cyrene_model_gateway::providers::DeltaSink;
+use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role};
+use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
+use cyrene_protocol::stream::{Delta, StreamChunk};
+use cyrene_protocol::subjects::{MODEL_CALLS, MODEL_COMPLETE_STREAM};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_test_support::NatsServer;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use wiremock::matchers::{method, path};
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn gateway(config: Value) -> Gateway {
+    let models: ModelsConfig = serde_json::from_value(config).unwrap();
+    Gateway::new(
+        models,
+        &Secrets::default(),
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap()
+}
+
+fn ask(text: &str) -> ModelRequest {
+    ModelRequest {
+        messages: vec![Message::text(Role::User, text)],
+        ..Default::default()
+    }
+}
+
+/// An SSE body: one `data:` event per value (strings verbatim, e.g. `[DONE]`).
+fn sse(events: &[Value]) -> String {
+    events
+        .iter()
+        .map(|e| match e {
+            Value::String(s) => format!("data: {s}\n\n"),
+            other => format!("data: {other}\n\n"),
+        })
+        .collect()
+}
+
+/// Anthropic's form: `event:` lines too.
+fn sse_named(events: &[Value]) -> String {
+    events
+        .iter()
+        .map(|e| format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap()))
+        .collect()
+}
+
+async fn streams(server: &MockServer, route: &str, body: String) {
+    Mock::given(method("POST"))
+        .and(path(route))
+        .respond_with(ResponseTemplate::new(200).set_body_raw(body, "text/event-stream"))
+        .mount(server)
+        .await;
+}
+
+async fn hits(server: &MockServer) -> usize {
+    server.received_requests().await.unwrap().len()
+}
+
+async fn bodies(server: &MockServer) -> Vec<Value> {
+    server
+        .received_requests()
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.body_json::<Value>().unwrap())
+        .collect()
+}
+
+fn openai(server: &MockServer) -> Value {
+    json!({"protocol":"openai","base_url":server.uri(),"vendor":"deepseek","models":{"m":{}}})
+}
+
+fn chain(providers: &[(&str, Value, &str)]) -> Value {
+    let mut map = serde_json::Map::new();
+    let mut steps = Vec::new();
+    for (name, p, model) in providers {
+        map.insert((*name).to_owned(), p.clone());
+        steps.push(json!({"provider":name,"model":model}));
+    }
+    json!({"providers":map,"groups":{"g":steps},"active_group":"g"})
+}
+
+/// Runs a streamed call, collecting every delta.
+async fn stream_call(
+    gw: &Gateway,
+    req: &ModelRequest,
+) -> (Result<ModelResponse, ErrorBody>, Vec<Delta>) {
+    let (sink, mut rx) = DeltaSink::new();
+    let result = gw.complete_stream(req, &sink).await;
+    drop(sink);
+    let mut deltas = Vec::new();
+    while let Some(d) = rx.recv().await {
+        deltas.push(d);
+    }
+    (result, deltas)
+}
+
+fn texts(deltas: &[Delta]) -> String {
+    deltas
+        .iter()
+        .filter_map(|d| match d {
+            Delta::Text { text } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn openai_chunk(delta: Value, finish: Option<&str>) -> Value {
+    json!({"id":"c","model":"m-2025","choices":[{"index":0,"delta":delta,"finish_reason":finish}]})
+}
+
+#[tokio::test]
+async fn openai_stream_asks_for_usage_and_adds_up_to_the_non_streamed_response() {
+    let server = MockServer::start().await;
+    let usage = json!({"prompt_tokens":100,"completion_tokens":7,"total_tokens":107,
+                       "prompt_cache_hit_tokens":60,"prompt_cache_miss_tokens":40,
+                       "completion_tokens_details":{"reasoning_tokens":3}});
+    streams(
+        &server,
+        "/chat/completions",
+        sse(&[
+            openai_chunk(json!({"role":"assistant","content":""}), None),
+            openai_chunk(json!({"reasoning_content":"think "}), None),
+            openai_chunk(json!({"reasoning_content":"hard"}), None),
+            openai_chunk(json!({"content":"Hel"}), None),
+            openai_chunk(json!({"content":"lo, "}), None),
+            openai_chunk(json!({"content":"world"}), Some("stop")),
+            json!({"id":"c","model":"m-2025","choices":[],"usage":usage}),
+            json!("[DONE]"),
+        ]),
+    )
+    .await;
+    let gw = gateway(chain(&[("p", openai(&server), "m")]));
+    let (resp, deltas) = stream_call(&gw, &ask("hi")).await;
+    let resp = resp.unwrap();
+    assert_eq!(texts(&deltas), "Hello, world");
+    assert_eq!(resp.content, "Hello, world");
+    assert_eq!(
+        deltas[0],
+        Delta::Reasoning {
+            text: "think ".into()
+        },
+        "the empty role chunk is no delta"
+    );
+    // The same response the non-streamed reply with these totals decodes to.
+    let whole = cyrene_model_gateway::providers::openai::decode(
+        &serde_json::to_vec(&json!({"model":"m-2025","choices":[{"message":{
+            "content":"Hello, world","reasoning_content":"think hard"},"finish_reason":"stop"}],
+            "usage":usage}))
+        .unwrap(),
+        "m",
+    )
+    .unwrap();
+    assert_eq!(
+        ModelResponse {
+            provider: String::new(),
+            ..resp.clone()
+        },
+        whole
+    );
+    assert_eq!((resp.cache_hit_tokens, resp.cache_miss_tokens), (60, 40));
+    assert_eq!(resp.reasoning_tokens, 3);
+    assert_eq!(resp.provider, "p");
+    let sent = &bodies(&server).await[0];
+    assert_eq!(sent["stream"], json!(true));
+    assert_eq!(sent["stream_options"], json!({"include_usage":true}));
+}
+
+#[tokio::test]
+async fn openai_streamed_tool_call_arguments_are_assembled_and_decoded() {
+    let server = MockServer::start().await;
+    let call = |index: u64, id: Option<&str>, name: Option<&str>, args: &str| {
+        let mut c = json!({"index":index,"function":{"arguments":args}});
+        if let Some(id) = id {
+            c["id"] = json!(id);
+            c["type"] = json!("function");
+        }
+        if let Some(name) = name {
+            c["function"]["name"] = json!(name);
+        }
+        openai_chunk(json!({"tool_calls":[c]}), None)
+    };
+    streams(
+        &server,
+        "/chat/completions",
+        sse(&[
+            call(0, Some("call_a"), Some("get_time"), ""),
+            call(0, None, None, "{\"tz\":"),
+            call(0, None, None, "\"UTC\"}"),
+            call(
+                1,
+                Some("call_b"),
+                Some("get_weather"),
+                "{\"city\":\"Oslo\"}",
+            ),
+            call(2, Some("call_c"), Some("broken"), "{\"x\":"),
+            openai_chunk(json!({}), Some("tool_calls")),
+            json!("[DONE]"),
+        ]),
+    )
+    .await;
+    let gw = gateway(chain(&[("p", openai(&server), "m")]));
+    let (resp, deltas) = stream_call(&gw, &ask("time?")).await;
+    let resp = resp.unwrap();
+    assert_eq!(resp.stop_reason, "tool_calls");
+    assert_eq!(resp.tool_calls.len(), 3);
+    assert_eq!(resp.tool_calls[0].id, "call_a");
+    assert_eq!(resp.tool_calls[0].args["tz"], "UTC");
+    assert_eq!(resp.tool_calls[1].args["city"], "Oslo");
+    assert!(resp.tool_calls[2].args_error.is_some());
+    assert_eq!(
+        deltas[1],
+        Delta::ToolCall {
+            index: 0,
+            id: String::new(),
+            name: String::new(),
+            args: "{\"tz\":".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn anthropic_stream_keeps_thinking_signatures_tool_input_and_usage() {
+    let server = MockServer::start().await;
+    let ev = |v: Value| v;
+    streams(
+        &server,
+        "/v1/messages",
+        sse_named(&[
+            ev(json!({"type":"message_start","message":{"id":"msg","model":"claude-x","content":[],
+                "usage":{"input_tokens":10,"cache_read_input_tokens":50,"cache_creation_input_tokens":5,"output_tokens":1}}})),
+            ev(json!({"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}})),
+            ev(json!({"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"Let me "}})),
+            ev(json!({"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"see."}})),
+            ev(json!({"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"SIG"}})),
+            ev(json!({"type":"content_block_stop","index":0})),
+            ev(json!({"type":"ping"})),
+            ev(json!({"type":"content_block_start","index":1,"content_block":{"type":"text","text":""}})),
+            ev(json!({"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":"Checking "}})),
+            ev(json!({"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":"now."}})),
+            ev(json!({"type":"content_block_stop","index":1})),
+            ev(json!({"type":"content_block_start","index":2,"content_block":{"type":"tool_use","id":"toolu_1","name":"get_time","input":{}}})),
+            ev(json!({"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":""}})),
+            ev(json!({"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":"{\"tz\": \"U"}})),
+            ev(json!({"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":"TC\"}"}})),
+            ev(json!({"type":"content_block_stop","index":2})),
+            ev(json!({"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":42}})),
+            ev(json!({"type":"message_stop"})),
+        ]),
+    )
+    .await;
+    let p = json!({"protocol":"anthropic","base_url":server.uri(),"models":{"claude":{}}});
+    let gw = gateway(chain(&[("a", p, "claude")]));
+    let (resp, deltas) = stream_call(&gw, &ask("time?")).await;
+    let resp = resp.unwrap();
+    assert_eq!(texts(&deltas), "Checking now.");
+    assert_eq!(resp.content, "Checking now.");
+    assert_eq!(resp.model, "claude-x");
+    assert_eq!(resp.stop_reason, "tool_use");
+    assert_eq!(
+        resp.message.content[0],
+        Part::Reasoning {
+            family: ReasoningFamily::Anthropic,
+            text: "Let me see.".into(),
+            signature: Some("SIG".into()),
+            redacted: None
+        }
+    );
+    assert_eq!(resp.tool_calls[0].id, "toolu_1");
+    assert_eq!(resp.tool_calls[0].args["tz"], "UTC");
+    // hits = cache reads; misses = input + cache creation; completion from message_delta.
+    assert_eq!((resp.cache_hit_tokens, resp.cache_miss_tokens), (50, 15));
+    assert_eq!((resp.prompt_tokens, resp.completion_tokens), (65, 42));
+    assert!(deltas.contains(&Delta::Reasoning {
+        text: "Let me ".into()
+    }));
+    assert!(deltas.contains(&Delta::ToolCall {
+        index: 0,
+        id: "toolu_1".into(),
+        name: "get_time".into(),
+        args: String::new()
+    }));
+    assert_eq!(bodies(&server).await[0]["stream"], json!(true));
+}
+
+#[tokio::test]
+async fn a_provider_failing_after_its_first_delta_is_an_error_not_a_fallback() {
+    // The stream stops after one delta (no finish_reason, no [DONE]): a connection cut mid-way.
+    let cut = MockServer::start().await;
+    streams(
+        &cut,
+        "/chat/completions",
+        sse(&[openai_chunk(json!({"content":"Half an"}), None)]),
+    )
+    .await;
+    // The provider reports an error inside the stream after some text.
+    let erroring = MockServer::start().await;
+    streams(
+        &erroring,
+        "/chat/completions",
+        sse(&[
+            openai_chunk(json!({"content":"Half"}), None),
+            json!({"error":{"message":"overloaded","type":"server_error"}}),
+        ]),
+    )
+    .await;
+    for broken in [&cut, &erroring] {
+        let backup = MockServer::start().await;
+        streams(
+            &backup,
+            "/chat/completions",
+            sse(&[
+                openai_chunk(json!({"content":"whole"}), Some("stop")),
+                json!("[DONE]"),
+            ]),
+        )
+        .await;
+        let gw = gateway(chain(&[
+            ("a", openai(broken), "m"),
+            ("b", openai(&backup), "m"),
+        ]));
+        let (resp, deltas) = stream_call(&gw, &ask("hi")).await;
+        let err = resp.unwrap_err();
+        assert_eq!(err.code, ErrorCode::Unavailable, "{}", err.message);
+        assert!(
+            err.message.contains("after its output started"),
+            "{}",
+            err.message
+        );
+        assert_eq!(hits(&backup).await, 0, "no fallback once output went out");
+        assert!(texts(&deltas).starts_with("Half"));
+    }
+}
+
+#[tokio::test]
+async fn a_provider_failing_before_its_first_delta_falls_back() {
+    let down = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(503).set_body_json(json!({"error":{"message":"busy"}})))
+        .mount(&down)
+        .await;
+    // Only the role chunk arrives, then the stream ends: no output yet, so the next step runs.
+    let silent = MockServer::start().await;
+    streams(
+        &silent,
+        "/chat/completions",
+        sse(&[openai_chunk(json!({"role":"assistant"}), None)]),
+    )
+    .await;
+    let backup = MockServer::start().await;
+    streams(
+        &backup,
+        "/chat/completions",
+        sse(&[
+            openai_chunk(json!({"content":"from b"}), Some("stop")),
+            json!("[DONE]"),
+        ]),
+    )
+    .await;
+    let gw = gateway(chain(&[
+        ("a", openai(&down), "m"),
+        ("b", openai(&silent), "m"),
+        ("c", openai(&backup), "m"),
+    ]));
+    let (resp, deltas) = stream_call(&gw, &ask("hi")).await;
+    let resp = resp.unwrap();
+    assert_eq!(resp.provider, "c");
+    assert_eq!(texts(&deltas), "from b");
+    assert_eq!(
+        (hits(&down).await, hits(&silent).await, hits(&backup).await),
+        (1, 1, 1)
+    );
+}
+
+// ------------------------------------------------------------------------ over a real nats-server
+
+struct Running {
+    _server: NatsServer,
+    _upstream: MockServer,
+    client: async_nats::Client,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn start_bus() -> Running {
+    let upstream = MockServer::start().await;
+    streams(
+        &upstream,
+        "/chat/completions",
+        sse(&[
+            openai_chunk(json!({"content":"one "}), None),
+            openai_chunk(json!({"content":"two "}), None),
+            openai_chunk(json!({"content":"three"}), Some("stop")),
+            json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}),
+            json!("[DONE]"),
+        ]),
+    )
+    .await;
+    let gw = Arc::new(gateway(json!({
+        "providers":{
+          "offline":{"protocol":"scripted","models":{"scripted":{}}},
+          "http":{"protocol":"openai","base_url":upstream.uri(),"models":{"m":{}}}},
+        "groups":{"g":[{"provider":"offline","model":"scripted"}]},
+        "active_group":"g"})));
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let (client, shutdown) = (client.clone(), shutdown.clone());
+        async move {
+            cyrene_model_gateway::serve(gw, client, ServeOptions::default(), shutdown)
+                .await
+                .unwrap();
+        }
+    });
+    // Ready once the stream endpoint answers (an empty object is a bad request).
+    for _ in 0..100 {
+        let r = complete_stream(
+            &client,
+            &ModelRequest::default(),
+            Duration::from_millis(500),
+            |_, _| {},
+        )
+        .await;
+        if matches!(r, Err(RequestError::Remote(_))) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Running {
+        _server: server,
+        _upstream: upstream,
+        client,
+        shutdown,
+        task,
+    }
+}
+
+#[tokio::test]
+async fn the_streamed_endpoint_publishes_ordered_deltas_then_the_response_and_a_call_record() {
+    let bus = start_bus().await;
+    let mut records = bus.client.subscribe(MODEL_CALLS).await.unwrap();
+    bus.client.flush().await.unwrap();
+    let mut req = ask("hi");
+    req.model = "m".into();
+    req.purpose = "chat".into();
+    let mut seen = Vec::new();
+    let resp = complete_stream(&bus.client, &req, WAIT, |seq, d| seen.push((seq, d)))
+        .await
+        .unwrap();
+    assert_eq!(
+        seen.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    let joined: String = seen
+        .iter()
+        .map(|(_, d)| match d {
+            Delta::Text { text } => text.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(joined, "one two three");
+    assert_eq!(resp.content, joined);
+    assert_eq!(resp.total_tokens, 6);
+    let record = tokio::time::timeout(WAIT, records.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let record: CallRecord = serde_json::from_slice(&record.payload).unwrap();
+    assert_eq!(
+        (
+            record.provider.as_str(),
+            record.purpose.as_str(),
+            record.tokens
+        ),
+        ("http", "chat", 6)
+    );
+
+    // The scripted provider streams word by word; the words add up to its reply.
+    let mut words = String::new();
+    let resp = complete_stream(&bus.client, &ask("hello there"), WAIT, |_, d| {
+        if let Delta::Text { text } = d {
+            words.push_str(&text);
+        }
+    })
+    .await
+    .unwrap();
+    assert!(resp.offline);
+    assert_eq!(words, resp.content);
+    bus.shutdown.cancel();
+    tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn hostile_streamed_requests_get_one_error_end_marker() {
+    let bus = start_bus().await;
+    for payload in [
+        &b"{"[..],
+        b"[]",
+        b"{\"messages\":[],\"top_p\":1}",
+        b"\xff\xfe",
+    ] {
+        let inbox = bus.client.new_inbox();
+        let mut sub = bus.client.subscribe(inbox.clone()).await.unwrap();
+        bus.client
+            .publish_with_reply(MODEL_COMPLETE_STREAM, inbox, payload.to_vec().into())
+            .await
+            .unwrap();
+        let msg = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let chunk: StreamChunk = serde_json::from_slice(&msg.payload).unwrap();
+        assert_eq!(chunk.seq, 0);
+        assert_eq!(chunk.error.unwrap().code, ErrorCode::BadRequest);
+        assert!(
+            msg.headers
+                .unwrap()
+                .get("Nats-Service-Error-Code")
+                .is_some()
+        );
+    }
+    // An unknown model is refused before any delta.
+    let mut req = ask("x");
+    req.model = "nope".into();
+    let err = complete_stream(&bus.client, &req, WAIT, |_, _| panic!("no delta"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadRequest);
+    bus.shutdown.cancel();
+    tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+}

@@ -1,0 +1,132 @@
+//! The streamed model call (`cyrene.model.complete.stream`, docs/model-gateway.md "Streaming"):
+//! the deltas a provider produces while it answers, and the messages the gateway publishes on
+//! the caller's inbox.
+//!
+//! # Invariants
+//! - Every message on the inbox is one [`StreamChunk`] with `seq` counting from 0 without gaps;
+//!   exactly one of `delta`, `done`, `error` is set, and the last message (`done` or `error`) is
+//!   the end marker.
+//! - `done` is the same [`ModelResponse`] the non-streamed call answers: the deltas are a preview
+//!   of it, never a second source of truth (concatenating the `text` deltas gives its `content`).
+
+use crate::ErrorBody;
+use crate::model::ModelResponse;
+use serde::{Deserialize, Serialize};
+
+/// A piece of output, in the order the provider produced it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Delta {
+    /// User-visible answer text.
+    Text { text: String },
+    /// Reasoning ("thinking") text: not user-visible answer text.
+    Reasoning { text: String },
+    /// Part of tool call number `index` (0-based, in call order): its first delta carries `id`
+    /// and `name`, later ones further characters of its JSON arguments.
+    ToolCall {
+        index: u32,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        id: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        name: String,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        args: String,
+    },
+}
+
+impl Delta {
+    /// Whether the delta carries nothing (never published).
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Delta::Text { text } | Delta::Reasoning { text } => text.is_empty(),
+            Delta::ToolCall { id, name, args, .. } => {
+                id.is_empty() && name.is_empty() && args.is_empty()
+            }
+        }
+    }
+}
+
+/// One message on the caller's inbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamChunk {
+    /// 0, 1, 2, … per call: a gap means a message was lost (core NATS does not redeliver).
+    pub seq: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta>,
+    /// End marker of a successful call: the whole response.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub done: Option<Box<ModelResponse>>,
+    /// End marker of a failed call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}
+
+impl StreamChunk {
+    pub fn delta(seq: u64, delta: Delta) -> StreamChunk {
+        StreamChunk {
+            seq,
+            delta: Some(delta),
+            done: None,
+            error: None,
+        }
+    }
+
+    pub fn done(seq: u64, response: ModelResponse) -> StreamChunk {
+        StreamChunk {
+            seq,
+            delta: None,
+            done: Some(Box::new(response)),
+            error: None,
+        }
+    }
+
+    pub fn error(seq: u64, error: ErrorBody) -> StreamChunk {
+        StreamChunk {
+            seq,
+            delta: None,
+            done: None,
+            error: Some(error),
+        }
+    }
+
+    /// Whether this is the end marker.
+    pub fn is_end(&self) -> bool {
+        self.done.is_some() || self.error.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chunks_have_the_documented_shape() {
+        let text = StreamChunk::delta(0, Delta::Text { text: "Hel".into() });
+        assert_eq!(
+            serde_json::to_value(&text).unwrap(),
+            json!({"seq":0,"delta":{"type":"text","text":"Hel"}})
+        );
+        let call = StreamChunk::delta(
+            1,
+            Delta::ToolCall {
+                index: 0,
+                id: "c1".into(),
+                name: "get_time".into(),
+                args: String::new(),
+            },
+        );
+        assert_eq!(
+            serde_json::to_value(&call).unwrap(),
+            json!({"seq":1,"delta":{"type":"tool_call","index":0,"id":"c1","name":"get_time"}})
+        );
+        let err = StreamChunk::error(2, ErrorBody::new(crate::ErrorCode::Unavailable, "x"));
+        assert!(err.is_end());
+        let back: StreamChunk =
+            serde_json::from_value(serde_json::to_value(&err).unwrap()).unwrap();
+        assert_eq!(back, err);
+        assert!(serde_json::from_value::<StreamChunk>(json!({"seq":0,"x":1})).is_err());
+    }
+}
