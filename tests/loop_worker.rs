@@ -71,7 +71,10 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
             .unwrap();
         let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
         assert_eq!(event.turn_id, "t1");
-        kinds.push(event.kind);
+        // The answer's text deltas: a_streamed_turn_publishes_ordered_deltas_… checks them.
+        if event.kind != SessionEventType::Delta {
+            kinds.push(event.kind);
+        }
     }
     use SessionEventType::*;
     assert_eq!(
@@ -80,6 +83,55 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
             Step, ToolCall, ToolResult, Step, ToolCall, ToolResult, Step, Final
         ]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_turn_publishes_ordered_deltas_that_add_up_to_the_final_answer() {
+    let stack = Stack::start(rules(), None).await;
+    let mut events = stack
+        .client
+        .subscribe("cyrene.session.s9.events")
+        .await
+        .unwrap();
+    stack.spawn_worker(worker_config()).await;
+    stack.dispatch(&job("t9", "s9", "make a plan")).await;
+
+    // Everything up to the final event, in publication order.
+    let mut deltas = Vec::new();
+    let final_event = loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        match event.kind {
+            SessionEventType::Delta => deltas.push(event),
+            SessionEventType::Final => break event,
+            _ => {}
+        }
+    };
+    let answer = final_event.message.unwrap().text_content();
+    assert_eq!(answer, "done: count ran as call_1_1\ncount ran as call_2_1");
+    // Only the answering step (3) streams: the tool-call steps had no text.
+    assert!(deltas.len() > 1, "{deltas:?}");
+    for (i, d) in deltas.iter().enumerate() {
+        assert_eq!(d.turn_id, "t9");
+        assert_eq!(d.at_step, Some(3));
+        assert_eq!(d.attempt, Some(1));
+        assert_eq!(d.seq, Some(i as u64), "in order, without gaps");
+    }
+    let joined: String = deltas.iter().map(|d| d.delta.clone().unwrap()).collect();
+    assert_eq!(joined, answer);
+    let done = stack.orchestrator.wait_completed("t9").await;
+    assert_eq!(done.message.unwrap().text_content(), joined);
+    // Checkpoints hold completed steps only, exactly as without streaming.
+    let steps: Vec<u32> = stack
+        .checkpoints("s9")
+        .await
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, [3, 2, 1]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -74,11 +74,13 @@ impl Session {
         }));
         let p = progress.clone();
         tokio::spawn(async move {
+            let mut live = super::live::LiveText::default();
             while let Some(m) = events.next().await {
                 let Ok(event) = serde_json::from_slice::<SessionEvent>(&m.payload) else {
                     continue;
                 };
                 if (verbose || event.kind != SessionEventType::Step)
+                    && live.handle(&event, "  ")
                     && let Some(line) = describe(&event)
                 {
                     println!("  {line}");

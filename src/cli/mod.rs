@@ -4,6 +4,7 @@ mod agent;
 mod chat;
 mod comm;
 mod documents;
+mod live;
 mod person;
 mod probe;
 mod session;

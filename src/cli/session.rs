@@ -144,6 +144,7 @@ pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
     let _ = client.flush().await;
     let stop = cyrene_bus::signal::signalled();
     tokio::pin!(stop);
+    let mut live = super::live::LiveText::default();
     loop {
         let message = tokio::select! {
             _ = &mut stop => return Ok(()),
@@ -155,8 +156,11 @@ pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
         }
         match serde_json::from_slice::<SessionEvent>(&message.payload) {
             Ok(event) => {
-                if let Some(line) = describe(&event) {
-                    println!("[{}] {line}", event.session_id);
+                let lead = format!("[{}] ", event.session_id);
+                if live.handle(&event, &lead)
+                    && let Some(line) = describe(&event)
+                {
+                    println!("{lead}{line}");
                 }
             }
             Err(_) => println!("{}", String::from_utf8_lossy(&message.payload)),
@@ -175,6 +179,8 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
         SessionEventType::TurnStarted => format!("· turn {} started{leg}", short(&event.turn_id)),
         SessionEventType::TurnEnded => format!("· turn {} ended{leg}", short(&event.turn_id)),
         SessionEventType::Step => format!("· step {}{leg}", event.at_step.unwrap_or_default()),
+        // Printed inline as they come (super::live).
+        SessionEventType::Delta => return None,
         SessionEventType::SteerAck => format!(
             "↪ steered {} message(s) into step {}{leg}",
             event.message_ids.len(),

@@ -13,6 +13,7 @@
 pub mod assemble;
 pub mod attribution;
 pub mod config;
+pub mod deltas;
 pub mod documents;
 pub mod memory;
 pub mod nats;

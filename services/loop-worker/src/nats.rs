@@ -1,5 +1,6 @@
 //! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
 
+use crate::deltas::DeltaTag;
 use crate::documents::{FetchedDocument, MAX_FETCH_BYTES};
 use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
@@ -14,6 +15,7 @@ use cyrene_protocol::memory::{self, MemoryReadRequest, MemoryReadResponse};
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
+use cyrene_protocol::stream::Delta;
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, SteeredMessage};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use futures::StreamExt;
@@ -158,6 +160,51 @@ impl TurnPorts for NatsPorts {
                     body
                 }
             })
+    }
+
+    async fn complete_streamed(
+        &self,
+        mut request: ModelRequest,
+        tag: DeltaTag,
+    ) -> Result<ModelResponse, ErrorBody> {
+        let timeout = self.timeouts.model;
+        request
+            .total_timeout_ms
+            .get_or_insert(timeout.as_millis() as u64);
+        let wait = timeout + Duration::from_secs(1);
+        // The gateway's deltas go through a channel to a publisher running beside the call, so
+        // a slow publish never holds up reading the stream.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let call = async move {
+            let result = cyrene_bus::model_stream::complete_stream(
+                &self.client,
+                &request,
+                wait,
+                move |_, delta| {
+                    if let Delta::Text { text } = delta {
+                        let _ = tx.send(text);
+                    }
+                },
+            )
+            .await;
+            result.map_err(|e| {
+                let body = e.to_body();
+                if body.code == ErrorCode::Internal {
+                    ErrorBody::new(ErrorCode::Unavailable, body.message)
+                } else {
+                    body
+                }
+            })
+        };
+        let publish = async {
+            let mut seq = 0u64;
+            while let Some(text) = rx.recv().await {
+                self.publish(tag.event(seq, text)).await;
+                seq += 1;
+            }
+        };
+        let (result, ()) = tokio::join!(call, publish);
+        result
     }
 
     fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec> {

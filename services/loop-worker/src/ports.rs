@@ -146,6 +146,18 @@ pub trait TurnPorts: Send + Sync {
         request: ModelRequest,
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send;
 
+    /// One model call whose answer text is published as `delta` events tagged `tag` while it is
+    /// produced (docs/loop-worker.md, "Deltas"); the response is the one [`TurnPorts::complete`]
+    /// gives. The default publishes nothing.
+    fn complete_streamed(
+        &self,
+        request: ModelRequest,
+        tag: crate::deltas::DeltaTag,
+    ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send {
+        let _ = tag;
+        self.complete(request)
+    }
+
     /// The tools offered to the model: every built-in and discovered tool, only those in
     /// `allowed` when there is a list.
     fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec>;

@@ -304,7 +304,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         }
         self.resolve_documents().await;
         let request = self.resolve_images(self.request(config)).await;
-        match self.model_call(request).await? {
+        match self.model_call(request, Some(step)).await? {
             Ok(response) => Ok(response),
             Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
             Err(err) => Err(Exit::Failed(err)),
@@ -312,15 +312,19 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     /// One model call, abandoned (`Exit::Aborted`) when the turn's deadline passes first.
+    /// A step's call (`step` given) streams its answer text as `delta` events (crate::deltas).
     async fn model_call(
         &self,
         request: ModelRequest,
+        step: Option<u32>,
     ) -> Result<Result<ModelResponse, ErrorBody>, Exit> {
+        let tag = step.map(|s| crate::deltas::DeltaTag::new(self.job, self.attempt, s));
+        let call = crate::deltas::complete(self.ports, request, tag);
         let Some(deadline) = self.job.deadline_unix_ms else {
-            return Ok(self.ports.complete(request).await);
+            return Ok(call.await);
         };
         let left = std::time::Duration::from_millis(deadline.saturating_sub(now_unix_ms()));
-        match tokio::time::timeout(left, self.ports.complete(request)).await {
+        match tokio::time::timeout(left, call).await {
             Ok(result) => Ok(result),
             Err(_) => {
                 tracing::warn!(turn = %self.job.turn_id, "deadline passed during a model call; abandoned");
@@ -344,7 +348,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             .messages
             .push(Message::text(Role::System, SAFETY_NET_NOTE));
         request.tool_choice = Some(serde_json::Value::String("none".to_owned()));
-        match self.model_call(request).await {
+        match self.model_call(request, None).await {
             Err(exit) => exit,
             Ok(Ok(response))
                 if response.tool_calls.is_empty() && !response.content.trim().is_empty() =>

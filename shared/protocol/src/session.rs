@@ -92,6 +92,8 @@ pub enum SessionEventType {
     Final,
     Error,
     TurnEnded,
+    /// A piece of the answer text while the model produces it (docs/loop-worker.md, "Deltas").
+    Delta,
 }
 
 /// Published on `cyrene.session.<sid>.events`.
@@ -113,6 +115,15 @@ pub struct SessionEvent {
     /// On `error` events: what went wrong.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<crate::ErrorBody>,
+    /// On `delta` events: the text piece.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<String>,
+    /// On `delta` events: 0, 1, 2, … within one (turn, attempt, step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    /// On `delta` events: the turn's delivery attempt (1-based); a higher one re-streams.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
 }
 
 impl SessionEvent {
@@ -127,6 +138,9 @@ impl SessionEvent {
             message_ids: Vec::new(),
             message: None,
             error: None,
+            delta: None,
+            seq: None,
+            attempt: None,
         }
     }
 }
