@@ -118,6 +118,7 @@ async fn a_streamed_turn_publishes_ordered_deltas_that_add_up_to_the_final_answe
         assert_eq!(d.turn_id, "t9");
         assert_eq!(d.at_step, Some(3));
         assert_eq!(d.attempt, Some(1));
+        assert_eq!(d.sender_name, "cyrene");
         assert_eq!(d.seq, Some(i as u64), "in order, without gaps");
     }
     let joined: String = deltas.iter().map(|d| d.delta.clone().unwrap()).collect();

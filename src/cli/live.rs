@@ -38,7 +38,12 @@ impl LiveText {
                 } else {
                     String::new()
                 };
-                let _ = write!(out, "{lead}assistant{again}: ");
+                let who = if event.sender_name.is_empty() {
+                    "assistant"
+                } else {
+                    event.sender_name.as_str()
+                };
+                let _ = write!(out, "{lead}{who}{again}: ");
                 self.open = Some(key);
                 self.last = Some((event.turn_id.clone(), String::new()));
             }

@@ -29,6 +29,8 @@ pub struct DeltaTag {
     pub leg_id: String,
     pub step: u32,
     pub attempt: u32,
+    /// The persona speaking (what the step's message carries as `sender_name`).
+    pub sender_name: String,
 }
 
 impl DeltaTag {
@@ -39,6 +41,7 @@ impl DeltaTag {
             leg_id: job.leg_id.clone(),
             step,
             attempt,
+            sender_name: job.env.persona.clone(),
         }
     }
 
@@ -51,6 +54,7 @@ impl DeltaTag {
         event.attempt = Some(self.attempt);
         event.seq = Some(seq);
         event.delta = Some(text);
+        event.sender_name.clone_from(&self.sender_name);
         event
     }
 }

@@ -124,6 +124,9 @@ pub struct SessionEvent {
     /// On `delta` events: the turn's delivery attempt (1-based); a higher one re-streams.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
+    /// On `delta` events: who is speaking (the persona id the `final` message will carry).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sender_name: String,
 }
 
 impl SessionEvent {
@@ -141,6 +144,7 @@ impl SessionEvent {
             delta: None,
             seq: None,
             attempt: None,
+            sender_name: String::new(),
         }
     }
 }
