@@ -187,6 +187,11 @@ impl TurnPorts for NatsPorts {
                 },
             )
             .await;
+            // A gateway from before streaming (a rolling upgrade) has no stream endpoint: the
+            // plain call still answers, without deltas.
+            if let Err(cyrene_bus::RequestError::NoResponders { .. }) = result {
+                return self.complete(request).await;
+            }
             result.map_err(|e| {
                 let body = e.to_body();
                 if body.code == ErrorCode::Internal {
