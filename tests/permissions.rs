@@ -208,6 +208,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [S, N, N, P, N, N, N, N, N, N],
         ),
         (
+            "cyrene.model.complete.stream",
+            "a streamed model call",
+            [S, N, N, P, N, N, N, N, N, N],
+        ),
+        (
             "cyrene.model.route",
             "a route is explained",
             [S, N, N, P, N, N, N, N, N, N],

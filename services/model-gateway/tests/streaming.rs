@@ -390,6 +390,24 @@ async fn a_provider_failing_before_its_first_delta_falls_back() {
     );
 }
 
+#[tokio::test]
+async fn a_server_that_ignores_stream_true_is_read_as_a_whole_reply() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!({
+            "model":"m","choices":[{"message":{"role":"assistant","content":"all at once"},
+                                    "finish_reason":"stop"}],
+            "usage":{"prompt_tokens":4,"completion_tokens":3,"total_tokens":7}})))
+        .mount(&server)
+        .await;
+    let gw = gateway(chain(&[("p", openai(&server), "m")]));
+    let (resp, deltas) = stream_call(&gw, &ask("hi")).await;
+    let resp = resp.unwrap();
+    assert_eq!(resp.content, "all at once");
+    assert_eq!(resp.total_tokens, 7);
+    assert_eq!(texts(&deltas), "all at once");
+}
+
 // ------------------------------------------------------------------------ over a real nats-server
 
 struct Running {

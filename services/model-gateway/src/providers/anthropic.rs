@@ -203,6 +203,16 @@ impl super::Provider for AnthropicProvider {
                 http = http.header("x-api-key", key);
             }
             let response = post_for_stream(http, bytes, deadline).await?;
+            let response = match super::whole_reply(response, started, deadline).await? {
+                Ok(whole) => {
+                    let response = decode(&whole, &step.model)?;
+                    for delta in super::response_deltas(&response) {
+                        sink.send(delta);
+                    }
+                    return Ok(response);
+                }
+                Err(events) => events,
+            };
             let mut events = SseReader::new(response, started, deadline);
             let mut acc = StreamAccumulator::default();
             while let Some(event) = events.next().await? {

@@ -250,6 +250,31 @@ pub(crate) async fn post_for_stream(
     }
 }
 
+/// A 2xx reply to a streaming request that is not an event stream (a server that ignores
+/// `"stream": true`): its whole body, to be decoded as the non-streamed reply (`Ok(Ok)`); an
+/// event stream is handed back (`Ok(Err)`).
+pub(crate) async fn whole_reply(
+    response: reqwest::Response,
+    started: Instant,
+    deadline: Instant,
+) -> Result<Result<bytes::Bytes, reqwest::Response>, ProviderError> {
+    let is_stream = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    if is_stream {
+        return Ok(Err(response));
+    }
+    match tokio::time::timeout_at(deadline, response.bytes()).await {
+        Ok(Ok(bytes)) => Ok(Ok(bytes)),
+        Ok(Err(e)) => Err(ProviderError::Transport(error_chain(&e))),
+        Err(_) => Err(ProviderError::Timeout(
+            deadline.saturating_duration_since(started),
+        )),
+    }
+}
+
 /// `Retry-After` in seconds (the HTTP-date form is not used by LLM providers; ignored).
 fn parse_retry_after(value: &str) -> Option<Duration> {
     let secs: f64 = value.trim().parse().ok()?;
