@@ -359,8 +359,8 @@ async fn run() {
     }
     let d = summary(&direct);
     println!(
-        "cyrene-model-gateway streaming bench (release; same run, interleaved; {CALLS} calls per \
-         path, {CHUNKS} text chunks each)"
+        "cyrene-model-gateway streaming bench (same run, interleaved; {CALLS} calls per path, \
+         {CHUNKS} text chunks each)"
     );
     println!(
         "direct (mock upstream):   TTFT p50 {:.3} ms p99 {:.3} ms | {:.0} chunks/s",

@@ -632,6 +632,10 @@ async fn stream_response(
             }
             if let Some(delta) = pending {
                 out.push_str(&chunks.delta(delta));
+                // What is already there goes out in the same write.
+                while let Ok(delta) = deltas.try_recv() {
+                    out.push_str(&chunks.delta(delta));
+                }
                 return Some((
                     Ok::<_, std::convert::Infallible>(Bytes::from(out)),
                     (chunks, None, deltas, done, false),
@@ -641,6 +645,9 @@ async fn stream_response(
             match deltas.recv().await {
                 Some(delta) => {
                     out.push_str(&chunks.delta(delta));
+                    while let Ok(delta) = deltas.try_recv() {
+                        out.push_str(&chunks.delta(delta));
+                    }
                     Some((
                         Ok(Bytes::from(out)),
                         (chunks, None, deltas, Some(done), false),

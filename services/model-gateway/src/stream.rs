@@ -103,7 +103,7 @@ async fn handle(
         };
         let (seq, result) = match decode::<ModelRequest>(&request.message.payload, max_payload) {
             Err(err) => (0, Err(err)),
-            Ok(req) => forward(&gateway, &client, &req, &inbox).await,
+            Ok(req) => forward(&gateway, &client, req, &inbox).await,
         };
         let code = match &result {
             Ok(_) => "ok",
@@ -119,37 +119,34 @@ async fn handle(
     .await
 }
 
-/// Runs the call, publishing each delta on `inbox` as it comes; the next `seq` and the outcome.
+/// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
+/// of provider events never holds up the first delta); the next `seq` and the outcome.
 async fn forward(
-    gateway: &Gateway,
+    gateway: &Arc<Gateway>,
     client: &async_nats::Client,
-    req: &ModelRequest,
+    req: ModelRequest,
     inbox: &async_nats::Subject,
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
 ) {
     let (sink, mut deltas) = DeltaSink::new();
+    let call = tokio::spawn({
+        let (gateway, client) = (gateway.clone(), client.clone());
+        async move { gateway.call(&client, &req, Some(&sink)).await }
+    });
     let mut seq = 0u64;
-    let result = {
-        let call = gateway.call(client, req, Some(&sink));
-        tokio::pin!(call);
-        loop {
-            tokio::select! {
-                biased;
-                Some(delta) = deltas.recv() => {
-                    publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
-                    seq += 1;
-                }
-                result = &mut call => break result,
-            }
-        }
-    };
-    drop(sink);
+    // Ends when the call is over and its sink dropped.
     while let Some(delta) = deltas.recv().await {
         publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
         seq += 1;
     }
+    let result = call.await.unwrap_or_else(|e| {
+        Err(ErrorBody::new(
+            ErrorCode::Internal,
+            format!("the call task failed: {e}"),
+        ))
+    });
     (seq, result)
 }
 
