@@ -138,7 +138,10 @@ impl World {
     /// A service binary with this world's bus, data dir and database.
     fn service(&self, name: &str) -> Child {
         let data = self.data.path().display().to_string();
-        let mut envs = vec![("CYRENE_DATA_DIR", data.as_str())];
+        let mut envs = vec![
+            ("CYRENE_STORE_DATA_DIR", data.as_str()),
+            ("CYRENE_ORCHESTRATOR_DATA_DIR", data.as_str()),
+        ];
         if let Some(url) = &self.database_url {
             envs.push(("DATABASE_URL", url.as_str()));
         }

@@ -115,22 +115,22 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Directory of the default SQLite database (created if missing).
-    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
+    #[arg(long, env = "CYRENE_STORE_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
     /// Largest serialised checkpoint state accepted, in bytes (larger saves get too_large).
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_STATE_BYTES", default_value_t = DEFAULT_MAX_STATE_BYTES)]
+    #[arg(long, env = "CYRENE_STORE_MAX_STATE_BYTES", default_value_t = DEFAULT_MAX_STATE_BYTES)]
     pub max_state_bytes: usize,
     /// Bound on one database operation (e.g. 5s); past it the request gets unavailable.
-    #[arg(long, env = "CYRENE_CHECKPOINT_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_STORE_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub db_timeout: Duration,
     /// How long a request waits for a database connection (e.g. 2s).
-    #[arg(long, env = "CYRENE_CHECKPOINT_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_STORE_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub acquire_timeout: Duration,
     /// Database connection pool size.
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_CONNECTIONS", default_value_t = 8)]
+    #[arg(long, env = "CYRENE_STORE_MAX_CONNECTIONS", default_value_t = 8)]
     pub max_connections: u32,
     /// Requests handled at once per endpoint.
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_IN_FLIGHT", default_value_t = 256)]
+    #[arg(long, env = "CYRENE_STORE_MAX_IN_FLIGHT", default_value_t = 256)]
     pub max_in_flight: usize,
 }
 

@@ -13,6 +13,7 @@
 
 pub mod connect;
 pub mod entry;
+pub mod env;
 pub mod guard;
 pub mod headers;
 pub mod health;
