@@ -6,7 +6,7 @@ use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::session::BusyPolicy;
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
-pub use cyrene_sql::Database;
+pub use cyrene_sql::{Database, PoolSettings};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -65,10 +65,8 @@ pub struct Config {
     pub dispatch_grace: Duration,
     /// Bound on one database operation; past it the request is answered `unavailable`.
     pub db_timeout: Duration,
-    /// How long a request waits for a pooled connection (short: fail fast during outages).
-    pub acquire_timeout: Duration,
-    /// Database pool size.
-    pub max_connections: u32,
+    /// Database pool size and how long a request waits for a pooled connection.
+    pub pool: PoolSettings,
     /// Requests handled at once per endpoint.
     pub max_in_flight: usize,
     /// Replicas of the `CYRENE_TURNS` stream (3 on a 3-node cluster); the same value must be
@@ -99,8 +97,7 @@ impl Config {
             sweep_interval: Duration::from_secs(1),
             dispatch_grace: Duration::from_secs(2),
             db_timeout: Duration::from_secs(5),
-            acquire_timeout: Duration::from_secs(2),
-            max_connections: 8,
+            pool: PoolSettings::default(),
             max_in_flight: 256,
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
         }
@@ -128,7 +125,6 @@ impl Config {
             ("ask_timeout", self.ask_timeout),
             ("sweep_interval", self.sweep_interval),
             ("db_timeout", self.db_timeout),
-            ("acquire_timeout", self.acquire_timeout),
         ] {
             if d.is_zero() {
                 problems.push(format!("{name} must be longer than zero"));
@@ -138,7 +134,6 @@ impl Config {
             problems.push("max_document_bytes must be at least 1".to_owned());
         }
         for (name, n) in [
-            ("max_connections", self.max_connections as usize),
             ("max_in_flight", self.max_in_flight),
             ("turns_replicas", self.turns_replicas),
         ] {
@@ -180,6 +175,7 @@ impl Config {
                 }
             }
         }
+        self.pool.check(&mut problems);
         if let Err(err) = self.database() {
             problems.push(err.to_string());
         }
@@ -366,8 +362,10 @@ impl Args {
         config.ask_timeout = self.ask_timeout;
         config.serve_agents = !self.no_agents;
         config.db_timeout = self.db_timeout;
-        config.acquire_timeout = self.acquire_timeout;
-        config.max_connections = self.max_connections;
+        config.pool = PoolSettings {
+            max_connections: self.max_connections,
+            acquire_timeout: self.acquire_timeout,
+        };
         config.max_in_flight = self.max_in_flight;
         config.turns_replicas = self.turns_replicas;
         Ok(config)

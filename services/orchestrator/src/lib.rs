@@ -80,8 +80,8 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
         Database::Postgres(url) | Database::Sqlite(url) => url,
     };
     let options = StoreOptions {
-        acquire_timeout: config.acquire_timeout,
-        max_connections: config.max_connections,
+        acquire_timeout: config.pool.acquire_timeout,
+        max_connections: config.pool.max_connections,
     };
     let settings = JobSettings {
         personas: config.personas.clone(),
