@@ -18,6 +18,7 @@ pub mod guard;
 pub mod headers;
 pub mod health;
 pub mod request;
+pub mod retry;
 pub mod service;
 pub mod signal;
 pub mod streams;
