@@ -408,18 +408,15 @@ impl World {
 
     /// Waits (bounded, never failing) until a micro service answers `$SRV.PING`.
     pub async fn wait_for_service(&self, name: &str) -> bool {
-        let subject = format!("$SRV.PING.{name}");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Ok(_)) = tokio::time::timeout(
-                Duration::from_millis(300),
-                self.client.request(subject.clone(), "".into()),
-            )
-            .await
-            {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let answered = cyrene_bus::discovery::wait_for(
+            &self.client,
+            name,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+        )
+        .await;
+        if answered {
+            return true;
         }
         self.note(format!("{name} did not answer $SRV.PING within 30 s"));
         false

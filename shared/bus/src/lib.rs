@@ -12,6 +12,7 @@
 //!   and a `{"error":{…}}` body, so header-only clients (`nats req`) and JSON clients both see it.
 
 pub mod connect;
+pub mod discovery;
 pub mod entry;
 pub mod env;
 pub mod guard;
