@@ -8,11 +8,11 @@
 //! environment, so every env var of a service binary works under `cyrene up` too.
 
 use super::CliError;
-use async_nats::service::ServiceExt;
 use clap::Args;
 use cyrene_bus::ConnectMode;
 use cyrene_bus::entry::ServiceArgs;
-use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::host::{EndpointSpec, Host, ServiceSpec};
+use cyrene_bus::service::{RequestContext, ServeOptions};
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
 use serde_json::{Value, json};
@@ -219,36 +219,37 @@ fn service_config<A: ServiceArgs>(binary: &str, args: A) -> Result<A::Config, Cl
 
 /// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.
 async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> Result<(), String> {
-    let service = client
-        .service_builder()
-        .description("Cyrene demo tools (offline mode)")
-        .start("cyrene-demo-tools", env!("CARGO_PKG_VERSION"))
+    let spec = ServiceSpec {
+        name: "cyrene-demo-tools",
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Cyrene demo tools (offline mode)".to_owned(),
+        metadata: HashMap::new(),
+    };
+    let mut host = Host::start(&client, spec, shutdown)
         .await
         .map_err(|e| e.to_string())?;
-    let metadata: HashMap<String, String> = [
-        (
-            "cyrene.tool.description".to_owned(),
-            "Search the user's notes (demo; takes 1.5 s).".to_owned(),
-        ),
-        (
-            "cyrene.tool.parameters".to_owned(),
-            r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#
-                .to_owned(),
-        ),
-    ]
-    .into();
-    let endpoint = service
-        .endpoint_builder()
-        .name("search_notes")
-        .metadata(metadata)
-        .add("cyrene.tool.search_notes")
-        .await
-        .map_err(|e| e.to_string())?;
-    serve_json(endpoint, ServeOptions::default(), shutdown, |args: Value, _ctx: RequestContext| async move {
+    let endpoint = EndpointSpec {
+        name: "search_notes",
+        subject: "cyrene.tool.search_notes",
+        metadata: &[
+            (
+                "cyrene.tool.description",
+                "Search the user's notes (demo; takes 1.5 s).",
+            ),
+            (
+                "cyrene.tool.parameters",
+                r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#,
+            ),
+        ],
+    };
+    host.serve(endpoint, ServeOptions::default(), |args: Value, _ctx: RequestContext| async move {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let query = args.get("query").and_then(Value::as_str).unwrap_or_default().to_owned();
         Ok::<_, ErrorBody>(json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}))
     })
-    .await;
+    .await
+    .map_err(|e| e.to_string())?;
+    let (_service, mut serving) = host.into_parts();
+    while serving.join_next().await.is_some() {}
     Ok(())
 }

@@ -18,6 +18,7 @@ pub mod env;
 pub mod guard;
 pub mod headers;
 pub mod health;
+pub mod host;
 pub mod request;
 pub mod retry;
 pub mod service;
