@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make run`: start a local nats-server when none answers at $NATS_URL, run every Cyrene service
-# in one process (`cyrene up`: SQLite + the offline scripted demo unless CYRENE_MODELS names real
+# in one process (`cyrene up`: SQLite + the offline scripted demo unless CYRENE_GATEWAY_MODELS names real
 # providers), then `cyrene chat` on a terminal — or, without one, `cyrene demo`: a short scripted
 # conversation showing a tool call, a steered message and the checkpoints.
 set -euo pipefail

@@ -138,7 +138,10 @@ impl World {
     /// A service binary with this world's bus, data dir and database.
     fn service(&self, name: &str) -> Child {
         let data = self.data.path().display().to_string();
-        let mut envs = vec![("CYRENE_DATA_DIR", data.as_str())];
+        let mut envs = vec![
+            ("CYRENE_STORE_DATA_DIR", data.as_str()),
+            ("CYRENE_ORCHESTRATOR_DATA_DIR", data.as_str()),
+        ];
         if let Some(url) = &self.database_url {
             envs.push(("DATABASE_URL", url.as_str()));
         }
@@ -343,29 +346,19 @@ async fn two_orchestrator_replicas_on_one_postgres_keep_exactly_once_and_the_fen
     world.assert_exactly_once(&sent, &histories);
 
     // Both replicas took part.
-    let inbox = world.client.new_inbox();
-    let mut stats = world.client.subscribe(inbox.clone()).await.unwrap();
-    world
-        .client
-        .publish_with_reply("$SRV.STATS.cyrene-orchestrator", inbox, "".into())
-        .await
-        .unwrap();
-    let mut served = Vec::new();
     // Both replicas answer; a reply slowed by load still counts (bounded wait for the second).
-    while served.len() < 2
-        && let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(5), stats.next()).await
-    {
-        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
-        let send = v["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["name"] == "send")
-            .unwrap()["num_requests"]
-            .as_u64()
-            .unwrap();
-        served.push(send);
-    }
+    let served: Vec<u64> = cyrene_bus::discovery::gather(
+        &world.client,
+        cyrene_bus::discovery::Verb::Stats,
+        Some("cyrene-orchestrator"),
+        Duration::from_secs(5),
+        Some(2),
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|stats| cyrene_bus::discovery::endpoint_stat(stats, "send", "num_requests").unwrap())
+    .collect();
     assert_eq!(served.len(), 2, "two replicas answer $SRV.STATS");
     assert!(
         served.iter().all(|n| *n > 0),

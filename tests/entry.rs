@@ -136,8 +136,8 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
         .args(["up", "--data-dir", dir.path().to_str().unwrap()])
         .env("NATS_URL", server.url())
         .env("RUST_LOG", "off")
-        .env("CYRENE_CHECKPOINT_MAX_STATE_BYTES", "64")
-        .env("CYRENE_MAX_MESSAGE_BYTES", "40")
+        .env("CYRENE_STORE_MAX_STATE_BYTES", "64")
+        .env("CYRENE_ORCHESTRATOR_MAX_MESSAGE_BYTES", "40")
         .env("CYRENE_WORKER_ACK_WAIT", "7s")
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -154,7 +154,7 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
     }
     let t = Duration::from_secs(5);
 
-    // checkpoint store: CYRENE_CHECKPOINT_MAX_STATE_BYTES
+    // checkpoint store: CYRENE_STORE_MAX_STATE_BYTES
     let state = cyrene_protocol::JsonObject::encode(&json!({"note": "x".repeat(100)})).unwrap();
     let big = Checkpoint {
         id: "s1:1".into(),
@@ -173,7 +173,7 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
             .unwrap_err();
     assert_eq!(err.to_body().code, ErrorCode::TooLarge, "{err}");
 
-    // orchestrator: CYRENE_MAX_MESSAGE_BYTES
+    // orchestrator: CYRENE_ORCHESTRATOR_MAX_MESSAGE_BYTES
     let send = json!({"session_id":"s1","message":{"role":"user","content":"x".repeat(100)}});
     let err =
         cyrene_bus::request_json::<_, serde_json::Value>(&client, subjects::SESSION_SEND, &send, t)
@@ -214,5 +214,125 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
     assert!(
         stderr.contains("cyrene-model-gateway") && stderr.contains("max_in_flight"),
         "{stderr}"
+    );
+}
+
+/// A setting under its name from before the naming rule still takes effect, for one release, and
+/// the binary warns naming the new variable.
+#[tokio::test]
+async fn an_old_env_name_still_works_and_warns_naming_the_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, stderr) = run_binary(
+        workspace_binary("cyrene-checkpoint-store"),
+        &[],
+        &[
+            ("RUST_LOG", "warn"),
+            ("CYRENE_LOG_FORMAT", "text"),
+            ("CYRENE_CHECKPOINT_MAX_STATE_BYTES", "0"),
+            ("CYRENE_DATA_DIR", dir.path().to_str().unwrap()),
+        ],
+    )
+    .await;
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("max_state_bytes must be at least 1"),
+        "the old name did not reach the setting: {stderr}"
+    );
+    for (old, new) in [
+        (
+            "CYRENE_CHECKPOINT_MAX_STATE_BYTES",
+            "CYRENE_STORE_MAX_STATE_BYTES",
+        ),
+        ("CYRENE_DATA_DIR", "CYRENE_STORE_DATA_DIR"),
+    ] {
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains("WARN") && l.contains(old) && l.contains(new)),
+            "no warning naming {new}: {stderr}"
+        );
+    }
+    // The new name wins over the old one.
+    let (code, stderr) = run_binary(
+        workspace_binary("cyrene-checkpoint-store"),
+        &[],
+        &[
+            ("CYRENE_CHECKPOINT_MAX_STATE_BYTES", "0"),
+            ("CYRENE_STORE_MAX_STATE_BYTES", "-1"),
+            ("CYRENE_STORE_DATA_DIR", dir.path().to_str().unwrap()),
+        ],
+    )
+    .await;
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("-1"), "{stderr}");
+}
+
+/// docs/operations.md's settings table is this test's rendering of every binary's flags, so it
+/// cannot drift from the code; on a mismatch the test prints the table to paste.
+#[test]
+fn docs_list_every_setting_of_every_service() {
+    use clap::CommandFactory;
+    const SHARED: [&str; 6] = [
+        "NATS_URL",
+        "NATS_USER",
+        "NATS_PASSWORD",
+        "NATS_CREDS",
+        "NATS_NKEY",
+        "CYRENE_HEALTH_ADDR",
+    ];
+    let binaries = [
+        (
+            "cyrene-model-gateway",
+            cyrene_model_gateway::Args::command(),
+        ),
+        ("cyrene-loop-worker", cyrene_loop_worker::Args::command()),
+        (
+            "cyrene-checkpoint-store",
+            cyrene_checkpoint_store::Args::command(),
+        ),
+        ("cyrene-orchestrator", cyrene_orchestrator::Args::command()),
+    ];
+    let mut table = String::from("| binary | flag | env | default |\n|---|---|---|---|\n");
+    let mut row = |binary: &str, arg: &clap::Arg| {
+        let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+            return;
+        };
+        let default: Vec<_> = arg
+            .get_default_values()
+            .iter()
+            .map(|v| format!("`{}`", v.to_string_lossy()))
+            .collect();
+        let default = if default.is_empty() {
+            "—".to_owned()
+        } else {
+            default.join(", ")
+        };
+        let env = env.to_string_lossy();
+        table.push_str(&format!(
+            "| {binary} | `--{long}` | `{env}` | {default} |\n"
+        ));
+    };
+    for arg in binaries[0].1.get_arguments() {
+        if arg
+            .get_env()
+            .is_some_and(|e| SHARED.iter().any(|s| e == *s))
+        {
+            row("every service", arg);
+        }
+    }
+    for (binary, command) in &binaries {
+        for arg in command.get_arguments() {
+            if !arg
+                .get_env()
+                .is_some_and(|e| SHARED.iter().any(|s| e == *s))
+            {
+                row(binary, arg);
+            }
+        }
+    }
+    let docs = include_str!("../docs/operations.md");
+    assert!(
+        docs.contains(&table),
+        "docs/operations.md (\"Settings\") must hold this table:\n{table}"
     );
 }

@@ -159,8 +159,9 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
                 &server.url(),
                 &[
                     ("CYRENE_HEALTH_ADDR", health.as_str()),
-                    ("CYRENE_DATA_DIR", data_dir.as_str()),
-                    ("CYRENE_MODELS", models.as_str()),
+                    ("CYRENE_STORE_DATA_DIR", data_dir.as_str()),
+                    ("CYRENE_ORCHESTRATOR_DATA_DIR", data_dir.as_str()),
+                    ("CYRENE_GATEWAY_MODELS", models.as_str()),
                 ],
             ),
         );

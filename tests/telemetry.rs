@@ -52,7 +52,7 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
         "cyrene-checkpoint-store",
         &nats.url(),
         &[
-            ("CYRENE_DATA_DIR", data.path().to_str().unwrap()),
+            ("CYRENE_STORE_DATA_DIR", data.path().to_str().unwrap()),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &collector.uri()),
         ],
     );
@@ -124,17 +124,17 @@ async fn one_turn_is_one_trace_across_the_four_services() {
         (
             "cyrene-model-gateway",
             "gateway-under-test",
-            ("CYRENE_MODELS", models.to_str().unwrap()),
+            ("CYRENE_GATEWAY_MODELS", models.to_str().unwrap()),
         ),
         (
             "cyrene-checkpoint-store",
             "store-under-test",
-            ("CYRENE_DATA_DIR", dir),
+            ("CYRENE_STORE_DATA_DIR", dir),
         ),
         (
             "cyrene-orchestrator",
             "orchestrator-under-test",
-            ("CYRENE_DATA_DIR", dir),
+            ("CYRENE_ORCHESTRATOR_DATA_DIR", dir),
         ),
         (
             "cyrene-loop-worker",

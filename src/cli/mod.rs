@@ -120,18 +120,14 @@ pub async fn wait_for_services(
     names: &[&str],
 ) -> Result<(), CliError> {
     for name in names {
-        let subject = format!("$SRV.PING.{name}");
-        let answered = tokio::time::timeout(Duration::from_secs(30), async {
-            loop {
-                let ping = client.request(subject.clone(), "".into());
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), ping).await {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
+        let answered = cyrene_bus::discovery::wait_for(
+            client,
+            name,
+            Duration::from_secs(30),
+            Duration::from_millis(500),
+        )
         .await;
-        if answered.is_err() {
+        if !answered {
             return Err(CliError::NoResponder(format!(
                 "{name} did not answer within 30s (is `cyrene up` running?)"
             )));

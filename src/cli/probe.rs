@@ -3,7 +3,7 @@
 use super::{CliError, parse_duration};
 use async_nats::Client;
 use clap::Args;
-use futures::StreamExt;
+use cyrene_bus::discovery::{self, Verb};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -28,16 +28,10 @@ struct Instance {
 }
 
 pub async fn run(client: Client, args: ProbeArgs) -> Result<(), CliError> {
-    let suffix = args
-        .name
-        .as_deref()
-        .map(|n| format!(".{n}"))
-        .unwrap_or_default();
-    let (info_subject, stats_subject) =
-        (format!("$SRV.INFO{suffix}"), format!("$SRV.STATS{suffix}"));
+    let name = args.name.as_deref();
     let (infos, stats) = tokio::join!(
-        gather(&client, &info_subject, args.wait),
-        gather(&client, &stats_subject, args.wait),
+        gather(&client, Verb::Info, name, args.wait),
+        gather(&client, Verb::Stats, name, args.wait),
     );
     let mut instances: BTreeMap<(String, String), Instance> = BTreeMap::new();
     for info in infos? {
@@ -126,27 +120,14 @@ fn endpoints(info: &Value) -> String {
     .join(" ")
 }
 
-/// Publishes one request and collects every answer that arrives within `wait`.
-async fn gather(client: &Client, subject: &str, wait: Duration) -> Result<Vec<Value>, CliError> {
-    let fail = |e: String| CliError::Failed(format!("{subject}: {e}"));
-    let inbox = client.new_inbox();
-    let mut answers = client
-        .subscribe(inbox.clone())
+/// Every answer to `verb` within `wait`.
+async fn gather(
+    client: &Client,
+    verb: Verb,
+    name: Option<&str>,
+    wait: Duration,
+) -> Result<Vec<Value>, CliError> {
+    discovery::gather(client, verb, name, wait, None)
         .await
-        .map_err(|e| fail(e.to_string()))?;
-    client
-        .publish_with_reply(subject.to_owned(), inbox, "".into())
-        .await
-        .map_err(|e| fail(e.to_string()))?;
-    let deadline = tokio::time::Instant::now() + wait;
-    let mut out = Vec::new();
-    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
-        if message.status.is_some() {
-            continue; // e.g. a no-responders status: nobody is there
-        }
-        if let Ok(value) = serde_json::from_slice::<Value>(&message.payload) {
-            out.push(value);
-        }
-    }
-    Ok(out)
+        .map_err(|e| CliError::Failed(format!("{}: {e}", discovery::subject(verb, name))))
 }

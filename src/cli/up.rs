@@ -1,18 +1,18 @@
 //! `cyrene up`: every service in one process, for local use.
 //!
-//! Embedded defaults: SQLite files in the data directory, and — unless `--models`/`CYRENE_MODELS`
-//! names a real provider config — the offline scripted provider with a small demo script plus a
-//! demo tool (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
+//! Embedded defaults: SQLite files in the data directory, and — unless `--models` or the
+//! gateway's `CYRENE_GATEWAY_MODELS` names a real provider config — the offline scripted provider
+//! with a small demo script plus a demo tool (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
 //! steered into the running turn). Every service gets its own NATS connection, exactly as when
 //! they run as separate processes, and its configuration from its own `Args` read from the
 //! environment, so every env var of a service binary works under `cyrene up` too.
 
 use super::CliError;
-use async_nats::service::ServiceExt;
 use clap::Args;
 use cyrene_bus::ConnectMode;
 use cyrene_bus::entry::ServiceArgs;
-use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::host::{EndpointSpec, Host, ServiceSpec};
+use cyrene_bus::service::{RequestContext, ServeOptions};
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
 use serde_json::{Value, json};
@@ -27,17 +27,20 @@ const OFFLINE_MODELS: &str = include_str!("offline-models.json");
 
 #[derive(Debug, Args)]
 pub struct UpArgs {
-    /// Where the SQLite databases live.
-    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
-    pub data_dir: PathBuf,
+    /// Where the SQLite databases live (both stores). Absent: each service's own setting
+    /// (`CYRENE_STORE_DATA_DIR`, `CYRENE_ORCHESTRATOR_DATA_DIR`; `./data` by default).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
     /// PostgreSQL (or sqlite://) URL for both stores; SQLite files in the data dir when absent.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Model config (JSON, docs/architecture.md §9); the offline scripted demo when absent.
-    #[arg(long, env = "CYRENE_MODELS")]
+    /// Model config (JSON, docs/architecture.md §9). Absent: the gateway's own setting
+    /// (`CYRENE_GATEWAY_MODELS`), else the offline scripted demo.
+    #[arg(long)]
     pub models: Option<PathBuf>,
-    /// Personas (JSON, docs/architecture.md §9); 昔涟 (cyrene) and 星 (hoshi) when absent.
-    #[arg(long, env = "CYRENE_PERSONAS")]
+    /// Personas (JSON, docs/architecture.md §9). Absent: the orchestrator's own setting
+    /// (`CYRENE_ORCHESTRATOR_PERSONAS`), else 昔涟 (cyrene) and 星 (hoshi).
+    #[arg(long)]
     pub personas: Option<PathBuf>,
     /// Loop workers to run.
     #[arg(long, default_value_t = 1)]
@@ -56,16 +59,30 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         .redacted_urls()
         .join(",");
     let fail = |what: &str, e: &dyn std::fmt::Display| CliError::Failed(format!("{what}: {e}"));
-    std::fs::create_dir_all(&args.data_dir).map_err(|e| fail("cannot create the data dir", &e))?;
-    let offline = args.models.is_none();
-    let models = match &args.models {
+    // Each service starts from its own Args as the environment sets them, so every env var a
+    // service binary honours applies here too; `cyrene up`'s own flags then take precedence.
+    let gateway_args = service_args::<cyrene_model_gateway::Args>("cyrene-model-gateway")?;
+    let store_args = service_args::<cyrene_checkpoint_store::Args>("cyrene-checkpoint-store")?;
+    let orchestrator_args = service_args::<cyrene_orchestrator::Args>("cyrene-orchestrator")?;
+    let models_path = args.models.clone().or(gateway_args.models.clone());
+    let personas_path = args.personas.clone().or(orchestrator_args.personas.clone());
+    let store_dir = args.data_dir.clone().unwrap_or(store_args.data_dir.clone());
+    let orchestrator_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or(orchestrator_args.data_dir.clone());
+    for dir in [&store_dir, &orchestrator_dir] {
+        std::fs::create_dir_all(dir).map_err(|e| fail("cannot create the data dir", &e))?;
+    }
+    let offline = models_path.is_none();
+    let models = match &models_path {
         Some(path) => ModelsConfig::from_file(path).map_err(|e| fail("model config", &e))?,
         None => {
             serde_json::from_str(OFFLINE_MODELS).map_err(|e| fail("built-in model config", &e))?
         }
     };
     let secrets = Secrets::resolve(&models, |name| std::env::var(name).ok());
-    let personas = match &args.personas {
+    let personas = match &personas_path {
         Some(path) => {
             cyrene_orchestrator::Personas::load(path).map_err(|e| fail("personas", &e))?
         }
@@ -86,10 +103,7 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     let shutdown = CancellationToken::new();
     let mut services: JoinSet<(&'static str, Result<(), String>)> = JoinSet::new();
 
-    // Each service starts from its own Args as the environment sets them, so every env var a
-    // service binary honours applies here too; `cyrene up`'s own flags then take precedence.
-    let mut gateway: cyrene_model_gateway::Config =
-        service_config::<cyrene_model_gateway::Args>("cyrene-model-gateway")?;
+    let mut gateway = service_config("cyrene-model-gateway", gateway_args)?;
     gateway.models = models;
     gateway.secrets = secrets;
     let client = connect("cyrene-model-gateway").await?;
@@ -103,9 +117,8 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         )
     });
 
-    let mut store: cyrene_checkpoint_store::Config =
-        service_config::<cyrene_checkpoint_store::Args>("cyrene-checkpoint-store")?;
-    store.data_dir = args.data_dir.clone();
+    let mut store = service_config("cyrene-checkpoint-store", store_args)?;
+    store.data_dir = store_dir.clone();
     store.database_url = args.database_url.clone();
     let client = connect("cyrene-checkpoint-store").await?;
     let s = shutdown.clone();
@@ -118,9 +131,8 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         )
     });
 
-    let mut orchestrator: cyrene_orchestrator::Config =
-        service_config::<cyrene_orchestrator::Args>("cyrene-orchestrator")?;
-    orchestrator.data_dir = args.data_dir.clone();
+    let mut orchestrator = service_config("cyrene-orchestrator", orchestrator_args)?;
+    orchestrator.data_dir = orchestrator_dir;
     orchestrator.database_url = args.database_url.clone();
     orchestrator.personas = personas;
     let client = connect("cyrene-orchestrator").await?;
@@ -137,8 +149,10 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     for _ in 0..args.workers.max(1) {
         let client = connect("cyrene-loop-worker").await?;
         let s = shutdown.clone();
-        let mut config: cyrene_loop_worker::Config =
-            service_config::<cyrene_loop_worker::Args>("cyrene-loop-worker")?;
+        let mut config = service_config(
+            "cyrene-loop-worker",
+            service_args::<cyrene_loop_worker::Args>("cyrene-loop-worker")?,
+        )?;
         // Tools registered after start show up within seconds, not half a minute.
         config.tool_refresh = Duration::from_secs(5);
         services.spawn(async move {
@@ -164,7 +178,7 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
             "configured providers"
         },
         args.workers.max(1),
-        args.data_dir.display()
+        store_dir.display()
     );
     let stop = cyrene_bus::signal::signalled();
     tokio::pin!(stop);
@@ -191,9 +205,13 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     }
 }
 
-/// A service's configuration from its own `Args`, as the environment alone sets them.
-fn service_config<A: ServiceArgs>(binary: &str) -> Result<A::Config, CliError> {
-    let args = A::from_env(binary).map_err(|e| CliError::Failed(format!("{binary}: {e}")))?;
+/// A service's `Args` as the environment alone sets them.
+fn service_args<A: ServiceArgs>(binary: &str) -> Result<A, CliError> {
+    A::from_env(binary).map_err(|e| CliError::Failed(format!("{binary}: {e}")))
+}
+
+/// A service's configuration from its `Args`.
+fn service_config<A: ServiceArgs>(binary: &str, args: A) -> Result<A::Config, CliError> {
     args.into_config().map_err(|problems| {
         CliError::Failed(format!("{binary}: invalid configuration: {problems}"))
     })
@@ -201,36 +219,37 @@ fn service_config<A: ServiceArgs>(binary: &str) -> Result<A::Config, CliError> {
 
 /// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.
 async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> Result<(), String> {
-    let service = client
-        .service_builder()
-        .description("Cyrene demo tools (offline mode)")
-        .start("cyrene-demo-tools", env!("CARGO_PKG_VERSION"))
+    let spec = ServiceSpec {
+        name: "cyrene-demo-tools",
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Cyrene demo tools (offline mode)".to_owned(),
+        metadata: HashMap::new(),
+    };
+    let mut host = Host::start(&client, spec, shutdown)
         .await
         .map_err(|e| e.to_string())?;
-    let metadata: HashMap<String, String> = [
-        (
-            "cyrene.tool.description".to_owned(),
-            "Search the user's notes (demo; takes 1.5 s).".to_owned(),
-        ),
-        (
-            "cyrene.tool.parameters".to_owned(),
-            r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#
-                .to_owned(),
-        ),
-    ]
-    .into();
-    let endpoint = service
-        .endpoint_builder()
-        .name("search_notes")
-        .metadata(metadata)
-        .add("cyrene.tool.search_notes")
-        .await
-        .map_err(|e| e.to_string())?;
-    serve_json(endpoint, ServeOptions::default(), shutdown, |args: Value, _ctx: RequestContext| async move {
+    let endpoint = EndpointSpec {
+        name: "search_notes",
+        subject: "cyrene.tool.search_notes",
+        metadata: &[
+            (
+                "cyrene.tool.description",
+                "Search the user's notes (demo; takes 1.5 s).",
+            ),
+            (
+                "cyrene.tool.parameters",
+                r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#,
+            ),
+        ],
+    };
+    host.serve(endpoint, ServeOptions::default(), |args: Value, _ctx: RequestContext| async move {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let query = args.get("query").and_then(Value::as_str).unwrap_or_default().to_owned();
         Ok::<_, ErrorBody>(json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}))
     })
-    .await;
+    .await
+    .map_err(|e| e.to_string())?;
+    let (_service, mut serving) = host.into_parts();
+    while serving.join_next().await.is_some() {}
     Ok(())
 }

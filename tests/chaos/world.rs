@@ -217,8 +217,16 @@ impl World {
             .unwrap();
         cmd.env("NATS_URL", &self.nats_url)
             .env("RUST_LOG", "info")
-            .env("CYRENE_DATA_DIR", self.data.path())
-            .env("CYRENE_TURNS_REPLICAS", replicas(&self.options).to_string())
+            .env("CYRENE_STORE_DATA_DIR", self.data.path())
+            .env("CYRENE_ORCHESTRATOR_DATA_DIR", self.data.path())
+            .env(
+                "CYRENE_WORKER_TURNS_REPLICAS",
+                replicas(&self.options).to_string(),
+            )
+            .env(
+                "CYRENE_ORCHESTRATOR_TURNS_REPLICAS",
+                replicas(&self.options).to_string(),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -231,7 +239,7 @@ impl World {
 
     async fn start_gateway(&self) {
         let mut cmd = self.command("cyrene-model-gateway", "gateway");
-        cmd.env("CYRENE_MODELS", &self.models);
+        cmd.env("CYRENE_GATEWAY_MODELS", &self.models);
         self.procs.lock().await.gateway = Some(cmd.spawn().unwrap());
         self.wait_for_service("cyrene-model-gateway").await;
     }
@@ -400,18 +408,15 @@ impl World {
 
     /// Waits (bounded, never failing) until a micro service answers `$SRV.PING`.
     pub async fn wait_for_service(&self, name: &str) -> bool {
-        let subject = format!("$SRV.PING.{name}");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Ok(_)) = tokio::time::timeout(
-                Duration::from_millis(300),
-                self.client.request(subject.clone(), "".into()),
-            )
-            .await
-            {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let answered = cyrene_bus::discovery::wait_for(
+            &self.client,
+            name,
+            Duration::from_secs(30),
+            Duration::from_millis(300),
+        )
+        .await;
+        if answered {
+            return true;
         }
         self.note(format!("{name} did not answer $SRV.PING within 30 s"));
         false

@@ -216,22 +216,14 @@ pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
 
 /// Waits (bounded) until a micro service named `name` answers `$SRV.PING`.
 pub async fn wait_for_service(client: &async_nats::Client, name: &str) {
-    let subject = format!("$SRV.PING.{name}");
-    let ok = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            if let Ok(Ok(_)) = tokio::time::timeout(
-                Duration::from_millis(200),
-                client.request(subject.clone(), "".into()),
-            )
-            .await
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    let ok = cyrene_bus::discovery::wait_for(
+        client,
+        name,
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+    )
     .await;
-    assert!(ok.is_ok(), "{name} answers $SRV.PING");
+    assert!(ok, "{name} answers $SRV.PING");
 }
 
 /// Waits (bounded) until `check` holds.

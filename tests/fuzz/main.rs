@@ -181,7 +181,8 @@ impl Stack {
             // Every malformed message is a warning or an error in a service's log (a panic
             // is still printed).
             let envs = [
-                ("CYRENE_DATA_DIR", dir.as_str()),
+                ("CYRENE_STORE_DATA_DIR", dir.as_str()),
+                ("CYRENE_ORCHESTRATOR_DATA_DIR", dir.as_str()),
                 ("RUST_LOG", "off"),
                 ("CYRENE_WORKER_ACK_WAIT", "2s"),
             ];

@@ -91,7 +91,7 @@ impl Process {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_cyrene-checkpoint-store"))
             .env("NATS_URL", nats.url())
             .env("DATABASE_URL", database_url)
-            .env("CYRENE_DATA_DIR", data_dir)
+            .env("CYRENE_STORE_DATA_DIR", data_dir)
             .env("RUST_LOG", "warn")
             .spawn()
             .unwrap();

@@ -4,7 +4,7 @@
 
 use crate::store::{DEFAULT_MAX_STATE_BYTES, StoreOptions};
 use cyrene_bus::entry::{Problems, ServiceArgs};
-pub use cyrene_sql::Database;
+pub use cyrene_sql::{Database, PoolSettings};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -23,10 +23,8 @@ pub struct Config {
     pub max_state_bytes: usize,
     /// Bound on one database operation; past it the request is answered `unavailable`.
     pub db_timeout: Duration,
-    /// How long a request waits for a pooled connection (short: fail fast during outages).
-    pub acquire_timeout: Duration,
-    /// Database pool size.
-    pub max_connections: u32,
+    /// Database pool size and how long a request waits for a pooled connection.
+    pub pool: PoolSettings,
     /// Requests handled at once per endpoint.
     pub max_in_flight: usize,
 }
@@ -39,8 +37,7 @@ impl Config {
             data_dir: data_dir.into(),
             max_state_bytes: DEFAULT_MAX_STATE_BYTES,
             db_timeout: Duration::from_secs(5),
-            acquire_timeout: Duration::from_secs(2),
-            max_connections: 8,
+            pool: PoolSettings::default(),
             max_in_flight: 256,
         }
     }
@@ -54,12 +51,7 @@ impl Config {
         if self.db_timeout.is_zero() {
             problems.push("db_timeout must be longer than zero".to_owned());
         }
-        if self.acquire_timeout.is_zero() {
-            problems.push("acquire_timeout must be longer than zero".to_owned());
-        }
-        if self.max_connections == 0 {
-            problems.push("max_connections must be at least 1".to_owned());
-        }
+        self.pool.check(&mut problems);
         if self.max_in_flight == 0 {
             problems.push("max_in_flight must be at least 1".to_owned());
         }
@@ -88,8 +80,8 @@ impl Config {
     pub fn store_options(&self) -> StoreOptions {
         StoreOptions {
             max_state_bytes: self.max_state_bytes,
-            acquire_timeout: self.acquire_timeout,
-            max_connections: self.max_connections,
+            acquire_timeout: self.pool.acquire_timeout,
+            max_connections: self.pool.max_connections,
         }
     }
 }
@@ -115,22 +107,22 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Directory of the default SQLite database (created if missing).
-    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
+    #[arg(long, env = "CYRENE_STORE_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
     /// Largest serialised checkpoint state accepted, in bytes (larger saves get too_large).
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_STATE_BYTES", default_value_t = DEFAULT_MAX_STATE_BYTES)]
+    #[arg(long, env = "CYRENE_STORE_MAX_STATE_BYTES", default_value_t = DEFAULT_MAX_STATE_BYTES)]
     pub max_state_bytes: usize,
     /// Bound on one database operation (e.g. 5s); past it the request gets unavailable.
-    #[arg(long, env = "CYRENE_CHECKPOINT_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_STORE_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub db_timeout: Duration,
     /// How long a request waits for a database connection (e.g. 2s).
-    #[arg(long, env = "CYRENE_CHECKPOINT_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_STORE_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub acquire_timeout: Duration,
     /// Database connection pool size.
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_CONNECTIONS", default_value_t = 8)]
+    #[arg(long, env = "CYRENE_STORE_MAX_CONNECTIONS", default_value_t = 8)]
     pub max_connections: u32,
     /// Requests handled at once per endpoint.
-    #[arg(long, env = "CYRENE_CHECKPOINT_MAX_IN_FLIGHT", default_value_t = 256)]
+    #[arg(long, env = "CYRENE_STORE_MAX_IN_FLIGHT", default_value_t = 256)]
     pub max_in_flight: usize,
 }
 
@@ -156,8 +148,10 @@ impl Args {
             data_dir: self.data_dir.clone(),
             max_state_bytes: self.max_state_bytes,
             db_timeout: self.db_timeout,
-            acquire_timeout: self.acquire_timeout,
-            max_connections: self.max_connections,
+            pool: PoolSettings {
+                max_connections: self.max_connections,
+                acquire_timeout: self.acquire_timeout,
+            },
             max_in_flight: self.max_in_flight,
         }
     }
@@ -172,7 +166,7 @@ mod tests {
     fn default_database_is_sqlite_in_the_data_dir() {
         let config = Config::new("/var/lib/cyrene");
         assert_eq!(config.max_state_bytes, 4 * 1024 * 1024);
-        assert_eq!(config.acquire_timeout, Duration::from_secs(2));
+        assert_eq!(config.pool.acquire_timeout, Duration::from_secs(2));
         assert_eq!(
             config.database().unwrap(),
             Database::Sqlite("sqlite:///var/lib/cyrene/checkpoints.db".into())

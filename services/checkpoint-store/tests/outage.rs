@@ -19,7 +19,7 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 fn outage_config(dir: &tempfile::TempDir, url: String) -> Config {
     let mut config = Config::new(dir.path());
     config.database_url = Some(url);
-    config.acquire_timeout = Duration::from_secs(1);
+    config.pool.acquire_timeout = Duration::from_secs(1);
     config.db_timeout = Duration::from_secs(3);
     config
 }

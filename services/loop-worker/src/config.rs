@@ -107,13 +107,13 @@ pub struct Args {
     #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]
     pub max_deliver: u32,
     /// Deadline of one model call (the whole fallback chain).
-    #[arg(long, env = "CYRENE_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_WORKER_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub model_timeout: Duration,
     /// Deadline of one external tool call.
-    #[arg(long, env = "CYRENE_TOOL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_WORKER_TOOL_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub tool_timeout: Duration,
     /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); the orchestrator's value.
-    #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
+    #[arg(long, env = "CYRENE_WORKER_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
     pub turns_replicas: usize,
 }
 

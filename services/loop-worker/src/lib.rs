@@ -136,16 +136,12 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match call().await {
-            Ok(value) => return Ok(value),
-            Err(err) => tracing::warn!(error = %err, "cannot {what} yet; retrying"),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return Err(Error::JetStream(format!("shut down before being able to {what}"))),
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(2));
-    }
+    cyrene_bus::retry::retry(
+        cyrene_bus::retry::STARTUP,
+        shutdown,
+        &mut call,
+        |err| tracing::warn!(error = %err, "cannot {what} yet; retrying"),
+    )
+    .await
+    .ok_or_else(|| Error::JetStream(format!("shut down before being able to {what}")))
 }

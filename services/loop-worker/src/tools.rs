@@ -23,7 +23,6 @@ use cyrene_comm::{AskOptions, Probe};
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::ToolSpec;
 use cyrene_protocol::{ids, subjects};
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -275,15 +274,12 @@ async fn discover(
     client: &Client,
     wait: Duration,
 ) -> Result<BTreeMap<String, ToolSpec>, async_nats::Error> {
-    let inbox = client.new_inbox();
-    let mut answers = client.subscribe(inbox.clone()).await?;
-    client
-        .publish_with_reply("$SRV.INFO", inbox, "".into())
-        .await?;
-    let deadline = tokio::time::Instant::now() + wait;
+    let answers =
+        cyrene_bus::discovery::gather(client, cyrene_bus::discovery::Verb::Info, None, wait, None)
+            .await?;
     let mut found = BTreeMap::new();
-    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
-        let Ok(info) = serde_json::from_slice::<ServiceInfo>(&message.payload) else {
+    for answer in answers {
+        let Ok(info) = serde_json::from_value::<ServiceInfo>(answer) else {
             continue;
         };
         for ep in info.endpoints {

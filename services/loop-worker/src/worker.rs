@@ -273,8 +273,7 @@ enum Reported {
 
 /// Sends the completion until the orchestrator acknowledges it (idempotent on its side).
 async fn report(client: &Client, done: &TurnComplete, shutdown: &CancellationToken) -> Reported {
-    let mut backoff = Duration::from_millis(50);
-    loop {
+    let send = || async {
         let sent: Result<TurnCompleteAck, RequestError> = request_json(
             client,
             subjects::TURN_COMPLETE,
@@ -285,26 +284,24 @@ async fn report(client: &Client, done: &TurnComplete, shutdown: &CancellationTok
         match sent {
             Ok(ack) => {
                 tracing::info!(turn = %done.turn_id, outcome = ?done.outcome, first = ack.first, "turn completed");
-                return Reported::Acknowledged;
+                Ok(Reported::Acknowledged)
             }
             Err(RequestError::Remote(body)) if body.code == ErrorCode::Conflict => {
-                return Reported::Stale;
+                Ok(Reported::Stale)
             }
             Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
                 // The orchestrator will never take it; keeping the job would loop forever.
                 tracing::error!(turn = %done.turn_id, error = %body, "completion refused; giving up");
-                return Reported::Acknowledged;
+                Ok(Reported::Acknowledged)
             }
-            Err(err) => {
-                tracing::warn!(turn = %done.turn_id, error = %err, "completion not acknowledged; retrying")
-            }
+            Err(err) => Err(err),
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return Reported::ShuttingDown,
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
+    };
+    cyrene_bus::retry::retry(cyrene_bus::retry::REPORT, shutdown, send, |err| {
+        tracing::warn!(turn = %done.turn_id, error = %err, "completion not acknowledged; retrying")
+    })
+    .await
+    .unwrap_or(Reported::ShuttingDown)
 }
 
 #[derive(Debug, Deserialize)]

@@ -1,6 +1,6 @@
-//! The model config (`CYRENE_MODELS`, docs/architecture.md §9): providers and their models'
-//! capabilities, groups with a default chain, the active group, persona chains and the vision chain
-//! — plus the secrets (API keys) resolved from the environment by `main`.
+//! The model config (`CYRENE_GATEWAY_MODELS`, docs/architecture.md §9): providers and their
+//! models' capabilities, groups with a default chain, the active group, persona chains and the
+//! vision chain — plus the secrets (API keys) resolved from the environment by `main`.
 //!
 //! # Invariants
 //! - Unknown fields are refused everywhere ([`serde(deny_unknown_fields)`]).

@@ -78,7 +78,7 @@ pub struct Args {
     pub common: cyrene_bus::entry::ServiceFlags,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
-    #[arg(long, env = "CYRENE_MODELS")]
+    #[arg(long, env = "CYRENE_GATEWAY_MODELS")]
     pub models: Option<std::path::PathBuf>,
     /// Requests handled at once.
     #[arg(long, env = "CYRENE_GATEWAY_MAX_IN_FLIGHT", default_value_t = 256)]
@@ -127,7 +127,7 @@ impl cyrene_bus::entry::ServiceArgs for Args {
             Some(path) => ModelsConfig::from_file(path).map_err(|e| problems.push(e.to_string())),
             None => {
                 tracing::warn!(
-                    "no --models/CYRENE_MODELS: using the offline scripted provider only"
+                    "no --models/CYRENE_GATEWAY_MODELS: using the offline scripted provider only"
                 );
                 Ok(ModelsConfig::offline())
             }

@@ -6,7 +6,7 @@ use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::session::BusyPolicy;
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
-pub use cyrene_sql::Database;
+pub use cyrene_sql::{Database, PoolSettings};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -65,10 +65,8 @@ pub struct Config {
     pub dispatch_grace: Duration,
     /// Bound on one database operation; past it the request is answered `unavailable`.
     pub db_timeout: Duration,
-    /// How long a request waits for a pooled connection (short: fail fast during outages).
-    pub acquire_timeout: Duration,
-    /// Database pool size.
-    pub max_connections: u32,
+    /// Database pool size and how long a request waits for a pooled connection.
+    pub pool: PoolSettings,
     /// Requests handled at once per endpoint.
     pub max_in_flight: usize,
     /// Replicas of the `CYRENE_TURNS` stream (3 on a 3-node cluster); the same value must be
@@ -99,8 +97,7 @@ impl Config {
             sweep_interval: Duration::from_secs(1),
             dispatch_grace: Duration::from_secs(2),
             db_timeout: Duration::from_secs(5),
-            acquire_timeout: Duration::from_secs(2),
-            max_connections: 8,
+            pool: PoolSettings::default(),
             max_in_flight: 256,
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
         }
@@ -128,7 +125,6 @@ impl Config {
             ("ask_timeout", self.ask_timeout),
             ("sweep_interval", self.sweep_interval),
             ("db_timeout", self.db_timeout),
-            ("acquire_timeout", self.acquire_timeout),
         ] {
             if d.is_zero() {
                 problems.push(format!("{name} must be longer than zero"));
@@ -138,7 +134,6 @@ impl Config {
             problems.push("max_document_bytes must be at least 1".to_owned());
         }
         for (name, n) in [
-            ("max_connections", self.max_connections as usize),
             ("max_in_flight", self.max_in_flight),
             ("turns_replicas", self.turns_replicas),
         ] {
@@ -180,6 +175,7 @@ impl Config {
                 }
             }
         }
+        self.pool.check(&mut problems);
         if let Err(err) = self.database() {
             problems.push(err.to_string());
         }
@@ -247,57 +243,87 @@ pub struct Args {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Directory of the default SQLite database (created if missing).
-    #[arg(long, env = "CYRENE_DATA_DIR", default_value = "./data")]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_DATA_DIR", default_value = "./data")]
     pub data_dir: PathBuf,
     /// Personas file (JSON: {"default":"…","personas":[{"id","name","instructions","restricted"}]}).
     /// Default: the built-in persona cyrene (昔涟).
-    #[arg(long, env = "CYRENE_PERSONAS")]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_PERSONAS")]
     pub personas: Option<PathBuf>,
     /// Persisted transcript messages seeded into each turn job.
-    #[arg(long, env = "CYRENE_WINDOW", default_value_t = DEFAULT_WINDOW)]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_WINDOW", default_value_t = DEFAULT_WINDOW)]
     pub window: usize,
     /// Model steps a turn may take.
-    #[arg(long, env = "CYRENE_MAX_STEPS", default_value_t = DEFAULT_MAX_STEPS)]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_STEPS", default_value_t = DEFAULT_MAX_STEPS)]
     pub max_steps: u32,
     /// Sessions under the parallel policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_PARALLEL_SESSIONS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_PARALLEL_SESSIONS",
+        value_delimiter = ','
+    )]
     pub parallel_sessions: Vec<String>,
     /// Clients under the parallel policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_PARALLEL_CLIENTS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_PARALLEL_CLIENTS",
+        value_delimiter = ','
+    )]
     pub parallel_clients: Vec<String>,
     /// Sessions under the enqueue policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_ENQUEUE_SESSIONS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_ENQUEUE_SESSIONS",
+        value_delimiter = ','
+    )]
     pub enqueue_sessions: Vec<String>,
     /// Clients under the enqueue policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_ENQUEUE_CLIENTS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_ENQUEUE_CLIENTS",
+        value_delimiter = ','
+    )]
     pub enqueue_clients: Vec<String>,
     /// Sessions under the reject policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_REJECT_SESSIONS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_REJECT_SESSIONS",
+        value_delimiter = ','
+    )]
     pub reject_sessions: Vec<String>,
     /// Clients under the reject policy (comma-separated ids).
-    #[arg(long, env = "CYRENE_REJECT_CLIENTS", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_REJECT_CLIENTS",
+        value_delimiter = ','
+    )]
     pub reject_clients: Vec<String>,
     /// Largest serialised user message accepted, in bytes.
-    #[arg(long, env = "CYRENE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
     /// Largest document an upload may store, in bytes.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_DOCUMENT_BYTES", default_value_t = crate::documents::DEFAULT_MAX_DOCUMENT_BYTES)]
     pub max_document_bytes: u64,
     /// How long an agent ask waits for its turn (e.g. 120s).
-    #[arg(long, env = "CYRENE_ASK_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub ask_timeout: Duration,
     /// Do not register the personas on the comm protocol.
-    #[arg(long, env = "CYRENE_NO_AGENTS")]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_NO_AGENTS")]
     pub no_agents: bool,
     /// Bound on one database operation (e.g. 5s); past it the request gets unavailable.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub db_timeout: Duration,
+    /// How long a request waits for a database connection (e.g. 2s).
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub acquire_timeout: Duration,
     /// Database connection pool size.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_CONNECTIONS", default_value_t = 8)]
     pub max_connections: u32,
+    /// Requests handled at once per endpoint.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_IN_FLIGHT", default_value_t = 256)]
+    pub max_in_flight: usize,
     /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); give the loop workers
     /// the same value.
-    #[arg(long, env = "CYRENE_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
     pub turns_replicas: usize,
 }
 
@@ -336,7 +362,11 @@ impl Args {
         config.ask_timeout = self.ask_timeout;
         config.serve_agents = !self.no_agents;
         config.db_timeout = self.db_timeout;
-        config.max_connections = self.max_connections;
+        config.pool = PoolSettings {
+            max_connections: self.max_connections,
+            acquire_timeout: self.acquire_timeout,
+        };
+        config.max_in_flight = self.max_in_flight;
         config.turns_replicas = self.turns_replicas;
         Ok(config)
     }

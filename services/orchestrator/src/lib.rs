@@ -80,8 +80,8 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
         Database::Postgres(url) | Database::Sqlite(url) => url,
     };
     let options = StoreOptions {
-        acquire_timeout: config.acquire_timeout,
-        max_connections: config.max_connections,
+        acquire_timeout: config.pool.acquire_timeout,
+        max_connections: config.pool.max_connections,
     };
     let settings = JobSettings {
         personas: config.personas.clone(),
@@ -172,20 +172,15 @@ async fn ensure_stream(
     shutdown: &CancellationToken,
 ) -> Result<(), Error> {
     let js = async_nats::jetstream::new(client.clone());
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match cyrene_bus::streams::ensure_turns_stream_replicas(&js, replicas).await {
-            Ok(_) => return Ok(()),
-            Err(err) => tracing::warn!(error = %err, "cannot create the turns stream yet"),
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => {
-                return Err(Error::Bus("stopped before the turns stream existed".into()));
-            }
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
-    }
+    cyrene_bus::retry::retry(
+        cyrene_bus::retry::STARTUP,
+        shutdown,
+        || cyrene_bus::streams::ensure_turns_stream_replicas(&js, replicas),
+        |err| tracing::warn!(error = %err, "cannot create the turns stream yet"),
+    )
+    .await
+    .map(drop)
+    .ok_or_else(|| Error::Bus("stopped before the turns stream existed".into()))
 }
 
 /// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.

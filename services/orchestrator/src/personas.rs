@@ -1,5 +1,6 @@
-//! The personas the orchestrator answers as (docs/architecture.md §9 `CYRENE_PERSONAS`): the config
-//! file shape, its validation, and the built-in default used when no file is given.
+//! The personas the orchestrator answers as (docs/architecture.md §9,
+//! `CYRENE_ORCHESTRATOR_PERSONAS`): the config file shape, its validation, and the built-in
+//! default used when no file is given.
 //!
 //! # Invariants
 //! - Persona ids are valid agent ids (`[A-Za-z0-9_-]`, 1–128 chars) and unique; the default
@@ -45,7 +46,7 @@ pub struct Persona {
     pub turn_timeout_ms: Option<u64>,
 }
 
-/// The `CYRENE_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
+/// The `CYRENE_ORCHESTRATOR_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Personas {

@@ -41,7 +41,7 @@ use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{BusyPolicy, Disposition, HistoryEntry, SendAck, SessionEnv};
 use cyrene_protocol::turn::{ParallelNotice, SteerRequest, SteeredMessage, TurnComplete, TurnJob};
 use cyrene_protocol::{ErrorBody, ErrorCode};
-use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::any::AnyRow;
 use sqlx::{Any, AnyPool, Row, Transaction};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -307,23 +307,34 @@ impl Store {
             Backend::Postgres => url.to_owned(),
             Backend::Sqlite => sqlite_url(url)?,
         };
-        let pool = AnyPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
-            .acquire_timeout(options.acquire_timeout)
+        let pool = cyrene_sql::PoolSettings {
+            max_connections: options.max_connections,
+            acquire_timeout: options.acquire_timeout,
+        }
+        .options::<sqlx::Any>();
+        // WAL lets readers (history, the sweeper) run while one writer holds the lock.
+        let pool = if backend == Backend::Sqlite {
+            let pragmas = cyrene_sql::SqliteSettings::SESSIONS.pragmas();
+            pool.after_connect(move |conn, _| {
+                let pragmas = pragmas.clone();
+                Box::pin(async move {
+                    for pragma in &pragmas {
+                        // Built from constants by cyrene_sql, never from input.
+                        sqlx::query(sqlx::AssertSqlSafe(pragma.clone()))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+        } else {
+            pool
+        };
+        let pool = pool
             .connect(&url)
             .await
             .map_err(|e| StoreError::Open(e.to_string()))?;
-        if backend == Backend::Sqlite {
-            // WAL lets readers (history, the sweeper) run while one writer holds the lock.
-            sqlx::query("PRAGMA journal_mode = WAL")
-                .execute(&pool)
-                .await
-                .map_err(|e| StoreError::Open(format!("sqlite journal mode: {e}")))?;
-        }
-        let mut migrator = match backend {
-            Backend::Postgres => sqlx::migrate!("migrations/postgres"),
-            Backend::Sqlite => sqlx::migrate!("migrations/sqlite"),
-        };
+        let mut migrator = cyrene_sql::migrations!().of(backend.name());
         migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
         migrator
             .run(&pool)

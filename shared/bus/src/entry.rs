@@ -74,8 +74,13 @@ pub trait ServiceArgs: clap::Parser + Sized {
 
     /// The arguments as the environment alone sets them (no flags): what `cyrene up` starts a
     /// service with, so the service's env vars apply there too.
+    /// Old env names ([`crate::env::RENAMED`]) still apply, each with a logged warning.
     fn from_env(binary: &str) -> Result<Self, clap::Error> {
-        Self::try_parse_from([binary])
+        let (args, warnings) = crate::env::parse::<Self>([binary], &crate::env::process)?;
+        for warning in &warnings {
+            warning.log();
+        }
+        Ok(args)
     }
 }
 
@@ -96,8 +101,15 @@ where
     Fut: Future<Output = Result<(), E>>,
     E: RunError,
 {
-    let args = A::parse();
+    let (args, warnings) = match crate::env::parse::<A>(std::env::args_os(), &crate::env::process) {
+        Ok(parsed) => parsed,
+        // --help and --version exit 0, a flag clap refuses 2.
+        Err(err) => err.exit(),
+    };
     let _telemetry = cyrene_telemetry::init(service);
+    for warning in &warnings {
+        warning.log();
+    }
     let health_addr = args.common().health.health_addr;
     let bus = args.common().bus.config(service, ConnectMode::Service);
     let config = match (bus.as_ref(), args.into_config()) {

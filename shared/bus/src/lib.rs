@@ -12,12 +12,16 @@
 //!   and a `{"error":{…}}` body, so header-only clients (`nats req`) and JSON clients both see it.
 
 pub mod connect;
+pub mod discovery;
 pub mod entry;
+pub mod env;
 pub mod guard;
 pub mod headers;
 pub mod health;
+pub mod host;
 pub mod model_stream;
 pub mod request;
+pub mod retry;
 pub mod service;
 pub mod signal;
 pub mod streams;

@@ -4,17 +4,21 @@
 //!   `sqlite:` for an SQLite file, unset for the embedded default file in the data directory;
 //! - [`is_unavailable`]: which sqlx failures mean "down, busy or going away" (answered
 //!   `unavailable`, retryable) rather than a bug (`internal`);
+//! - [`PoolSettings`], [`SqliteSettings`]: how a pool is sized and an SQLite file is opened;
+//! - [`Migrations`] ([`migrations!`]): the one migrations layout, `migrations/{postgres,sqlite}`
+//!   beside each service's `Cargo.toml`;
 //! - [`testing::TestDatabase`] (feature `testing`): a fresh PostgreSQL database per test, dropped
 //!   afterwards, on the server named by `CYRENE_TEST_POSTGRES_URL`.
 //!
-//! Each service keeps its own migrations (`services/<name>/migrations/{postgres,sqlite}`) and its
-//! own queries.
+//! Each service keeps its own migration files and its own queries.
 
 mod classify;
+mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use classify::is_unavailable;
+pub use pool::{Migrations, OpenError, PoolSettings, SqliteSettings};
 
 use std::path::Path;
 

@@ -63,6 +63,16 @@ pub struct StoreOptions {
     pub max_connections: u32,
 }
 
+impl StoreOptions {
+    /// The pool these options describe.
+    pub fn pool(&self) -> cyrene_sql::PoolSettings {
+        cyrene_sql::PoolSettings {
+            max_connections: self.max_connections,
+            acquire_timeout: self.acquire_timeout,
+        }
+    }
+}
+
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {

@@ -30,11 +30,11 @@ use super::{
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgRow};
 use sqlx::{Executor, Postgres, Row};
 
 /// The PostgreSQL migrations of this crate (`migrations/postgres`), applied at start.
-pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/postgres");
+pub static MIGRATOR: Migrator = cyrene_sql::migrations!(postgres);
 
 /// `SELECT <every column> FROM checkpoints <rest>` as one static string.
 macro_rules! select {
@@ -108,9 +108,9 @@ impl PgStore {
         let connect: PgConnectOptions = url
             .parse()
             .map_err(|e| StoreError::Open(format!("DATABASE_URL: {e}")))?;
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
-            .acquire_timeout(options.acquire_timeout)
+        let pool = options
+            .pool()
+            .options::<Postgres>()
             .connect_with(connect)
             .await
             .map_err(|e| StoreError::Open(format!("postgres: {e}")))?;

@@ -23,20 +23,13 @@ use super::{
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use cyrene_sql::SqliteSettings;
 use sqlx::migrate::Migrator;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
-};
+use sqlx::sqlite::{SqlitePool, SqliteRow};
 use sqlx::{Executor, Row, Sqlite};
-use std::str::FromStr;
-use std::time::Duration;
 
 /// The SQLite migrations of this crate (`migrations/sqlite`), applied at start.
-pub static MIGRATOR: Migrator = sqlx::migrate!("migrations/sqlite");
-
-/// How long a writer waits for SQLite's write lock before giving up with SQLITE_BUSY.
-const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+pub static MIGRATOR: Migrator = cyrene_sql::migrations!(sqlite);
 
 /// `SELECT <every column> FROM checkpoints <rest>` as one static string.
 macro_rules! select {
@@ -90,21 +83,12 @@ impl SqliteStore {
     /// Opens (creating if missing, parent directory included) the database at `url`
     /// (`sqlite://path/to/file.db`), then applies the migrations.
     pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
-        let connect = SqliteConnectOptions::from_str(url)
-            .map_err(|e| StoreError::Open(format!("DATABASE_URL: {e}")))?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(BUSY_TIMEOUT)
-            .foreign_keys(true);
-        if let Some(parent) = connect.get_filename().parent() {
-            std::fs::create_dir_all(parent).map_err(|e| {
-                StoreError::Open(format!("cannot create {}: {e}", parent.display()))
-            })?;
-        }
-        let pool = SqlitePoolOptions::new()
-            .max_connections(options.max_connections.max(1))
-            .acquire_timeout(options.acquire_timeout)
+        let connect = SqliteSettings::CHECKPOINTS
+            .connect_options(url)
+            .map_err(|e| StoreError::Open(e.to_string()))?;
+        let pool = options
+            .pool()
+            .options::<Sqlite>()
             .connect_with(connect)
             .await
             .map_err(|e| StoreError::Open(format!("sqlite: {e}")))?;

@@ -197,7 +197,7 @@ async fn a_lost_database_gets_unavailable_and_no_ack() {
     let world = World::new(Backend::Postgres).await;
     let mut config = world.config();
     config.db_timeout = Duration::from_secs(2);
-    config.acquire_timeout = Duration::from_millis(500);
+    config.pool.acquire_timeout = Duration::from_millis(500);
     let _orch = Replica::start(&world, config).await;
     let c = &world.client;
     send_ok(c, "s1", "stored").await;

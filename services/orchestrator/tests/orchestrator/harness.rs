@@ -3,6 +3,7 @@
 //! the worker by hand, and the fake worker (the allowed test double for the loop worker).
 
 use async_nats::jetstream::{self, consumer::pull};
+use cyrene_bus::discovery::{self, Verb};
 use cyrene_bus::{RequestError, request_json};
 use cyrene_orchestrator::{Config, run};
 use cyrene_protocol::ids::new_id;
@@ -217,45 +218,32 @@ where
 
 /// How many `cyrene-orchestrator` instances answer `$SRV.PING`.
 async fn ping_count(client: &async_nats::Client) -> usize {
-    let inbox = client.new_inbox();
-    let mut sub = client.subscribe(inbox.clone()).await.unwrap();
-    client
-        .publish_with_reply("$SRV.PING.cyrene-orchestrator", inbox, "".into())
-        .await
-        .unwrap();
-    let mut n = 0;
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(150), sub.next()).await {
-        // With nobody listening the server answers with a "no responders" status.
-        if m.status.is_none() || m.status == Some(async_nats::StatusCode::OK) {
-            n += 1;
-        }
-    }
-    n
+    discovery::gather(
+        client,
+        Verb::Ping,
+        Some("cyrene-orchestrator"),
+        Duration::from_millis(150),
+        None,
+    )
+    .await
+    .unwrap()
+    .len()
 }
 
 /// `num_requests` of `endpoint` on each `cyrene-orchestrator` instance (`$SRV.STATS`).
 pub async fn endpoint_requests(client: &async_nats::Client, endpoint: &str) -> Vec<u64> {
-    let inbox = client.new_inbox();
-    let mut sub = client.subscribe(inbox.clone()).await.unwrap();
-    client
-        .publish_with_reply("$SRV.STATS.cyrene-orchestrator", inbox, "".into())
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(300), sub.next()).await {
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&m.payload) else {
-            continue;
-        };
-        let n = v["endpoints"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|e| e["name"] == endpoint)
-            .and_then(|e| e["num_requests"].as_u64())
-            .unwrap_or(0);
-        out.push(n);
-    }
-    out
+    discovery::gather(
+        client,
+        Verb::Stats,
+        Some("cyrene-orchestrator"),
+        Duration::from_millis(300),
+        None,
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|stats| discovery::endpoint_stat(stats, endpoint, "num_requests").unwrap_or(0))
+    .collect()
 }
 
 pub fn user(text: &str) -> Message {

@@ -1,0 +1,120 @@
+//! The one retry policy: exponential backoff with jitter (the schedule comes from `backon`), as
+//! used by every loop that keeps trying something the bus or a peer may not be ready for yet —
+//! creating the turn stream and the worker consumer at start, reporting a completed turn.
+//!
+//! # Invariants
+//! - Only the pause between attempts is cut short by shutdown: an attempt under way finishes (a
+//!   completion report in flight is not abandoned half-sent).
+//! - Jitter spreads the retries of many processes restarted together (a NATS outage ends for
+//!   every worker at once).
+
+use backon::BackoffBuilder;
+use std::future::Future;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A backoff: the first pause, doubled after each failure up to `max` (each with random
+/// jitter of up to one more pause), forever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub first: Duration,
+    pub max: Duration,
+}
+
+/// Start-up calls (stream, consumer): 100 ms doubling to 2 s.
+pub const STARTUP: Backoff = Backoff {
+    first: Duration::from_millis(100),
+    max: Duration::from_secs(2),
+};
+
+/// Reports a peer must take (a turn's completion): 50 ms doubling to 2 s.
+pub const REPORT: Backoff = Backoff {
+    first: Duration::from_millis(50),
+    max: Duration::from_secs(2),
+};
+
+impl Backoff {
+    /// The pauses, one per failure.
+    pub fn delays(&self) -> impl Iterator<Item = Duration> + use<> {
+        let max = self.max;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(self.first)
+            .with_max_delay(self.max)
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .chain(std::iter::repeat(max))
+    }
+}
+
+/// Calls `call` until it returns `Ok`, pausing by `policy` after each `Err` (given to `failed`,
+/// for the log); `None` when `shutdown` fires during a pause.
+pub async fn retry<T, E, F, Fut>(
+    policy: Backoff,
+    shutdown: &CancellationToken,
+    mut call: F,
+    mut failed: impl FnMut(&E),
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut delays = policy.delays();
+    loop {
+        match call().await {
+            Ok(value) => return Some(value),
+            Err(err) => failed(&err),
+        }
+        let delay = delays.next().unwrap_or(policy.max);
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_grow_within_their_bounds_and_never_end() {
+        let policy = Backoff {
+            first: Duration::from_millis(10),
+            max: Duration::from_millis(80),
+        };
+        let delays: Vec<Duration> = policy.delays().take(12).collect();
+        assert_eq!(delays.len(), 12);
+        for d in &delays {
+            assert!(*d >= policy.first && *d <= policy.max * 2, "{d:?}");
+        }
+        assert!(delays[6] >= Duration::from_millis(80), "{delays:?}");
+    }
+
+    #[tokio::test]
+    async fn retries_until_ok_and_stops_on_shutdown() {
+        let policy = Backoff {
+            first: Duration::from_millis(1),
+            max: Duration::from_millis(2),
+        };
+        let shutdown = CancellationToken::new();
+        let mut calls = 0;
+        let mut failures = 0;
+        let got = retry(
+            policy,
+            &shutdown,
+            || {
+                calls += 1;
+                let n = calls;
+                async move { if n < 4 { Err("not yet") } else { Ok(n) } }
+            },
+            |_| failures += 1,
+        )
+        .await;
+        assert_eq!((got, failures), (Some(4), 3));
+        shutdown.cancel();
+        let got: Option<()> = retry(policy, &shutdown, || async { Err("never") }, |_| {}).await;
+        assert_eq!(got, None);
+    }
+}

@@ -1,0 +1,205 @@
+//! How both SQL services open their database: one pool shape ([`PoolSettings`]), one set of
+//! SQLite connection settings ([`SqliteSettings`]) and one migrations layout ([`Migrations`],
+//! built by [`crate::migrations!`]).
+
+use sqlx::migrate::Migrator;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The connection pool of a service: its size and how long a request waits for a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSettings {
+    /// Pool size (`--max-connections`).
+    pub max_connections: u32,
+    /// How long a request waits for a pooled connection (`--acquire-timeout`; short: fail fast
+    /// during outages, answered `unavailable`).
+    pub acquire_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        PoolSettings {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl PoolSettings {
+    /// Appends every problem with the values to `problems`.
+    pub fn check(&self, problems: &mut Vec<String>) {
+        if self.max_connections == 0 {
+            problems.push("max_connections must be at least 1".to_owned());
+        }
+        if self.acquire_timeout.is_zero() {
+            problems.push("acquire_timeout must be longer than zero".to_owned());
+        }
+    }
+
+    /// The pool options for any sqlx driver (a zero size is taken as 1).
+    pub fn options<DB: sqlx::Database>(&self) -> sqlx::pool::PoolOptions<DB> {
+        sqlx::pool::PoolOptions::new()
+            .max_connections(self.max_connections.max(1))
+            .acquire_timeout(self.acquire_timeout)
+    }
+}
+
+/// How an SQLite database file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqliteSettings {
+    /// Write-ahead logging: readers run while one writer holds the lock.
+    pub wal: bool,
+    /// `PRAGMA synchronous`: `NORMAL` (with WAL, a commit survives a crash of the process but
+    /// possibly not of the machine) or `FULL` (every commit is synced).
+    pub synchronous: SqliteSynchronous,
+    /// How long a writer waits for the lock before failing with SQLITE_BUSY (`unavailable`).
+    pub busy_timeout: Duration,
+}
+
+impl SqliteSettings {
+    /// The checkpoint store's: WAL, `synchronous = NORMAL` (a lost last checkpoint after a power
+    /// cut costs one replayed step), 5 s busy timeout.
+    pub const CHECKPOINTS: SqliteSettings = SqliteSettings {
+        wal: true,
+        synchronous: SqliteSynchronous::Normal,
+        busy_timeout: Duration::from_secs(5),
+    };
+    /// The orchestrator's: WAL, `synchronous = FULL` (an accepted message is on disk), 5 s busy
+    /// timeout.
+    pub const SESSIONS: SqliteSettings = SqliteSettings {
+        wal: true,
+        synchronous: SqliteSynchronous::Full,
+        busy_timeout: Duration::from_secs(5),
+    };
+
+    /// The connect options of `url` (`sqlite://path/file.db`): created if missing (its directory
+    /// too), these settings, foreign keys on.
+    pub fn connect_options(&self, url: &str) -> Result<SqliteConnectOptions, OpenError> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| OpenError(format!("DATABASE_URL: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(if self.wal {
+                SqliteJournalMode::Wal
+            } else {
+                SqliteJournalMode::Delete
+            })
+            .synchronous(self.synchronous)
+            .busy_timeout(self.busy_timeout)
+            .foreign_keys(true);
+        let file = options.get_filename();
+        if file.as_os_str() != ":memory:"
+            && let Some(parent) = file.parent()
+            && !parent.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| OpenError(format!("cannot create {}: {e}", parent.display())))?;
+        }
+        Ok(options)
+    }
+
+    /// The same settings as statements, for a connection opened through sqlx's `Any` driver
+    /// (run on every new connection).
+    pub fn pragmas(&self) -> Vec<String> {
+        let synchronous = match self.synchronous {
+            SqliteSynchronous::Off => "OFF",
+            SqliteSynchronous::Normal => "NORMAL",
+            SqliteSynchronous::Full => "FULL",
+            SqliteSynchronous::Extra => "EXTRA",
+        };
+        let mut pragmas = Vec::new();
+        if self.wal {
+            pragmas.push("PRAGMA journal_mode = WAL".to_owned());
+        }
+        pragmas.push(format!("PRAGMA synchronous = {synchronous}"));
+        pragmas.push(format!(
+            "PRAGMA busy_timeout = {}",
+            self.busy_timeout.as_millis()
+        ));
+        pragmas.push("PRAGMA foreign_keys = ON".to_owned());
+        pragmas
+    }
+}
+
+/// Why a database could not be opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct OpenError(pub String);
+
+/// A service's migrations, one set per backend, laid out as `migrations/postgres/*.sql` and
+/// `migrations/sqlite/*.sql` beside the service's `Cargo.toml` (built by
+/// [`crate::migrations!`]). A migration file is never edited once released: sqlx refuses to
+/// start when an applied migration's checksum changed.
+#[derive(Debug)]
+pub struct Migrations {
+    pub postgres: Migrator,
+    pub sqlite: Migrator,
+}
+
+impl Migrations {
+    /// The set for `backend` (`postgres` or `sqlite`, as [`crate::Database::backend`] names it).
+    pub fn of(self, backend: &str) -> Migrator {
+        if backend == "postgres" {
+            self.postgres
+        } else {
+            self.sqlite
+        }
+    }
+}
+
+/// The calling crate's [`Migrations`]: `migrations/postgres` and `migrations/sqlite` next to its
+/// `Cargo.toml`, embedded at compile time (the crate depends on `sqlx` with `migrate`).
+/// `migrations!(postgres)` / `migrations!(sqlite)` give one set (a `static` `Migrator`).
+#[macro_export]
+macro_rules! migrations {
+    (postgres) => {
+        ::sqlx::migrate!("migrations/postgres")
+    };
+    (sqlite) => {
+        ::sqlx::migrate!("migrations/sqlite")
+    };
+    () => {
+        $crate::Migrations {
+            postgres: $crate::migrations!(postgres),
+            sqlite: $crate::migrations!(sqlite),
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_settings_list_every_problem() {
+        let mut problems = Vec::new();
+        PoolSettings::default().check(&mut problems);
+        assert!(problems.is_empty());
+        PoolSettings {
+            max_connections: 0,
+            acquire_timeout: Duration::ZERO,
+        }
+        .check(&mut problems);
+        assert_eq!(problems.len(), 2);
+    }
+
+    #[test]
+    fn sqlite_settings_create_the_directory_and_say_the_same_as_pragmas() {
+        let dir = std::env::temp_dir().join(format!("cyrene-sql-{}", std::process::id()));
+        let url = format!("sqlite://{}/nested/x.db", dir.display());
+        let options = SqliteSettings::CHECKPOINTS.connect_options(&url).unwrap();
+        assert!(dir.join("nested").is_dir());
+        assert!(options.get_filename().ends_with("nested/x.db"));
+        assert_eq!(
+            SqliteSettings::CHECKPOINTS.pragmas(),
+            [
+                "PRAGMA journal_mode = WAL",
+                "PRAGMA synchronous = NORMAL",
+                "PRAGMA busy_timeout = 5000",
+                "PRAGMA foreign_keys = ON"
+            ]
+        );
+        assert!(SqliteSettings::SESSIONS.pragmas()[1].ends_with("FULL"));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
