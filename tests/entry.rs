@@ -300,6 +300,7 @@ fn docs_list_every_setting_of_every_service() {
         let default: Vec<_> = arg
             .get_default_values()
             .iter()
+            .filter(|v| !v.is_empty())
             .map(|v| format!("`{}`", v.to_string_lossy()))
             .collect();
         let default = if default.is_empty() {
