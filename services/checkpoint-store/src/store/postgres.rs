@@ -157,6 +157,19 @@ impl PgStore {
         if row.base.is_some() {
             return self.save_with_base(row).await;
         }
+        let (created, updated) = Self::fenced_upsert(&self.pool, &row, fence).await?;
+        Ok(row.stored(format_ts(created), format_ts(updated)))
+    }
+
+    /// [`FENCED_UPSERT`]: the row's timestamps, or the refusal when a newer attempt has written.
+    async fn fenced_upsert<'c, E>(
+        executor: E,
+        row: &SaveRow,
+        fence: &Fence,
+    ) -> Result<(DateTime<Utc>, DateTime<Utc>), StoreError>
+    where
+        E: Executor<'c, Database = Postgres>,
+    {
         let stored = sqlx::query(FENCED_UPSERT)
             .bind(&row.id)
             .bind(&row.agent_id)
@@ -166,19 +179,16 @@ impl PgStore {
             .bind(fence.attempt)
             .bind(row.now)
             .bind(row.delta_from)
-            .fetch_one(&self.pool)
+            .fetch_one(executor)
             .await
             .map_err(classify)?;
         let recorded: i64 = stored.try_get("max_attempt").map_err(classify)?;
         let created: Option<DateTime<Utc>> = stored.try_get("created_at").map_err(classify)?;
         let updated: Option<DateTime<Utc>> = stored.try_get("updated_at").map_err(classify)?;
-        let (Some(created), Some(updated)) = (created, updated) else {
-            return Err(fenced(fence, recorded));
-        };
-        if recorded > fence.attempt {
-            return Err(fenced(fence, recorded));
+        match (created, updated) {
+            (Some(created), Some(updated)) if recorded <= fence.attempt => Ok((created, updated)),
+            _ => Err(fenced(fence, recorded)),
         }
-        Ok(row.stored(format_ts(created), format_ts(updated)))
     }
 }
 
@@ -192,25 +202,8 @@ impl PgStore {
             ));
         };
         let mut tx = self.pool.begin().await.map_err(classify)?;
-        let stored = sqlx::query(FENCED_UPSERT)
-            .bind(&row.id)
-            .bind(&row.agent_id)
-            .bind(i64::from(row.step))
-            .bind(row.state.as_str())
-            .bind(&fence.turn_id)
-            .bind(fence.attempt)
-            .bind(row.now)
-            .bind(row.delta_from)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(classify)?;
-        let recorded: i64 = stored.try_get("max_attempt").map_err(classify)?;
-        let created: Option<DateTime<Utc>> = stored.try_get("created_at").map_err(classify)?;
-        let updated: Option<DateTime<Utc>> = stored.try_get("updated_at").map_err(classify)?;
-        let (Some(created), Some(updated)) = (created, updated) else {
-            let _ = tx.rollback().await;
-            return Err(fenced(&fence, recorded));
-        };
+        // Refused: the transaction rolls back when dropped.
+        let (created, updated) = Self::fenced_upsert(&mut *tx, &row, &fence).await?;
         sqlx::query(
             "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
              VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
