@@ -833,12 +833,7 @@ impl Store {
             )));
         }
         let running = Self::running_turns(&mut tx, &req.session_id).await?;
-        let row = sqlx::query("SELECT MAX(seq) FROM orch_messages WHERE claimed_by_turn = $1")
-            .bind(&req.turn_id)
-            .fetch_one(&mut *tx)
-            .await?;
-        let held: Option<i64> = row.try_get(0)?;
-        let floor = held.unwrap_or(0).max(turn.base_seq);
+        let floor = Self::claim_floor(&mut tx, &req.turn_id, turn.base_seq).await?;
         // Alone in its session, a turn takes every pending message; beside other legs only its
         // own client's (the other legs take theirs).
         let claim = if running.len() <= 1 {
@@ -1067,6 +1062,21 @@ impl Store {
         })
     }
 
+    /// The seq a turn's next claim starts after: past everything it holds and its own base, so
+    /// an `after_seq` cursor never skips a claimed message.
+    async fn claim_floor(
+        tx: &mut Transaction<'static, Any>,
+        turn_id: &str,
+        base_seq: i64,
+    ) -> Result<i64, StoreError> {
+        let row = sqlx::query("SELECT MAX(seq) FROM orch_messages WHERE claimed_by_turn = $1")
+            .bind(turn_id)
+            .fetch_one(&mut **tx)
+            .await?;
+        let held: Option<i64> = row.try_get(0)?;
+        Ok(held.unwrap_or(0).max(base_seq))
+    }
+
     /// Claims for `turn`, the only running turn of its session, every steerable pending message
     /// past what it holds (as the locked steer path would), to push to it.
     async fn claim_pending(
@@ -1074,12 +1084,7 @@ impl Store {
         session_id: &str,
         turn: &RunningTurn,
     ) -> Result<Option<Pushed>, StoreError> {
-        let row = sqlx::query("SELECT MAX(seq) FROM orch_messages WHERE claimed_by_turn = $1")
-            .bind(&turn.turn_id)
-            .fetch_one(&mut **tx)
-            .await?;
-        let held: Option<i64> = row.try_get(0)?;
-        let floor = held.unwrap_or(0).max(turn.base_seq);
+        let floor = Self::claim_floor(tx, &turn.turn_id, turn.base_seq).await?;
         let rows = sqlx::query(
             "SELECT id, seq, message FROM orch_messages \
              WHERE session_id = $1 AND claimed_by_turn IS NULL AND solo = 0 AND queued = 0 \
