@@ -360,9 +360,21 @@ async fn main() {
         Some(db) => backends.insert(0, ("postgres", Some(db.url.clone()))),
         None => println!("  (PostgreSQL at 127.0.0.1:5432 unreachable: skipped)"),
     }
-    for (name, url) in &backends {
+    // LOOP_BENCH_ONLY narrows a run while profiling: `postgres`, `sqlite`, `10`, `200`, `1000`,
+    // `steps`, `throughput` (any of them, comma-separated); unset runs everything.
+    let only = std::env::var("LOOP_BENCH_ONLY").unwrap_or_default();
+    let picked = |what: &str| only.is_empty() || only.split(',').any(|o| o == what);
+    let any_picked = |all: &[&str]| all.iter().any(|w| only.split(',').any(|o| o == *w));
+    backends.retain(|(name, _)| !any_picked(&["postgres", "sqlite"]) || picked(name));
+    let windows: Vec<usize> = if any_picked(&["10", "200", "1000"]) {
+        WINDOWS.into_iter().filter(|w| picked(&w.to_string())).collect()
+    } else {
+        WINDOWS.to_vec()
+    };
+    let parts = |part: &str| !any_picked(&["steps", "throughput"]) || picked(part);
+    for (name, url) in backends.iter().filter(|_| parts("steps")) {
         let mut at_ten = None;
-        for window in WINDOWS {
+        for &window in &windows {
             let real = Real::start(url.clone(), window, true).await;
             let session = format!("bench-{name}-{window}");
             let (p50, p99, n) = per_step(&real, &session, window).await;
@@ -401,7 +413,7 @@ async fn main() {
         "loop worker: five-round durable turns/s ({THROUGHPUT_TURNS} turns on fresh sessions, \
          all four real services, worker processes)"
     );
-    for (name, url) in &backends {
+    for (name, url) in backends.iter().filter(|_| parts("throughput")) {
         let one = throughput(url.clone(), 1).await;
         let two = throughput(url.clone(), 2).await;
         let target = if *name == "postgres" {
