@@ -94,3 +94,162 @@ async fn describe<P: TurnPorts>(ports: &P, image_url: &str) -> String {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ports::{ToolContext, ToolOutput, TurnInput};
+    use crate::runner::tests::reply_text;
+    use cyrene_protocol::checkpoint::Checkpoint;
+    use cyrene_protocol::message::ToolCall;
+    use cyrene_protocol::model::{ModelResponse, ToolSpec};
+    use cyrene_protocol::session::SessionEvent;
+    use cyrene_protocol::turn::{SteerRequest, SteerResponse};
+    use cyrene_protocol::{ErrorBody, ErrorCode};
+    use std::sync::Mutex;
+
+    /// Only vision and model calls: what the resolver asks.
+    #[derive(Default)]
+    struct Gateway {
+        vision: Option<bool>,
+        /// Replies of the vision chain, in order; `None` = an error.
+        replies: Mutex<Vec<Option<&'static str>>>,
+        vision_asks: Mutex<usize>,
+        described: Mutex<Vec<String>>,
+    }
+
+    impl TurnPorts for Gateway {
+        async fn turn_checkpoint(
+            &self,
+            _: &str,
+            _: &str,
+            _: u32,
+        ) -> Result<Option<Checkpoint>, ErrorBody> {
+            Ok(None)
+        }
+        async fn save_checkpoint(&self, _: Checkpoint) -> Result<(), ErrorBody> {
+            Ok(())
+        }
+        async fn turn_input(&self, _: &str) -> TurnInput {
+            TurnInput::none()
+        }
+        async fn steer(&self, _: SteerRequest) -> Result<SteerResponse, ErrorBody> {
+            Ok(SteerResponse::default())
+        }
+        async fn main_model_vision(&self, _persona: &str) -> Result<bool, ErrorBody> {
+            *self.vision_asks.lock().unwrap() += 1;
+            self.vision
+                .ok_or_else(|| ErrorBody::new(ErrorCode::Unavailable, "no gateway"))
+        }
+        async fn complete(&self, request: ModelRequest) -> Result<ModelResponse, ErrorBody> {
+            assert_eq!(request.purpose, "vision");
+            let url = request.messages[0].content.iter().find_map(|p| match p {
+                Part::ImageUrl { image_url } => Some(image_url.clone()),
+                _ => None,
+            });
+            self.described.lock().unwrap().push(url.unwrap_or_default());
+            match self.replies.lock().unwrap().remove(0) {
+                Some(text) => reply_text(text),
+                None => Err(ErrorBody::new(ErrorCode::Upstream, "vision chain down")),
+            }
+        }
+        fn tool_specs(&self, _: Option<&[String]>) -> Vec<ToolSpec> {
+            Vec::new()
+        }
+        async fn call_tool(&self, _: &ToolContext, _: &ToolCall) -> ToolOutput {
+            ToolOutput::error("no tools here")
+        }
+        async fn publish(&self, _: SessionEvent) {}
+    }
+
+    fn request(urls: &[&str]) -> ModelRequest {
+        ModelRequest {
+            messages: urls
+                .iter()
+                .map(|url| Message::image(Role::User, "look", *url))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn texts(request: &ModelRequest) -> Vec<String> {
+        request
+            .messages
+            .iter()
+            .flat_map(|m| &m.content)
+            .filter_map(|p| match p {
+                Part::Text { text } if text != "look" => Some(text.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_view_without_images_asks_nothing() {
+        let gateway = Gateway::default();
+        let plain = ModelRequest {
+            messages: vec![Message::text(Role::User, "hi")],
+            ..Default::default()
+        };
+        let out = ImageResolver::default()
+            .resolve(&gateway, "cyrene", plain.clone())
+            .await;
+        assert_eq!(out, plain);
+        assert_eq!(*gateway.vision_asks.lock().unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn each_image_is_described_once_per_turn_and_failures_become_unreadable() {
+        let gateway = Gateway {
+            vision: Some(false),
+            replies: Mutex::new(vec![Some(" a kite "), None, Some("  ")]),
+            ..Default::default()
+        };
+        let mut images = ImageResolver::default();
+        let first = images
+            .resolve(&gateway, "cyrene", request(&["k.png", "x.png", "k.png"]))
+            .await;
+        assert_eq!(
+            texts(&first),
+            [
+                format!("{IMAGE_DESCRIPTION_PREFIX}a kite"),
+                IMAGE_UNREADABLE.to_owned(),
+                format!("{IMAGE_DESCRIPTION_PREFIX}a kite"),
+            ]
+        );
+        assert!(!first.messages.iter().any(Message::has_image));
+        // The next step's view: known images are not described again, a new one is (and an
+        // empty description is unreadable too); vision is not asked again.
+        let second = images
+            .resolve(&gateway, "cyrene", request(&["x.png", "new.png"]))
+            .await;
+        assert_eq!(
+            texts(&second),
+            [IMAGE_UNREADABLE.to_owned(), IMAGE_UNREADABLE.to_owned()]
+        );
+        assert_eq!(
+            *gateway.described.lock().unwrap(),
+            ["k.png", "x.png", "new.png"]
+        );
+        assert_eq!(*gateway.vision_asks.lock().unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn images_pass_through_when_the_model_sees_or_nobody_can_tell() {
+        for vision in [Some(true), None] {
+            let gateway = Gateway {
+                vision,
+                ..Default::default()
+            };
+            let mut images = ImageResolver::default();
+            for _ in 0..2 {
+                let out = images
+                    .resolve(&gateway, "cyrene", request(&["k.png"]))
+                    .await;
+                assert_eq!(out, request(&["k.png"]));
+            }
+            assert_eq!(*gateway.vision_asks.lock().unwrap(), 1, "{vision:?}");
+            assert!(gateway.described.lock().unwrap().is_empty());
+        }
+    }
+}

@@ -719,7 +719,7 @@ fn now_unix_ms() -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
     use cyrene_protocol::session::SessionEnv;
@@ -867,7 +867,8 @@ mod tests {
         }
     }
 
-    fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
+    /// A plain text answer of the scripted model (also used by `crate::images`' tests).
+    pub(crate) fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
         Ok(ModelResponse {
             model: "scripted".into(),
             content: text.into(),
