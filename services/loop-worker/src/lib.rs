@@ -6,7 +6,8 @@
 //!   of resuming, with the seeds' exact wording; no I/O.
 //! - [`runner`]: one turn step by step against the [`ports::TurnPorts`] trait.
 //! - [`documents`]: documents resolved by reference and their text extracted for the view;
-//!   [`memory`]: the working-memory and memory blocks.
+//!   [`images`]: images described for a main model without vision; [`memory`]: the
+//!   working-memory and memory blocks.
 //! - [`tools`]: built-in and discovered tools; [`nats`]: the ports over NATS.
 //! - [`worker`]: the JetStream consumer; [`run`] ties it together.
 
@@ -15,6 +16,7 @@ pub mod attribution;
 pub mod config;
 pub mod deltas;
 pub mod documents;
+pub mod images;
 pub mod memory;
 pub mod nats;
 pub mod notice;

@@ -44,6 +44,7 @@
 use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
 use crate::attribution::{PersonaNames, SpeakerEnv};
 use crate::documents::DocumentTexts;
+use crate::images::ImageResolver;
 use crate::memory;
 use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::resume::{self, ResumeDecision, stop_reason};
@@ -55,7 +56,6 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
 use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
-use std::collections::HashMap;
 
 /// What the worker does with the job after the runner returns.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,10 +124,8 @@ struct Turn<'a, P> {
     blocks: ContextBlocks,
     speakers: SpeakerEnv,
     names: PersonaNames,
-    /// Whether the main model takes images (asked once per turn, when a view first has one).
-    main_vision: Option<bool>,
-    /// Image URL → its description, so each image is described once per turn.
-    descriptions: HashMap<String, String>,
+    /// The main model's vision and the image descriptions made so far in this turn.
+    images: ImageResolver,
     /// Document URL → its text in the view, so each document is read once per turn.
     documents: DocumentTexts,
 }
@@ -136,13 +134,6 @@ struct Turn<'a, P> {
 /// seeds name the `safety_net` stop but not its wording).
 pub const SAFETY_NET_NOTE: &str =
     "[步数上限] 本回合可用的步数已经用完：不要再调用工具，请根据以上已有的信息直接回答。";
-
-/// The prompt that asks the vision chain to describe one image (the seeds define no wording).
-pub const IMAGE_PROMPT: &str = "请用一两句话客观描述这张图片的内容，不要推测图片之外的事。";
-/// What replaces an image for a main model without vision: this prefix and the description.
-pub const IMAGE_DESCRIPTION_PREFIX: &str = "[图片描述] ";
-/// What replaces an image that could not be described.
-pub const IMAGE_UNREADABLE: &str = "[图片] （未能识别这张图片）";
 
 /// Runs `job` as delivery `attempt` (1-based).
 pub async fn run_turn<P: TurnPorts>(
@@ -212,8 +203,7 @@ pub async fn run_turn<P: TurnPorts>(
         },
         speakers: SpeakerEnv::new(job.env.restricted, job.env.persona.clone()),
         names,
-        main_vision: None,
-        descriptions: HashMap::new(),
+        images: ImageResolver::default(),
         documents: DocumentTexts::default(),
     };
     turn.load_memory().await;
@@ -488,62 +478,11 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             .await;
     }
 
-    /// The image resolver: when the view holds images and the main model has no vision, each
-    /// image becomes a text description from the gateway's vision chain. Only the view changes;
-    /// the window (and so every checkpoint) keeps the image itself.
-    async fn resolve_images(&mut self, mut request: ModelRequest) -> ModelRequest {
-        if !request.messages.iter().any(Message::has_image) {
-            return request;
-        }
-        if self.main_vision.is_none() {
-            let vision = match self.ports.main_model_vision(&self.job.env.persona).await {
-                Ok(vision) => vision,
-                Err(err) => {
-                    // The gateway routes image requests to a vision step by itself: let it.
-                    tracing::warn!(error = %err, "cannot tell whether the main model sees images");
-                    true
-                }
-            };
-            self.main_vision = Some(vision);
-        }
-        if self.main_vision == Some(true) {
-            return request;
-        }
-        for message in &mut request.messages {
-            for part in &mut message.content {
-                let Part::ImageUrl { image_url } = part else {
-                    continue;
-                };
-                let text = match self.descriptions.get(image_url.as_str()) {
-                    Some(text) => text.clone(),
-                    None => {
-                        let text = self.describe(image_url).await;
-                        self.descriptions.insert(image_url.clone(), text.clone());
-                        text
-                    }
-                };
-                *part = Part::Text { text };
-            }
-        }
-        request
-    }
-
-    async fn describe(&self, image_url: &str) -> String {
-        let request = ModelRequest {
-            messages: vec![Message::image(Role::User, IMAGE_PROMPT, image_url)],
-            purpose: "vision".to_owned(),
-            ..Default::default()
-        };
-        match self.ports.complete(request).await {
-            Ok(reply) if !reply.content.trim().is_empty() => {
-                format!("{IMAGE_DESCRIPTION_PREFIX}{}", reply.content.trim())
-            }
-            Ok(_) => IMAGE_UNREADABLE.to_owned(),
-            Err(err) => {
-                tracing::warn!(error = %err, "image description failed");
-                IMAGE_UNREADABLE.to_owned()
-            }
-        }
+    /// The view's images, described for a main model without vision (crate::images).
+    async fn resolve_images(&mut self, request: ModelRequest) -> ModelRequest {
+        self.images
+            .resolve(self.ports, &self.job.env.persona, request)
+            .await
     }
 
     /// The assistant message of a reply, labelled with the answering persona (its lane), and
@@ -780,7 +719,7 @@ fn now_unix_ms() -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
     use cyrene_protocol::session::SessionEnv;
@@ -928,7 +867,8 @@ mod tests {
         }
     }
 
-    fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
+    /// A plain text answer of the scripted model (also used by `crate::images`' tests).
+    pub(crate) fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
         Ok(ModelResponse {
             model: "scripted".into(),
             content: text.into(),

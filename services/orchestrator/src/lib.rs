@@ -6,6 +6,7 @@
 //! This crate owns:
 //! - the SQL schema and every query ([`store`]; PostgreSQL and SQLite through one code path,
 //!   migrations in `migrations/{postgres,sqlite}` applied at start);
+//! - what a new turn's job holds ([`job`]: batch, window budget, persona; no SQL);
 //! - the behaviour behind the endpoints ([`engine`]): input checks, dispositions, dispatch of
 //!   `TurnJob`s to `CYRENE_TURNS`, session events, the dispatch sweeper;
 //! - the endpoints `send`, `history`, `steer`, `complete` ([`service`]);
@@ -32,6 +33,7 @@ pub mod agents;
 pub mod config;
 pub mod documents;
 pub mod engine;
+pub mod job;
 pub mod memory;
 pub mod people;
 pub mod personas;

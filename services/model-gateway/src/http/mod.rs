@@ -1,0 +1,265 @@
+//! The OpenAI-compatible HTTP front door (off by default; `--http-addr` /
+//! `CYRENE_GATEWAY_HTTP_ADDR`, docs/model-gateway.md "OpenAI-compatible HTTP front door"):
+//! `POST /v1/chat/completions` (streamed and not) and `GET /v1/models`, served by the same
+//! [`Gateway`] as the bus endpoints — same router, fallback, cooldown and call records.
+//!
+//! # Invariants
+//! - Every request needs `Authorization: Bearer <key>` with one of the configured client keys;
+//!   the keys are never logged or echoed (hand-written `Debug`).
+//! - Every failure is OpenAI's error JSON (`{"error":{"message","type","param","code"}}`) with the
+//!   matching HTTP status — malformed JSON, unknown fields, oversized bodies, unknown paths and
+//!   methods included. Nothing a client sends can panic the listener.
+//! - A streamed call answers with an HTTP error status when it fails before its first delta
+//!   (fallback happens before that); after it, the failure is an `error` event in the stream.
+//!
+//! This file holds the listener, routing, authentication and error responses; `wire.rs` the
+//! translation between OpenAI's chat JSON and the gateway's request and response; `sse.rs` the
+//! streamed answer.
+
+mod sse;
+mod wire;
+
+use crate::Gateway;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// The largest request body accepted (images travel inline as data URIs; this path does not
+/// cross the bus, so it is not bound by NATS' max_payload).
+pub const MAX_BODY: usize = 16 * 1024 * 1024;
+/// The model id that means "the active group's chain" rather than one declared model.
+pub const DEFAULT_MODEL: &str = "default";
+/// The `purpose` of calls made through this door, in call records.
+pub const PURPOSE: &str = "http";
+
+/// The client API keys (comma-separated in `CYRENE_GATEWAY_HTTP_KEYS`); never formatted.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ClientKeys(Vec<String>);
+
+impl fmt::Debug for ClientKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClientKeys(<{} redacted>)", self.0.len())
+    }
+}
+
+impl FromStr for ClientKeys {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(ClientKeys(
+            s.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        ))
+    }
+}
+
+impl ClientKeys {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether `given` is one of the keys (compared without an early exit on the first
+    /// differing byte).
+    fn accepts(&self, given: &str) -> bool {
+        self.0.iter().fold(false, |found, key| {
+            let same = key.len() == given.len()
+                && key
+                    .bytes()
+                    .zip(given.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0;
+            found | same
+        })
+    }
+}
+
+/// Where and for whom the front door listens.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    pub addr: SocketAddr,
+    pub keys: ClientKeys,
+}
+
+#[derive(Debug, Clone)]
+struct AppState {
+    gateway: Arc<Gateway>,
+    client: async_nats::Client,
+    keys: ClientKeys,
+}
+
+/// Binds `config.addr` and serves until `shutdown`; returns the bound address (port 0 picks one)
+/// and the serving task.
+pub async fn serve(
+    config: HttpConfig,
+    gateway: Arc<Gateway>,
+    client: async_nats::Client,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(config.addr).await?;
+    let bound = listener.local_addr()?;
+    let app = router(AppState {
+        gateway,
+        client,
+        keys: config.keys,
+    });
+    tracing::info!(addr = %bound, "OpenAI-compatible HTTP front door listening");
+    let task = tokio::spawn(async move {
+        let serving = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await });
+        if let Err(err) = serving.await {
+            tracing::warn!(error = %err, "the HTTP front door stopped");
+        }
+    });
+    Ok((bound, task))
+}
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .fallback(|| async {
+            openai_error(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("unknown_url"),
+                "no such endpoint: this server serves POST /v1/chat/completions and GET /v1/models",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            openai_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                Some("method_not_allowed"),
+                "method not allowed on this endpoint",
+            )
+        })
+        .with_state(state)
+}
+
+/// OpenAI's error JSON with `status`.
+fn openai_error(status: StatusCode, kind: &str, code: Option<&str>, message: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// A gateway error as OpenAI's error JSON with the matching HTTP status.
+fn error_response(err: &ErrorBody) -> Response {
+    let (status, kind) = match err.code {
+        ErrorCode::BadRequest => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+        ErrorCode::Forbidden => (StatusCode::FORBIDDEN, "permission_error"),
+        ErrorCode::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error"),
+        ErrorCode::Conflict => (StatusCode::CONFLICT, "invalid_request_error"),
+        ErrorCode::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
+        ErrorCode::Upstream => (StatusCode::BAD_GATEWAY, "upstream_error"),
+        ErrorCode::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "api_error"),
+        ErrorCode::Timeout => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        ErrorCode::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "api_error"),
+    };
+    openai_error(status, kind, Some(err.code.as_str()), &err.message)
+}
+
+fn authorised(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(key) if state.keys.accepts(key) => Ok(()),
+        Some(_) => Err(Box::new(openai_error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            "incorrect API key provided",
+        ))),
+        None => Err(Box::new(openai_error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("missing_api_key"),
+            "no API key provided: send Authorization: Bearer <key>",
+        ))),
+    }
+}
+
+/// The ids a client may ask for: `default` (the active group's chain) and every declared model.
+fn model_ids(gateway: &Gateway) -> BTreeMap<String, String> {
+    let mut ids = BTreeMap::new();
+    for (provider, p) in &gateway.config().providers {
+        for model in p.models.keys() {
+            ids.entry(model.clone()).or_insert_with(|| provider.clone());
+        }
+    }
+    ids.insert(DEFAULT_MODEL.to_owned(), "cyrene".to_owned());
+    ids
+}
+
+async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(denied) = authorised(&state, &headers) {
+        return *denied;
+    }
+    let data: Vec<Value> = model_ids(&state.gateway)
+        .into_iter()
+        .map(|(id, owner)| json!({"id": id, "object": "model", "created": 0, "owned_by": owner}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    if let Err(denied) = authorised(&state, &headers) {
+        return *denied;
+    }
+    let bytes = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error_response(&ErrorBody::new(
+                ErrorCode::TooLarge,
+                format!("the request body is over {MAX_BODY} bytes (or could not be read)"),
+            ));
+        }
+    };
+    let (req, answer) = match wire::parse(&bytes, &state.gateway) {
+        Ok(parsed) => parsed,
+        Err(err) => return error_response(&err),
+    };
+    let id = format!("chatcmpl-{}", uuid::Uuid::now_v7().simple());
+    if !answer.stream {
+        return match state.gateway.call(&state.client, &req, None).await {
+            Ok(response) => axum::Json(wire::completion(&id, &response)).into_response(),
+            Err(err) => error_response(&err),
+        };
+    }
+    sse::stream_response(state, req, id, answer.model, answer.include_usage).await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn keys_parse_from_a_list_and_never_print() {
+        let keys: ClientKeys = " a1 ,, b2 ".parse().unwrap();
+        assert!(keys.accepts("a1") && keys.accepts("b2"));
+        assert!(!keys.accepts("a") && !keys.accepts("a1 ") && !keys.accepts(""));
+        assert!(!format!("{keys:?}").contains("a1"));
+        assert!("".parse::<ClientKeys>().unwrap().is_empty());
+    }
+}

@@ -1,0 +1,501 @@
+//! The orchestrator's SQL: sessions, the transcript (user messages and assistant answers, one
+//! per-session seq each), the pending queue (user messages no turn has claimed) and turns.
+//!
+//! One code path serves PostgreSQL and SQLite through sqlx's `Any` driver with runtime queries;
+//! only the session lock differs (`SELECT … FOR UPDATE` vs `BEGIN IMMEDIATE`).
+//!
+//! # Invariants
+//! - **The fence (I1).** Every write that touches a session's messages or turns runs in one
+//!   transaction that first locks the session row (PostgreSQL: row lock; SQLite: the database
+//!   write lock). Decisions ("is a turn in flight?", "which messages are unclaimed?") are read
+//!   under that lock, so any number of orchestrator replicas on one database agree. In
+//!   single-leg mode a turn is only created when no turn of the session is `running`.
+//! - **Exactly once (I2).** A user message is claimed by at most one turn:
+//!   `claimed_by_turn` goes from NULL to a turn id exactly once, under the session lock, either
+//!   by the job that starts a turn (`steered = 0`) or at a steer boundary (`steered = 1`). A
+//!   steer returns the messages claimed *by this turn* at steer boundaries, so a retried or
+//!   resumed steer gets the same messages back and no other turn ever sees them.
+//! - A message is durable (committed) before its ack exists; the ack is stored with it, so an
+//!   idempotent resend gets the very same ack.
+//! - Steer claims only messages with a seq above everything the turn already holds (its
+//!   `base_seq` and earlier claims): what a worker has seen is always a prefix, so an `after_seq`
+//!   cursor never skips a claimed message.
+//! - `attempt` of a turn only grows; steer and complete from an older attempt get `conflict`.
+//! - **Double-texting.** A message sent under `enqueue` is stored `queued = 1`: steer claims
+//!   never take it, so it stays pending until the job of the next turn claims it (I2 holds: it
+//!   is claimed once, by that job). Under `reject` the decision is read under the session lock
+//!   *before* anything is written: a refused send rolls back and leaves no row, no seq.
+//!
+//! # Pitfalls
+//! - SQLite must start write transactions with `BEGIN IMMEDIATE`: a deferred transaction that
+//!   reads and then writes fails with `SQLITE_BUSY` (no busy wait) when another writer got in
+//!   between.
+//! - Any stores JSON as text and flags as 0/1 integers: `Any` cannot decode SQLite integers as
+//!   booleans.
+//! - Timestamps come from this process's clock (unix ms); replicas should run NTP, though only
+//!   the sweeper's grace period depends on them.
+//!
+//! # Layout
+//! This file holds the types, opening the database and the helpers every operation shares
+//! (the write transaction, the session lock, seqs, running turns); one file per operation:
+//! [`send`](Store::send) in `send.rs`, [`steer`](Store::steer) and the fence and claims in
+//! `steer.rs`, [`complete`](Store::complete) in `complete.rs`, starting a turn in `start.rs`
+//! (the job itself is decided by [`crate::job`], without SQL), the transcript in `history.rs`
+//! and the dispatch bookkeeping in `dispatch.rs`.
+
+mod complete;
+mod dispatch;
+mod history;
+mod send;
+mod start;
+mod steer;
+
+pub use crate::job::JobSettings;
+use crate::job::{JobError, Pending};
+use cyrene_protocol::message::Message;
+use cyrene_protocol::session::{BusyPolicy, SendAck, SessionEnv};
+use cyrene_protocol::turn::SteeredMessage;
+use cyrene_protocol::{ErrorBody, ErrorCode};
+use sqlx::{Any, AnyPool, Row, Transaction};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Which SQL backend a [`Store`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+        }
+    }
+}
+
+/// The migrations table of this service (kept apart from other services sharing the database).
+pub const MIGRATIONS_TABLE: &str = "orch_migrations";
+
+/// Largest number of pending messages one new turn claims at once.
+pub const MAX_BATCH: i64 = 256;
+
+/// Why a store operation failed; each variant maps onto one wire [`ErrorCode`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// Fenced off (an older attempt) or too late (the turn already completed).
+    #[error("{0}")]
+    Conflict(String),
+    /// The database cannot be reached or is busy; retrying later may succeed.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// Opening the database or applying the migrations failed.
+    #[error("could not open the database: {0}")]
+    Open(String),
+    /// Any other failure (a bug or a corrupt row).
+    #[error("database error: {0}")]
+    Internal(String),
+}
+
+impl StoreError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            StoreError::BadRequest(_) => ErrorCode::BadRequest,
+            StoreError::NotFound(_) => ErrorCode::NotFound,
+            StoreError::Conflict(_) => ErrorCode::Conflict,
+            StoreError::Unavailable(_) | StoreError::Open(_) => ErrorCode::Unavailable,
+            StoreError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    pub fn to_body(&self) -> ErrorBody {
+        ErrorBody::new(self.code(), self.to_string())
+    }
+}
+
+impl cyrene_bus::service::WireError for StoreError {
+    fn to_body(&self) -> ErrorBody {
+        StoreError::to_body(self)
+    }
+}
+
+/// A job that cannot be built means a corrupt row or no persona: never the caller's fault.
+impl From<JobError> for StoreError {
+    fn from(err: JobError) -> Self {
+        StoreError::Internal(err.to_string())
+    }
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(err: sqlx::Error) -> Self {
+        if cyrene_sql::is_unavailable(&err) {
+            StoreError::Unavailable(err.to_string())
+        } else {
+            StoreError::Internal(err.to_string())
+        }
+    }
+}
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub acquire_timeout: Duration,
+    pub max_connections: u32,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            acquire_timeout: Duration::from_secs(2),
+            max_connections: 8,
+        }
+    }
+}
+
+/// A user message to store (already validated).
+#[derive(Debug, Clone)]
+pub struct NewMessage {
+    pub session_id: String,
+    pub message: Message,
+    pub client_id: String,
+    pub idempotency_key: Option<String>,
+    /// The env recorded if this message creates the session (resolved persona).
+    pub env: SessionEnv,
+    /// What the message does when a turn of its session is in flight (double-texting).
+    pub policy: BusyPolicy,
+    /// Answered by a turn of its own: never steered into another turn, never batched (asks).
+    pub solo: bool,
+    /// Where the completing replica reports the answer (asks): a core NATS subject.
+    pub reply_to: Option<String>,
+    /// An ask's chain including the asked persona (empty for a person's message): the job of
+    /// the turn answering it carries it as `ask_chain`.
+    pub ask_chain: Vec<String>,
+}
+
+/// A turn that was created and must now be dispatched (and announced).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewTurn {
+    pub turn_id: String,
+    pub session_id: String,
+    pub leg_id: String,
+    pub message_ids: Vec<String>,
+    /// The exact `TurnJob` JSON to publish.
+    pub job: String,
+}
+
+/// What `send` did.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub ack: SendAck,
+    /// True when this was a resend of an already stored idempotency key (nothing changed).
+    pub duplicate: bool,
+    /// A turn created by this send (for this message, or for older pending ones).
+    pub started: Option<NewTurn>,
+    /// This message, claimed for the running turn that takes it in: push it to that turn.
+    pub pushed: Option<Pushed>,
+}
+
+/// Messages claimed (durably, in the transaction that returned this) for a running turn, to be
+/// pushed to the worker running it on `cyrene.turn.input.<turn_id>`. A push that never arrives
+/// costs nothing: the turn's completion hands every claimed message it did not take in back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pushed {
+    pub turn_id: String,
+    pub messages: Vec<SteeredMessage>,
+}
+
+/// What `complete` did.
+#[derive(Debug, Clone)]
+pub struct Completed {
+    /// False when the turn had already been completed: nothing changed.
+    pub first: bool,
+    pub session_id: String,
+    pub leg_id: String,
+    /// Core NATS subjects of the asks this turn answered.
+    pub reply_to: Vec<String>,
+    /// The turn started from pending messages, if any.
+    pub next: Option<NewTurn>,
+    /// Pending messages claimed for the one leg still running, to push to it.
+    pub pushed: Option<Pushed>,
+}
+
+/// A turn that has not been confirmed as published.
+#[derive(Debug, Clone)]
+pub struct Undispatched {
+    pub turn_id: String,
+    pub job: String,
+}
+
+/// Progress of a live leg, for the parallel notice: `(step, tool names)`.
+pub type ProgressOf<'a> = &'a (dyn Fn(&str) -> (u32, Vec<String>) + Send + Sync);
+
+/// The orchestrator's database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+    backend: Backend,
+    settings: std::sync::Arc<JobSettings>,
+}
+
+struct RunningTurn {
+    turn_id: String,
+    client_id: String,
+    first_message_id: String,
+    base_seq: i64,
+}
+
+impl RunningTurn {
+    /// The running turn a new steerable message from `client_id` goes to, as a boundary would
+    /// claim it: the only turn of the session, or — beside other legs — its client's own leg.
+    fn taker<'r>(running: &'r [RunningTurn], client_id: &str) -> Option<&'r RunningTurn> {
+        match running {
+            [only] => Some(only),
+            _ => running.iter().find(|t| t.client_id == client_id),
+        }
+    }
+}
+
+/// Unix milliseconds now.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+fn to_i64(v: u64) -> Result<i64, StoreError> {
+    i64::try_from(v).map_err(|_| StoreError::BadRequest(format!("{v} is out of range")))
+}
+
+fn decode_message(text: &str) -> Result<Message, StoreError> {
+    Ok(crate::job::decode_message(text)?)
+}
+
+fn encode<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Internal(format!("encode: {e}")))
+}
+
+impl Store {
+    /// Connects to `url` (`postgres://…` or `sqlite://…`), creating an SQLite file and its
+    /// directory when missing, and applies the migrations.
+    pub async fn open(
+        url: &str,
+        options: &StoreOptions,
+        settings: JobSettings,
+    ) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else {
+            return Err(StoreError::Open(format!(
+                "unsupported database URL {url:?}"
+            )));
+        };
+        let url = match backend {
+            Backend::Postgres => url.to_owned(),
+            Backend::Sqlite => sqlite_url(url)?,
+        };
+        let pool = cyrene_sql::PoolSettings {
+            max_connections: options.max_connections,
+            acquire_timeout: options.acquire_timeout,
+        }
+        .options::<sqlx::Any>();
+        // WAL lets readers (history, the sweeper) run while one writer holds the lock.
+        let pool = if backend == Backend::Sqlite {
+            let pragmas = cyrene_sql::SqliteSettings::SESSIONS.pragmas();
+            pool.after_connect(move |conn, _| {
+                let pragmas = pragmas.clone();
+                Box::pin(async move {
+                    for pragma in &pragmas {
+                        // Built from constants by cyrene_sql, never from input.
+                        sqlx::query(sqlx::AssertSqlSafe(pragma.clone()))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+        } else {
+            pool
+        };
+        let pool = pool
+            .connect(&url)
+            .await
+            .map_err(|e| StoreError::Open(e.to_string()))?;
+        let mut migrator = cyrene_sql::migrations!().of(backend.name());
+        migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+        migrator
+            .run(&pool)
+            .await
+            .map_err(|e| StoreError::Open(format!("{} migrations: {e}", backend.name())))?;
+        Ok(Store {
+            pool,
+            backend,
+            settings: std::sync::Arc::new(settings),
+        })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn settings(&self) -> &JobSettings {
+        &self.settings
+    }
+
+    /// The connection pool, for the SQL default of other interfaces ([`crate::memory`]).
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    /// Closes the pool.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// A write transaction (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front).
+    async fn begin(&self) -> Result<Transaction<'static, Any>, StoreError> {
+        Ok(match self.backend {
+            Backend::Postgres => self.pool.begin().await?,
+            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+        })
+    }
+
+    /// Locks the session row; `None` when the session does not exist.
+    async fn lock_session(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+    ) -> Result<Option<SessionEnv>, StoreError> {
+        let sql = match self.backend {
+            Backend::Postgres => "SELECT env FROM orch_sessions WHERE id = $1 FOR UPDATE",
+            Backend::Sqlite => "SELECT env FROM orch_sessions WHERE id = $1",
+        };
+        let row = sqlx::query(sql)
+            .bind(session_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(row) => {
+                let env: String = row.try_get(0)?;
+                serde_json::from_str(&env)
+                    .map(Some)
+                    .map_err(|e| StoreError::Internal(format!("corrupt session env: {e}")))
+            }
+        }
+    }
+
+    async fn next_seq(
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+    ) -> Result<i64, StoreError> {
+        let row = sqlx::query(
+            "UPDATE orch_sessions SET last_seq = last_seq + 1 WHERE id = $1 RETURNING last_seq",
+        )
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+        Ok(row.try_get(0)?)
+    }
+
+    async fn running_turns(
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+    ) -> Result<Vec<RunningTurn>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT turn_id, client_id, first_message_id, base_seq FROM orch_turns \
+             WHERE session_id = $1 AND status = 'running' ORDER BY created_at, turn_id",
+        )
+        .bind(session_id)
+        .fetch_all(&mut **tx)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(RunningTurn {
+                    turn_id: r.try_get(0)?,
+                    client_id: r.try_get(1)?,
+                    first_message_id: r.try_get(2)?,
+                    base_seq: r.try_get(3)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn count_pending(
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+    ) -> Result<i64, StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) FROM orch_messages \
+             WHERE session_id = $1 AND claimed_by_turn IS NULL",
+        )
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+        Ok(row.try_get(0)?)
+    }
+}
+
+/// Makes sure the SQLite file (and its directory) can be created: adds `mode=rwc`.
+fn sqlite_url(url: &str) -> Result<String, StoreError> {
+    let path = url
+        .trim_start_matches("sqlite://")
+        .trim_start_matches("sqlite:");
+    let file = path.split('?').next().unwrap_or_default();
+    if !file.is_empty()
+        && file != ":memory:"
+        && let Some(parent) = std::path::Path::new(file).parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| StoreError::Open(format!("cannot create {}: {e}", parent.display())))?;
+    }
+    if url.contains("mode=") {
+        Ok(url.to_owned())
+    } else if url.contains('?') {
+        Ok(format!("{url}&mode=rwc"))
+    } else {
+        Ok(format!("{url}?mode=rwc"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cyrene_protocol::ids::new_id;
+
+    #[test]
+    fn sqlite_urls_get_create_mode() {
+        let dir = std::env::temp_dir().join(format!("orch-url-{}", new_id()));
+        let url = format!("sqlite://{}/x.db", dir.display());
+        assert_eq!(sqlite_url(&url).unwrap(), format!("{url}?mode=rwc"));
+        assert!(dir.is_dir());
+        assert_eq!(
+            sqlite_url("sqlite::memory:?cache=shared").unwrap(),
+            "sqlite::memory:?cache=shared&mode=rwc"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn database_outages_map_to_unavailable() {
+        assert!(cyrene_sql::is_unavailable(&sqlx::Error::PoolTimedOut));
+        assert!(!cyrene_sql::is_unavailable(&sqlx::Error::RowNotFound));
+        assert_eq!(
+            StoreError::from(sqlx::Error::PoolClosed).code(),
+            ErrorCode::Unavailable
+        );
+    }
+}

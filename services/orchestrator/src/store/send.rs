@@ -1,0 +1,207 @@
+//! `send`: a user message stored durably with its seq and ack, and its disposition decided
+//! under the session lock (docs/orchestrator.md, "`send`").
+//!
+//! # Invariants
+//! - Everything is one transaction: the message, its claim for a running turn (when it steers
+//!   one), the turn it starts and its ack commit together or not at all; a refused `reject`
+//!   send writes nothing, not even its seq.
+//! - An idempotent resend returns the stored ack and changes nothing.
+//! - A message claimed here for a running turn is pushed after the commit; a lost push is
+//!   handed back at that turn's completion (see `steer.rs`).
+
+use super::{
+    NewMessage, Pending, ProgressOf, Pushed, RunningTurn, Sent, Store, StoreError, encode, now_ms,
+    to_u64,
+};
+use cyrene_protocol::ids::new_id;
+use cyrene_protocol::session::{BusyPolicy, Disposition, SendAck};
+use cyrene_protocol::turn::{ParallelNotice, SteeredMessage};
+use sqlx::Row;
+
+impl Store {
+    /// Stores a user message durably with a server id and the next seq, and decides its
+    /// disposition (one transaction). Idempotent by `idempotency_key`.
+    pub async fn send(
+        &self,
+        input: NewMessage,
+        progress: ProgressOf<'_>,
+    ) -> Result<Sent, StoreError> {
+        let message_json = encode(&input.message)?;
+        let env_json = encode(&input.env)?;
+        let now = now_ms();
+        let mut tx = self.begin().await?;
+        sqlx::query(
+            "INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ($1, $2, 0, $3) \
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&input.session_id)
+        .bind(&env_json)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        let env = self
+            .lock_session(&mut tx, &input.session_id)
+            .await?
+            .ok_or_else(|| StoreError::Internal("session vanished".into()))?;
+
+        if let Some(key) = &input.idempotency_key {
+            let row = sqlx::query(
+                "SELECT ack FROM orch_messages WHERE session_id = $1 AND idempotency_key = $2",
+            )
+            .bind(&input.session_id)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(row) = row {
+                let ack: Option<String> = row.try_get(0)?;
+                let ack = ack.ok_or_else(|| StoreError::Internal("message without ack".into()))?;
+                let ack: SendAck = serde_json::from_str(&ack)
+                    .map_err(|e| StoreError::Internal(format!("corrupt ack: {e}")))?;
+                tx.rollback().await?;
+                return Ok(Sent {
+                    ack,
+                    duplicate: true,
+                    started: None,
+                    pushed: None,
+                });
+            }
+        }
+
+        let running = Self::running_turns(&mut tx, &input.session_id).await?;
+        if input.policy == BusyPolicy::Reject && !input.solo && !running.is_empty() {
+            // Reject policy: refused while a turn runs, nothing stored (not even the key, so
+            // a resend once the session is idle is a new message).
+            tx.rollback().await?;
+            return Err(StoreError::Conflict(format!(
+                "session {} is busy: a turn is running and its policy is reject; \
+                 send again after its turn_ended event",
+                input.session_id
+            )));
+        }
+        let ask_chain = if input.ask_chain.is_empty() {
+            None
+        } else {
+            Some(encode(&input.ask_chain)?)
+        };
+        let seq = Self::next_seq(&mut tx, &input.session_id).await?;
+        let message_id = new_id();
+        // A steerable message arriving while a turn runs is claimed for that turn right here,
+        // in the transaction that stores it, and pushed to it after the commit: the turn takes
+        // it in at its next boundary without asking (docs/orchestrator.md, "Steering").
+        let steerable = !input.solo && input.policy != BusyPolicy::Enqueue;
+        let parallel_leg = input.policy == BusyPolicy::Parallel
+            && !input.solo
+            && running.iter().all(|t| t.client_id != input.client_id);
+        let taker = match running.is_empty() || parallel_leg || !steerable {
+            true => None,
+            false => RunningTurn::taker(&running, &input.client_id),
+        };
+        sqlx::query(
+            "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
+             message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
+             ask_chain) \
+             VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, NULL, $9, $10, $11)",
+        )
+        .bind(&message_id)
+        .bind(&input.session_id)
+        .bind(seq)
+        .bind(&input.client_id)
+        .bind(input.idempotency_key.clone())
+        .bind(&message_json)
+        .bind(i64::from(input.solo))
+        .bind(input.reply_to.clone())
+        .bind(now)
+        .bind(i64::from(input.policy == BusyPolicy::Enqueue))
+        .bind(ask_chain)
+        .bind(taker.map(|t| t.turn_id.clone()))
+        .bind(i64::from(taker.is_some()))
+        .execute(&mut *tx)
+        .await?;
+        let pushed = taker.map(|t| Pushed {
+            turn_id: t.turn_id.clone(),
+            messages: vec![SteeredMessage {
+                id: message_id.clone(),
+                seq: to_u64(seq),
+                message: input.message.clone(),
+            }],
+        });
+
+        let (disposition, started) = if running.is_empty() {
+            // No turn in flight: start one from the pending queue (normally just this message).
+            // (An older solo message goes first, alone; this one then waits its turn.)
+            let batch = self.pending_batch(&mut tx, &input.session_id).await?;
+            let mine = batch.iter().any(|m| m.id == message_id);
+            let turn = if batch.is_empty() {
+                None
+            } else {
+                Some(
+                    self.start_turn(&mut tx, &input.session_id, &env, batch, String::new(), None)
+                        .await?,
+                )
+            };
+            let disposition = if mine {
+                Disposition::TurnStarted
+            } else {
+                Disposition::Pending
+            };
+            (disposition, turn)
+        } else if parallel_leg {
+            // Parallel policy: a leg of its own, told what the newest live leg is doing.
+            let other = running.last();
+            let (step, tool_names) = other.map(|t| progress(&t.turn_id)).unwrap_or_default();
+            let queued = Self::count_pending(&mut tx, &input.session_id).await? - 1;
+            let notice = ParallelNotice {
+                other_message_id: other
+                    .map(|t| t.first_message_id.clone())
+                    .unwrap_or_default(),
+                step,
+                tool_names,
+                queued: u32::try_from(queued.max(0)).unwrap_or(u32::MAX),
+            };
+            let row = Pending {
+                id: message_id.clone(),
+                seq,
+                message: message_json.clone(),
+                solo: false,
+                client_id: input.client_id.clone(),
+                ask_chain: None,
+            };
+            let turn = self
+                .start_turn(
+                    &mut tx,
+                    &input.session_id,
+                    &env,
+                    vec![row],
+                    new_id(),
+                    Some(notice),
+                )
+                .await?;
+            (Disposition::ParallelLeg, Some(turn))
+        } else {
+            (Disposition::Pending, None)
+        };
+
+        let turn_id = match (&disposition, &started) {
+            (Disposition::TurnStarted | Disposition::ParallelLeg, Some(t)) => t.turn_id.clone(),
+            _ => String::new(),
+        };
+        let ack = SendAck {
+            message_id: message_id.clone(),
+            seq: to_u64(seq),
+            disposition,
+            turn_id,
+        };
+        sqlx::query("UPDATE orch_messages SET ack = $1 WHERE id = $2")
+            .bind(encode(&ack)?)
+            .bind(&message_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Sent {
+            ack,
+            duplicate: false,
+            started,
+            pushed,
+        })
+    }
+}

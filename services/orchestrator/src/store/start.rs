@@ -1,0 +1,138 @@
+//! Starting a turn: the batch of pending messages it answers, claimed for it, and its job
+//! recorded as not yet dispatched — all in the caller's transaction, under the session lock.
+//!
+//! # Invariants
+//! - Every message of the batch goes from unclaimed to this turn (`steered = 0`) or the whole
+//!   transaction fails (I2: a message is claimed once).
+//! - The job is decided by [`crate::job`] from what is read here; the stored JSON is exactly what
+//!   is published, and republished by the sweeper.
+
+use super::{NewTurn, Store, StoreError, encode, now_ms};
+use crate::job::{self, Pending, TurnSeed};
+use cyrene_protocol::ids::new_id;
+use cyrene_protocol::session::SessionEnv;
+use cyrene_protocol::turn::ParallelNotice;
+use sqlx::{Any, Row, Transaction};
+
+impl Store {
+    /// The next batch of pending messages to start a turn with (see [`job::batch`]).
+    pub(super) async fn pending_batch(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+    ) -> Result<Vec<Pending>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, seq, message, solo, client_id, ask_chain FROM orch_messages \
+             WHERE session_id = $1 AND claimed_by_turn IS NULL ORDER BY seq LIMIT $2",
+        )
+        .bind(session_id)
+        .bind(super::MAX_BATCH)
+        .fetch_all(&mut **tx)
+        .await?;
+        let pending = rows
+            .iter()
+            .map(|r| {
+                Ok(Pending {
+                    id: r.try_get(0)?,
+                    seq: r.try_get(1)?,
+                    message: r.try_get(2)?,
+                    solo: r.try_get::<i64, _>(3)? != 0,
+                    client_id: r.try_get(4)?,
+                    ask_chain: r.try_get(5)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(job::batch(pending, self.settings.max_job_bytes))
+    }
+
+    /// Claims `batch` for a new turn, seeds its window and records it (not yet dispatched).
+    pub(super) async fn start_turn(
+        &self,
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+        env: &SessionEnv,
+        batch: Vec<Pending>,
+        leg_id: String,
+        notice: Option<ParallelNotice>,
+    ) -> Result<NewTurn, StoreError> {
+        let turn_id = new_id();
+        let now = now_ms();
+        for m in &batch {
+            let claimed = sqlx::query(
+                "UPDATE orch_messages SET claimed_by_turn = $1, steered = 0 \
+                 WHERE id = $2 AND claimed_by_turn IS NULL",
+            )
+            .bind(&turn_id)
+            .bind(&m.id)
+            .execute(&mut **tx)
+            .await?;
+            if claimed.rows_affected() != 1 {
+                // Impossible under the session lock; refuse rather than double-claim.
+                return Err(StoreError::Internal(format!(
+                    "message {} was claimed concurrently",
+                    m.id
+                )));
+            }
+        }
+
+        // The window's candidates: the newest answered transcript (user messages of completed
+        // turns and the answers), newest first; the job takes what fits its budget.
+        let window = i64::try_from(self.settings.window).unwrap_or(i64::MAX);
+        let rows = sqlx::query(
+            "SELECT m.seq, m.message FROM orch_messages m \
+             JOIN orch_turns t ON t.turn_id = m.claimed_by_turn \
+             WHERE m.session_id = $1 AND t.status = 'completed' \
+             ORDER BY m.seq DESC LIMIT $2",
+        )
+        .bind(session_id)
+        .bind(window)
+        .fetch_all(&mut **tx)
+        .await?;
+        let answered = rows
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<Vec<(i64, String)>, StoreError>>()?;
+        let built = job::build(
+            &self.settings,
+            TurnSeed {
+                turn_id: &turn_id,
+                session_id,
+                leg_id: &leg_id,
+                env,
+                batch: &batch,
+                answered: &answered,
+                notice,
+                now_ms: now,
+            },
+        )?;
+        let job_json = encode(&built.job)?;
+        let client_id = batch
+            .first()
+            .map(|m| m.client_id.clone())
+            .unwrap_or_default();
+        let message_ids = built.job.message_ids;
+        let first_message_id = message_ids.first().cloned().unwrap_or_default();
+        sqlx::query(
+            "INSERT INTO orch_turns (turn_id, session_id, leg_id, client_id, status, attempt, \
+             base_seq, first_message_id, job, dispatched, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, 'running', 0, $5, $6, $7, 0, $8, $8)",
+        )
+        .bind(&turn_id)
+        .bind(session_id)
+        .bind(&leg_id)
+        .bind(&client_id)
+        .bind(built.base_seq)
+        .bind(&first_message_id)
+        .bind(&job_json)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+        Ok(NewTurn {
+            turn_id,
+            session_id: session_id.to_owned(),
+            leg_id,
+            message_ids,
+            job: job_json,
+        })
+    }
+}
