@@ -32,6 +32,7 @@
 //!   (retryable), everything else to [`StoreError::Internal`].
 
 pub mod postgres;
+pub mod sql;
 pub mod sqlite;
 
 pub use postgres::PgStore;
