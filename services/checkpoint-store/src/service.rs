@@ -23,6 +23,7 @@ use crate::{Error, SERVICE_NAME};
 use async_nats::Client;
 use chrono::Utc;
 use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
+use cyrene_bus::service::WireError;
 use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{ServeOptions, page_within, reply_budget};
 use cyrene_protocol::checkpoint::owner_person;

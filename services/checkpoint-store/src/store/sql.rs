@@ -111,6 +111,30 @@ impl<D: Database> SqlStore<D> {
     }
 }
 
+/// `impl<D: Dialect> [head] where …` with what the shared code path asks of sqlx, written once
+/// for the two impls below (Rust does not imply a trait's where-clauses at its users).
+macro_rules! on_every_dialect {
+    ([$($head:tt)*] { $($body:tt)* }) => {
+        impl<D: Dialect> $($head)*
+        where
+            for<'c> &'c mut D::Connection: Executor<'c, Database = D>,
+            D::Arguments: IntoArguments<D>,
+            for<'q> &'q str: Encode<'q, D> + Type<D>,
+            for<'q> Option<&'q str>: Encode<'q, D> + Type<D>,
+            for<'q> i64: Encode<'q, D> + Type<D>,
+            for<'q> Option<i64>: Encode<'q, D> + Type<D>,
+            for<'r> String: Decode<'r, D> + Type<D>,
+            for<'r> Option<String>: Decode<'r, D> + Type<D>,
+            for<'r> i64: Decode<'r, D>,
+            for<'r> Option<i64>: Decode<'r, D>,
+            for<'a> &'a str: ColumnIndex<D::Row>,
+            usize: ColumnIndex<D::Row>,
+        {
+            $($body)*
+        }
+    };
+}
+
 /// A non-NULL timestamp column as text.
 fn ts<D: Dialect>(row: &D::Row, column: &str) -> Result<String, StoreError> {
     D::ts_text(row, column)
@@ -118,21 +142,8 @@ fn ts<D: Dialect>(row: &D::Row, column: &str) -> Result<String, StoreError> {
         .ok_or_else(|| StoreError::Internal(format!("{column} is NULL")))
 }
 
-impl<D: Dialect> SqlStore<D>
-where
-    for<'c> &'c mut D::Connection: Executor<'c, Database = D>,
-    D::Arguments: IntoArguments<D>,
-    for<'q> &'q str: Encode<'q, D> + Type<D>,
-    for<'q> Option<&'q str>: Encode<'q, D> + Type<D>,
-    for<'q> i64: Encode<'q, D> + Type<D>,
-    for<'q> Option<i64>: Encode<'q, D> + Type<D>,
-    for<'r> String: Decode<'r, D> + Type<D>,
-    for<'r> Option<String>: Decode<'r, D> + Type<D>,
-    for<'r> i64: Decode<'r, D>,
-    for<'r> Option<i64>: Decode<'r, D>,
-    for<'a> &'a str: ColumnIndex<D::Row>,
-    usize: ColumnIndex<D::Row>,
-{
+on_every_dialect! {
+[SqlStore<D>] {
     /// Upserts `row` unfenced; the row as stored.
     async fn upsert(
         conn: &mut D::Connection,
@@ -252,7 +263,7 @@ where
 
     /// A row as the reads give it (delta rows rebuilt, see [`full`]).
     async fn full(&self, row: &D::Row) -> Result<Checkpoint, StoreError> {
-        full(raw::<D>(row)?, |agent_id, turn_id, step| async move {
+        full(Self::raw(row)?, |agent_id, turn_id, step| async move {
             let base: Option<String> = sqlx::query_scalar(D::BASE_STATE)
                 .bind(agent_id.as_str())
                 .bind(turn_id.as_str())
@@ -271,6 +282,21 @@ where
         .await
     }
 
+    /// The columns of a read row.
+    fn raw(row: &D::Row) -> Result<RawRow, StoreError> {
+        Ok(RawRow {
+            id: row.try_get("id").map_err(classify)?,
+            agent_id: row.try_get("agent_id").map_err(classify)?,
+            step: row.try_get("step").map_err(classify)?,
+            state: row.try_get("state").map_err(classify)?,
+            turn_id: row.try_get("turn_id").map_err(classify)?,
+            attempt: row.try_get("attempt").map_err(classify)?,
+            delta_from: row.try_get("delta_from").map_err(classify)?,
+            created_at: ts::<D>(row, "created_at")?,
+            updated_at: ts::<D>(row, "updated_at")?,
+        })
+    }
+
     /// The row `found`, rebuilt; `NotFound` (naming `what`) when there is none.
     async fn found(&self, found: Option<D::Row>, what: &str) -> Result<Checkpoint, StoreError> {
         match found {
@@ -279,43 +305,10 @@ where
         }
     }
 }
-
-fn raw<D: Dialect>(row: &D::Row) -> Result<RawRow, StoreError>
-where
-    for<'r> String: Decode<'r, D> + Type<D>,
-    for<'r> Option<String>: Decode<'r, D> + Type<D>,
-    for<'r> i64: Decode<'r, D> + Type<D>,
-    for<'r> Option<i64>: Decode<'r, D> + Type<D>,
-    for<'a> &'a str: ColumnIndex<D::Row>,
-{
-    Ok(RawRow {
-        id: row.try_get("id").map_err(classify)?,
-        agent_id: row.try_get("agent_id").map_err(classify)?,
-        step: row.try_get("step").map_err(classify)?,
-        state: row.try_get("state").map_err(classify)?,
-        turn_id: row.try_get("turn_id").map_err(classify)?,
-        attempt: row.try_get("attempt").map_err(classify)?,
-        delta_from: row.try_get("delta_from").map_err(classify)?,
-        created_at: ts::<D>(row, "created_at")?,
-        updated_at: ts::<D>(row, "updated_at")?,
-    })
 }
 
-impl<D: Dialect> CheckpointStore for SqlStore<D>
-where
-    for<'c> &'c mut D::Connection: Executor<'c, Database = D>,
-    D::Arguments: IntoArguments<D>,
-    for<'q> &'q str: Encode<'q, D> + Type<D>,
-    for<'q> Option<&'q str>: Encode<'q, D> + Type<D>,
-    for<'q> i64: Encode<'q, D> + Type<D>,
-    for<'q> Option<i64>: Encode<'q, D> + Type<D>,
-    for<'r> String: Decode<'r, D> + Type<D>,
-    for<'r> Option<String>: Decode<'r, D> + Type<D>,
-    for<'r> i64: Decode<'r, D>,
-    for<'r> Option<i64>: Decode<'r, D>,
-    for<'a> &'a str: ColumnIndex<D::Row>,
-    usize: ColumnIndex<D::Row>,
-{
+on_every_dialect! {
+[CheckpointStore for SqlStore<D>] {
     async fn save(
         &self,
         checkpoint: Checkpoint,
@@ -452,4 +445,5 @@ where
     async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }
+}
 }
