@@ -227,11 +227,7 @@ pub const REPLY_SLACK: usize = 8 * 1024;
 /// The largest reply `client`'s connection carries, less [`REPLY_SLACK`]: the byte budget of a
 /// page of results. The server's `max_payload` when known, else the NATS default (1 MiB).
 pub fn reply_budget(client: &async_nats::Client) -> usize {
-    let max = match client.server_info().max_payload {
-        0 => guard::DEFAULT_MAX_PAYLOAD,
-        known => known,
-    };
-    max.saturating_sub(REPLY_SLACK)
+    guard::max_payload(client).saturating_sub(REPLY_SLACK)
 }
 
 /// The longest prefix of `items` whose JSON fits in `budget` bytes (always at least one item: a
