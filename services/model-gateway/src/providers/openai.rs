@@ -19,20 +19,17 @@
 //! - `max_tokens` is sent as `max_completion_tokens` to OpenAI itself (its reasoning models
 //!   refuse `max_tokens`), as `max_tokens` elsewhere.
 
-use super::sse::SseReader;
 use super::{
-    DeltaSink, ProviderError, normalise_effort, post_for_stream, post_json, strings,
+    DeltaSink, HttpDialect, ProviderError, StreamEvents, event_json, normalise_effort, strings,
     tool_choice_forces, upstream_message,
 };
-use crate::config::{ProviderConfig, Step, Vendor};
+use crate::config::{ProviderConfig, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking};
 use cyrene_protocol::stream::Delta;
-use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::fmt;
-use tokio::time::Instant;
 
 /// A provider speaking `/chat/completions`.
 pub struct OpenAiProvider {
@@ -186,80 +183,37 @@ impl OpenAiProvider {
     }
 }
 
-impl super::Provider for OpenAiProvider {
-    fn complete<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let body = self.encode(request, &step.model)?;
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self.http.post(&self.url);
-            if let Some(key) = &self.api_key {
-                http = http.bearer_auth(key);
-            }
-            let reply = post_json(http, bytes, deadline).await?;
-            decode(&reply, &step.model)
-        })
+impl HttpDialect for OpenAiProvider {
+    type Events = StreamAccumulator;
+
+    fn encode(&self, request: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+        OpenAiProvider::encode(self, request, model)
     }
 
     /// `"stream": true` with `stream_options.include_usage`, so the last event carries the usage
     /// the non-streamed reply has; the events are put back together into that reply's shape and
     /// decoded by the same [`decode`].
-    fn stream<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-        sink: &'a DeltaSink,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let mut body = self.encode(request, &step.model)?;
-            if let Some(obj) = body.as_object_mut() {
-                obj.insert("stream".into(), json!(true));
-                obj.insert("stream_options".into(), json!({"include_usage": true}));
-            }
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self.http.post(&self.url);
-            if let Some(key) = &self.api_key {
-                http = http.bearer_auth(key);
-            }
-            let response = post_for_stream(http, bytes, deadline).await?;
-            let response = match super::whole_reply(response, started, deadline).await? {
-                Ok(whole) => {
-                    let response = decode(&whole, &step.model)?;
-                    for delta in super::response_deltas(&response) {
-                        sink.send(delta);
-                    }
-                    return Ok(response);
-                }
-                Err(events) => events,
-            };
-            let mut events = SseReader::new(response, started, deadline);
-            let mut acc = StreamAccumulator::default();
-            while let Some(event) = events.next().await? {
-                if event.data.trim() == "[DONE]" {
-                    acc.done = true;
-                    break;
-                }
-                let v: Value = serde_json::from_str(&event.data).map_err(|e| {
-                    ProviderError::BadResponse(format!("a stream event is not JSON: {e}"))
-                })?;
-                acc.feed(&v, sink)?;
-            }
-            acc.finish(&step.model)
-        })
+    fn ask_for_stream(&self, body: &mut Map<String, Value>) {
+        body.insert("stream".into(), json!(true));
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+
+    fn post(&self) -> reqwest::RequestBuilder {
+        let http = self.http.post(&self.url);
+        match &self.api_key {
+            Some(key) => http.bearer_auth(key),
+            None => http,
+        }
+    }
+
+    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+        decode(body, model)
     }
 }
 
 /// The parts of a streamed `/chat/completions` reply seen so far (first choice only).
 #[derive(Debug, Default)]
-struct StreamAccumulator {
+pub(crate) struct StreamAccumulator {
     model: String,
     text: String,
     reasoning: String,
@@ -268,6 +222,22 @@ struct StreamAccumulator {
     finish_reason: Option<String>,
     usage: Option<Value>,
     done: bool,
+}
+
+impl StreamEvents for StreamAccumulator {
+    /// `true` at `[DONE]`.
+    fn take(&mut self, data: &str, sink: &DeltaSink) -> Result<bool, ProviderError> {
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Ok(true);
+        }
+        self.feed(&event_json(data)?, sink)?;
+        Ok(false)
+    }
+
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
+        StreamAccumulator::finish(self, model)
+    }
 }
 
 impl StreamAccumulator {
