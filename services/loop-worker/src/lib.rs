@@ -26,6 +26,30 @@ pub mod worker;
 
 pub use config::{Args, Config};
 
+/// Messages and parts the unit tests of the view modules build their transcripts from.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use cyrene_protocol::message::{Message, Part, Role};
+
+    pub fn user(text: &str) -> Message {
+        Message::text(Role::User, text)
+    }
+
+    pub fn assistant(text: &str) -> Message {
+        Message::text(Role::Assistant, text)
+    }
+
+    /// A PDF document part of `size` bytes, by reference.
+    pub fn pdf(name: &str, size: u64) -> Part {
+        Part::Document {
+            name: name.into(),
+            mime: "application/pdf".into(),
+            url: format!("cyrene-doc://{name}"),
+            size,
+        }
+    }
+}
+
 use async_nats::Client;
 use cyrene_bus::host::{Host, ServiceSpec};
 use std::sync::Arc;
