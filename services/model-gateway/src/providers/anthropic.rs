@@ -86,9 +86,13 @@ impl AnthropicProvider {
             http,
         }
     }
+}
+
+impl HttpDialect for AnthropicProvider {
+    type Events = StreamAccumulator;
 
     /// The request body for `model`.
-    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+    fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
         let mut body = Map::new();
         body.insert("model".into(), json!(model));
         let style = self
@@ -149,14 +153,6 @@ impl AnthropicProvider {
         }
         Ok(Value::Object(body))
     }
-}
-
-impl HttpDialect for AnthropicProvider {
-    type Events = StreamAccumulator;
-
-    fn encode(&self, request: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
-        AnthropicProvider::encode(self, request, model)
-    }
 
     /// `"stream": true`: the events (`message_start`, `content_block_*` with text, thinking,
     /// signature and `input_json` deltas, `message_delta`, `message_stop`) are put back together
@@ -202,8 +198,20 @@ impl StreamEvents for StreamAccumulator {
         self.feed(&event_json(data)?, sink)
     }
 
+    /// The non-streamed reply these events add up to, decoded.
     fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        StreamAccumulator::finish(self, model)
+        if !self.stopped {
+            return Err(ProviderError::Transport(
+                "the event stream ended before message_stop".to_owned(),
+            ));
+        }
+        let reply = json!({
+            "model": self.model,
+            "content": self.blocks.into_values().collect::<Vec<_>>(),
+            "stop_reason": self.stop_reason,
+            "usage": Value::Object(self.usage),
+        });
+        decode_value(&reply, model)
     }
 }
 
@@ -320,22 +328,6 @@ impl StreamAccumulator {
                 }
             }
         }
-    }
-
-    /// The non-streamed reply these events add up to, decoded.
-    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        if !self.stopped {
-            return Err(ProviderError::Transport(
-                "the event stream ended before message_stop".to_owned(),
-            ));
-        }
-        let reply = json!({
-            "model": self.model,
-            "content": self.blocks.into_values().collect::<Vec<_>>(),
-            "stop_reason": self.stop_reason,
-            "usage": Value::Object(self.usage),
-        });
-        decode_value(&reply, model)
     }
 }
 

@@ -87,56 +87,6 @@ impl OpenAiProvider {
         }
     }
 
-    /// The request body for `model`.
-    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
-        let mut body = Map::new();
-        body.insert("model".into(), json!(model));
-        body.insert(
-            "messages".into(),
-            Value::Array(encode_messages(&req.messages)?),
-        );
-        if let Some(t) = req.temperature {
-            body.insert("temperature".into(), json!(t));
-        }
-        if let Some(max) = req.max_tokens {
-            let key = if self.vendor == Vendor::Openai {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
-            body.insert(key.into(), json!(max));
-        }
-        if !req.tools.is_empty() {
-            let tools = req
-                .tools
-                .iter()
-                .map(|t| {
-                    let mut function = Map::new();
-                    function.insert("name".into(), json!(t.name));
-                    if !t.description.is_empty() {
-                        function.insert("description".into(), json!(t.description));
-                    }
-                    function.insert("parameters".into(), t.parameters.clone());
-                    json!({"type": "function", "function": function})
-                })
-                .collect();
-            body.insert("tools".into(), Value::Array(tools));
-        }
-        if let Some(choice) = &req.tool_choice {
-            body.insert("tool_choice".into(), tool_choice(choice));
-        }
-        self.encode_thinking(req, &mut body);
-        if let Some(effort) = normalise_effort(
-            &req.reasoning_effort,
-            self.efforts.as_deref(),
-            self.vendor == Vendor::Deepseek,
-            &self.name,
-        ) {
-            body.insert("reasoning_effort".into(), json!(effort));
-        }
-        Ok(Value::Object(body))
-    }
-
     fn encode_thinking(&self, req: &ModelRequest, body: &mut Map<String, Value>) {
         let thinking = req.thinking.as_ref();
         match self.vendor {
@@ -186,8 +136,54 @@ impl OpenAiProvider {
 impl HttpDialect for OpenAiProvider {
     type Events = StreamAccumulator;
 
-    fn encode(&self, request: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
-        OpenAiProvider::encode(self, request, model)
+    /// The request body for `model`.
+    fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+        let mut body = Map::new();
+        body.insert("model".into(), json!(model));
+        body.insert(
+            "messages".into(),
+            Value::Array(encode_messages(&req.messages)?),
+        );
+        if let Some(t) = req.temperature {
+            body.insert("temperature".into(), json!(t));
+        }
+        if let Some(max) = req.max_tokens {
+            let key = if self.vendor == Vendor::Openai {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            body.insert(key.into(), json!(max));
+        }
+        if !req.tools.is_empty() {
+            let tools = req
+                .tools
+                .iter()
+                .map(|t| {
+                    let mut function = Map::new();
+                    function.insert("name".into(), json!(t.name));
+                    if !t.description.is_empty() {
+                        function.insert("description".into(), json!(t.description));
+                    }
+                    function.insert("parameters".into(), t.parameters.clone());
+                    json!({"type": "function", "function": function})
+                })
+                .collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(choice) = &req.tool_choice {
+            body.insert("tool_choice".into(), tool_choice(choice));
+        }
+        self.encode_thinking(req, &mut body);
+        if let Some(effort) = normalise_effort(
+            &req.reasoning_effort,
+            self.efforts.as_deref(),
+            self.vendor == Vendor::Deepseek,
+            &self.name,
+        ) {
+            body.insert("reasoning_effort".into(), json!(effort));
+        }
+        Ok(Value::Object(body))
     }
 
     /// `"stream": true` with `stream_options.include_usage`, so the last event carries the usage
@@ -235,8 +231,35 @@ impl StreamEvents for StreamAccumulator {
         Ok(false)
     }
 
+    /// The non-streamed reply these events add up to, decoded.
     fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        StreamAccumulator::finish(self, model)
+        if !self.done && self.finish_reason.is_none() {
+            return Err(ProviderError::Transport(
+                "the event stream ended before the reply did (no finish_reason, no [DONE])"
+                    .to_owned(),
+            ));
+        }
+        let calls: Vec<Value> = self
+            .calls
+            .into_values()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function",
+                       "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        let mut message = json!({"role": "assistant", "content": self.text});
+        if !self.reasoning.is_empty() {
+            message["reasoning_content"] = json!(self.reasoning);
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        let reply = json!({
+            "model": self.model,
+            "choices": [{"message": message, "finish_reason": self.finish_reason}],
+            "usage": self.usage.unwrap_or(Value::Null),
+        });
+        decode_value(&reply, model)
     }
 }
 
@@ -317,37 +340,6 @@ impl StreamAccumulator {
             });
         }
         Ok(())
-    }
-
-    /// The non-streamed reply these events add up to, decoded.
-    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        if !self.done && self.finish_reason.is_none() {
-            return Err(ProviderError::Transport(
-                "the event stream ended before the reply did (no finish_reason, no [DONE])"
-                    .to_owned(),
-            ));
-        }
-        let calls: Vec<Value> = self
-            .calls
-            .into_values()
-            .map(|(id, name, arguments)| {
-                json!({"id": id, "type": "function",
-                       "function": {"name": name, "arguments": arguments}})
-            })
-            .collect();
-        let mut message = json!({"role": "assistant", "content": self.text});
-        if !self.reasoning.is_empty() {
-            message["reasoning_content"] = json!(self.reasoning);
-        }
-        if !calls.is_empty() {
-            message["tool_calls"] = Value::Array(calls);
-        }
-        let reply = json!({
-            "model": self.model,
-            "choices": [{"message": message, "finish_reason": self.finish_reason}],
-            "usage": self.usage.unwrap_or(Value::Null),
-        });
-        decode_value(&reply, model)
     }
 }
 
