@@ -1,5 +1,6 @@
 //! The [`CheckpointStore`] trait, the input checks every backend shares, and the two SQL backends
-//! behind it: [`PgStore`] (PostgreSQL, production) and [`SqliteStore`] (the embedded default).
+//! behind it: [`PgStore`] (PostgreSQL, production) and [`SqliteStore`] (the embedded default),
+//! one code path ([`sql::SqlStore`]) over two dialects.
 //!
 //! # Invariants
 //! - Every backend validates its input through the helpers here first ([`prepare_save`],
