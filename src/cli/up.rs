@@ -11,8 +11,8 @@ use super::CliError;
 use clap::Args;
 use cyrene_bus::ConnectMode;
 use cyrene_bus::entry::ServiceArgs;
-use cyrene_bus::host::{EndpointSpec, Host, ServiceSpec};
-use cyrene_bus::service::{RequestContext, ServeOptions};
+use cyrene_bus::host::{Endpoint, Host, ServiceSpec};
+use cyrene_bus::service::RequestContext;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
 use serde_json::{Value, json};
@@ -225,13 +225,19 @@ async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> 
         description: "Cyrene demo tools (offline mode)".to_owned(),
         metadata: HashMap::new(),
     };
-    let mut host = Host::start(&client, spec, shutdown)
-        .await
-        .map_err(|e| e.to_string())?;
-    let endpoint = EndpointSpec {
-        name: "search_notes",
-        subject: "cyrene.tool.search_notes",
-        metadata: &[
+    let search_notes = |args: Value, _ctx: RequestContext| async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let query = args
+            .get("query")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        Ok::<_, ErrorBody>(
+            json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}),
+        )
+    };
+    let endpoints = vec![
+        Endpoint::json("search_notes", "cyrene.tool.search_notes", search_notes).metadata(&[
             (
                 "cyrene.tool.description",
                 "Search the user's notes (demo; takes 1.5 s).",
@@ -240,16 +246,12 @@ async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> 
                 "cyrene.tool.parameters",
                 r#"{"type":"object","properties":{"query":{"type":"string"}},"required":["query"]}"#,
             ),
-        ],
-    };
-    host.serve(endpoint, ServeOptions::default(), |args: Value, _ctx: RequestContext| async move {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        let query = args.get("query").and_then(Value::as_str).unwrap_or_default().to_owned();
-        Ok::<_, ErrorBody>(json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}))
-    })
-    .await
-    .map_err(|e| e.to_string())?;
-    let (_service, mut serving) = host.into_parts();
-    while serving.join_next().await.is_some() {}
+        ]),
+    ];
+    Host::start(&client, spec, endpoints, shutdown)
+        .await
+        .map_err(|e| e.to_string())?
+        .run()
+        .await;
     Ok(())
 }

@@ -44,8 +44,8 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("nats: {0}")]
-    Bus(String),
+    #[error(transparent)]
+    Host(#[from] cyrene_bus::host::HostError),
 }
 
 impl cyrene_bus::entry::RunError for Error {

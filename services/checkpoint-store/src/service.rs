@@ -1,5 +1,6 @@
-//! The micro service: five named endpoints on `cyrene.checkpoint.*`, each a bounded
-//! [`serve_json`] loop in front of one [`CheckpointStore`].
+//! The micro service: the endpoint table of `cyrene.checkpoint.*` (five shared endpoints and a
+//! person's three reads), hosted by [`cyrene_bus::host::Host`] in front of one
+//! [`CheckpointStore`].
 //!
 //! # Invariants
 //! - Every request is answered: bad input by the decoder (`bad_request`/`too_large`) or the store
@@ -20,18 +21,19 @@ use crate::config::Config;
 use crate::store::{CheckpointStore, StoreError};
 use crate::{Error, SERVICE_NAME};
 use async_nats::Client;
-use async_nats::service::ServiceExt;
 use chrono::Utc;
+use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
+use cyrene_bus::service::WireError;
 use cyrene_bus::service::database_call as bounded;
-use cyrene_bus::service::{RequestContext, ServeOptions, page_within, reply_budget, serve_json};
+use cyrene_bus::service::{ServeOptions, page_within, reply_budget};
 use cyrene_protocol::checkpoint::owner_person;
 use cyrene_protocol::checkpoint::{
     Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
 };
 use cyrene_protocol::error::{ErrorBody, ErrorCode};
 use cyrene_protocol::subjects;
+use std::collections::HashMap;
 use std::sync::Arc;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// Room for the JSON around `state` in a save request (ids, step, fencing fields).
@@ -48,34 +50,40 @@ pub async fn serve<S: CheckpointStore>(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let store = Arc::new(store);
-    let service = client
-        .service_builder()
-        .description(
-            "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, list, \
-             retain",
-        )
-        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
-    let service_ref = &service;
-    let endpoint = |name: &'static str, subject: String| async move {
-        cyrene_bus::service::add_endpoint(service_ref, name, &subject)
-            .await
-            .map_err(Error::Bus)
+    let spec = ServiceSpec {
+        name: SERVICE_NAME,
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, \
+                      list, retain"
+            .to_owned(),
+        metadata: HashMap::new(),
     };
-    let person = |what: &str| subjects::person_all(what);
-    let save = endpoint("save", subjects::CHECKPOINT_SAVE.into()).await?;
-    let latest = endpoint("latest", subjects::CHECKPOINT_LATEST.into()).await?;
-    let get = endpoint("get", subjects::CHECKPOINT_GET.into()).await?;
-    let list = endpoint("list", subjects::CHECKPOINT_LIST.into()).await?;
-    let retain = endpoint("retain", subjects::CHECKPOINT_RETAIN.into()).await?;
-    let person_latest =
-        endpoint("person-latest", person(subjects::PERSON_CHECKPOINT_LATEST)).await?;
-    let person_get = endpoint("person-get", person(subjects::PERSON_CHECKPOINT_GET)).await?;
-    let person_list = endpoint("person-list", person(subjects::PERSON_CHECKPOINT_LIST)).await?;
+    let endpoints = endpoints(&store, config, reply_budget(&client));
+    let mut host = Host::start(&client, spec, endpoints, shutdown.clone()).await?;
+    // Registered, and the database opened (with its migrations) by `run`: ready while the
+    // database keeps answering.
+    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
+    cyrene_bus::health::global().set(SERVICE_NAME, true);
+    let (s, limit) = (store.clone(), config.db_timeout);
+    host.spawn(cyrene_bus::health::watch(
+        cyrene_bus::health::DATABASE_CHECK,
+        DATABASE_CHECK_EVERY,
+        move || {
+            let s = s.clone();
+            async move { tokio::time::timeout(limit, s.ping()).await.unwrap_or(false) }
+        },
+        shutdown,
+    ));
+    tracing::info!(backend = store.backend(), "checkpoint store serving");
+    host.run().await;
+    store.close().await;
+    tracing::info!("checkpoint store stopped");
+    Ok(())
+}
 
+/// The endpoint table: the shared subjects and a person's own (`person-*`, the reads only).
+fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize) -> Vec<Endpoint> {
     let limit = config.db_timeout;
-    let budget = reply_budget(&client);
     let small = ServeOptions {
         max_in_flight: config.max_in_flight,
         ..ServeOptions::default()
@@ -84,133 +92,81 @@ pub async fn serve<S: CheckpointStore>(
         max_in_flight: config.max_in_flight,
         max_payload: config.max_state_bytes.saturating_add(SAVE_ENVELOPE_SLACK),
     };
-    // Registered, and the database opened (with its migrations) by `run`: ready while the
-    // database keeps answering.
-    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
-    let mut tasks = JoinSet::new();
-    let s = store.clone();
-    tasks.spawn(cyrene_bus::health::watch(
-        cyrene_bus::health::DATABASE_CHECK,
-        DATABASE_CHECK_EVERY,
-        move || {
-            let s = s.clone();
-            async move { tokio::time::timeout(limit, s.ping()).await.unwrap_or(false) }
-        },
-        shutdown.clone(),
-    ));
-    let s = store.clone();
-    tasks.spawn(serve_json(
-        save,
-        save_options,
-        shutdown.clone(),
-        move |cp: Checkpoint, _: RequestContext| {
-            let s = s.clone();
-            async move {
-                let started = std::time::Instant::now();
-                let saved = bounded(limit, s.save(cp, Utc::now())).await;
-                let outcome = saved.as_ref().map_or_else(|e| e.code.as_str(), |_| "ok");
-                metrics::histogram!("cyrene_checkpoint_save_duration_seconds", "outcome" => outcome)
-                    .record(started.elapsed().as_secs_f64());
-                saved
+    let person = |what: &str| subjects::person_all(what);
+    let save = with_state(store, move |s, cp: Checkpoint, _| async move {
+        let started = std::time::Instant::now();
+        let saved = bounded(limit, s.save(cp, Utc::now())).await;
+        let outcome = saved.as_ref().map_or_else(|e| e.code.as_str(), |_| "ok");
+        metrics::histogram!("cyrene_checkpoint_save_duration_seconds", "outcome" => outcome)
+            .record(started.elapsed().as_secs_f64());
+        saved
+    });
+    let latest = || {
+        with_state(store, move |s, req: LatestRequest, ctx| async move {
+            may_read(&ctx.subject, &req.agent_id)?;
+            match (req.turn_id.as_deref(), req.attempt) {
+                (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
+                (Some(turn), attempt) => {
+                    let read = s.latest_of_turn(&req.agent_id, turn, attempt, Utc::now());
+                    bounded(limit, read).await
+                }
+                (None, Some(_)) => Err(StoreError::BadRequest(
+                    "attempt needs turn_id: a fenced read is of one turn".into(),
+                )
+                .to_body()),
             }
-        },
-    ));
-    for latest in [latest, person_latest] {
-        let s = store.clone();
-        tasks.spawn(serve_json(
-            latest,
-            small,
-            shutdown.clone(),
-            move |req: LatestRequest, ctx: RequestContext| {
-                let s = s.clone();
-                async move {
-                    may_read(&ctx.subject, &req.agent_id)?;
-                    match (req.turn_id.as_deref(), req.attempt) {
-                        (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
-                        (Some(turn), attempt) => {
-                            let read = s.latest_of_turn(&req.agent_id, turn, attempt, Utc::now());
-                            bounded(limit, read).await
-                        }
-                        (None, Some(_)) => Err(StoreError::BadRequest(
-                            "attempt needs turn_id: a fenced read is of one turn".into(),
-                        )
-                        .to_body()),
-                    }
-                }
-            },
-        ));
-    }
-    for get in [get, person_get] {
-        let s = store.clone();
-        tasks.spawn(serve_json(
-            get,
-            small,
-            shutdown.clone(),
-            move |req: GetRequest, ctx: RequestContext| {
-                let s = s.clone();
-                async move {
-                    may_read(&ctx.subject, &req.id)?;
-                    bounded(limit, s.get(&req.id)).await
-                }
-            },
-        ));
-    }
-    for list in [list, person_list] {
-        let s = store.clone();
-        tasks.spawn(serve_json(
-            list,
-            small,
-            shutdown.clone(),
-            move |req: ListRequest, ctx: RequestContext| {
-                let s = s.clone();
-                async move {
-                    may_read(&ctx.subject, &req.agent_id)?;
-                    let count = crate::store::list_limit(req.limit).map_err(|e| e.to_body())?;
-                    // One row more than asked tells whether another page follows.
-                    let read = s.list_before(&req.agent_id, count + 1, req.before.as_deref());
-                    let mut rows = bounded(limit, read).await?;
-                    let more = rows.len() > count as usize;
-                    rows.truncate(count as usize);
-                    let (checkpoints, cut) = page_within(rows, budget);
-                    let next_before = (more || cut)
-                        .then(|| checkpoints.last().map(|c| c.id.clone()))
-                        .flatten();
-                    Ok(ListResponse {
-                        checkpoints,
-                        next_before,
-                    })
-                }
-            },
-        ));
-    }
-    let s = store.clone();
-    tasks.spawn(serve_json(
-        retain,
-        small,
-        shutdown.clone(),
-        move |req: RetainRequest, _: RequestContext| {
-            let s = s.clone();
-            async move {
-                let deleted = bounded(limit, s.retain(&req, Utc::now())).await?;
-                tracing::info!(?req, deleted, "retention ran");
-                Ok(RetainResponse { deleted })
-            }
-        },
-    ));
-    tracing::info!(backend = store.backend(), "checkpoint store serving");
-
-    while let Some(joined) = tasks.join_next().await {
-        if let Err(err) = joined {
-            tracing::error!(error = %err, "an endpoint loop failed");
-        }
-    }
-    if let Err(err) = service.stop().await {
-        tracing::debug!(error = %err, "stopping the micro service");
-    }
-    store.close().await;
-    tracing::info!("checkpoint store stopped");
-    Ok(())
+        })
+    };
+    let get = || {
+        with_state(store, move |s, req: GetRequest, ctx| async move {
+            may_read(&ctx.subject, &req.id)?;
+            bounded(limit, s.get(&req.id)).await
+        })
+    };
+    let list = || {
+        with_state(store, move |s, req: ListRequest, ctx| async move {
+            may_read(&ctx.subject, &req.agent_id)?;
+            let count = crate::store::list_limit(req.limit).map_err(|e| e.to_body())?;
+            // One row more than asked tells whether another page follows.
+            let read = s.list_before(&req.agent_id, count + 1, req.before.as_deref());
+            let mut rows = bounded(limit, read).await?;
+            let more = rows.len() > count as usize;
+            rows.truncate(count as usize);
+            let (checkpoints, cut) = page_within(rows, budget);
+            let next_before = (more || cut)
+                .then(|| checkpoints.last().map(|c| c.id.clone()))
+                .flatten();
+            Ok(ListResponse {
+                checkpoints,
+                next_before,
+            })
+        })
+    };
+    let retain = with_state(store, move |s, req: RetainRequest, _| async move {
+        let deleted = bounded(limit, s.retain(&req, Utc::now())).await?;
+        tracing::info!(?req, deleted, "retention ran");
+        Ok(RetainResponse { deleted })
+    });
+    vec![
+        Endpoint::json("save", subjects::CHECKPOINT_SAVE, save).options(save_options),
+        Endpoint::json("latest", subjects::CHECKPOINT_LATEST, latest()).options(small),
+        Endpoint::json("get", subjects::CHECKPOINT_GET, get()).options(small),
+        Endpoint::json("list", subjects::CHECKPOINT_LIST, list()).options(small),
+        Endpoint::json("retain", subjects::CHECKPOINT_RETAIN, retain).options(small),
+        Endpoint::json(
+            "person-latest",
+            person(subjects::PERSON_CHECKPOINT_LATEST),
+            latest(),
+        )
+        .options(small),
+        Endpoint::json("person-get", person(subjects::PERSON_CHECKPOINT_GET), get()).options(small),
+        Endpoint::json(
+            "person-list",
+            person(subjects::PERSON_CHECKPOINT_LIST),
+            list(),
+        )
+        .options(small),
+    ]
 }
 
 /// Whether the caller of a read on `subject` may read the checkpoints of `owner_or_id` (an

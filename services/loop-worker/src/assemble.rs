@@ -256,21 +256,10 @@ mod tests {
     use crate::attribution::{ROLE_CONTEXT_MARKER, SPEAKER_SWITCH_MARKER};
     use crate::notice::PARALLEL_NOTICE_HEADER;
 
-    fn user(text: &str) -> Message {
-        Message::text(Role::User, text)
-    }
-
-    fn assistant(text: &str) -> Message {
-        Message::text(Role::Assistant, text)
-    }
+    use crate::fixtures::{assistant, user};
 
     fn document(name: &str) -> Part {
-        Part::Document {
-            name: name.into(),
-            mime: "application/pdf".into(),
-            url: format!("cyrene-doc://{name}"),
-            size: 2048,
-        }
+        crate::fixtures::pdf(name, 2048)
     }
 
     fn steered(id: &str, seq: u64, text: &str) -> SteeredMessage {

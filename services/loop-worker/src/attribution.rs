@@ -416,13 +416,7 @@ mod tests {
         SpeakerEnv::new(true, current)
     }
 
-    fn user(text: &str) -> Message {
-        Message::text(Role::User, text)
-    }
-
-    fn assistant(text: &str) -> Message {
-        Message::text(Role::Assistant, text)
-    }
+    use crate::fixtures::{assistant, user};
 
     fn system(text: &str) -> Message {
         Message::text(Role::System, text)

@@ -28,11 +28,34 @@ pub mod worker;
 
 pub use config::{Args, Config};
 
+/// Messages and parts the unit tests of the view modules build their transcripts from.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use cyrene_protocol::message::{Message, Part, Role};
+
+    pub fn user(text: &str) -> Message {
+        Message::text(Role::User, text)
+    }
+
+    pub fn assistant(text: &str) -> Message {
+        Message::text(Role::Assistant, text)
+    }
+
+    /// A PDF document part of `size` bytes, by reference.
+    pub fn pdf(name: &str, size: u64) -> Part {
+        Part::Document {
+            name: name.into(),
+            mime: "application/pdf".into(),
+            url: format!("cyrene-doc://{name}"),
+            size,
+        }
+    }
+}
+
 use async_nats::Client;
-use async_nats::service::ServiceExt;
+use cyrene_bus::host::{Host, ServiceSpec};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// The micro service name (stats and info only: the worker has no endpoints).
@@ -46,8 +69,8 @@ const CONSUMER_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(#[from] cyrene_bus::entry::Problems),
-    #[error("cannot register the micro service: {0}")]
-    Service(String),
+    #[error(transparent)]
+    Host(#[from] cyrene_bus::host::HostError),
     #[error("cannot set up JetStream: {0}")]
     JetStream(String),
 }
@@ -62,12 +85,14 @@ impl cyrene_bus::entry::RunError for Error {
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     config.validate()?;
     let config = Arc::new(config);
-    let service = client
-        .service_builder()
-        .description("Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue")
-        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(|e| Error::Service(e.to_string()))?;
+    let spec = ServiceSpec {
+        name: SERVICE_NAME,
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue"
+            .to_owned(),
+        metadata: Default::default(),
+    };
+    let mut host = Host::start(&client, spec, Vec::new(), shutdown.clone()).await?;
     let js = async_nats::jetstream::new(client.clone());
     let stream = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {
         cyrene_bus::streams::ensure_turns_stream_replicas(&js, config.turns_replicas)
@@ -92,10 +117,9 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         timeouts,
     ));
 
-    let mut tasks = JoinSet::new();
     {
         let (tools, every, shutdown) = (tools.clone(), config.tool_refresh, shutdown.clone());
-        tasks.spawn(async move {
+        host.spawn(async move {
             loop {
                 let found = tools.discover(Duration::from_millis(500)).await;
                 tracing::debug!(tools = found, "external tools discovered");
@@ -106,14 +130,14 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
             }
         });
     }
-    tasks.spawn(worker::exhausted_jobs(
+    host.spawn(worker::exhausted_jobs(
         config.clone(),
         client.clone(),
         stream.clone(),
         ports.clone(),
         shutdown.clone(),
     ));
-    tasks.spawn(worker::sample_consumer(
+    host.spawn(worker::sample_consumer(
         consumer.clone(),
         CONSUMER_SAMPLE_EVERY,
         shutdown.clone(),
@@ -122,8 +146,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     cyrene_bus::health::global().set(SERVICE_NAME, true);
     worker::pull_loop(config, client.clone(), consumer, ports, shutdown.clone()).await;
     shutdown.cancel();
-    while tasks.join_next().await.is_some() {}
-    let _ = service.stop().await;
+    host.run().await;
     Ok(())
 }
 

@@ -180,21 +180,10 @@ mod tests {
     use cyrene_protocol::message::ToolCall;
     use serde_json::{Map, json};
 
-    fn user(text: &str) -> Message {
-        Message::text(Role::User, text)
-    }
-
-    fn assistant(text: &str) -> Message {
-        Message::text(Role::Assistant, text)
-    }
+    use crate::fixtures::{assistant, user};
 
     fn document(name: &str) -> Part {
-        Part::Document {
-            name: name.into(),
-            mime: "application/pdf".into(),
-            url: format!("cyrene-doc://{name}"),
-            size: 10,
-        }
+        crate::fixtures::pdf(name, 10)
     }
 
     fn tool_step() -> Vec<Message> {

@@ -32,7 +32,8 @@ use crate::providers::anthropic::AnthropicProvider;
 use crate::providers::openai::OpenAiProvider;
 use crate::providers::scripted::{RequestLog, ScriptedProvider};
 use crate::router::Router;
-use cyrene_bus::service::{ServeOptions, serve_json};
+use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
+use cyrene_bus::service::{RequestContext, ServeOptions};
 use cyrene_protocol::model::{
     CallRecord, ModelRequest, ModelResponse, RouteRequest, RouteResponse, RouteStep,
 };
@@ -156,8 +157,8 @@ pub enum Error {
     HttpClient(#[source] reqwest::Error),
     #[error("cannot start the HTTP front door: {0}")]
     Http(String),
-    #[error("cannot start the micro service: {0}")]
-    Service(String),
+    #[error(transparent)]
+    Host(#[from] cyrene_bus::host::HostError),
 }
 
 impl cyrene_bus::entry::RunError for Error {
@@ -363,67 +364,46 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    use async_nats::service::ServiceExt;
     gateway.log_routing_table();
-    let service = client
-        .service_builder()
-        .description("Cyrene model gateway: the only component that talks to LLM providers")
-        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(|e| Error::Service(e.to_string()))?;
-    let endpoint = service
-        .endpoint_builder()
-        .name(ENDPOINT_NAME)
-        .add(subjects::MODEL_COMPLETE)
-        .await
-        .map_err(|e| Error::Service(e.to_string()))?;
-    tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
-    let gateway_for_route = gateway.clone();
-    let gateway_for_stream = gateway.clone();
-    let stream_client = client.clone();
-    let handler = move |req: ModelRequest, _ctx| {
-        let gateway = gateway.clone();
-        let client = client.clone();
-        async move { gateway.call(&client, &req, None).await }
+    let spec = ServiceSpec {
+        name: SERVICE_NAME,
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Cyrene model gateway: the only component that talks to LLM providers"
+            .to_owned(),
+        metadata: Default::default(),
     };
-    let stream_endpoint = service
-        .endpoint_builder()
-        .name(STREAM_ENDPOINT_NAME)
-        .add(subjects::MODEL_COMPLETE_STREAM)
-        .await
-        .map_err(|e| Error::Service(e.to_string()))?;
-    let streamed = stream::serve_stream(
-        stream_endpoint,
-        gateway_for_stream,
-        stream_client,
-        options,
-        shutdown.clone(),
-    );
-    let route_endpoint = service
-        .endpoint_builder()
-        .name(ROUTE_ENDPOINT_NAME)
-        .add(subjects::MODEL_ROUTE)
-        .await
-        .map_err(|e| Error::Service(e.to_string()))?;
+    let complete = {
+        let (gateway, client) = (gateway.clone(), client.clone());
+        move |req: ModelRequest, _: RequestContext| {
+            let (gateway, client) = (gateway.clone(), client.clone());
+            async move { gateway.call(&client, &req, None).await }
+        }
+    };
+    let streamed = {
+        let (gateway, client) = (gateway.clone(), client.clone());
+        move |request, max_payload| {
+            stream::handle(request, gateway.clone(), client.clone(), max_payload)
+        }
+    };
+    let route = with_state(&gateway, |gateway, req: RouteRequest, _| async move {
+        gateway.route(&req)
+    });
+    let endpoints = vec![
+        Endpoint::json(ENDPOINT_NAME, subjects::MODEL_COMPLETE, complete),
+        Endpoint::raw(
+            STREAM_ENDPOINT_NAME,
+            subjects::MODEL_COMPLETE_STREAM,
+            streamed,
+        ),
+        Endpoint::json(ROUTE_ENDPOINT_NAME, subjects::MODEL_ROUTE, route),
+    ]
+    .into_iter()
+    .map(|endpoint| endpoint.options(options))
+    .collect();
+    let host = Host::start(&client, spec, endpoints, shutdown).await?;
+    tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
     cyrene_bus::health::global().set(SERVICE_NAME, true);
-    let router = gateway_for_route;
-    let route = serve_json(
-        route_endpoint,
-        options,
-        shutdown.clone(),
-        move |req: RouteRequest, _ctx| {
-            let gateway = router.clone();
-            async move { gateway.route(&req) }
-        },
-    );
-    tokio::join!(
-        serve_json(endpoint, options, shutdown, handler),
-        route,
-        streamed
-    );
-    if let Err(err) = service.stop().await {
-        tracing::debug!(error = %err, "stopping the micro service");
-    }
+    host.run().await;
     Ok(())
 }
 

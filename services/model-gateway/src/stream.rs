@@ -18,81 +18,23 @@
 
 use crate::Gateway;
 use crate::providers::DeltaSink;
-use async_nats::service::endpoint::Endpoint;
-use async_nats::service::{NATS_SERVICE_ERROR, Request};
+use async_nats::service::Request;
 use bytes::Bytes;
-use cyrene_bus::service::{ServeOptions, decode, error_headers};
+use cyrene_bus::service::{count_request, decode, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::StreamChunk;
 use cyrene_protocol::{ErrorBody, ErrorCode};
-use futures::StreamExt;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// How long shutdown waits for requests already on their way to this process.
-const DRAIN_WAIT: Duration = Duration::from_millis(200);
-
-/// Serves `endpoint` until `shutdown`, then finishes the calls already received.
-pub async fn serve_stream(
-    mut endpoint: Endpoint,
-    gateway: Arc<Gateway>,
-    client: async_nats::Client,
-    options: ServeOptions,
-    shutdown: CancellationToken,
-) {
-    let permits = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
-    let mut tasks = JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let request = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            next = endpoint.next() => match next {
-                Some(r) => r,
-                None => break,
-            },
-        };
-        while tasks.try_join_next().is_some() {}
-        tasks.spawn(handle(
-            request,
-            gateway.clone(),
-            client.clone(),
-            options.max_payload,
-            Some(permit),
-        ));
-    }
-    if let Err(err) = endpoint.stop().await {
-        tracing::warn!(error = %err, "could not unsubscribe the stream endpoint");
-    }
-    while let Ok(Some(request)) = tokio::time::timeout(DRAIN_WAIT, endpoint.next()).await {
-        tasks.spawn(handle(
-            request,
-            gateway.clone(),
-            client.clone(),
-            options.max_payload,
-            None,
-        ));
-    }
-    while tasks.join_next().await.is_some() {}
-}
-
-async fn handle(
+/// Answers one streamed request: the deltas on its reply inbox, then the end marker as the micro
+/// reply (the bounded loop around it is the host's, [`cyrene_bus::host::Endpoint::raw`]).
+pub async fn handle(
     request: Request,
     gateway: Arc<Gateway>,
     client: async_nats::Client,
     max_payload: usize,
-    permit: Option<OwnedSemaphorePermit>,
 ) {
-    let _permit = permit;
     let started = std::time::Instant::now();
     let span = tracing::info_span!("stream", subject = %request.message.subject);
     cyrene_bus::trace::set_parent(&span, request.message.headers.as_ref());
@@ -105,15 +47,9 @@ async fn handle(
             Err(err) => (0, Err(err)),
             Ok(req) => forward(&gateway, &client, req, &inbox).await,
         };
-        let code = match &result {
-            Ok(_) => "ok",
-            Err(err) => err.code.as_str(),
-        };
+        let code = result.as_ref().err().map(|err| err.code);
         end(&request, seq, result).await;
-        metrics::counter!("cyrene_requests_total", "endpoint" => crate::STREAM_ENDPOINT_NAME, "code" => code)
-            .increment(1);
-        metrics::histogram!("cyrene_request_duration_seconds", "endpoint" => crate::STREAM_ENDPOINT_NAME, "code" => code)
-            .record(started.elapsed().as_secs_f64());
+        count_request(&request, code, started);
     }
     .instrument(span)
     .await
@@ -191,19 +127,8 @@ async fn end(
         }
         Err(err) => err,
     };
-    let headers = error_headers(&err);
-    let micro = async_nats::service::error::Error {
-        status: headers
-            .get(NATS_SERVICE_ERROR)
-            .map(|v| v.as_str().to_owned())
-            .unwrap_or_default(),
-        code: usize::from(err.code.status()),
-    };
-    let payload = serde_json::to_vec(&StreamChunk::error(seq, err)).unwrap_or_default();
-    if let Err(e) = request
-        .respond_error_with_payload(micro, payload.into(), headers)
-        .await
-    {
+    let payload = serde_json::to_vec(&StreamChunk::error(seq, err.clone())).unwrap_or_default();
+    if let Err(e) = respond_error_with(request, &err, payload.into()).await {
         tracing::warn!(error = %e, "could not send the error end marker");
     }
 }

@@ -49,7 +49,6 @@ pub use store::{Backend, JobSettings, Store, StoreError, StoreOptions};
 use async_nats::Client;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// The micro service name (`nats micro ls`).
@@ -67,6 +66,8 @@ pub enum Error {
     Store(#[from] StoreError),
     #[error("nats: {0}")]
     Bus(String),
+    #[error(transparent)]
+    Host(#[from] cyrene_bus::host::HostError),
 }
 
 impl cyrene_bus::entry::RunError for Error {
@@ -116,8 +117,8 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         documents,
     ));
 
-    let mut tasks = JoinSet::new();
     // The listener is subscribed before the endpoints answer, so no leg starts blind.
+    let mut listeners = Vec::new();
     for pattern in [
         cyrene_protocol::subjects::SESSION_EVENTS_ALL,
         cyrene_protocol::subjects::SESSION_EVENTS_PERSONS_ALL,
@@ -126,13 +127,16 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
             .subscribe(pattern)
             .await
             .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
-        tasks.spawn(progress::track(events, progress.clone(), shutdown.clone()));
+        listeners.push(progress::track(events, progress.clone(), shutdown.clone()));
     }
     let memory = Arc::new(memory::SqlMemory::new(
         store.pool().clone(),
         config.db_timeout,
     ));
-    let service = service::start(engine.clone(), memory, &mut tasks, shutdown.clone()).await?;
+    let mut host = service::start(engine.clone(), memory, shutdown.clone()).await?;
+    for listener in listeners {
+        host.spawn(listener);
+    }
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())
             .await
@@ -140,7 +144,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     } else {
         Vec::new()
     };
-    tasks.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
     // The database is open and every endpoint registered: ready.
     cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
     cyrene_bus::health::global().set(SERVICE_NAME, true);
@@ -154,14 +158,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     for agent in agents {
         agent.stop_within(AGENT_STOP_GRACE).await;
     }
-    while let Some(joined) = tasks.join_next().await {
-        if let Err(err) = joined {
-            tracing::error!(error = %err, "an orchestrator task failed");
-        }
-    }
-    if let Err(err) = service.stop().await {
-        tracing::debug!(error = %err, "stopping the micro service");
-    }
+    host.run().await;
     store.close().await;
     tracing::info!("orchestrator stopped");
     Ok(())

@@ -1,5 +1,5 @@
-//! The micro service `cyrene-orchestrator`: nine named endpoints, each a bounded [`serve_json`]
-//! loop in front of the [`Engine`].
+//! The micro service `cyrene-orchestrator`: the endpoint table below, hosted by
+//! [`cyrene_bus::host::Host`] in front of the [`Engine`] and the [`MemoryStore`].
 //!
 //! | endpoint   | subject                   | request          | reply             |
 //! |------------|---------------------------|------------------|-------------------|
@@ -26,8 +26,8 @@
 use crate::engine::Engine;
 use crate::memory::MemoryStore;
 use crate::{Error, SERVICE_NAME, people};
-use async_nats::service::{Service, ServiceExt};
-use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
+use cyrene_bus::service::ServeOptions;
 use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest};
@@ -35,157 +35,105 @@ use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-/// Starts the micro service and spawns one serving loop per endpoint into `tasks`.
+/// Starts the micro service with its endpoint table, served until `shutdown`.
 pub async fn start<M: MemoryStore + 'static>(
     engine: Arc<Engine>,
     memory: Arc<M>,
-    tasks: &mut JoinSet<()>,
     shutdown: CancellationToken,
-) -> Result<Service, Error> {
-    let config = engine.config().clone();
-    let service = engine
-        .client()
-        .service_builder()
-        .description(
-            "Cyrene sessions: exactly-once messages, the per-session turn fence, turn dispatch \
-             (CYRENE_TURNS), steering and completion, history",
-        )
-        .metadata(HashMap::from([(
+) -> Result<Host, Error> {
+    let spec = ServiceSpec {
+        name: SERVICE_NAME,
+        version: env!("CARGO_PKG_VERSION"),
+        description: "Cyrene sessions: exactly-once messages, the per-session turn fence, turn \
+                      dispatch (CYRENE_TURNS), steering and completion, history"
+            .to_owned(),
+        metadata: HashMap::from([(
             "cyrene.backend".to_owned(),
             engine.store.backend().name().to_owned(),
-        )]))
-        .start(SERVICE_NAME, env!("CARGO_PKG_VERSION"))
-        .await
-        .map_err(|e| Error::Bus(format!("cannot start the micro service: {e}")))?;
-    let service_ref = &service;
-    let person_send_all = subjects::person_all(subjects::PERSON_SESSION_SEND);
-    let person_history_all = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
-    let endpoint = |name: &'static str, subject: &str| {
-        let subject = subject.to_owned();
-        async move {
-            cyrene_bus::service::add_endpoint(service_ref, name, &subject)
-                .await
-                .map_err(Error::Bus)
-        }
+        )]),
     };
-    let send = endpoint("send", subjects::SESSION_SEND).await?;
-    let history = endpoint("history", subjects::SESSION_HISTORY).await?;
-    let steer = endpoint("steer", subjects::TURN_STEER).await?;
-    let complete = endpoint("complete", subjects::TURN_COMPLETE).await?;
-    let upload = endpoint("upload", document::DOCUMENT_UPLOAD).await?;
-    let read = endpoint("read", document::DOCUMENT_READ).await?;
-    let memory_read = endpoint("memory_read", mem::MEMORY_READ).await?;
-    let memory_write = endpoint("memory_write", mem::MEMORY_WRITE).await?;
-    let memory_forget = endpoint("memory_forget", mem::MEMORY_FORGET).await?;
-
     let options = ServeOptions {
-        max_in_flight: config.max_in_flight,
+        max_in_flight: engine.config().max_in_flight,
         ..ServeOptions::default()
     };
-    let person_send = endpoint("person-send", &person_send_all).await?;
-    let person_history = endpoint("person-history", &person_history_all).await?;
-    for send in [send, person_send] {
-        let e = engine.clone();
-        tasks.spawn(serve_json(
-            send,
-            options,
-            shutdown.clone(),
-            move |req: SendRequest, ctx: RequestContext| {
-                let e = e.clone();
-                async move {
-                    people::may_touch(&ctx.subject, &req.session_id)?;
-                    e.send(req).await
-                }
-            },
-        ));
-    }
-    for history in [history, person_history] {
-        let e = engine.clone();
-        tasks.spawn(serve_json(
-            history,
-            options,
-            shutdown.clone(),
-            move |req: HistoryRequest, ctx: RequestContext| {
-                let e = e.clone();
-                async move {
-                    people::may_touch(&ctx.subject, &req.session_id)?;
-                    e.history(req).await
-                }
-            },
-        ));
-    }
-    let e = engine.clone();
-    tasks.spawn(serve_json(
-        steer,
-        options,
-        shutdown.clone(),
-        move |req: SteerRequest, _: RequestContext| {
-            let e = e.clone();
-            async move { e.steer(req).await }
-        },
-    ));
-    let e = engine.clone();
-    tasks.spawn(serve_json(
-        upload,
-        options,
-        shutdown.clone(),
-        move |req: UploadRequest, _: RequestContext| {
-            let e = e.clone();
-            async move { e.documents().upload(req).await }
-        },
-    ));
-    let e = engine.clone();
-    tasks.spawn(serve_json(
-        read,
-        options,
-        shutdown.clone(),
-        move |req: ReadRequest, _: RequestContext| {
-            let e = e.clone();
-            async move { e.documents().read(req).await }
-        },
-    ));
-    let m = memory.clone();
-    tasks.spawn(serve_json(
-        memory_read,
-        options,
-        shutdown.clone(),
-        move |req: mem::MemoryReadRequest, _: RequestContext| {
-            let m = m.clone();
-            async move { m.read(req).await }
-        },
-    ));
-    let m = memory.clone();
-    tasks.spawn(serve_json(
-        memory_write,
-        options,
-        shutdown.clone(),
-        move |req: mem::MemoryWriteRequest, _: RequestContext| {
-            let m = m.clone();
-            async move { m.write(req).await }
-        },
-    ));
-    let m = memory;
-    tasks.spawn(serve_json(
-        memory_forget,
-        options,
-        shutdown.clone(),
-        move |req: mem::MemoryForgetRequest, _: RequestContext| {
-            let m = m.clone();
-            async move { m.forget(req).await }
-        },
-    ));
-    let e = engine;
-    tasks.spawn(serve_json(
-        complete,
-        options,
-        shutdown,
-        move |req: TurnComplete, _: RequestContext| {
-            let e = e.clone();
-            async move { e.complete(req).await }
-        },
-    ));
-    Ok(service)
+    let endpoints = endpoints(&engine, &memory)
+        .into_iter()
+        .map(|endpoint| endpoint.options(options))
+        .collect();
+    Ok(Host::start(engine.client(), spec, endpoints, shutdown).await?)
+}
+
+/// The endpoint table, in registration order (`$SRV.INFO` lists them so).
+fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) -> Vec<Endpoint> {
+    let send = || {
+        with_state(engine, |e, req: SendRequest, ctx| async move {
+            people::may_touch(&ctx.subject, &req.session_id)?;
+            e.send(req).await
+        })
+    };
+    let history = || {
+        with_state(engine, |e, req: HistoryRequest, ctx| async move {
+            people::may_touch(&ctx.subject, &req.session_id)?;
+            e.history(req).await
+        })
+    };
+    let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
+    let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
+    vec![
+        Endpoint::json("send", subjects::SESSION_SEND, send()),
+        Endpoint::json("history", subjects::SESSION_HISTORY, history()),
+        Endpoint::json(
+            "steer",
+            subjects::TURN_STEER,
+            with_state(engine, |e, req: SteerRequest, _| async move {
+                e.steer(req).await
+            }),
+        ),
+        Endpoint::json(
+            "complete",
+            subjects::TURN_COMPLETE,
+            with_state(engine, |e, req: TurnComplete, _| async move {
+                e.complete(req).await
+            }),
+        ),
+        Endpoint::json(
+            "upload",
+            document::DOCUMENT_UPLOAD,
+            with_state(engine, |e, req: UploadRequest, _| async move {
+                e.documents().upload(req).await
+            }),
+        ),
+        Endpoint::json(
+            "read",
+            document::DOCUMENT_READ,
+            with_state(engine, |e, req: ReadRequest, _| async move {
+                e.documents().read(req).await
+            }),
+        ),
+        Endpoint::json(
+            "memory_read",
+            mem::MEMORY_READ,
+            with_state(memory, |m, req: mem::MemoryReadRequest, _| async move {
+                m.read(req).await
+            }),
+        ),
+        Endpoint::json(
+            "memory_write",
+            mem::MEMORY_WRITE,
+            with_state(memory, |m, req: mem::MemoryWriteRequest, _| async move {
+                m.write(req).await
+            }),
+        ),
+        Endpoint::json(
+            "memory_forget",
+            mem::MEMORY_FORGET,
+            with_state(memory, |m, req: mem::MemoryForgetRequest, _| async move {
+                m.forget(req).await
+            }),
+        ),
+        Endpoint::json("person-send", person_send, send()),
+        Endpoint::json("person-history", person_history, history()),
+    ]
 }

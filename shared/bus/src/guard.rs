@@ -6,6 +6,15 @@ use cyrene_protocol::{ErrorBody, ErrorCode};
 /// `max_payload` is 1 MiB; the guard keeps endpoints honest even where the server allows more).
 pub const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 
+/// The largest message `client`'s connection carries: the server's `max_payload` when known, else
+/// the NATS default (1 MiB).
+pub fn max_payload(client: &async_nats::Client) -> usize {
+    match client.server_info().max_payload {
+        0 => DEFAULT_MAX_PAYLOAD,
+        known => known,
+    }
+}
+
 /// Refuses `len` bytes when over `max`.
 pub fn check_size(len: usize, max: usize) -> Result<(), ErrorBody> {
     if len > max {

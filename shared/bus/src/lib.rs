@@ -1,7 +1,7 @@
 //! NATS plumbing shared by every Cyrene service and client (docs/architecture.md §1).
 //!
-//! Owns: the entry shape of every service binary ([`entry`]), its health and metrics listener
-//! ([`health`]), connecting from config ([`connect`]), turning typed errors into the micro error headers
+//! Owns: the entry shape of every service binary ([`entry`]), the one way to host a micro service
+//! and its endpoint table ([`host`]), its health and metrics listener ([`health`]), connecting from config ([`connect`]), turning typed errors into the micro error headers
 //! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back
 //! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
 //! without panicking ([`headers`]) and the payload size guard ([`guard`]).

@@ -7,8 +7,8 @@
 //!   skipped: the caller would show text with a hole in it.
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
 
-use crate::request::RequestError;
-use crate::{guard, service, trace};
+use crate::request::{self, RequestError};
+use crate::{service, trace};
 use async_nats::Client;
 use async_nats::StatusCode;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
@@ -28,16 +28,7 @@ pub async fn complete_stream(
 ) -> Result<ModelResponse, RequestError> {
     let subject = subjects::MODEL_COMPLETE_STREAM;
     let payload = serde_json::to_vec(request).map_err(RequestError::Encode)?;
-    let max = match client.server_info().max_payload {
-        0 => guard::DEFAULT_MAX_PAYLOAD,
-        m => m,
-    };
-    if payload.len() > max {
-        return Err(RequestError::TooLarge {
-            size: payload.len(),
-            max,
-        });
-    }
+    request::check_outgoing(client, payload.len())?;
     let transport = |e: &dyn std::fmt::Display| RequestError::Transport {
         subject: subject.to_owned(),
         message: e.to_string(),

@@ -58,6 +58,15 @@ impl RequestError {
     }
 }
 
+/// Refuses a request of `len` bytes that `client`'s server would not accept; else its limit.
+pub(crate) fn check_outgoing(client: &Client, len: usize) -> Result<usize, RequestError> {
+    let max = guard::max_payload(client);
+    if len > max {
+        return Err(RequestError::TooLarge { size: len, max });
+    }
+    Ok(max)
+}
+
 /// Sends `body` as JSON to `subject` with the current trace context and waits at most `timeout`
 /// for a reply, decoding either `Resp` or the error envelope.
 pub async fn request_json<Req, Resp>(
@@ -86,16 +95,7 @@ pub async fn request_raw(
     payload: Vec<u8>,
     timeout: Duration,
 ) -> Result<async_nats::Message, RequestError> {
-    let max = match client.server_info().max_payload {
-        0 => guard::DEFAULT_MAX_PAYLOAD,
-        m => m,
-    };
-    if payload.len() > max {
-        return Err(RequestError::TooLarge {
-            size: payload.len(),
-            max,
-        });
-    }
+    let max = check_outgoing(client, payload.len())?;
     let request = async_nats::Request::new()
         .payload(payload.into())
         .headers(headers)

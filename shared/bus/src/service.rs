@@ -43,21 +43,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// Adds endpoint `name` on `subject` to `service` (explicit names: a name derived from a
-/// wildcard subject breaks `nats micro ls`).
-pub async fn add_endpoint(
-    service: &async_nats::service::Service,
-    name: &str,
-    subject: &str,
-) -> Result<Endpoint, String> {
-    service
-        .endpoint_builder()
-        .name(name)
-        .add(subject.to_owned())
-        .await
-        .map_err(|e| format!("cannot add endpoint {name} on {subject}: {e}"))
-}
-
 /// A failure that knows its place in the wire error set.
 pub trait WireError: std::fmt::Display {
     fn to_body(&self) -> ErrorBody;
@@ -201,6 +186,16 @@ async fn respond_coded<T: Serialize>(
 /// Sends `err` as the headers plus the JSON envelope, counted in the endpoint's `$SRV.STATS`
 /// errors.
 async fn respond_error(request: &Request, err: &ErrorBody) -> Result<(), async_nats::PublishError> {
+    respond_error_with(request, err, error_payload(err)).await
+}
+
+/// Sends `err`'s headers with `payload` as the body (an endpoint whose error replies have a body
+/// of their own shape), counted in the endpoint's `$SRV.STATS` errors.
+pub async fn respond_error_with(
+    request: &Request,
+    err: &ErrorBody,
+    payload: Bytes,
+) -> Result<(), async_nats::PublishError> {
     let headers = error_headers(err);
     let micro = async_nats::service::error::Error {
         status: headers
@@ -210,8 +205,19 @@ async fn respond_error(request: &Request, err: &ErrorBody) -> Result<(), async_n
         code: usize::from(err.code.status()),
     };
     request
-        .respond_error_with_payload(micro, error_payload(err), headers)
+        .respond_error_with_payload(micro, payload, headers)
         .await
+}
+
+/// Counts an answered request in `cyrene_requests_total` and times it in
+/// `cyrene_request_duration_seconds` (`code`: `None` for success).
+pub fn count_request(request: &Request, code: Option<ErrorCode>, started: std::time::Instant) {
+    let endpoint = request.endpoint_name().to_owned();
+    let code = code.map_or("ok", ErrorCode::as_str);
+    metrics::counter!("cyrene_requests_total", "endpoint" => endpoint.clone(), "code" => code)
+        .increment(1);
+    metrics::histogram!("cyrene_request_duration_seconds", "endpoint" => endpoint, "code" => code)
+        .record(started.elapsed().as_secs_f64());
 }
 
 /// Room kept in a reply for what surrounds its items: the page's own fields, the JSON envelope,
@@ -221,11 +227,7 @@ pub const REPLY_SLACK: usize = 8 * 1024;
 /// The largest reply `client`'s connection carries, less [`REPLY_SLACK`]: the byte budget of a
 /// page of results. The server's `max_payload` when known, else the NATS default (1 MiB).
 pub fn reply_budget(client: &async_nats::Client) -> usize {
-    let max = match client.server_info().max_payload {
-        0 => guard::DEFAULT_MAX_PAYLOAD,
-        known => known,
-    };
-    max.saturating_sub(REPLY_SLACK)
+    guard::max_payload(client).saturating_sub(REPLY_SLACK)
 }
 
 /// The longest prefix of `items` whose JSON fits in `budget` bytes (always at least one item: a
@@ -278,7 +280,7 @@ impl Default for ServeOptions {
 /// Each request is decoded as `Req` (errors answered without calling `handler`), handled in its
 /// own task under a span parented by the caller's trace context, and answered.
 pub async fn serve_json<Req, Resp, F, Fut>(
-    mut endpoint: Endpoint,
+    endpoint: Endpoint,
     options: ServeOptions,
     shutdown: CancellationToken,
     handler: F,
@@ -289,7 +291,26 @@ pub async fn serve_json<Req, Resp, F, Fut>(
     Fut: Future<Output = Result<Resp, ErrorBody>> + Send + 'static,
 {
     let handler = Arc::new(handler);
-    let permits = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
+    serve_requests(endpoint, options.max_in_flight, shutdown, move |request| {
+        handle(request, handler.clone(), options.max_payload)
+    })
+    .await;
+}
+
+/// The serving loop under [`serve_json`], for endpoints that answer the raw [`Request`]
+/// themselves (a streamed reply, say): each request goes to `handle` in its own task, at most
+/// `max_in_flight` at once, until `shutdown` fires; then the endpoint is unsubscribed, what was
+/// already delivered is handled too, and every task is awaited.
+pub async fn serve_requests<F, Fut>(
+    mut endpoint: Endpoint,
+    max_in_flight: usize,
+    shutdown: CancellationToken,
+    handle: F,
+) where
+    F: Fn(Request) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let permits = Arc::new(Semaphore::new(max_in_flight.max(1)));
     let mut tasks = JoinSet::new();
     loop {
         let permit = tokio::select! {
@@ -308,12 +329,11 @@ pub async fn serve_json<Req, Resp, F, Fut>(
         };
         // Reap finished tasks so the set does not grow with the request count.
         while tasks.try_join_next().is_some() {}
-        tasks.spawn(handle(
-            request,
-            handler.clone(),
-            options.max_payload,
-            Some(permit),
-        ));
+        let handled = handle(request);
+        tasks.spawn(async move {
+            let _permit: OwnedSemaphorePermit = permit;
+            handled.await
+        });
     }
     // Unsubscribe, then answer what was already delivered to us: a request that reached this
     // process is handled, not dropped.
@@ -321,7 +341,7 @@ pub async fn serve_json<Req, Resp, F, Fut>(
         tracing::warn!(error = %err, "could not unsubscribe the endpoint");
     }
     while let Ok(Some(request)) = tokio::time::timeout(DRAIN_WAIT, endpoint.next()).await {
-        tasks.spawn(handle(request, handler.clone(), options.max_payload, None));
+        tasks.spawn(handle(request));
     }
     while tasks.join_next().await.is_some() {}
 }
@@ -329,18 +349,13 @@ pub async fn serve_json<Req, Resp, F, Fut>(
 /// How long shutdown waits for requests already on their way to this process.
 const DRAIN_WAIT: Duration = Duration::from_millis(200);
 
-async fn handle<Req, Resp, F, Fut>(
-    request: Request,
-    handler: Arc<F>,
-    max_payload: usize,
-    permit: Option<OwnedSemaphorePermit>,
-) where
+async fn handle<Req, Resp, F, Fut>(request: Request, handler: Arc<F>, max_payload: usize)
+where
     Req: DeserializeOwned,
     Resp: Serialize,
     F: Fn(Req, RequestContext) -> Fut,
     Fut: Future<Output = Result<Resp, ErrorBody>>,
 {
-    let _permit = permit;
     let started = std::time::Instant::now();
     let subject = request.message.subject.to_string();
     let span = tracing::info_span!("request", subject = %subject, trace_id = tracing::field::Empty);
@@ -360,12 +375,7 @@ async fn handle<Req, Resp, F, Fut>(
         if let Err(err) = sent {
             tracing::warn!(error = %err, "could not send the reply");
         }
-        let endpoint = request.endpoint_name().to_owned();
-        let code = code.map_or("ok", ErrorCode::as_str);
-        metrics::counter!("cyrene_requests_total", "endpoint" => endpoint.clone(), "code" => code)
-            .increment(1);
-        metrics::histogram!("cyrene_request_duration_seconds", "endpoint" => endpoint, "code" => code)
-            .record(started.elapsed().as_secs_f64());
+        count_request(&request, code, started);
     }
     .instrument(span)
     .await

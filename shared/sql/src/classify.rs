@@ -3,8 +3,39 @@
 //! "Unavailable" means the database is down, busy or going away: the request may succeed later,
 //! so callers answer `unavailable` (retryable) instead of `internal`.
 
+use cyrene_protocol::ErrorCode;
 use sqlx::postgres::PgDatabaseError;
 use sqlx::sqlite::SqliteError;
+
+/// A failed query as a store reports it: `Unavailable` when the database is down, busy or going
+/// away ([`is_unavailable`]; answered `unavailable`, retryable), else `Internal`.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    #[error("database unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database error: {0}")]
+    Internal(#[source] sqlx::Error),
+}
+
+impl From<sqlx::Error> for QueryError {
+    fn from(err: sqlx::Error) -> Self {
+        if is_unavailable(&err) {
+            QueryError::Unavailable(err)
+        } else {
+            QueryError::Internal(err)
+        }
+    }
+}
+
+impl QueryError {
+    /// The wire code the caller is answered with.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            QueryError::Unavailable(_) => ErrorCode::Unavailable,
+            QueryError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+}
 
 /// Whether `err` means the database is down, busy or going away (retryable). Works for errors
 /// from the PostgreSQL and SQLite drivers, also through `sqlx::Any`.
@@ -69,5 +100,12 @@ mod tests {
         for code in ["19", "2067", "1"] {
             assert!(!sqlite_unavailable(code), "{code}");
         }
+        assert_eq!(
+            QueryError::from(sqlx::Error::PoolTimedOut).code(),
+            ErrorCode::Unavailable
+        );
+        let bug = QueryError::from(sqlx::Error::RowNotFound);
+        assert_eq!(bug.code(), ErrorCode::Internal);
+        assert!(bug.to_string().starts_with("database error: "), "{bug}");
     }
 }

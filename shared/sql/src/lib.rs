@@ -3,7 +3,8 @@
 //! - [`Database`]: the one `DATABASE_URL` rule — `postgres://` / `postgresql://` for PostgreSQL,
 //!   `sqlite:` for an SQLite file, unset for the embedded default file in the data directory;
 //! - [`is_unavailable`]: which sqlx failures mean "down, busy or going away" (answered
-//!   `unavailable`, retryable) rather than a bug (`internal`);
+//!   `unavailable`, retryable) rather than a bug (`internal`), and [`QueryError`], a failed
+//!   query so classified, with its wire code;
 //! - [`PoolSettings`], [`SqliteSettings`]: how a pool is sized and an SQLite file is opened;
 //! - [`Migrations`] ([`migrations!`]): the one migrations layout, `migrations/{postgres,sqlite}`
 //!   beside each service's `Cargo.toml`;
@@ -17,7 +18,7 @@ mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use classify::is_unavailable;
+pub use classify::{QueryError, is_unavailable};
 pub use pool::{Migrations, OpenError, PoolSettings, SqliteSettings};
 
 use std::path::Path;

@@ -1,5 +1,6 @@
 //! The [`CheckpointStore`] trait, the input checks every backend shares, and the two SQL backends
-//! behind it: [`PgStore`] (PostgreSQL, production) and [`SqliteStore`] (the embedded default).
+//! behind it: [`PgStore`] (PostgreSQL, production) and [`SqliteStore`] (the embedded default),
+//! one code path ([`sql::SqlStore`]) over two dialects.
 //!
 //! # Invariants
 //! - Every backend validates its input through the helpers here first ([`prepare_save`],
@@ -28,10 +29,11 @@
 //!   fixed-width RFC 3339 text ([`format_ts`]), so comparing text compares time. Write order is
 //!   `write_seq`, not a timestamp, so clock skew between store replicas cannot reorder writes.
 //! - A connection that dies mid-query surfaces as an I/O or protocol error; those, pool timeouts
-//!   and the backends' "server is going away / busy" codes map to [`StoreError::Unavailable`]
-//!   (retryable), everything else to [`StoreError::Internal`].
+//!   and the backends' "server is going away / busy" codes are answered `unavailable`
+//!   (retryable), every other query failure `internal` ([`cyrene_sql::QueryError`]).
 
 pub mod postgres;
+pub mod sql;
 pub mod sqlite;
 
 pub use postgres::PgStore;
@@ -98,13 +100,14 @@ pub enum StoreError {
     /// The serialised state is over the configured limit.
     #[error("state is {size} bytes; the limit is {max}")]
     TooLarge { size: usize, max: usize },
-    /// The database cannot be reached or is busy; retrying later may succeed.
-    #[error("database unavailable: {0}")]
-    Unavailable(#[source] sqlx::Error),
+    /// A query failed: `unavailable` when the database cannot be reached or is busy (retrying
+    /// later may succeed), else `internal`.
+    #[error(transparent)]
+    Query(#[from] cyrene_sql::QueryError),
     /// Opening the database or applying the migrations failed.
     #[error("could not open the database: {0}")]
     Open(String),
-    /// Any other database failure (a bug or a corrupt row).
+    /// A row that cannot be represented (a bug or a corrupt row).
     #[error("database error: {0}")]
     Internal(String),
 }
@@ -117,31 +120,23 @@ impl StoreError {
             StoreError::NotFound(_) => ErrorCode::NotFound,
             StoreError::Conflict(_) => ErrorCode::Conflict,
             StoreError::TooLarge { .. } => ErrorCode::TooLarge,
-            StoreError::Unavailable(_) | StoreError::Open(_) => ErrorCode::Unavailable,
+            StoreError::Query(err) => err.code(),
+            StoreError::Open(_) => ErrorCode::Unavailable,
             StoreError::Internal(_) => ErrorCode::Internal,
         }
     }
+}
 
-    /// The error envelope body sent to the caller.
-    pub fn to_body(&self) -> ErrorBody {
+/// The error envelope body sent to the caller.
+impl cyrene_bus::service::WireError for StoreError {
+    fn to_body(&self) -> ErrorBody {
         ErrorBody::new(self.code(), self.to_string())
     }
 }
 
-impl cyrene_bus::service::WireError for StoreError {
-    fn to_body(&self) -> ErrorBody {
-        StoreError::to_body(self)
-    }
-}
-
-/// Maps a database failure: `Unavailable` when the database is down, busy or going away
-/// ([`cyrene_sql::is_unavailable`]), else `Internal`.
+/// Maps a database failure onto [`StoreError::Query`] ([`cyrene_sql::QueryError`]).
 pub(crate) fn classify(err: sqlx::Error) -> StoreError {
-    if cyrene_sql::is_unavailable(&err) {
-        StoreError::Unavailable(err)
-    } else {
-        StoreError::Internal(err.to_string())
-    }
+    StoreError::Query(err.into())
 }
 
 /// The per-step snapshot store (docs/architecture.md §3). Implemented once per SQL backend.

@@ -27,20 +27,17 @@
 //!   reported by this dialect (they are inside `output_tokens`) and stay 0.
 
 use super::openai::u64_at;
-use super::sse::SseReader;
 use super::{
-    DeltaSink, ProviderError, normalise_effort, parse_data_uri, post_for_stream, post_json,
-    strings, upstream_message,
+    DeltaSink, HttpDialect, ProviderError, StreamEvents, event_json, normalise_effort,
+    parse_data_uri, strings, upstream_message,
 };
-use crate::config::{ModelCaps, ProviderConfig, Step, ThinkingStyle};
+use crate::config::{ModelCaps, ProviderConfig, ThinkingStyle};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
-use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::fmt;
-use tokio::time::Instant;
 
 /// The API version header sent with every request.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
@@ -89,9 +86,13 @@ impl AnthropicProvider {
             http,
         }
     }
+}
+
+impl HttpDialect for AnthropicProvider {
+    type Events = StreamAccumulator;
 
     /// The request body for `model`.
-    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+    fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
         let mut body = Map::new();
         body.insert("model".into(), json!(model));
         let style = self
@@ -152,85 +153,33 @@ impl AnthropicProvider {
         }
         Ok(Value::Object(body))
     }
-}
-
-impl super::Provider for AnthropicProvider {
-    fn complete<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let body = self.encode(request, &step.model)?;
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self
-                .http
-                .post(&self.url)
-                .header("anthropic-version", ANTHROPIC_VERSION);
-            if let Some(key) = &self.api_key {
-                http = http.header("x-api-key", key);
-            }
-            let reply = post_json(http, bytes, deadline).await?;
-            decode(&reply, &step.model)
-        })
-    }
 
     /// `"stream": true`: the events (`message_start`, `content_block_*` with text, thinking,
     /// signature and `input_json` deltas, `message_delta`, `message_stop`) are put back together
     /// into the non-streamed reply's shape and decoded by the same [`decode`].
-    fn stream<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-        sink: &'a DeltaSink,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let mut body = self.encode(request, &step.model)?;
-            if let Some(obj) = body.as_object_mut() {
-                obj.insert("stream".into(), json!(true));
-            }
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self
-                .http
-                .post(&self.url)
-                .header("anthropic-version", ANTHROPIC_VERSION);
-            if let Some(key) = &self.api_key {
-                http = http.header("x-api-key", key);
-            }
-            let response = post_for_stream(http, bytes, deadline).await?;
-            let response = match super::whole_reply(response, started, deadline).await? {
-                Ok(whole) => {
-                    let response = decode(&whole, &step.model)?;
-                    for delta in super::response_deltas(&response) {
-                        sink.send(delta);
-                    }
-                    return Ok(response);
-                }
-                Err(events) => events,
-            };
-            let mut events = SseReader::new(response, started, deadline);
-            let mut acc = StreamAccumulator::default();
-            while let Some(event) = events.next().await? {
-                let v: Value = serde_json::from_str(&event.data).map_err(|e| {
-                    ProviderError::BadResponse(format!("a stream event is not JSON: {e}"))
-                })?;
-                if acc.feed(&v, sink)? {
-                    break;
-                }
-            }
-            acc.finish(&step.model)
-        })
+    fn ask_for_stream(&self, body: &mut Map<String, Value>) {
+        body.insert("stream".into(), json!(true));
+    }
+
+    fn post(&self) -> reqwest::RequestBuilder {
+        let http = self
+            .http
+            .post(&self.url)
+            .header("anthropic-version", ANTHROPIC_VERSION);
+        match &self.api_key {
+            Some(key) => http.header("x-api-key", key),
+            None => http,
+        }
+    }
+
+    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+        decode(body, model)
     }
 }
 
 /// The blocks of a streamed `/v1/messages` reply seen so far.
 #[derive(Debug, Default)]
-struct StreamAccumulator {
+pub(crate) struct StreamAccumulator {
     model: String,
     /// By block index: the block as the non-streamed reply would hold it.
     blocks: BTreeMap<u64, Value>,
@@ -241,6 +190,29 @@ struct StreamAccumulator {
     usage: Map<String, Value>,
     stop_reason: Value,
     stopped: bool,
+}
+
+impl StreamEvents for StreamAccumulator {
+    /// `true` once `message_stop` arrived.
+    fn take(&mut self, data: &str, sink: &DeltaSink) -> Result<bool, ProviderError> {
+        self.feed(&event_json(data)?, sink)
+    }
+
+    /// The non-streamed reply these events add up to, decoded.
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
+        if !self.stopped {
+            return Err(ProviderError::Transport(
+                "the event stream ended before message_stop".to_owned(),
+            ));
+        }
+        let reply = json!({
+            "model": self.model,
+            "content": self.blocks.into_values().collect::<Vec<_>>(),
+            "stop_reason": self.stop_reason,
+            "usage": Value::Object(self.usage),
+        });
+        decode_value(&reply, model)
+    }
 }
 
 impl StreamAccumulator {
@@ -356,22 +328,6 @@ impl StreamAccumulator {
                 }
             }
         }
-    }
-
-    /// The non-streamed reply these events add up to, decoded.
-    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        if !self.stopped {
-            return Err(ProviderError::Transport(
-                "the event stream ended before message_stop".to_owned(),
-            ));
-        }
-        let reply = json!({
-            "model": self.model,
-            "content": self.blocks.into_values().collect::<Vec<_>>(),
-            "stop_reason": self.stop_reason,
-            "usage": Value::Object(self.usage),
-        });
-        decode_value(&reply, model)
     }
 }
 

@@ -23,7 +23,8 @@ use crate::config::Step;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
-use serde_json::Value;
+use serde_json::{Map, Value};
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -164,46 +165,125 @@ impl ProviderError {
     }
 }
 
+/// What one HTTP dialect (OpenAI chat completions, Anthropic messages) supplies; the call
+/// itself — encode, POST, decode, or stream with the whole-reply fallback — is [`http_complete`]
+/// and [`http_stream`], the same for every dialect.
+pub(crate) trait HttpDialect: Send + Sync {
+    /// The accumulator of a streamed reply.
+    type Events: StreamEvents;
+    /// The request body for `model`.
+    fn encode(&self, request: &ModelRequest, model: &str) -> Result<Value, ProviderError>;
+    /// Adds the fields that ask for a streamed reply to `body`.
+    fn ask_for_stream(&self, body: &mut Map<String, Value>);
+    /// A POST to the dialect's endpoint with its authentication headers.
+    fn post(&self) -> reqwest::RequestBuilder;
+    /// A whole (non-streamed) reply.
+    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError>;
+}
+
+/// A streamed reply put back together event by event into the whole reply's shape.
+pub(crate) trait StreamEvents: Default + Send {
+    /// Takes one event's data, passing output on to `sink`; `true` once the stream is over.
+    fn take(&mut self, data: &str, sink: &DeltaSink) -> Result<bool, ProviderError>;
+    /// The response the events make up.
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError>;
+}
+
+/// A stream event's data as JSON.
+pub(crate) fn event_json(data: &str) -> Result<Value, ProviderError> {
+    serde_json::from_str(data)
+        .map_err(|e| ProviderError::BadResponse(format!("a stream event is not JSON: {e}")))
+}
+
+/// `body` as the request's bytes.
+fn body_bytes(body: &Value) -> Result<Vec<u8>, ProviderError> {
+    serde_json::to_vec(body).map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))
+}
+
+/// Every HTTP dialect is a provider.
+impl<D: HttpDialect + std::fmt::Debug> Provider for D {
+    fn complete<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(http_complete(self, request, step, deadline))
+    }
+
+    fn stream<'a>(
+        &'a self,
+        request: &'a ModelRequest,
+        step: &'a Step,
+        deadline: Instant,
+        sink: &'a DeltaSink,
+    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+        Box::pin(http_stream(self, request, step, deadline, sink))
+    }
+}
+
+/// [`Provider::complete`] of an HTTP dialect.
+async fn http_complete<D: HttpDialect>(
+    dialect: &D,
+    request: &ModelRequest,
+    step: &Step,
+    deadline: Instant,
+) -> Result<ModelResponse, ProviderError> {
+    let body = dialect.encode(request, &step.model)?;
+    let reply = post_json(dialect.post(), body_bytes(&body)?, deadline).await?;
+    dialect.decode(&reply, &step.model)
+}
+
+/// [`Provider::stream`] of an HTTP dialect: the events are put back together into the
+/// non-streamed reply's shape; a server that ignores the stream request and answers whole is
+/// decoded as such, its answer passed on as deltas.
+async fn http_stream<D: HttpDialect>(
+    dialect: &D,
+    request: &ModelRequest,
+    step: &Step,
+    deadline: Instant,
+    sink: &DeltaSink,
+) -> Result<ModelResponse, ProviderError> {
+    let started = Instant::now();
+    let mut body = dialect.encode(request, &step.model)?;
+    if let Some(obj) = body.as_object_mut() {
+        dialect.ask_for_stream(obj);
+    }
+    let response = post_for_stream(dialect.post(), body_bytes(&body)?, deadline).await?;
+    let response = match whole_reply(response, started, deadline).await? {
+        Ok(whole) => {
+            let response = dialect.decode(&whole, &step.model)?;
+            for delta in response_deltas(&response) {
+                sink.send(delta);
+            }
+            return Ok(response);
+        }
+        Err(events) => events,
+    };
+    let mut events = sse::SseReader::new(response, started, deadline);
+    let mut acc = D::Events::default();
+    while let Some(event) = events.next().await? {
+        if acc.take(&event.data, sink)? {
+            break;
+        }
+    }
+    acc.finish(&step.model)
+}
+
 /// Sends a JSON POST and reads the whole reply before `deadline`.
 pub(crate) async fn post_json(
     request: reqwest::RequestBuilder,
     body: Vec<u8>,
     deadline: Instant,
 ) -> Result<bytes::Bytes, ProviderError> {
-    let started = Instant::now();
-    let call = async {
-        let response = request
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
-        let status = response.status();
-        let retry_after = response
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_retry_after);
-        let bytes = response
+    within(deadline, async {
+        let response = send(request, body).await?;
+        response
             .bytes()
             .await
-            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
-        if status.is_success() {
-            Ok(bytes)
-        } else {
-            Err(ProviderError::Status {
-                status: status.as_u16(),
-                message: upstream_message(&bytes),
-                retry_after,
-            })
-        }
-    };
-    match tokio::time::timeout_at(deadline, call).await {
-        Ok(result) => result,
-        Err(_) => Err(ProviderError::Timeout(
-            deadline.saturating_duration_since(started),
-        )),
-    }
+            .map_err(|e| ProviderError::Transport(error_chain(&e)))
+    })
+    .await
 }
 
 /// Sends a JSON POST and returns the response once its status is 2xx (the body still to read),
@@ -214,34 +294,48 @@ pub(crate) async fn post_for_stream(
     body: Vec<u8>,
     deadline: Instant,
 ) -> Result<reqwest::Response, ProviderError> {
+    let request = request.header(reqwest::header::ACCEPT, "text/event-stream");
+    within(deadline, send(request, body)).await
+}
+
+/// Sends `body` as JSON; a 2xx response as it is, any other status as the failure it means
+/// (its body read for the provider's message).
+async fn send(
+    request: reqwest::RequestBuilder,
+    body: Vec<u8>,
+) -> Result<reqwest::Response, ProviderError> {
+    let response = request
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_retry_after);
+    let bytes = response
+        .bytes()
+        .await
+        .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+    Err(ProviderError::Status {
+        status: status.as_u16(),
+        message: upstream_message(&bytes),
+        retry_after,
+    })
+}
+
+/// `call`, or a timeout at `deadline`.
+async fn within<T>(
+    deadline: Instant,
+    call: impl Future<Output = Result<T, ProviderError>>,
+) -> Result<T, ProviderError> {
     let started = Instant::now();
-    let call = async {
-        let response = request
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
-        let status = response.status();
-        if status.is_success() {
-            return Ok(response);
-        }
-        let retry_after = response
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(parse_retry_after);
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
-        Err(ProviderError::Status {
-            status: status.as_u16(),
-            message: upstream_message(&bytes),
-            retry_after,
-        })
-    };
     match tokio::time::timeout_at(deadline, call).await {
         Ok(result) => result,
         Err(_) => Err(ProviderError::Timeout(

@@ -19,20 +19,17 @@
 //! - `max_tokens` is sent as `max_completion_tokens` to OpenAI itself (its reasoning models
 //!   refuse `max_tokens`), as `max_tokens` elsewhere.
 
-use super::sse::SseReader;
 use super::{
-    DeltaSink, ProviderError, normalise_effort, post_for_stream, post_json, strings,
+    DeltaSink, HttpDialect, ProviderError, StreamEvents, event_json, normalise_effort, strings,
     tool_choice_forces, upstream_message,
 };
-use crate::config::{ProviderConfig, Step, Vendor};
+use crate::config::{ProviderConfig, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking};
 use cyrene_protocol::stream::Delta;
-use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::fmt;
-use tokio::time::Instant;
 
 /// A provider speaking `/chat/completions`.
 pub struct OpenAiProvider {
@@ -90,8 +87,57 @@ impl OpenAiProvider {
         }
     }
 
+    fn encode_thinking(&self, req: &ModelRequest, body: &mut Map<String, Value>) {
+        let thinking = req.thinking.as_ref();
+        match self.vendor {
+            Vendor::Deepseek => {
+                if let Some(enable) = thinking.and_then(|t| t.enable) {
+                    let kind = if enable { "enabled" } else { "disabled" };
+                    body.insert("thinking".into(), json!({"type": kind}));
+                }
+                if thinking.and_then(Thinking::budget).is_some() {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "DeepSeek has no thinking budget; budget_tokens not sent"
+                    );
+                }
+                // Thinking is on unless explicitly disabled; forcing a tool then is a 400.
+                let thinking_on = thinking.and_then(|t| t.enable) != Some(false);
+                if thinking_on && req.tool_choice.as_ref().is_some_and(tool_choice_forces) {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "forced tool_choice with DeepSeek thinking on is refused upstream; \
+                         disable thinking explicitly (not changed here)"
+                    );
+                }
+            }
+            Vendor::Dashscope => {
+                if let Some(enable) = thinking.and_then(|t| t.enable) {
+                    body.insert("enable_thinking".into(), json!(enable));
+                }
+                // 0 = the provider's default budget: not sent (seed 004).
+                if let Some(budget) = thinking.and_then(Thinking::budget) {
+                    body.insert("thinking_budget".into(), json!(budget));
+                }
+            }
+            Vendor::Openai | Vendor::Generic => {
+                if thinking.is_some() {
+                    tracing::warn!(
+                        provider = %self.name,
+                        "this provider has no thinking switch; thinking not sent \
+                         (use reasoning_effort)"
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl HttpDialect for OpenAiProvider {
+    type Events = StreamAccumulator;
+
     /// The request body for `model`.
-    pub fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
+    fn encode(&self, req: &ModelRequest, model: &str) -> Result<Value, ProviderError> {
         let mut body = Map::new();
         body.insert("model".into(), json!(model));
         body.insert(
@@ -140,126 +186,30 @@ impl OpenAiProvider {
         Ok(Value::Object(body))
     }
 
-    fn encode_thinking(&self, req: &ModelRequest, body: &mut Map<String, Value>) {
-        let thinking = req.thinking.as_ref();
-        match self.vendor {
-            Vendor::Deepseek => {
-                if let Some(enable) = thinking.and_then(|t| t.enable) {
-                    let kind = if enable { "enabled" } else { "disabled" };
-                    body.insert("thinking".into(), json!({"type": kind}));
-                }
-                if thinking.and_then(Thinking::budget).is_some() {
-                    tracing::warn!(
-                        provider = %self.name,
-                        "DeepSeek has no thinking budget; budget_tokens not sent"
-                    );
-                }
-                // Thinking is on unless explicitly disabled; forcing a tool then is a 400.
-                let thinking_on = thinking.and_then(|t| t.enable) != Some(false);
-                if thinking_on && req.tool_choice.as_ref().is_some_and(tool_choice_forces) {
-                    tracing::warn!(
-                        provider = %self.name,
-                        "forced tool_choice with DeepSeek thinking on is refused upstream; \
-                         disable thinking explicitly (not changed here)"
-                    );
-                }
-            }
-            Vendor::Dashscope => {
-                if let Some(enable) = thinking.and_then(|t| t.enable) {
-                    body.insert("enable_thinking".into(), json!(enable));
-                }
-                // 0 = the provider's default budget: not sent (seed 004).
-                if let Some(budget) = thinking.and_then(Thinking::budget) {
-                    body.insert("thinking_budget".into(), json!(budget));
-                }
-            }
-            Vendor::Openai | Vendor::Generic => {
-                if thinking.is_some() {
-                    tracing::warn!(
-                        provider = %self.name,
-                        "this provider has no thinking switch; thinking not sent \
-                         (use reasoning_effort)"
-                    );
-                }
-            }
-        }
-    }
-}
-
-impl super::Provider for OpenAiProvider {
-    fn complete<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let body = self.encode(request, &step.model)?;
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self.http.post(&self.url);
-            if let Some(key) = &self.api_key {
-                http = http.bearer_auth(key);
-            }
-            let reply = post_json(http, bytes, deadline).await?;
-            decode(&reply, &step.model)
-        })
-    }
-
     /// `"stream": true` with `stream_options.include_usage`, so the last event carries the usage
     /// the non-streamed reply has; the events are put back together into that reply's shape and
     /// decoded by the same [`decode`].
-    fn stream<'a>(
-        &'a self,
-        request: &'a ModelRequest,
-        step: &'a Step,
-        deadline: Instant,
-        sink: &'a DeltaSink,
-    ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let mut body = self.encode(request, &step.model)?;
-            if let Some(obj) = body.as_object_mut() {
-                obj.insert("stream".into(), json!(true));
-                obj.insert("stream_options".into(), json!({"include_usage": true}));
-            }
-            let bytes = serde_json::to_vec(&body)
-                .map_err(|e| ProviderError::Invalid(format!("cannot encode: {e}")))?;
-            let mut http = self.http.post(&self.url);
-            if let Some(key) = &self.api_key {
-                http = http.bearer_auth(key);
-            }
-            let response = post_for_stream(http, bytes, deadline).await?;
-            let response = match super::whole_reply(response, started, deadline).await? {
-                Ok(whole) => {
-                    let response = decode(&whole, &step.model)?;
-                    for delta in super::response_deltas(&response) {
-                        sink.send(delta);
-                    }
-                    return Ok(response);
-                }
-                Err(events) => events,
-            };
-            let mut events = SseReader::new(response, started, deadline);
-            let mut acc = StreamAccumulator::default();
-            while let Some(event) = events.next().await? {
-                if event.data.trim() == "[DONE]" {
-                    acc.done = true;
-                    break;
-                }
-                let v: Value = serde_json::from_str(&event.data).map_err(|e| {
-                    ProviderError::BadResponse(format!("a stream event is not JSON: {e}"))
-                })?;
-                acc.feed(&v, sink)?;
-            }
-            acc.finish(&step.model)
-        })
+    fn ask_for_stream(&self, body: &mut Map<String, Value>) {
+        body.insert("stream".into(), json!(true));
+        body.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+
+    fn post(&self) -> reqwest::RequestBuilder {
+        let http = self.http.post(&self.url);
+        match &self.api_key {
+            Some(key) => http.bearer_auth(key),
+            None => http,
+        }
+    }
+
+    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+        decode(body, model)
     }
 }
 
 /// The parts of a streamed `/chat/completions` reply seen so far (first choice only).
 #[derive(Debug, Default)]
-struct StreamAccumulator {
+pub(crate) struct StreamAccumulator {
     model: String,
     text: String,
     reasoning: String,
@@ -268,6 +218,49 @@ struct StreamAccumulator {
     finish_reason: Option<String>,
     usage: Option<Value>,
     done: bool,
+}
+
+impl StreamEvents for StreamAccumulator {
+    /// `true` at `[DONE]`.
+    fn take(&mut self, data: &str, sink: &DeltaSink) -> Result<bool, ProviderError> {
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Ok(true);
+        }
+        self.feed(&event_json(data)?, sink)?;
+        Ok(false)
+    }
+
+    /// The non-streamed reply these events add up to, decoded.
+    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
+        if !self.done && self.finish_reason.is_none() {
+            return Err(ProviderError::Transport(
+                "the event stream ended before the reply did (no finish_reason, no [DONE])"
+                    .to_owned(),
+            ));
+        }
+        let calls: Vec<Value> = self
+            .calls
+            .into_values()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function",
+                       "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        let mut message = json!({"role": "assistant", "content": self.text});
+        if !self.reasoning.is_empty() {
+            message["reasoning_content"] = json!(self.reasoning);
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        let reply = json!({
+            "model": self.model,
+            "choices": [{"message": message, "finish_reason": self.finish_reason}],
+            "usage": self.usage.unwrap_or(Value::Null),
+        });
+        decode_value(&reply, model)
+    }
 }
 
 impl StreamAccumulator {
@@ -347,37 +340,6 @@ impl StreamAccumulator {
             });
         }
         Ok(())
-    }
-
-    /// The non-streamed reply these events add up to, decoded.
-    fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
-        if !self.done && self.finish_reason.is_none() {
-            return Err(ProviderError::Transport(
-                "the event stream ended before the reply did (no finish_reason, no [DONE])"
-                    .to_owned(),
-            ));
-        }
-        let calls: Vec<Value> = self
-            .calls
-            .into_values()
-            .map(|(id, name, arguments)| {
-                json!({"id": id, "type": "function",
-                       "function": {"name": name, "arguments": arguments}})
-            })
-            .collect();
-        let mut message = json!({"role": "assistant", "content": self.text});
-        if !self.reasoning.is_empty() {
-            message["reasoning_content"] = json!(self.reasoning);
-        }
-        if !calls.is_empty() {
-            message["tool_calls"] = Value::Array(calls);
-        }
-        let reply = json!({
-            "model": self.model,
-            "choices": [{"message": message, "finish_reason": self.finish_reason}],
-            "usage": self.usage.unwrap_or(Value::Null),
-        });
-        decode_value(&reply, model)
     }
 }
 

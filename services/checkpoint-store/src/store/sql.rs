@@ -1,0 +1,449 @@
+//! The one code path of both SQL backends: [`SqlStore`] runs every [`CheckpointStore`] operation
+//! on any [`Dialect`] — PostgreSQL ([`super::postgres`]) or SQLite ([`super::sqlite`]) — and a
+//! dialect supplies only its SQL text, how it binds and reads timestamps, and how it opens a write
+//! transaction.
+//!
+//! # Invariants
+//! - Every step that must be atomic runs in one transaction opened by
+//!   [`Dialect::begin_write`] (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front):
+//!   a fenced save's raise → check → upsert (or the dialect's one-statement
+//!   [`Dialect::FENCED_UPSERT`]), a base save's row, base and clean-up, and each retention.
+//! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
+//!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
+//!   snapshot sees every row an older attempt managed to write.
+
+use super::{
+    CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
+    classify, cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save,
+    retain_mode,
+};
+use chrono::{DateTime, Utc};
+use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use sqlx::query::Query;
+use sqlx::{
+    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
+};
+use std::future::Future;
+
+/// What differs between the SQL backends. Placeholders are numbered (`$1`, `?1`), so one value
+/// may be used twice in a statement; every statement binds its values in the documented order.
+pub trait Dialect: Database {
+    /// `postgres` or `sqlite`.
+    const BACKEND: &'static str;
+    /// Every column of the owner `$1`'s most recently written row.
+    const LATEST: &'static str;
+    /// Every column of the most recently written row of owner `$1`'s turn `$2`.
+    const LATEST_OF_TURN: &'static str;
+    /// Every column of the row `$1`.
+    const BY_ID: &'static str;
+    /// The `write_seq` of the row `$1`.
+    const WRITE_SEQ_OF: &'static str;
+    /// Every column of at most `$3` rows of owner `$1` with a `write_seq` below `$2`, most
+    /// recently written first.
+    const PAGE: &'static str;
+    /// The base state (text) of owner `$1`'s turn `$2`.
+    const BASE_STATE: &'static str;
+    /// The states (text) of owner `$1`'s turn `$2` up to step `$3`, by step.
+    const CHAIN: &'static str;
+    /// Upserts a row: id, agent_id, step, state, turn_id, attempt, now, delta_from; returns
+    /// `created_at`, `updated_at`.
+    const UPSERT: &'static str;
+    /// Records attempt `$2` of turn `$1` at `$3` unless a newer one is; returns `max_attempt`.
+    const RAISE_ATTEMPT: &'static str;
+    /// [`Self::RAISE_ATTEMPT`] and [`Self::UPSERT`] in one statement (bound as `UPSERT`), when the
+    /// dialect has one: returns `max_attempt` and, when written, `created_at`, `updated_at`.
+    const FENCED_UPSERT: Option<&'static str>;
+    /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`.
+    const UPSERT_BASE: &'static str;
+    /// Deletes the rows of owner `$1`'s turn `$2` but the row `$3`.
+    const DROP_EARLIER_START: &'static str;
+    /// Keeps the `$2` most recently written rows of owner `$1` and the earlier rows of their
+    /// turns that they are rebuilt from; deletes the rest.
+    const KEEP_LAST: &'static str;
+    /// Drops the bases of turns that have no row left.
+    const DROP_ORPHAN_BASES: &'static str;
+    /// Deletes every row of the owners whose newest write is before `$1`.
+    const DROP_IDLE_OWNERS: &'static str;
+    /// Deletes the attempt records last raised before `$1`.
+    const DROP_OLD_ATTEMPTS: &'static str;
+    /// Whether a fenced read commits its raise before it reads (else both run in one write
+    /// transaction).
+    const RAISE_COMMITS_FIRST: bool;
+
+    /// Opens a transaction that will write.
+    fn begin_write(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
+    /// Binds the instant `at` as the dialect stores timestamps.
+    fn bind_ts<'q>(
+        query: Query<'q, Self, <Self as Database>::Arguments>,
+        at: DateTime<Utc>,
+    ) -> Query<'q, Self, <Self as Database>::Arguments>;
+
+    /// How many rows a statement changed.
+    fn rows_affected(done: &Self::QueryResult) -> u64;
+
+    /// The timestamp in `column` as [`super::format_ts`] text (`None`: NULL).
+    fn ts_text(row: &Self::Row, column: &str) -> Result<Option<String>, sqlx::Error>;
+}
+
+/// Checkpoints in an SQL database of dialect `D`.
+#[derive(Debug)]
+pub struct SqlStore<D: Database> {
+    pub(super) pool: Pool<D>,
+    pub(super) max_state_bytes: usize,
+}
+
+impl<D: Database> Clone for SqlStore<D> {
+    fn clone(&self) -> Self {
+        SqlStore {
+            pool: self.pool.clone(),
+            max_state_bytes: self.max_state_bytes,
+        }
+    }
+}
+
+impl<D: Database> SqlStore<D> {
+    /// The pool (benchmarks compare against a direct upsert on it).
+    pub fn pool(&self) -> &Pool<D> {
+        &self.pool
+    }
+}
+
+/// `impl<D: Dialect> [head] where …` with what the shared code path asks of sqlx, written once
+/// for the two impls below (Rust does not imply a trait's where-clauses at its users).
+macro_rules! on_every_dialect {
+    ([$($head:tt)*] { $($body:tt)* }) => {
+        impl<D: Dialect> $($head)*
+        where
+            for<'c> &'c mut D::Connection: Executor<'c, Database = D>,
+            D::Arguments: IntoArguments<D>,
+            for<'q> &'q str: Encode<'q, D> + Type<D>,
+            for<'q> Option<&'q str>: Encode<'q, D> + Type<D>,
+            for<'q> i64: Encode<'q, D> + Type<D>,
+            for<'q> Option<i64>: Encode<'q, D> + Type<D>,
+            for<'r> String: Decode<'r, D> + Type<D>,
+            for<'r> Option<String>: Decode<'r, D> + Type<D>,
+            for<'r> i64: Decode<'r, D>,
+            for<'r> Option<i64>: Decode<'r, D>,
+            for<'a> &'a str: ColumnIndex<D::Row>,
+            usize: ColumnIndex<D::Row>,
+        {
+            $($body)*
+        }
+    };
+}
+
+/// A non-NULL timestamp column as text.
+fn ts<D: Dialect>(row: &D::Row, column: &str) -> Result<String, StoreError> {
+    D::ts_text(row, column)
+        .map_err(classify)?
+        .ok_or_else(|| StoreError::Internal(format!("{column} is NULL")))
+}
+
+on_every_dialect! {
+[SqlStore<D>] {
+    /// Upserts `row` unfenced; the row as stored.
+    async fn upsert(
+        conn: &mut D::Connection,
+        row: &SaveRow,
+    ) -> Result<(String, String), StoreError> {
+        let stored = Self::bind_row(sqlx::query(D::UPSERT), row)
+            .fetch_one(conn)
+            .await
+            .map_err(classify)?;
+        Ok((
+            ts::<D>(&stored, "created_at")?,
+            ts::<D>(&stored, "updated_at")?,
+        ))
+    }
+
+    /// [`Dialect::UPSERT`]'s values of `row`, in order.
+    fn bind_row<'q>(
+        query: Query<'q, D, D::Arguments>,
+        row: &'q SaveRow,
+    ) -> Query<'q, D, D::Arguments> {
+        let query = query
+            .bind(row.id.as_str())
+            .bind(row.agent_id.as_str())
+            .bind(i64::from(row.step))
+            .bind(row.state.as_str())
+            .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
+            .bind(row.fence.as_ref().map(|f| f.attempt));
+        D::bind_ts(query, row.now).bind(row.delta_from)
+    }
+
+    /// Raises the turn's attempt record to `fence`; the refusal when a newer attempt is recorded.
+    async fn raise(
+        conn: &mut D::Connection,
+        fence: &Fence,
+        now: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        let query = sqlx::query(D::RAISE_ATTEMPT)
+            .bind(fence.turn_id.as_str())
+            .bind(fence.attempt);
+        let recorded: i64 = D::bind_ts(query, now)
+            .fetch_one(conn)
+            .await
+            .map_err(classify)?
+            .try_get(0usize)
+            .map_err(classify)?;
+        if recorded > fence.attempt {
+            return Err(fenced(fence, recorded));
+        }
+        Ok(())
+    }
+
+    /// The fenced upsert of `row`: its timestamps, or the refusal when a newer attempt has
+    /// written.
+    async fn fenced_upsert(
+        conn: &mut D::Connection,
+        row: &SaveRow,
+        fence: &Fence,
+    ) -> Result<(String, String), StoreError> {
+        let Some(sql) = D::FENCED_UPSERT else {
+            Self::raise(&mut *conn, fence, row.now).await?;
+            return Self::upsert(conn, row).await;
+        };
+        let stored = Self::bind_row(sqlx::query(sql), row)
+            .fetch_one(conn)
+            .await
+            .map_err(classify)?;
+        let recorded: i64 = stored.try_get("max_attempt").map_err(classify)?;
+        let created = D::ts_text(&stored, "created_at").map_err(classify)?;
+        let updated = D::ts_text(&stored, "updated_at").map_err(classify)?;
+        match (created, updated) {
+            (Some(created), Some(updated)) if recorded <= fence.attempt => Ok((created, updated)),
+            _ => Err(fenced(fence, recorded)),
+        }
+    }
+
+    async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
+        let (created, updated) = match (&row.fence, &row.base) {
+            (None, _) => {
+                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                Self::upsert(&mut conn, &row).await?
+            }
+            // One statement: atomic without a transaction, one round trip.
+            (Some(fence), None) if D::FENCED_UPSERT.is_some() => {
+                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                Self::fenced_upsert(&mut conn, &row, fence).await?
+            }
+            (Some(fence), base) => {
+                // Refused: the transaction rolls back when dropped.
+                let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+                let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;
+                if let Some(base) = base {
+                    // A turn (re)starting from its base: the rows of any earlier start are no
+                    // longer part of its window.
+                    let query = sqlx::query(D::UPSERT_BASE)
+                        .bind(row.agent_id.as_str())
+                        .bind(fence.turn_id.as_str())
+                        .bind(base.as_str())
+                        .bind(fence.attempt);
+                    D::bind_ts(query, row.now)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(classify)?;
+                    sqlx::query(D::DROP_EARLIER_START)
+                        .bind(row.agent_id.as_str())
+                        .bind(fence.turn_id.as_str())
+                        .bind(row.id.as_str())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(classify)?;
+                }
+                tx.commit().await.map_err(classify)?;
+                stored
+            }
+        };
+        Ok(row.stored(created, updated))
+    }
+
+    /// A row as the reads give it (delta rows rebuilt, see [`full`]).
+    async fn full(&self, row: &D::Row) -> Result<Checkpoint, StoreError> {
+        full(Self::raw(row)?, |agent_id, turn_id, step| async move {
+            let base: Option<String> = sqlx::query_scalar(D::BASE_STATE)
+                .bind(agent_id.as_str())
+                .bind(turn_id.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(classify)?;
+            let chain: Vec<String> = sqlx::query_scalar(D::CHAIN)
+                .bind(agent_id.as_str())
+                .bind(turn_id.as_str())
+                .bind(step)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(classify)?;
+            Ok((base, chain))
+        })
+        .await
+    }
+
+    /// The columns of a read row.
+    fn raw(row: &D::Row) -> Result<RawRow, StoreError> {
+        Ok(RawRow {
+            id: row.try_get("id").map_err(classify)?,
+            agent_id: row.try_get("agent_id").map_err(classify)?,
+            step: row.try_get("step").map_err(classify)?,
+            state: row.try_get("state").map_err(classify)?,
+            turn_id: row.try_get("turn_id").map_err(classify)?,
+            attempt: row.try_get("attempt").map_err(classify)?,
+            delta_from: row.try_get("delta_from").map_err(classify)?,
+            created_at: ts::<D>(row, "created_at")?,
+            updated_at: ts::<D>(row, "updated_at")?,
+        })
+    }
+
+    /// The row `found`, rebuilt; `NotFound` (naming `what`) when there is none.
+    async fn found(&self, found: Option<D::Row>, what: &str) -> Result<Checkpoint, StoreError> {
+        match found {
+            Some(row) => self.full(&row).await,
+            None => Err(no_checkpoint(what)),
+        }
+    }
+}
+}
+
+on_every_dialect! {
+[CheckpointStore for SqlStore<D>] {
+    async fn save(
+        &self,
+        checkpoint: Checkpoint,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        let row = prepare_save(checkpoint, now, self.max_state_bytes)?;
+        self.save_row(row).await
+    }
+
+    async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
+        check_owner(agent_id)?;
+        let row = sqlx::query(D::LATEST)
+            .bind(agent_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        self.found(row, &format!("agent_id {agent_id}")).await
+    }
+
+    async fn latest_of_turn(
+        &self,
+        agent_id: &str,
+        turn_id: &str,
+        attempt: Option<u32>,
+        now: DateTime<Utc>,
+    ) -> Result<Checkpoint, StoreError> {
+        check_turn_read(agent_id, turn_id)?;
+        let read = || sqlx::query(D::LATEST_OF_TURN).bind(agent_id).bind(turn_id);
+        let fence = attempt.map(|attempt| Fence {
+            turn_id: turn_id.to_owned(),
+            attempt: i64::from(attempt),
+        });
+        let row = match fence {
+            None => read().fetch_optional(&self.pool).await,
+            Some(fence) if D::RAISE_COMMITS_FIRST => {
+                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                Self::raise(&mut conn, &fence, now).await?;
+                read().fetch_optional(&mut *conn).await
+            }
+            Some(fence) => {
+                // Refused: the transaction rolls back when dropped.
+                let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+                Self::raise(&mut tx, &fence, now).await?;
+                let row = read().fetch_optional(&mut *tx).await.map_err(classify)?;
+                tx.commit().await.map(|()| row)
+            }
+        }
+        .map_err(classify)?;
+        self.found(row, &format!("agent_id {agent_id} turn {turn_id}"))
+            .await
+    }
+
+    async fn get(&self, id: &str) -> Result<Checkpoint, StoreError> {
+        parse_id(id)?;
+        let row = sqlx::query(D::BY_ID)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        self.found(row, &format!("id {id}")).await
+    }
+
+    async fn list_before(
+        &self,
+        agent_id: &str,
+        count: u32,
+        before: Option<&str>,
+    ) -> Result<Vec<Checkpoint>, StoreError> {
+        check_page(agent_id, before)?;
+        let below = match before {
+            None => i64::MAX,
+            Some(id) => sqlx::query_scalar(D::WRITE_SEQ_OF)
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(classify)?
+                .ok_or_else(|| cursor_gone(id))?,
+        };
+        let rows = sqlx::query(D::PAGE)
+            .bind(agent_id)
+            .bind(below)
+            .bind(i64::from(count))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(classify)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            out.push(self.full(row).await?);
+        }
+        Ok(out)
+    }
+
+    async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+        let done = match retain_mode(request)? {
+            RetainMode::KeepLast {
+                agent_id,
+                keep_last,
+            } => sqlx::query(D::KEEP_LAST)
+                .bind(agent_id.as_str())
+                .bind(i64::from(keep_last))
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?,
+            RetainMode::OlderThan { secs } => {
+                let cut = cutoff(now, secs)?;
+                let done = D::bind_ts(sqlx::query(D::DROP_IDLE_OWNERS), cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                D::bind_ts(sqlx::query(D::DROP_OLD_ATTEMPTS), cut)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                done
+            }
+        };
+        sqlx::query(D::DROP_ORPHAN_BASES)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        tx.commit().await.map_err(classify)?;
+        Ok(D::rows_affected(&done))
+    }
+
+    fn backend(&self) -> &'static str {
+        D::BACKEND
+    }
+
+    async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+}
+}
