@@ -339,6 +339,90 @@ async fn pg_commit(url: &str) -> f64 {
     pct(&times, 0.5)
 }
 
+/// Beside each per-step figure, its two parts measured alone through the same real services:
+/// a step's fenced checkpoint save (NATS + store + database) and a step's model call with a view
+/// of the window's size (NATS + gateway, scripted provider), plain and streamed. The save and the
+/// call run side by side in a step, so a step costs about the larger of the two.
+async fn parts(real: &Real, window: usize) -> (f64, f64, f64) {
+    let owner = format!("parts-{window}");
+    let turn = format!("t-parts-{window}");
+    let delta = json!({"step": 1, "from": window, "stop_reason": "tool_calls", "turn_id": turn,
+        "messages": [{"role": "assistant", "content": [{"type": "tool_call", "id": "c1",
+            "name": "current_time", "arguments": "{}"}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "current_time",
+             "content": [{"type": "text", "text": "2026-12-01T18:00:00Z"}]}]});
+    let mut saves = Vec::new();
+    for step in 1..=400u32 {
+        let checkpoint = cyrene_protocol::checkpoint::Checkpoint {
+            id: cyrene_protocol::checkpoint::checkpoint_id(&owner, Some(&turn), step),
+            agent_id: owner.clone(),
+            step,
+            state: serde_json::from_value(delta.clone()).unwrap(),
+            turn_id: Some(turn.clone()),
+            attempt: Some(1),
+            base: (step == 1).then(|| serde_json::from_value(json!({"messages": []})).unwrap()),
+            created_at: None,
+            updated_at: None,
+        };
+        let start = Instant::now();
+        let _: cyrene_protocol::checkpoint::Checkpoint = request_json(
+            &real.client,
+            subjects::CHECKPOINT_SAVE,
+            &checkpoint,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        if step > 50 {
+            saves.push(start.elapsed());
+        }
+    }
+    let messages: Vec<Message> = (0..window)
+        .map(|i| match i % 2 {
+            0 => Message::text(
+                Role::User,
+                format!("earlier message {i} with a few words in it"),
+            ),
+            _ => Message::text(Role::Assistant, "a default reply of a few words"),
+        })
+        .chain(std::iter::once(Message::text(Role::User, "hello")))
+        .collect();
+    let request = cyrene_protocol::model::ModelRequest {
+        messages,
+        purpose: "chat".to_owned(),
+        ..Default::default()
+    };
+    let (mut plain, mut streamed) = (Vec::new(), Vec::new());
+    for i in 0..400 {
+        let start = Instant::now();
+        let _: cyrene_protocol::model::ModelResponse = request_json(
+            &real.client,
+            subjects::MODEL_COMPLETE,
+            &request,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        let middle = Instant::now();
+        cyrene_bus::model_stream::complete_stream(
+            &real.client,
+            &request,
+            Duration::from_secs(10),
+            |_, _| {},
+        )
+        .await
+        .unwrap();
+        if i >= 50 {
+            plain.push(middle - start);
+            streamed.push(middle.elapsed());
+        }
+    }
+    for times in [&mut saves, &mut plain, &mut streamed] {
+        times.sort();
+    }
+    (pct(&saves, 0.5), pct(&plain, 0.5), pct(&streamed, 0.5))
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     println!(
@@ -367,7 +451,10 @@ async fn main() {
     let any_picked = |all: &[&str]| all.iter().any(|w| only.split(',').any(|o| o == *w));
     backends.retain(|(name, _)| !any_picked(&["postgres", "sqlite"]) || picked(name));
     let windows: Vec<usize> = if any_picked(&["10", "200", "1000"]) {
-        WINDOWS.into_iter().filter(|w| picked(&w.to_string())).collect()
+        WINDOWS
+            .into_iter()
+            .filter(|w| picked(&w.to_string()))
+            .collect()
     } else {
         WINDOWS.to_vec()
     };
@@ -398,9 +485,15 @@ async fn main() {
             if window == 10 {
                 at_ten = Some(p50);
             }
+            let (save, plain, streamed) = parts(&real, window).await;
             println!(
                 "  {name:<8} window {window:>4}: p50 {p50:.3} ms  p99 {p99:.3} ms  ({n} steps); \
                  {row:.0} B per step row, base {base:.0} B once per turn ({rows} rows){target}"
+            );
+            println!(
+                "  {:<8} {:>11}  its parts alone: checkpoint save p50 {save:.3} ms, model call \
+                 p50 {plain:.3} ms plain / {streamed:.3} ms streamed",
+                "", ""
             );
         }
     }

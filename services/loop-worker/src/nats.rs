@@ -34,6 +34,8 @@ pub struct Timeouts {
 pub struct NatsPorts {
     client: Client,
     checkpoints: CheckpointClient,
+    /// Every streamed model call's replies arrive on this one subscription (no SUB/UNSUB a call).
+    streams: std::sync::Arc<cyrene_bus::model_stream::StreamInbox>,
     tools: Tools,
     timeouts: Timeouts,
 }
@@ -42,6 +44,9 @@ impl NatsPorts {
     pub fn new(client: Client, tools: Tools, timeouts: Timeouts) -> NatsPorts {
         let checkpoints = CheckpointClient::new(client.clone(), timeouts.checkpoint);
         NatsPorts {
+            streams: std::sync::Arc::new(cyrene_bus::model_stream::StreamInbox::new(
+                client.clone(),
+            )),
             client,
             checkpoints,
             tools,
@@ -176,17 +181,14 @@ impl TurnPorts for NatsPorts {
         // a slow publish never holds up reading the stream.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let call = async move {
-            let result = cyrene_bus::model_stream::complete_stream(
-                &self.client,
-                &request,
-                wait,
-                move |_, delta| {
+            let result = self
+                .streams
+                .complete_stream(&request, wait, move |_, delta| {
                     if let Delta::Text { text } = delta {
                         let _ = tx.send(text);
                     }
-                },
-            )
-            .await;
+                })
+                .await;
             // A gateway from before streaming (a rolling upgrade) has no stream endpoint: the
             // plain call still answers, without deltas.
             if let Err(cyrene_bus::RequestError::NoResponders { .. }) = result {

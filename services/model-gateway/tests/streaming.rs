@@ -566,3 +566,75 @@ async fn hostile_streamed_requests_get_one_error_end_marker() {
     bus.shutdown.cancel();
     tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
+    let bus = start_bus().await;
+    let inbox = cyrene_bus::model_stream::StreamInbox::new(bus.client.clone());
+    let texts = [
+        "alpha beta gamma",
+        "one two",
+        "a longer sentence of six words",
+    ];
+    // Concurrent calls on the one subscription: each call's deltas add up to its own reply.
+    let calls = texts.iter().map(|text| {
+        let inbox = &inbox;
+        async move {
+            let mut seqs = Vec::new();
+            let mut words = String::new();
+            let resp = inbox
+                .complete_stream(&ask(text), WAIT, |seq, d| {
+                    seqs.push(seq);
+                    if let Delta::Text { text } = d {
+                        words.push_str(&text);
+                    }
+                })
+                .await
+                .unwrap();
+            (resp, words, seqs)
+        }
+    });
+    let plain = futures::future::join_all(texts.iter().map(|text| {
+        let client = &bus.client;
+        async move {
+            complete_stream(client, &ask(text), WAIT, |_, _| {})
+                .await
+                .unwrap()
+        }
+    }))
+    .await;
+    for ((resp, words, seqs), alone) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .zip(plain)
+    {
+        assert_eq!(words, resp.content);
+        assert_eq!(
+            resp.content, alone.content,
+            "the same reply as its own subscription gives"
+        );
+        assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>());
+        assert!(!seqs.is_empty());
+    }
+    // An error end marker reaches its own call, and the inbox keeps serving after it.
+    let mut req = ask("x");
+    req.model = "nope".into();
+    let err = inbox
+        .complete_stream(&req, WAIT, |_, _| panic!("no delta"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadRequest);
+    let again = inbox
+        .complete_stream(&ask("still there"), WAIT, |_, _| {})
+        .await
+        .unwrap();
+    assert!(again.offline);
+    // With no gateway on the bus the shared inbox hears "no responders", as a call's own does.
+    bus.shutdown.cancel();
+    tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+    let err = inbox
+        .complete_stream(&ask("anyone?"), WAIT, |_, _| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
+}

@@ -6,6 +6,9 @@
 //! - A gap in `seq` (a delta lost to a slow subscription) is an error of the call, never silently
 //!   skipped: the caller would show text with a hole in it.
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
+//! - [`StreamInbox`] serves many calls from one wildcard subscription (`<inbox>.*`, one token a
+//!   call), so a call costs no SUB/UNSUB on the server; a call's route is removed when it
+//!   returns, however it returns, and what arrives for a finished call is dropped.
 
 use crate::request::{self, RequestError};
 use crate::{service, trace};
@@ -14,31 +17,167 @@ use async_nats::StatusCode;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::{Delta, StreamChunk};
 use cyrene_protocol::subjects;
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::{OnceCell, mpsc};
 use tokio::time::Instant;
 
 /// Streams `request` through the gateway, calling `on_delta` for each delta in order, and
-/// returns the whole response, all within `timeout`.
+/// returns the whole response, all within `timeout`. One subscription of its own for the call;
+/// a caller making many calls keeps a [`StreamInbox`].
 pub async fn complete_stream(
     client: &Client,
     request: &ModelRequest,
     timeout: Duration,
-    mut on_delta: impl FnMut(u64, Delta),
+    on_delta: impl FnMut(u64, Delta),
 ) -> Result<ModelResponse, RequestError> {
-    let subject = subjects::MODEL_COMPLETE_STREAM;
-    let payload = serde_json::to_vec(request).map_err(RequestError::Encode)?;
-    request::check_outgoing(client, payload.len())?;
-    let transport = |e: &dyn std::fmt::Display| RequestError::Transport {
-        subject: subject.to_owned(),
-        message: e.to_string(),
-    };
-    let deadline = Instant::now() + timeout;
+    let payload = encode(client, request)?;
     let inbox = client.new_inbox();
-    let mut replies = client
+    let replies = client
         .subscribe(inbox.clone())
         .await
         .map_err(|e| transport(&e))?;
+    exchange(client, payload, inbox, replies, timeout, on_delta).await
+}
+
+/// One wildcard reply subscription shared by every streamed call of a client: calls are told
+/// apart by the last token of their reply subject. Subscribes on first use (and again after a
+/// failed try); the subscription ends when the `StreamInbox` is dropped.
+#[derive(Debug)]
+pub struct StreamInbox {
+    client: Client,
+    prefix: String,
+    routes: Routes,
+    next: AtomicU64,
+    closed: Arc<AtomicBool>,
+    router: OnceCell<RouterTask>,
+}
+
+type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<async_nats::Message>>>>;
+
+/// The task handing each reply to its call; aborted with the `StreamInbox`.
+#[derive(Debug)]
+struct RouterTask(tokio::task::JoinHandle<()>);
+
+impl Drop for RouterTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A call's route, removed when the call returns however it returns.
+struct Route<'a> {
+    routes: &'a Routes,
+    token: u64,
+}
+
+impl Drop for Route<'_> {
+    fn drop(&mut self) {
+        lock(self.routes).remove(&self.token);
+    }
+}
+
+fn lock(
+    routes: &Routes,
+) -> std::sync::MutexGuard<'_, HashMap<u64, mpsc::UnboundedSender<async_nats::Message>>> {
+    routes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl StreamInbox {
+    pub fn new(client: Client) -> StreamInbox {
+        let prefix = client.new_inbox();
+        StreamInbox {
+            client,
+            prefix,
+            routes: Routes::default(),
+            next: AtomicU64::new(0),
+            closed: Arc::new(AtomicBool::new(false)),
+            router: OnceCell::new(),
+        }
+    }
+
+    async fn start(&self) -> Result<RouterTask, RequestError> {
+        let mut replies = self
+            .client
+            .subscribe(format!("{}.*", self.prefix))
+            .await
+            .map_err(|e| transport(&e))?;
+        let (routes, closed) = (self.routes.clone(), self.closed.clone());
+        Ok(RouterTask(tokio::spawn(async move {
+            while let Some(message) = replies.next().await {
+                let token = message
+                    .subject
+                    .rsplit('.')
+                    .next()
+                    .and_then(|t| t.parse().ok());
+                let route = token.and_then(|t: u64| lock(&routes).get(&t).cloned());
+                if let Some(route) = route {
+                    let _ = route.send(message);
+                }
+            }
+            // The client is gone: every waiting call hears it at once, later ones are refused.
+            closed.store(true, Ordering::SeqCst);
+            lock(&routes).clear();
+        })))
+    }
+
+    /// [`complete_stream`] through the shared subscription.
+    pub async fn complete_stream(
+        &self,
+        request: &ModelRequest,
+        timeout: Duration,
+        on_delta: impl FnMut(u64, Delta),
+    ) -> Result<ModelResponse, RequestError> {
+        let payload = encode(&self.client, request)?;
+        self.router.get_or_try_init(|| self.start()).await?;
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        lock(&self.routes).insert(token, tx);
+        let _route = Route {
+            routes: &self.routes,
+            token,
+        };
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(transport(&"the reply subscription closed"));
+        }
+        let replies = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|message| (message, rx))
+        });
+        let inbox = format!("{}.{token}", self.prefix);
+        exchange(&self.client, payload, inbox, replies, timeout, on_delta).await
+    }
+}
+
+fn encode(client: &Client, request: &ModelRequest) -> Result<Vec<u8>, RequestError> {
+    let payload = serde_json::to_vec(request).map_err(RequestError::Encode)?;
+    request::check_outgoing(client, payload.len())?;
+    Ok(payload)
+}
+
+fn transport(e: &dyn std::fmt::Display) -> RequestError {
+    RequestError::Transport {
+        subject: subjects::MODEL_COMPLETE_STREAM.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+/// Publishes the request with `inbox` as its reply subject and reads `replies` to the end marker.
+async fn exchange(
+    client: &Client,
+    payload: Vec<u8>,
+    inbox: String,
+    replies: impl Stream<Item = async_nats::Message>,
+    timeout: Duration,
+    mut on_delta: impl FnMut(u64, Delta),
+) -> Result<ModelResponse, RequestError> {
+    let subject = subjects::MODEL_COMPLETE_STREAM;
+    let mut replies = std::pin::pin!(replies);
+    let deadline = Instant::now() + timeout;
     client
         .publish_with_reply_and_headers(subject, inbox, trace::current_headers(), payload.into())
         .await
