@@ -13,11 +13,9 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{models, wait_for_service, worker_config};
+use common::{wait_for_service, worker_config};
 use cyrene_bus::request_json;
 use cyrene_bus::service::ServeOptions;
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
@@ -67,12 +65,7 @@ impl Real {
         let client = server.connect().await;
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
-        let gateway = Gateway::new(
-            models(rules()),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
+        let gateway = common::scripted_gateway(rules());
         tokio::spawn(cyrene_model_gateway::serve(
             Arc::new(gateway),
             server.connect().await,

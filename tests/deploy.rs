@@ -183,11 +183,7 @@ fn deploy_with_secrets() -> tempfile::TempDir {
         .env("DATABASE_URL", "postgres://cyrene:pw@postgres:5432/cyrene")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     copy
 }
 
@@ -249,11 +245,7 @@ fn the_kustomization_renders_when_kubectl_is_here() {
         eprintln!("kubectl not found: rendering not checked (make deploy-check needs it)");
         return;
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let rendered = String::from_utf8_lossy(&out.stdout);
     let kinds: Vec<&str> = rendered
         .lines()
@@ -332,11 +324,7 @@ fn validate_rendered(validator: &str, copy: &tempfile::TempDir, root: &Path, lea
         .arg(root)
         .output()
         .expect("kubectl (make deploy-check needs it)");
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
-    );
+    common::assert_success(&rendered);
     let file = copy.path().join("rendered.yaml");
     std::fs::write(&file, &rendered.stdout).unwrap();
     let out = Command::new("python3")
@@ -400,11 +388,7 @@ fn the_cluster_component_replicates_the_turn_queue_and_leaves_nats_to_the_chart(
         );
         return;
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let rendered = String::from_utf8_lossy(&out.stdout).into_owned();
     let objects: Vec<&str> = rendered.split("\n---\n").collect();
     assert!(

@@ -52,6 +52,59 @@ pub fn models(rules: Value) -> ModelsConfig {
     .unwrap()
 }
 
+/// A nats-server, a client of it, a shutdown token, and [`spawn_scripted_gateway`] (`rules`)
+/// serving on that client; the gateway's request log last.
+pub async fn bus_with_gateway(
+    rules: Value,
+) -> (
+    NatsServer,
+    async_nats::Client,
+    CancellationToken,
+    RequestLog,
+) {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let shutdown = CancellationToken::new();
+    let log = spawn_scripted_gateway(rules, client.clone(), &shutdown);
+    (server, client, shutdown, log)
+}
+
+/// Asserts that a finished process exited successfully, showing its stderr otherwise.
+pub fn assert_success(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The real gateway over the scripted model config `rules` ([`models`]), with no secrets.
+pub fn scripted_gateway(rules: Value) -> Gateway {
+    Gateway::new(
+        models(rules),
+        &Secrets::from_pairs(Vec::<(String, String)>::new()),
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap()
+}
+
+/// [`scripted_gateway`] serving on `client` until `shutdown`; returns its request log.
+pub fn spawn_scripted_gateway(
+    rules: Value,
+    client: async_nats::Client,
+    shutdown: &CancellationToken,
+) -> RequestLog {
+    let gateway = scripted_gateway(rules);
+    let log = gateway.request_log("offline").unwrap();
+    tokio::spawn(cyrene_model_gateway::serve(
+        Arc::new(gateway),
+        client,
+        ServeOptions::default(),
+        shutdown.clone(),
+    ));
+    log
+}
+
 impl Stack {
     /// Starts everything but the workers. `database_url` None = SQLite in a temp dir.
     pub async fn start(rules: Value, database_url: Option<String>) -> Stack {
@@ -65,12 +118,7 @@ impl Stack {
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
 
-        let built = Gateway::new(
-            models(rules),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
+        let built = scripted_gateway(rules);
         let log = built.request_log("offline").unwrap();
         if gateway {
             // Each service on its own connection, as in production.
