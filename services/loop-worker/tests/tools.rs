@@ -1,13 +1,12 @@
 //! External tool calls over a real nats-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use async_nats::service::ServiceExt;
 use cyrene_loop_worker::ports::ToolContext;
-use cyrene_loop_worker::tools::{META_DESCRIPTION, META_PARAMETERS, Tools};
+use cyrene_loop_worker::tools::Tools;
 use cyrene_protocol::message::ToolCall;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_tool, start_service};
 use futures::StreamExt;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -33,26 +32,8 @@ fn call(name: &str, id: &str) -> ToolCall {
 
 /// Serves `cyrene.tool.<name>` as a discoverable micro endpoint; counts the requests.
 async fn serve_tool(client: &async_nats::Client, name: &str) -> Arc<AtomicUsize> {
-    let service = client
-        .service_builder()
-        .start("test-tools", "0.0.0")
-        .await
-        .unwrap();
-    let metadata: HashMap<String, String> = [
-        (META_DESCRIPTION.to_owned(), "a test tool".to_owned()),
-        (
-            META_PARAMETERS.to_owned(),
-            r#"{"type":"object"}"#.to_owned(),
-        ),
-    ]
-    .into();
-    let mut endpoint = service
-        .endpoint_builder()
-        .name(name)
-        .metadata(metadata)
-        .add(format!("cyrene.tool.{name}"))
-        .await
-        .unwrap();
+    let service = start_service(client, "test-tools", "0.0.0").await;
+    let mut endpoint = add_tool(&service, name, "a test tool", r#"{"type":"object"}"#).await;
     let served = Arc::new(AtomicUsize::new(0));
     let count = served.clone();
     tokio::spawn(async move {

@@ -76,6 +76,7 @@
 mod binary;
 mod cluster;
 pub mod echo;
+pub mod micro;
 mod probe;
 pub mod raw;
 mod server;
