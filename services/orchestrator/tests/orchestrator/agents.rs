@@ -223,18 +223,18 @@ async fn an_ask_times_out_when_no_worker_runs_its_turn() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
-    let world = World::new(Backend::Sqlite).await;
-    let mut config = world.config();
-    config.parallel_clients = vec!["phone".into()];
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(Backend::Sqlite, |config| {
+        config.parallel_clients = vec!["phone".into()];
+    })
+    .await;
     let c = &world.client;
 
-    let m1 = send(c, &send_req("s1", "write about the sea", "k1", "desk"))
-        .await
-        .unwrap();
-    assert_eq!(m1.disposition, Disposition::TurnStarted);
-    let (leg1, _) = jobs.next().await;
+    let (m1, leg1) = start_turn(
+        c,
+        &mut jobs,
+        &send_req("s1", "write about the sea", "k1", "desk"),
+    )
+    .await;
     // The live leg reports progress as a worker would.
     let subject = subjects::session_events("s1").unwrap();
     let mut step = SessionEvent::new(SessionEventType::Step, "s1");

@@ -9,7 +9,7 @@ use cyrene_orchestrator::{Config, run};
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
-    HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
+    Disposition, HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
@@ -25,6 +25,25 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Declares the `#[tokio::test]`s `$sqlite` and `$postgres`, which run the scenario
+/// `$scenario(backend)` on SQLite and on PostgreSQL.
+#[allow(unused_macros)] // the steer bench includes this file too
+macro_rules! on_both_backends {
+    ($scenario:ident: $sqlite:ident, $postgres:ident) => {
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $sqlite() {
+            $scenario($crate::harness::Backend::Sqlite).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $postgres() {
+            $scenario($crate::harness::Backend::Postgres).await;
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_both_backends;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -114,6 +133,49 @@ pub async fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Opt
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A world on `backend` with one replica on its default config, and the turn queue watched.
+pub async fn one_replica(backend: Backend) -> (World, Replica, JobQueue) {
+    one_replica_with(backend, |_| {}).await
+}
+
+/// Like [`one_replica`], the replica's config first changed by `configure`.
+pub async fn one_replica_with(
+    backend: Backend,
+    configure: impl FnOnce(&mut Config),
+) -> (World, Replica, JobQueue) {
+    let world = World::new(backend).await;
+    let mut config = world.config();
+    configure(&mut config);
+    let replica = Replica::start(&world, config).await;
+    let jobs = JobQueue::new(&world.client).await;
+    (world, replica, jobs)
+}
+
+/// Sends `req`, which must start a turn; returns its ack and the turn's job.
+pub async fn start_turn(
+    client: &async_nats::Client,
+    jobs: &mut JobQueue,
+    req: &SendRequest,
+) -> (SendAck, TurnJob) {
+    let ack = send(client, req).await.unwrap();
+    assert_eq!(ack.disposition, Disposition::TurnStarted);
+    let (job, _) = jobs.next().await;
+    (ack, job)
+}
+
+/// Completes `job`'s `attempt` with `answer`; whether this was the first completion.
+pub async fn completes_first(
+    client: &async_nats::Client,
+    job: &TurnJob,
+    attempt: u32,
+    answer: &str,
+) -> bool {
+    complete(client, &completion(job, attempt, answer))
+        .await
+        .unwrap()
+        .first
 }
 
 /// One orchestrator replica (`run` in a task).
