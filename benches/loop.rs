@@ -290,13 +290,25 @@ async fn nats_echo() -> f64 {
             }
         }
     });
-    let mut times = Vec::new();
-    for i in 0..3000 {
-        let start = Instant::now();
+    median_of_3000(|_| async {
         client
             .request("bench.echo", vec![b'x'; 200].into())
             .await
             .unwrap();
+    })
+    .await
+}
+
+/// The median time of `op`, run 3000 times (given the run's number), the first 500 a warm-up.
+async fn median_of_3000<F, Fut>(mut op: F) -> f64
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut times = Vec::new();
+    for i in 0..3000 {
+        let start = Instant::now();
+        op(i).await;
         if i >= 500 {
             times.push(start.elapsed());
         }
@@ -312,24 +324,21 @@ async fn pg_commit(url: &str) -> f64 {
         .execute(&pool)
         .await
         .unwrap();
-    let mut times = Vec::new();
-    for i in 0..3000 {
-        let start = Instant::now();
-        sqlx::query(
-            "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
-             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
-        )
-        .bind(format!("row-{}", i % 50))
-        .bind("{\"step\":1}")
-        .execute(&pool)
-        .await
-        .unwrap();
-        if i >= 500 {
-            times.push(start.elapsed());
+    median_of_3000(|i| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
+                 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
+            )
+            .bind(format!("row-{}", i % 50))
+            .bind("{\"step\":1}")
+            .execute(&pool)
+            .await
+            .unwrap();
         }
-    }
-    times.sort();
-    pct(&times, 0.5)
+    })
+    .await
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -32,6 +32,14 @@ async fn write(client: &async_nats::Client, session: &str, text: &str) -> Memory
         .unwrap()
 }
 
+/// The system messages leading a model request's view, as text.
+fn system_messages(view: &[Message]) -> Vec<String> {
+    view.iter()
+        .take_while(|m| m.role == Role::System)
+        .map(Message::text_content)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     let (server, client, shutdown, log) = common::bus_with_gateway(json!([])).await;
@@ -107,11 +115,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
 
     send("what do you remember?").await;
     let view = view_of("what do you remember?").await;
-    let system: Vec<String> = view
-        .iter()
-        .take_while(|m| m.role == Role::System)
-        .map(Message::text_content)
-        .collect();
+    let system = system_messages(&view);
     assert_eq!(
         system.len(),
         4,
@@ -179,12 +183,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     .await
     .unwrap();
     send("and now?").await;
-    let view = view_of("and now?").await;
-    let system: Vec<String> = view
-        .iter()
-        .take_while(|m| m.role == Role::System)
-        .map(Message::text_content)
-        .collect();
+    let system = system_messages(&view_of("and now?").await);
     assert!(system[2].starts_with("[工作记忆]"), "{system:#?}");
     assert!(
         !system.iter().any(|s| s.starts_with("[记忆]")),

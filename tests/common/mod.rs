@@ -4,7 +4,6 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // shared by several test crates
 
 use async_nats::jetstream;
-use async_nats::service::ServiceExt;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
@@ -16,6 +15,7 @@ use cyrene_protocol::turn::{
 };
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_endpoint, add_tool, start_service};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -67,6 +67,49 @@ pub async fn bus_with_gateway(
     let shutdown = CancellationToken::new();
     let log = spawn_scripted_gateway(rules, client.clone(), &shutdown);
     (server, client, shutdown, log)
+}
+
+/// A nats-server, a client of it, and a data dir for service processes, with its path as text.
+pub async fn bus_with_data_dir() -> (NatsServer, async_nats::Client, tempfile::TempDir, String) {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().display().to_string();
+    (server, client, data, dir)
+}
+
+/// Waits until the four services answer discovery: gateway, store, orchestrator, worker.
+pub async fn wait_for_the_four_services(client: &async_nats::Client) {
+    for name in [
+        "cyrene-model-gateway",
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        wait_for_service(client, name).await;
+    }
+}
+
+/// Sends SIGTERM to `child` (a clean stop); the signal must be delivered.
+pub fn terminate(child: &tokio::process::Child) {
+    let pid = child.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
+/// Headers carrying the W3C `traceparent` of trace `trace_id`, parent span `span_id`.
+pub fn traceparent(trace_id: &str, span_id: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(
+        &mut headers,
+        "traceparent",
+        &format!("00-{trace_id}-{span_id}-01"),
+    )
+    .unwrap();
+    headers
 }
 
 /// Asserts that a finished process exited successfully, showing its stderr otherwise.
@@ -303,23 +346,9 @@ impl FakeOrchestrator {
         shutdown: CancellationToken,
     ) -> Arc<FakeOrchestrator> {
         let fake = Arc::new(FakeOrchestrator::default());
-        let service = client
-            .service_builder()
-            .start("fake-orchestrator", "0.0.0")
-            .await
-            .unwrap();
-        let steer = service
-            .endpoint_builder()
-            .name("steer")
-            .add(subjects::TURN_STEER)
-            .await
-            .unwrap();
-        let complete = service
-            .endpoint_builder()
-            .name("complete")
-            .add(subjects::TURN_COMPLETE)
-            .await
-            .unwrap();
+        let service = start_service(client, "fake-orchestrator", "0.0.0").await;
+        let steer = add_endpoint(&service, "steer", subjects::TURN_STEER).await;
+        let complete = add_endpoint(&service, "complete", subjects::TURN_COMPLETE).await;
         let f = fake.clone();
         let pusher = client.clone();
         tokio::spawn(serve_json(
@@ -458,32 +487,14 @@ impl TestTools {
     /// Serves the tools as micro service `test-tools` on `client` until `shutdown`.
     pub async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
         let tools = Arc::new(TestTools::default());
-        let service = client
-            .service_builder()
-            .start("test-tools", "0.0.0")
-            .await
-            .unwrap();
+        let service = start_service(client, "test-tools", "0.0.0").await;
         for (name, description) in [
             ("count", "counts its executions"),
             ("hold", "waits until the test releases it"),
             ("slow", "takes 300 ms"),
             ("broken", "always fails with a micro error"),
         ] {
-            let metadata: HashMap<String, String> = [
-                ("cyrene.tool.description".to_owned(), description.to_owned()),
-                (
-                    "cyrene.tool.parameters".to_owned(),
-                    r#"{"type":"object"}"#.to_owned(),
-                ),
-            ]
-            .into();
-            let endpoint = service
-                .endpoint_builder()
-                .name(name)
-                .metadata(metadata)
-                .add(format!("cyrene.tool.{name}"))
-                .await
-                .unwrap();
+            let endpoint = add_tool(&service, name, description, r#"{"type":"object"}"#).await;
             let t = tools.clone();
             let name = name.to_owned();
             tokio::spawn(serve_json(
