@@ -291,8 +291,7 @@ on_both_backends!(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn history_pages_backwards() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
+    let (world, _orch) = sqlite_replica().await;
     let c = &world.client;
     for i in 0..5 {
         send_ok(c, "s1", &format!("m{i}")).await;
@@ -326,8 +325,7 @@ async fn history_pages_backwards() {
 /// user could make their own history unreadable. The page stops at what fits, newest kept.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_history_page_never_outgrows_the_bus() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
+    let (world, _orch) = sqlite_replica().await;
     let c = &world.client;
     for i in 0..5 {
         send_ok(c, "big", &format!("{i}{}", "x".repeat(240 * 1024))).await;

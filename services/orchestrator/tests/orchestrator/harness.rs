@@ -153,6 +153,21 @@ pub async fn one_replica_with(
     (world, replica, jobs)
 }
 
+/// A SQLite world with one replica on its default config.
+pub async fn sqlite_replica() -> (World, Replica) {
+    let world = World::new(Backend::Sqlite).await;
+    let replica = Replica::start(&world, world.config()).await;
+    (world, replica)
+}
+
+/// A SQLite world with one replica and a [`FakeWorker`] holding each turn for `hold`, one step.
+pub async fn with_a_fake_worker(hold: Duration) -> (World, Replica, FakeWorker) {
+    let world = World::new(Backend::Sqlite).await;
+    let replica = Replica::start(&world, world.config()).await;
+    let worker = FakeWorker::start(&world, hold, 1).await;
+    (world, replica, worker)
+}
+
 /// Sends `req`, which must start a turn; returns its ack and the turn's job.
 pub async fn start_turn(
     client: &async_nats::Client,
@@ -280,32 +295,29 @@ where
 
 /// How many `cyrene-orchestrator` instances answer `$SRV.PING`.
 async fn ping_count(client: &async_nats::Client) -> usize {
-    discovery::gather(
-        client,
-        Verb::Ping,
-        Some("cyrene-orchestrator"),
-        Duration::from_millis(150),
-        None,
-    )
-    .await
-    .unwrap()
-    .len()
+    orchestrators(client, Verb::Ping, Duration::from_millis(150))
+        .await
+        .len()
+}
+
+/// What each `cyrene-orchestrator` instance answers to `verb` within `wait`.
+async fn orchestrators(
+    client: &async_nats::Client,
+    verb: Verb,
+    wait: Duration,
+) -> Vec<serde_json::Value> {
+    discovery::gather(client, verb, Some("cyrene-orchestrator"), wait, None)
+        .await
+        .unwrap()
 }
 
 /// `num_requests` of `endpoint` on each `cyrene-orchestrator` instance (`$SRV.STATS`).
 pub async fn endpoint_requests(client: &async_nats::Client, endpoint: &str) -> Vec<u64> {
-    discovery::gather(
-        client,
-        Verb::Stats,
-        Some("cyrene-orchestrator"),
-        Duration::from_millis(300),
-        None,
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|stats| discovery::endpoint_stat(stats, endpoint, "num_requests").unwrap_or(0))
-    .collect()
+    orchestrators(client, Verb::Stats, Duration::from_millis(300))
+        .await
+        .iter()
+        .map(|stats| discovery::endpoint_stat(stats, endpoint, "num_requests").unwrap_or(0))
+        .collect()
 }
 
 pub fn user(text: &str) -> Message {

@@ -174,11 +174,10 @@ type AskResult = Result<cyrene_protocol::comm::Reply, AskError>;
 /// would wait on hoshi, who waits on cyrene: it is refused at once with `conflict`, and the
 /// outer asks are still answered. The ask's `data` reaches the turn as a JSON part.
 async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
-    let world = World::new(backend).await;
-    let mut config = world.config();
-    config.personas = two_personas();
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
+        config.personas = two_personas();
+    })
+    .await;
     let c = &world.client;
     let options = |chain: Vec<String>| AskOptions {
         timeout: Some(Duration::from_secs(20)),
@@ -219,13 +218,8 @@ async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
     // cyrene's turn asks hoshi back: a cycle, refused at once.
     let cyrene = Probe::new(c.clone(), "cyrene");
     let started = Instant::now();
-    let back = ask_with(
-        &cyrene,
-        "hoshi",
-        "what did alice order?",
-        options(cyrene_turn.ask_chain.clone()),
-    )
-    .await;
+    let cyrene_chain = || options(cyrene_turn.ask_chain.clone());
+    let back = ask_with(&cyrene, "hoshi", "what did alice order?", cyrene_chain()).await;
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "refused at once"
@@ -238,13 +232,7 @@ async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
         other => panic!("expected a conflict, got {other:?}"),
     }
     // So is an ask to itself, and nothing was stored for either.
-    let own = ask_with(
-        &cyrene,
-        "cyrene",
-        "me?",
-        options(cyrene_turn.ask_chain.clone()),
-    )
-    .await;
+    let own = ask_with(&cyrene, "cyrene", "me?", cyrene_chain()).await;
     assert!(
         matches!(own, Err(AskError::Remote { ref error, .. }) if error.code == ErrorCode::Conflict)
     );
