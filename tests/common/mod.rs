@@ -69,6 +69,25 @@ pub async fn bus_with_gateway(
     (server, client, shutdown, log)
 }
 
+/// Serves `endpoint` with `handler` (default options) until `shutdown`, on a task of its own.
+pub fn spawn_endpoint<Req, Resp, F, Fut>(
+    endpoint: async_nats::service::endpoint::Endpoint,
+    shutdown: &CancellationToken,
+    handler: F,
+) where
+    Req: serde::de::DeserializeOwned + Send + 'static,
+    Resp: serde::Serialize + Send + 'static,
+    F: Fn(Req, RequestContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ErrorBody>> + Send + 'static,
+{
+    tokio::spawn(serve_json(
+        endpoint,
+        ServeOptions::default(),
+        shutdown.clone(),
+        handler,
+    ));
+}
+
 /// A nats-server, a client of it, and a data dir for service processes, with its path as text.
 pub async fn bus_with_data_dir() -> (NatsServer, async_nats::Client, tempfile::TempDir, String) {
     let server = NatsServer::start();
@@ -351,40 +370,32 @@ impl FakeOrchestrator {
         let complete = add_endpoint(&service, "complete", subjects::TURN_COMPLETE).await;
         let f = fake.clone();
         let pusher = client.clone();
-        tokio::spawn(serve_json(
-            steer,
-            ServeOptions::default(),
-            shutdown.clone(),
-            move |req: SteerRequest, _: RequestContext| {
-                let f = f.clone();
-                let pusher = pusher.clone();
-                async move {
-                    let turn = req.turn_id.clone();
-                    let (reply, later) = f.steer(req);
-                    // Like the real orchestrator: what arrives for a later boundary is claimed
-                    // and pushed to the turn's input (the worker subscribed before this steer).
-                    let subject = subjects::turn_input(&turn).unwrap();
-                    for message in later {
-                        let payload = serde_json::to_vec(&message).unwrap();
-                        pusher
-                            .publish(subject.clone(), payload.into())
-                            .await
-                            .unwrap();
-                    }
-                    reply
+        let on_steer = move |req: SteerRequest, _: RequestContext| {
+            let f = f.clone();
+            let pusher = pusher.clone();
+            async move {
+                let turn = req.turn_id.clone();
+                let (reply, later) = f.steer(req);
+                // Like the real orchestrator: what arrives for a later boundary is claimed
+                // and pushed to the turn's input (the worker subscribed before this steer).
+                let subject = subjects::turn_input(&turn).unwrap();
+                for message in later {
+                    let payload = serde_json::to_vec(&message).unwrap();
+                    pusher
+                        .publish(subject.clone(), payload.into())
+                        .await
+                        .unwrap();
                 }
-            },
-        ));
+                reply
+            }
+        };
+        spawn_endpoint(steer, &shutdown, on_steer);
         let f = fake.clone();
-        tokio::spawn(serve_json(
-            complete,
-            ServeOptions::default(),
-            shutdown.clone(),
-            move |req: TurnComplete, _: RequestContext| {
-                let f = f.clone();
-                async move { f.complete(req) }
-            },
-        ));
+        let on_complete = move |req: TurnComplete, _: RequestContext| {
+            let f = f.clone();
+            async move { f.complete(req) }
+        };
+        spawn_endpoint(complete, &shutdown, on_complete);
         std::mem::forget(service);
         client.flush().await.unwrap();
         fake
@@ -497,41 +508,37 @@ impl TestTools {
             let endpoint = add_tool(&service, name, description, r#"{"type":"object"}"#).await;
             let t = tools.clone();
             let name = name.to_owned();
-            tokio::spawn(serve_json(
-                endpoint,
-                ServeOptions::default(),
-                shutdown.clone(),
-                move |_args: Value, ctx: RequestContext| {
-                    let (t, name) = (t.clone(), name.clone());
-                    async move {
-                        let id = ctx
-                            .headers
-                            .get("Cyrene-Tool-Call-Id")
-                            .map(|v| v.as_str().to_owned())
-                            .unwrap_or_default();
-                        t.runs.lock().unwrap().push((name.clone(), id.clone()));
-                        if name == "hold" {
-                            let gate = t.gate.lock().unwrap().clone();
-                            if let Some(gate) = gate {
-                                gate.notified().await;
-                            }
+            let on_call = move |_args: Value, ctx: RequestContext| {
+                let (t, name) = (t.clone(), name.clone());
+                async move {
+                    let id = ctx
+                        .headers
+                        .get("Cyrene-Tool-Call-Id")
+                        .map(|v| v.as_str().to_owned())
+                        .unwrap_or_default();
+                    t.runs.lock().unwrap().push((name.clone(), id.clone()));
+                    if name == "hold" {
+                        let gate = t.gate.lock().unwrap().clone();
+                        if let Some(gate) = gate {
+                            gate.notified().await;
                         }
-                        if name == "slow" {
-                            tokio::time::sleep(Duration::from_millis(300)).await;
-                        }
-                        if name == "broken" {
-                            return Err(ErrorBody::new(ErrorCode::NotFound, "no such record"));
-                        }
-                        t.finished
-                            .lock()
-                            .unwrap()
-                            .push((id.clone(), Instant::now()));
-                        Ok::<_, ErrorBody>(
-                            json!({"text": format!("{name} ran as {id}"), "is_error": false}),
-                        )
                     }
-                },
-            ));
+                    if name == "slow" {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    if name == "broken" {
+                        return Err(ErrorBody::new(ErrorCode::NotFound, "no such record"));
+                    }
+                    t.finished
+                        .lock()
+                        .unwrap()
+                        .push((id.clone(), Instant::now()));
+                    Ok::<_, ErrorBody>(
+                        json!({"text": format!("{name} ran as {id}"), "is_error": false}),
+                    )
+                }
+            };
+            spawn_endpoint(endpoint, &shutdown, on_call);
         }
         std::mem::forget(service);
         client.flush().await.unwrap();

@@ -48,6 +48,19 @@ impl Rng {
     }
 }
 
+/// One of `mix`, each as likely as its weight; `fallback` only if the weights do not add up.
+fn weighted<T: Copy>(rng: &mut Rng, mix: &[(T, usize)], fallback: T) -> T {
+    let total: usize = mix.iter().map(|(_, w)| w).sum();
+    let mut roll = rng.below(total);
+    for &(item, weight) in mix {
+        if roll < weight {
+            return item;
+        }
+        roll -= weight;
+    }
+    fallback
+}
+
 /// Where a case goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Endpoint {
@@ -140,15 +153,7 @@ impl Endpoint {
     }
 
     fn choose(rng: &mut Rng) -> Endpoint {
-        let total: usize = Endpoint::MIX.iter().map(|(_, w)| w).sum();
-        let mut roll = rng.below(total);
-        for (endpoint, weight) in Endpoint::MIX {
-            if roll < weight {
-                return endpoint;
-            }
-            roll -= weight;
-        }
-        Endpoint::SessionSend
+        weighted(rng, &Endpoint::MIX, Endpoint::SessionSend)
     }
 
     /// A well-formed request (`i` keeps keys and ids apart between cases).
@@ -237,15 +242,7 @@ impl Kind {
     ];
 
     fn choose(rng: &mut Rng) -> Kind {
-        let total: usize = Kind::MIX.iter().map(|(_, w)| w).sum();
-        let mut roll = rng.below(total);
-        for (kind, weight) in Kind::MIX {
-            if roll < weight {
-                return kind;
-            }
-            roll -= weight;
-        }
-        Kind::BrokenJson
+        weighted(rng, &Kind::MIX, Kind::BrokenJson)
     }
 }
 
