@@ -79,6 +79,7 @@ pub mod echo;
 pub mod micro;
 mod probe;
 pub mod raw;
+pub mod rng;
 mod server;
 
 pub use binary::nats_server_binary;
