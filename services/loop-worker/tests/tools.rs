@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
 use cyrene_loop_worker::ports::ToolContext;
+use cyrene_loop_worker::ports::ToolOutput;
 use cyrene_loop_worker::tools::Tools;
 use cyrene_protocol::message::ToolCall;
 use cyrene_test_support::NatsServer;
@@ -28,6 +29,11 @@ fn call(name: &str, id: &str) -> ToolCall {
         args: Default::default(),
         args_error: None,
     }
+}
+
+/// `tools` calls `name` (call id `id`) for a turn allowed `allowed` (None: every tool).
+async fn call_with(tools: &Tools, allowed: Option<&[&str]>, name: &str, id: &str) -> ToolOutput {
+    tools.call(&context(allowed), &call(name, id)).await
 }
 
 /// Serves `cyrene.tool.<name>` as a discoverable micro endpoint; counts the requests.
@@ -80,17 +86,15 @@ async fn a_tool_call_id_that_cannot_be_a_header_is_an_error_result_not_a_panic()
     assert_eq!(tools.discover(Duration::from_millis(500)).await, 1);
     // The model's id goes into `Cyrene-Tool-Call-Id`: a line break would panic async-nats.
     for id in ["a\r\nInjected: yes", "\n", "a\rb"] {
-        let out = tools.call(&context(None), &call("lookup", id)).await;
+        let out = call_with(&tools, None, "lookup", id).await;
         assert!(out.is_error, "{id:?}");
         assert!(out.text.contains("was not called"), "{id:?}: {}", out.text);
     }
     assert_eq!(served.load(Ordering::SeqCst), 0);
     // Any other id is sent.
-    let out = tools
-        .call(&context(None), &call("lookup", "昔涟 \u{7f}"))
-        .await;
-    assert!(!out.is_error, "{}", out.text);
+    let out = call_with(&tools, None, "lookup", "昔涟 \u{7f}").await;
     assert_eq!(served.load(Ordering::SeqCst), 1);
+    assert!(!out.is_error, "{}", out.text);
 }
 
 #[tokio::test]
@@ -107,7 +111,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
     tools.discover(Duration::from_millis(500)).await;
 
     // Not discovered (no tool metadata): refused, nothing sent, although someone answers.
-    let out = tools.call(&context(None), &call("hidden", "c1")).await;
+    let out = call_with(&tools, None, "hidden", "c1").await;
     assert!(out.is_error);
     assert!(out.text.contains("not available"), "{}", out.text);
     assert_eq!(
@@ -126,9 +130,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
         0,
         "a tool outside the list was called"
     );
-    let out = tools
-        .call(&context(Some(&[])), &call("current_time", "c3"))
-        .await;
+    let out = call_with(&tools, Some(&[]), "current_time", "c3").await;
     assert!(
         out.is_error && out.text.contains("not allowed"),
         "{}",
@@ -150,9 +152,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
     assert!(!names(None).contains(&"hidden".to_owned()));
 
     // Allowed and discovered: called.
-    let out = tools
-        .call(&context(Some(&["lookup"])), &call("lookup", "c5"))
-        .await;
+    let out = call_with(&tools, Some(&["lookup"]), "lookup", "c5").await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(lookup.load(Ordering::SeqCst), 1);
 }
@@ -168,7 +168,7 @@ async fn a_tool_registered_after_the_last_discovery_is_found_on_its_first_call()
     );
     assert_eq!(tools.discover(Duration::from_millis(200)).await, 0);
     let late = serve_tool(&client, "late").await;
-    let out = tools.call(&context(None), &call("late", "c1")).await;
+    let out = call_with(&tools, None, "late", "c1").await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(late.load(Ordering::SeqCst), 1);
 }
