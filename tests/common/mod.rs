@@ -555,13 +555,14 @@ impl TestTools {
     }
 }
 
-/// Path of a workspace binary built next to the `cyrene` binary (`make test` builds them all).
+/// Path of a workspace binary built next to the `cyrene` binary (`make test` and `make chaos`
+/// build them all).
 pub fn workspace_binary(name: &str) -> PathBuf {
     let cyrene = PathBuf::from(env!("CARGO_BIN_EXE_cyrene"));
     let path = cyrene.with_file_name(name);
     assert!(
         path.exists(),
-        "{} is missing: run `cargo build --workspace` (make test does)",
+        "{} is missing: run `cargo build --workspace` (make test and make chaos do)",
         path.display()
     );
     path
