@@ -15,14 +15,12 @@ mod common;
 
 use common::{wait_for_service, worker_config};
 use cyrene_bus::request_json;
-use cyrene_bus::service::ServeOptions;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
 use serde_json::json;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -65,13 +63,7 @@ impl Real {
         let client = server.connect().await;
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
-        let gateway = common::scripted_gateway(rules());
-        tokio::spawn(cyrene_model_gateway::serve(
-            Arc::new(gateway),
-            server.connect().await,
-            ServeOptions::default(),
-            shutdown.clone(),
-        ));
+        common::spawn_scripted_gateway(rules(), server.connect().await, &shutdown);
         let mut store = cyrene_checkpoint_store::Config::new(data.path());
         store.database_url = database_url.clone();
         tokio::spawn(cyrene_checkpoint_store::run(
@@ -125,14 +117,10 @@ impl Real {
             parallel: false,
             when_busy: None,
         };
-        request_json(
-            &self.client,
-            subjects::SESSION_SEND,
-            &request,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap()
+        let wait = Duration::from_secs(30);
+        request_json(&self.client, subjects::SESSION_SEND, &request, wait)
+            .await
+            .unwrap()
     }
 
     /// Sends `text` and waits for its turn to end; returns the instants of its `step` events.

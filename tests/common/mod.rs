@@ -180,17 +180,12 @@ impl Stack {
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
 
-        let built = scripted_gateway(rules);
-        let log = built.request_log("offline").unwrap();
-        if gateway {
-            // Each service on its own connection, as in production.
-            tokio::spawn(cyrene_model_gateway::serve(
-                Arc::new(built),
-                server.connect().await,
-                ServeOptions::default(),
-                shutdown.clone(),
-            ));
-        }
+        // Each service on its own connection, as in production.
+        let log = if gateway {
+            spawn_scripted_gateway(rules, server.connect().await, &shutdown)
+        } else {
+            scripted_gateway(rules).request_log("offline").unwrap()
+        };
 
         let mut store = cyrene_checkpoint_store::Config::new(data.path());
         store.database_url = database_url;
