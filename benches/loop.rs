@@ -13,18 +13,14 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::{models, wait_for_service, worker_config};
+use common::{wait_for_service, worker_config};
 use cyrene_bus::request_json;
-use cyrene_bus::service::ServeOptions;
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
 use serde_json::json;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -67,18 +63,7 @@ impl Real {
         let client = server.connect().await;
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
-        let gateway = Gateway::new(
-            models(rules()),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
-        tokio::spawn(cyrene_model_gateway::serve(
-            Arc::new(gateway),
-            server.connect().await,
-            ServeOptions::default(),
-            shutdown.clone(),
-        ));
+        common::spawn_scripted_gateway(rules(), server.connect().await, &shutdown);
         let mut store = cyrene_checkpoint_store::Config::new(data.path());
         store.database_url = database_url.clone();
         tokio::spawn(cyrene_checkpoint_store::run(
@@ -132,14 +117,10 @@ impl Real {
             parallel: false,
             when_busy: None,
         };
-        request_json(
-            &self.client,
-            subjects::SESSION_SEND,
-            &request,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap()
+        let wait = Duration::from_secs(30);
+        request_json(&self.client, subjects::SESSION_SEND, &request, wait)
+            .await
+            .unwrap()
     }
 
     /// Sends `text` and waits for its turn to end; returns the instants of its `step` events.
@@ -297,13 +278,25 @@ async fn nats_echo() -> f64 {
             }
         }
     });
-    let mut times = Vec::new();
-    for i in 0..3000 {
-        let start = Instant::now();
+    median_of_3000(|_| async {
         client
             .request("bench.echo", vec![b'x'; 200].into())
             .await
             .unwrap();
+    })
+    .await
+}
+
+/// The median time of `op`, run 3000 times (given the run's number), the first 500 a warm-up.
+async fn median_of_3000<F, Fut>(mut op: F) -> f64
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut times = Vec::new();
+    for i in 0..3000 {
+        let start = Instant::now();
+        op(i).await;
         if i >= 500 {
             times.push(start.elapsed());
         }
@@ -319,24 +312,21 @@ async fn pg_commit(url: &str) -> f64 {
         .execute(&pool)
         .await
         .unwrap();
-    let mut times = Vec::new();
-    for i in 0..3000 {
-        let start = Instant::now();
-        sqlx::query(
-            "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
-             ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
-        )
-        .bind(format!("row-{}", i % 50))
-        .bind("{\"step\":1}")
-        .execute(&pool)
-        .await
-        .unwrap();
-        if i >= 500 {
-            times.push(start.elapsed());
+    median_of_3000(|i| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
+                 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
+            )
+            .bind(format!("row-{}", i % 50))
+            .bind("{\"step\":1}")
+            .execute(&pool)
+            .await
+            .unwrap();
         }
-    }
-    times.sort();
-    pct(&times, 0.5)
+    })
+    .await
 }
 
 /// Beside each per-step figure, its two parts measured alone through the same real services:

@@ -1,8 +1,8 @@
 //! The `cyrene` binary against a real nats-server: ask, emit, agent, probe.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use async_nats::service::ServiceExt;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_endpoint, start_described_service};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
@@ -122,18 +122,18 @@ async fn ask_prints_the_agents_reply_and_the_agent_prints_what_it_received() {
     assert_eq!(line["event"]["name"], "hello.all");
 }
 
+/// `out` exited with `code` and said why (`cause`) in one line on stderr.
+fn fails_in_one_line(out: &std::process::Output, code: i32, cause: &str) {
+    assert_eq!(out.status.code(), Some(code), "{}", stderr(out));
+    assert!(stderr(out).contains(cause), "{}", stderr(out));
+    assert_eq!(stderr(out).lines().count(), 1, "one line: {}", stderr(out));
+}
+
 #[tokio::test]
 async fn ask_failures_name_their_cause_and_exit_non_zero() {
     let server = NatsServer::start();
     let out = run(&server, &["ask", "--from", "a", "--to", "nobody", "hi"]).await;
-    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
-    assert!(stderr(&out).contains("no responder"), "{}", stderr(&out));
-    assert_eq!(
-        stderr(&out).lines().count(),
-        1,
-        "one line: {}",
-        stderr(&out)
-    );
+    fails_in_one_line(&out, 4, "no responder");
 
     // Somebody listens but never answers.
     let client = server.connect().await;
@@ -153,14 +153,7 @@ async fn ask_failures_name_their_cause_and_exit_non_zero() {
         ],
     )
     .await;
-    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
-    assert!(stderr(&out).contains("timeout"), "{}", stderr(&out));
-    assert_eq!(
-        stderr(&out).lines().count(),
-        1,
-        "one line: {}",
-        stderr(&out)
-    );
+    fails_in_one_line(&out, 3, "timeout");
 
     let out = run(
         &server,
@@ -216,18 +209,9 @@ async fn probe_lists_the_micro_services_on_the_bus() {
     );
 
     let client = server.connect().await;
-    let service = client
-        .service_builder()
-        .description("test service")
-        .start("cyrene-model-gateway", "0.1.0")
-        .await
-        .unwrap();
-    let _endpoint = service
-        .endpoint_builder()
-        .name("complete")
-        .add("cyrene.model.complete")
-        .await
-        .unwrap();
+    let service =
+        start_described_service(&client, "cyrene-model-gateway", "0.1.0", "test service").await;
+    let _endpoint = add_endpoint(&service, "complete", "cyrene.model.complete").await;
     client.flush().await.unwrap();
 
     let out = run(&server, &["probe"]).await;

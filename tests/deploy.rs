@@ -44,16 +44,29 @@ fn deployment(text: &str) -> (String, BTreeSet<String>, BTreeSet<String>) {
     (binary.expect("a command"), set, referenced)
 }
 
+/// Every Deployment manifest under deploy/k8s: its path and its text.
+fn k8s_deployments() -> Vec<(std::path::PathBuf, String)> {
+    let mut deployments = Vec::new();
+    for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if text.contains("kind: Deployment") {
+            deployments.push((path, text));
+        }
+    }
+    deployments
+}
+
+/// Asserts that `text` holds `needle`; `what` says where, for the failure message.
+fn assert_holds(text: &str, needle: &str, what: &str) {
+    assert!(text.contains(needle), "{what}");
+}
+
 #[test]
 fn every_deployment_runs_a_built_binary_with_variables_it_reads() {
     let dockerfile = std::fs::read_to_string(deploy_dir().join("docker/Dockerfile")).unwrap();
     let mut seen = Vec::new();
-    for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap();
-        if !text.contains("kind: Deployment") {
-            continue;
-        }
+    for (path, text) in k8s_deployments() {
         let (binary, set, referenced) = deployment(&text);
         assert!(
             dockerfile.contains(&format!("target/release/{binary}")),
@@ -121,12 +134,7 @@ fn health_ports(text: &str) -> (Option<u16>, Vec<(String, u16)>, Vec<u16>) {
 
 #[test]
 fn every_deployment_probes_the_port_its_health_addr_opens() {
-    for entry in std::fs::read_dir(deploy_dir().join("k8s")).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap();
-        if !text.contains("kind: Deployment") {
-            continue;
-        }
+    for (path, text) in k8s_deployments() {
         let (addr_port, probes, container) = health_ports(&text);
         let port = addr_port
             .unwrap_or_else(|| panic!("{}: no CYRENE_HEALTH_ADDR with a port", path.display()));
@@ -183,11 +191,7 @@ fn deploy_with_secrets() -> tempfile::TempDir {
         .env("DATABASE_URL", "postgres://cyrene:pw@postgres:5432/cyrene")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     copy
 }
 
@@ -249,11 +253,7 @@ fn the_kustomization_renders_when_kubectl_is_here() {
         eprintln!("kubectl not found: rendering not checked (make deploy-check needs it)");
         return;
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let rendered = String::from_utf8_lossy(&out.stdout);
     let kinds: Vec<&str> = rendered
         .lines()
@@ -300,9 +300,10 @@ fn the_keda_scaler_points_at_the_workers_queue() {
     let port = endpoint.rsplit(':').next().unwrap();
     let nats = std::fs::read_to_string(deploy_dir().join("k8s/nats.yaml")).unwrap();
     assert!(endpoint.starts_with("nats."), "{endpoint}");
-    assert!(
-        nats.contains(&format!("port: {port}")),
-        "the Service exposes {port}"
+    assert_holds(
+        &nats,
+        &format!("port: {port}"),
+        &format!("the Service exposes {port}"),
     );
     assert!(
         nats.contains(&format!("\"-m\", \"{port}\"")),
@@ -332,11 +333,7 @@ fn validate_rendered(validator: &str, copy: &tempfile::TempDir, root: &Path, lea
         .arg(root)
         .output()
         .expect("kubectl (make deploy-check needs it)");
-    assert!(
-        rendered.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rendered.stderr)
-    );
+    common::assert_success(&rendered);
     let file = copy.path().join("rendered.yaml");
     std::fs::write(&file, &rendered.stdout).unwrap();
     let out = Command::new("python3")
@@ -400,11 +397,7 @@ fn the_cluster_component_replicates_the_turn_queue_and_leaves_nats_to_the_chart(
         );
         return;
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let rendered = String::from_utf8_lossy(&out.stdout).into_owned();
     let objects: Vec<&str> = rendered.split("\n---\n").collect();
     assert!(
@@ -428,9 +421,12 @@ fn the_cluster_component_replicates_the_turn_queue_and_leaves_nats_to_the_chart(
         .find(|(path, _)| path.ends_with(".valueFrom.secretKeyRef.name"))
         .map(|(_, v)| v.clone())
         .unwrap();
-    assert!(
-        rendered.contains(&format!("kind: Secret\nmetadata:\n  labels:\n    app.kubernetes.io/part-of: cyrene\n  name: {secret}\n")),
-        "the Secret the Helm values read is rendered under its plain name {secret}"
+    assert_holds(
+        &rendered,
+        &format!(
+            "kind: Secret\nmetadata:\n  labels:\n    app.kubernetes.io/part-of: cyrene\n  name: {secret}\n"
+        ),
+        &format!("the Secret the Helm values read is rendered under its plain name {secret}"),
     );
     // The default kustomization stays a single node with one replica.
     let base = std::fs::read_to_string(deploy_dir().join("k8s/orchestrator.yaml")).unwrap();
@@ -530,9 +526,10 @@ fn the_helm_values_carry_the_users_and_what_cyrene_needs() {
     // The KEDA scaler reads the monitoring port the values open.
     let port = get("config.monitor.port");
     let scaled = std::fs::read_to_string(deploy_dir().join("keda/scaledobject.yaml")).unwrap();
-    assert!(
-        scaled.contains(&format!(":{port}")),
-        "KEDA reads port {port}"
+    assert_holds(
+        &scaled,
+        &format!(":{port}"),
+        &format!("KEDA reads port {port}"),
     );
     // max_payload: "<< 8MB >>" (NATS units: MB = 1024 * 1024) holds the largest checkpoint state
     // and the envelope around it.
@@ -577,13 +574,15 @@ fn the_helm_values_carry_the_users_and_what_cyrene_needs() {
             name,
             "values.yaml: {name}"
         );
-        assert!(
-            nats.contains(&format!("- name: {name}\n")),
-            "k8s/nats.yaml: {name}"
+        assert_holds(
+            &nats,
+            &format!("- name: {name}\n"),
+            &format!("k8s/nats.yaml: {name}"),
         );
-        assert!(
-            secrets.contains(&format!("\n{name}=")),
-            "secrets.env.example: {name}"
+        assert_holds(
+            &secrets,
+            &format!("\n{name}="),
+            &format!("secrets.env.example: {name}"),
         );
     }
 }

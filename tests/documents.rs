@@ -11,10 +11,7 @@ mod common;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use common::{service, wait_for_service};
-use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{RequestError, request_json};
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::document::{
     DOCUMENT_READ, DOCUMENT_UPLOAD, DocumentInfo, ReadRequest, ReadResponse, UploadAck,
@@ -52,22 +49,7 @@ impl Drop for World {
 
 impl World {
     async fn start() -> World {
-        let server = NatsServer::start();
-        let client = server.connect().await;
-        let shutdown = CancellationToken::new();
-        let gateway = Gateway::new(
-            common::models(json!([])),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
-        let log = gateway.request_log("offline").unwrap();
-        tokio::spawn(cyrene_model_gateway::serve(
-            Arc::new(gateway),
-            client.clone(),
-            ServeOptions::default(),
-            shutdown.clone(),
-        ));
+        let (server, client, shutdown, log) = common::bus_with_gateway(json!([])).await;
         let data = tempfile::tempdir().unwrap();
         let dir = data.path().display().to_string();
         let limit = LIMIT.to_string();
@@ -590,11 +572,7 @@ async fn the_cli_uploads_files_with_send_and_chat() {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let history = world.history("cli1").await;
     let sent = &history.messages[0].message;
     assert_eq!(

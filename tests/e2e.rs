@@ -6,10 +6,7 @@
 mod common;
 
 use common::{fresh_postgres, service, wait_for_service};
-use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{RequestError, request_json};
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
@@ -60,22 +57,7 @@ impl World {
 
     /// A world whose scripted model follows `rules` (docs/model-gateway.md).
     async fn scripted(database_url: Option<String>, rules: serde_json::Value) -> World {
-        let server = NatsServer::start();
-        let client = server.connect().await;
-        let shutdown = CancellationToken::new();
-        let gateway = Gateway::new(
-            common::models(rules),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
-        let log = gateway.request_log("offline").unwrap();
-        tokio::spawn(cyrene_model_gateway::serve(
-            Arc::new(gateway),
-            client.clone(),
-            ServeOptions::default(),
-            shutdown.clone(),
-        ));
+        let (server, client, shutdown, log) = common::bus_with_gateway(rules).await;
 
         // Watch the wire: every job's message ids, every steer ack's.
         let consumption = Arc::new(Mutex::new(Consumption::default()));
@@ -425,11 +407,7 @@ async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         "echo: are you there?\n"

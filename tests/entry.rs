@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{wait_for_service, workspace_binary};
+use common::workspace_binary;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::{ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
@@ -144,14 +144,7 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
         .spawn()
         .unwrap();
     let client = server.connect().await;
-    for name in [
-        "cyrene-model-gateway",
-        "cyrene-checkpoint-store",
-        "cyrene-orchestrator",
-        "cyrene-loop-worker",
-    ] {
-        wait_for_service(&client, name).await;
-    }
+    common::wait_for_the_four_services(&client).await;
     let t = Duration::from_secs(5);
 
     // checkpoint store: CYRENE_STORE_MAX_STATE_BYTES

@@ -372,12 +372,7 @@ async fn a_draining_worker_is_alive_but_not_ready() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let worker = binaries.children.get_mut("cyrene-loop-worker").unwrap();
-    let pid = worker.id().unwrap().to_string();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    common::terminate(worker);
     let only_worker: BTreeMap<&str, SocketAddr> =
         [("cyrene-loop-worker", binaries.addrs["cyrene-loop-worker"])].into();
     wait_status(&only_worker, "/readyz", 503, Duration::from_secs(5)).await;

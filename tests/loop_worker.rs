@@ -11,7 +11,7 @@ use cyrene_loop_worker::tools::Tools;
 use cyrene_protocol::checkpoint::CheckpointState;
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
-use cyrene_protocol::turn::{SteeredMessage, TurnOutcome};
+use cyrene_protocol::turn::{SteeredMessage, TurnComplete, TurnOutcome};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -33,16 +33,73 @@ fn state(cp: &cyrene_protocol::checkpoint::Checkpoint) -> CheckpointState {
     cp.state.parse().unwrap()
 }
 
+/// A stack with an in-process worker running turn `turn` ("make a plan") in `session`, whose
+/// events are watched from before the dispatch.
+async fn a_plan_watched(turn: &str, session: &str) -> (Stack, async_nats::Subscriber) {
+    let stack = Stack::start(rules(), None).await;
+    let events = session_events(&stack, session).await;
+    stack.spawn_worker(worker_config()).await;
+    stack.dispatch(&job(turn, session, "make a plan")).await;
+    (stack, events)
+}
+
+/// A second worker process takes over; `turn` ends with its final answer, `how` (completed,
+/// finished) by a redelivery. The worker is returned to live as long as the test.
+async fn finished_by_a_second_worker(
+    stack: &Stack,
+    turn: &str,
+    how: &str,
+) -> (tokio::process::Child, TurnComplete) {
+    let second = stack.worker_process("second");
+    let done = stack.orchestrator.wait_completed(turn).await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert!(
+        done.attempt >= 2,
+        "{how} by a redelivery, attempt {}",
+        done.attempt
+    );
+    (second, done)
+}
+
+/// The live events of `session`, subscribed to before the turn runs.
+async fn session_events(stack: &Stack, session: &str) -> async_nats::Subscriber {
+    let subject = format!("cyrene.session.{session}.events");
+    stack.client.subscribe(subject).await.unwrap()
+}
+
+/// The next session event, within 10 s.
+async fn next_event(events: &mut async_nats::Subscriber) -> SessionEvent {
+    let m = tokio::time::timeout(Duration::from_secs(10), events.next())
+        .await
+        .unwrap()
+        .unwrap();
+    serde_json::from_slice(&m.payload).unwrap()
+}
+
+/// The steps of `session`'s checkpoints, newest first.
+async fn checkpointed_steps(stack: &Stack, session: &str) -> Vec<u32> {
+    stack
+        .checkpoints(session)
+        .await
+        .iter()
+        .map(|c| c.step)
+        .collect()
+}
+
+/// The first tool result in a checkpointed window: its text and whether it is an error.
+fn first_tool_result(window: &[Message]) -> Option<(String, bool)> {
+    window
+        .iter()
+        .flat_map(|m| &m.content)
+        .find_map(|p| match p {
+            Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
+            _ => None,
+        })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
-    let stack = Stack::start(rules(), None).await;
-    let mut events = stack
-        .client
-        .subscribe("cyrene.session.s1.events")
-        .await
-        .unwrap();
-    stack.spawn_worker(worker_config()).await;
-    stack.dispatch(&job("t1", "s1", "make a plan")).await;
+    let (stack, mut events) = a_plan_watched("t1", "s1").await;
 
     let done = stack.orchestrator.wait_completed("t1").await;
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -65,11 +122,7 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
 
     let mut kinds = Vec::new();
     while kinds.last() != Some(&SessionEventType::Final) {
-        let m = tokio::time::timeout(Duration::from_secs(10), events.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        let event = next_event(&mut events).await;
         assert_eq!(event.turn_id, "t1");
         // The answer's text deltas: a_streamed_turn_publishes_ordered_deltas_… checks them.
         if event.kind != SessionEventType::Delta {
@@ -87,23 +140,12 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_turn_publishes_ordered_deltas_that_add_up_to_the_final_answer() {
-    let stack = Stack::start(rules(), None).await;
-    let mut events = stack
-        .client
-        .subscribe("cyrene.session.s9.events")
-        .await
-        .unwrap();
-    stack.spawn_worker(worker_config()).await;
-    stack.dispatch(&job("t9", "s9", "make a plan")).await;
+    let (stack, mut events) = a_plan_watched("t9", "s9").await;
 
     // Everything up to the final event, in publication order.
     let mut deltas = Vec::new();
     let final_event = loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), events.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        let event = next_event(&mut events).await;
         match event.kind {
             SessionEventType::Delta => deltas.push(event),
             SessionEventType::Final => break event,
@@ -126,12 +168,7 @@ async fn a_streamed_turn_publishes_ordered_deltas_that_add_up_to_the_final_answe
     let done = stack.orchestrator.wait_completed("t9").await;
     assert_eq!(done.message.unwrap().text_content(), joined);
     // Checkpoints hold completed steps only, exactly as without streaming.
-    let steps: Vec<u32> = stack
-        .checkpoints("s9")
-        .await
-        .iter()
-        .map(|c| c.step)
-        .collect();
+    let steps = checkpointed_steps(&stack, "s9").await;
     assert_eq!(steps, [3, 2, 1]);
 }
 
@@ -183,24 +220,12 @@ async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_reru
     assert_eq!(stack.checkpoints("s3").await[0].step, 1);
     stack.kill_and_release(&mut first, &gate).await;
 
-    let _second = stack.worker_process("second");
-    let done = stack.orchestrator.wait_completed("t3").await;
-    assert_eq!(done.outcome, TurnOutcome::Final);
-    assert!(
-        done.attempt >= 2,
-        "completed by a redelivery, attempt {}",
-        done.attempt
-    );
+    let (_second, done) = finished_by_a_second_worker(&stack, "t3", "completed").await;
     assert_eq!(done.steps, 3);
     // Step 1's tool ran exactly once; step 2's was in flight at the crash (at least once).
     assert_eq!(stack.tools.runs_of("call_1_1"), 1);
     assert!(stack.tools.runs_of("call_2_1") >= 1);
-    let steps: Vec<u32> = stack
-        .checkpoints("s3")
-        .await
-        .iter()
-        .map(|c| c.step)
-        .collect();
+    let steps = checkpointed_steps(&stack, "s3").await;
     assert_eq!(steps, [3, 2, 1]);
 }
 
@@ -232,14 +257,7 @@ async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Opti
     assert_eq!(rows.len(), 4, "turn 1's three rows are all still there");
     stack.kill_and_release(&mut first, &gate).await;
 
-    let _second = stack.worker_process("second");
-    let done = stack.orchestrator.wait_completed("turn2").await;
-    assert_eq!(done.outcome, TurnOutcome::Final);
-    assert!(
-        done.attempt >= 2,
-        "finished by a redelivery, attempt {}",
-        done.attempt
-    );
+    let (_second, done) = finished_by_a_second_worker(&stack, "turn2", "finished").await;
     assert_eq!(done.steps, 3, "resumed at step 2, not started over");
     assert_eq!(
         count_runs(&stack.tools),
@@ -404,13 +422,7 @@ async fn a_slow_tool_is_never_cancelled_by_steering() {
         "seen by the step after the tool batch, not before"
     );
     let window = state(&stack.checkpoints("s6").await.last().cloned().unwrap()).messages;
-    let result = window
-        .iter()
-        .flat_map(|m| &m.content)
-        .find_map(|p| match p {
-            Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
-            _ => None,
-        });
+    let result = first_tool_result(&window);
     assert_eq!(result, Some(("slow ran as call_1_1".to_owned(), false)));
 }
 
@@ -424,13 +436,7 @@ async fn a_failing_tool_becomes_an_error_result_and_the_turn_goes_on() {
     let done = stack.orchestrator.wait_completed("t7").await;
     assert_eq!(done.outcome, TurnOutcome::Final);
     let window = state(&stack.checkpoints("s7").await[0]).messages;
-    let result = window
-        .iter()
-        .flat_map(|m| &m.content)
-        .find_map(|p| match p {
-            Part::ToolResult { text, is_error, .. } => Some((text.clone(), *is_error)),
-            _ => None,
-        });
+    let result = first_tool_result(&window);
     let (text, is_error) = result.expect("a tool result");
     assert!(is_error, "a micro error is an is_error result: {text}");
     assert!(text.contains("no such record"), "{text}");
@@ -440,11 +446,7 @@ async fn a_failing_tool_becomes_an_error_result_and_the_turn_goes_on() {
 async fn a_job_out_of_deliveries_is_reported_as_an_error() {
     // No gateway: every model call fails retryably, so each delivery naks until the last.
     let stack = Stack::start_with(rules(), None, false).await;
-    let mut events = stack
-        .client
-        .subscribe("cyrene.session.s8.events")
-        .await
-        .unwrap();
+    let mut events = session_events(&stack, "s8").await;
     let mut config = worker_config();
     config.max_deliver = 2;
     config.model_timeout = Duration::from_millis(300);

@@ -134,10 +134,7 @@ fn connections(server: &NatsServer) -> BTreeMap<u64, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_header_blocks_on_every_service_subject_cost_no_connection_and_no_request() {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let data = tempfile::tempdir().unwrap();
-    let dir = data.path().display().to_string();
+    let (server, client, _data, dir) = common::bus_with_data_dir().await;
     let mut children = Vec::new();
     for name in SERVICES {
         let envs = [("CYRENE_DATA_DIR", dir.as_str()), ("RUST_LOG", "error")];

@@ -7,10 +7,7 @@
 mod common;
 
 use common::{service, wait_for_service};
-use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{RequestError, request_json};
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::memory::{
     MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE, MemoryForgetAck, MemoryForgetRequest,
     MemoryReadRequest, MemoryReadResponse, MemoryWriteAck, MemoryWriteRequest,
@@ -18,11 +15,9 @@ use cyrene_protocol::memory::{
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{SendAck, SendRequest};
 use cyrene_protocol::{ErrorCode, subjects};
-use cyrene_test_support::NatsServer;
 use serde_json::json;
-use std::sync::Arc;
+
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -37,24 +32,17 @@ async fn write(client: &async_nats::Client, session: &str, text: &str) -> Memory
         .unwrap()
 }
 
+/// The system messages leading a model request's view, as text.
+fn system_messages(view: &[Message]) -> Vec<String> {
+    view.iter()
+        .take_while(|m| m.role == Role::System)
+        .map(Message::text_content)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let shutdown = CancellationToken::new();
-    let gateway = Gateway::new(
-        common::models(json!([])),
-        &Secrets::from_pairs(Vec::<(String, String)>::new()),
-        cyrene_model_gateway::http_client().unwrap(),
-    )
-    .unwrap();
-    let log = gateway.request_log("offline").unwrap();
-    tokio::spawn(cyrene_model_gateway::serve(
-        Arc::new(gateway),
-        client.clone(),
-        ServeOptions::default(),
-        shutdown.clone(),
-    ));
+    let (server, client, shutdown, log) = common::bus_with_gateway(json!([])).await;
     let data = tempfile::tempdir().unwrap();
     let dir = data.path().display().to_string();
     let envs = [("CYRENE_DATA_DIR", dir.as_str())];
@@ -127,11 +115,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
 
     send("what do you remember?").await;
     let view = view_of("what do you remember?").await;
-    let system: Vec<String> = view
-        .iter()
-        .take_while(|m| m.role == Role::System)
-        .map(Message::text_content)
-        .collect();
+    let system = system_messages(&view);
     assert_eq!(
         system.len(),
         4,
@@ -199,12 +183,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     .await
     .unwrap();
     send("and now?").await;
-    let view = view_of("and now?").await;
-    let system: Vec<String> = view
-        .iter()
-        .take_while(|m| m.role == Role::System)
-        .map(Message::text_content)
-        .collect();
+    let system = system_messages(&view_of("and now?").await);
     assert!(system[2].starts_with("[工作记忆]"), "{system:#?}");
     assert!(
         !system.iter().any(|s| s.starts_with("[记忆]")),

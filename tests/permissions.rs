@@ -14,8 +14,6 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{BusConfig, ConnectMode, request_json};
 use cyrene_comm::Probe;
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::Secrets;
 use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
@@ -496,12 +494,20 @@ async fn connect_as(
     cyrene_bus::connect(&config).await.unwrap()
 }
 
+/// Connects as the service `user`, named after itself (as the service's own binary connects).
+async fn as_service(server: &NatsServer, user: &str, password: &str) -> async_nats::Client {
+    connect_as(server, user, password, user).await
+}
+
+/// The permission violations the server reported to a [`watched`] connection.
+type Violations = Arc<Mutex<Vec<String>>>;
+
 /// A raw connection that records the permission violations the server reports.
 async fn watched(
     server: &NatsServer,
     user: &str,
     password: &str,
-) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
+) -> (async_nats::Client, Violations) {
     let violations = Arc::new(Mutex::new(Vec::new()));
     let v = violations.clone();
     let client = ConnectOptions::new()
@@ -521,7 +527,7 @@ async fn watched(
     (client, violations)
 }
 
-async fn refused(violations: &Arc<Mutex<Vec<String>>>, what: &str) {
+async fn refused(violations: &Violations, what: &str) {
     let v = violations.clone();
     common::eventually(
         &format!("the server refuses: {what}"),
@@ -537,9 +543,131 @@ async fn refused(violations: &Arc<Mutex<Vec<String>>>, what: &str) {
     violations.lock().unwrap().clear();
 }
 
+/// `client` (a [`watched`] connection) publishes `body` on `subject`; the server refuses it.
+async fn publish_refused(
+    client: &async_nats::Client,
+    violations: &Violations,
+    subject: &str,
+    body: &'static str,
+    what: &str,
+) {
+    client
+        .publish(subject.to_owned(), body.into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    refused(violations, what).await;
+}
+
+/// `user`, on a [`watched`] connection of its own, publishes on each of `subjects`; the server
+/// refuses every one (`who` says who tries, for the failure message). Returns the connection.
+async fn publishing_refused(
+    server: &NatsServer,
+    (user, password): (&str, &str),
+    subjects: &[&str],
+    who: &str,
+) -> async_nats::Client {
+    let (client, violations) = watched(server, user, password).await;
+    for subject in subjects {
+        let what = format!("{who} {subject}");
+        publish_refused(&client, &violations, subject, "{}", &what).await;
+    }
+    client
+}
+
+/// `client` (a [`watched`] connection) subscribes to `subject`; the server refuses it. The
+/// subscription is returned so that the caller decides how long it lives.
+async fn subscribe_refused(
+    client: &async_nats::Client,
+    violations: &Violations,
+    subject: &str,
+    what: &str,
+) -> async_nats::Subscriber {
+    let subscription = client.subscribe(subject.to_owned()).await.unwrap();
+    client.flush().await.unwrap();
+    refused(violations, what).await;
+    subscription
+}
+
+/// `client` asks the persona as `me` on its own subject with a body that names `forged` as the
+/// sender; the persona refuses it as `forbidden`.
+async fn forged_ask_is_forbidden(client: &async_nats::Client, me: &str, forged: &str) {
+    let ask = format!("cyrene.agent.{me}.cyrene.ask");
+    let reply = format!("cyrene.agent.cyrene.{me}.reply.q9");
+    let forged = json!({"id":"q9","from":forged,"to":"cyrene","question":"what time is it?"});
+    let mut replies = client.subscribe(reply.clone()).await.unwrap();
+    client.flush().await.unwrap();
+    let payload = serde_json::to_vec(&forged).unwrap().into();
+    client
+        .publish_with_reply(ask, reply.clone(), payload)
+        .await
+        .unwrap();
+    let refusal = tokio::time::timeout(Duration::from_secs(10), replies.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&refusal.payload).unwrap();
+    assert_eq!(body["error"]["code"], "forbidden", "{body}");
+}
+
+/// A message to `session`, sent once (`key`) by the client `client_id`.
+fn send_request(session: &str, message: Message, client_id: &str, key: &str) -> SendRequest {
+    SendRequest {
+        session_id: session.into(),
+        message,
+        client_id: client_id.into(),
+        idempotency_key: key.into(),
+        env: None,
+        parallel: false,
+        when_busy: None,
+    }
+}
+
+/// Sends `send` on `subject` as `client`; the orchestrator acknowledges it.
+async fn sent(client: &async_nats::Client, subject: &str, send: &SendRequest) -> SendAck {
+    request_json(client, subject, send, Duration::from_secs(5))
+        .await
+        .unwrap()
+}
+
+/// The first assistant answer in `session`'s transcript (read on `subject`), polled for until
+/// there is one.
+async fn first_answer(client: &async_nats::Client, subject: &str, session: &str) -> String {
+    loop {
+        let history = history_on(client, subject, session).await.unwrap();
+        if let Some(answer) = history
+            .messages
+            .iter()
+            .find(|e| e.message.role == Role::Assistant)
+        {
+            return answer.message.text_content();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// [`first_answer`] within 30 s; `what` names the turn that must be answered.
+async fn answered(client: &async_nats::Client, subject: &str, session: &str, what: &str) -> String {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        first_answer(client, subject, session),
+    )
+    .await
+    .expect(what)
+}
+
 /// The transcript of `session`.
 async fn history(
     cli: &async_nats::Client,
+    session: &str,
+) -> Result<HistoryResponse, cyrene_bus::RequestError> {
+    history_on(cli, subjects::SESSION_HISTORY, session).await
+}
+
+/// The transcript of `session`, read on `subject`.
+async fn history_on(
+    cli: &async_nats::Client,
+    subject: &str,
     session: &str,
 ) -> Result<HistoryResponse, cyrene_bus::RequestError> {
     let request = HistoryRequest {
@@ -547,13 +675,7 @@ async fn history(
         limit: None,
         before_seq: None,
     };
-    request_json(
-        cli,
-        subjects::SESSION_HISTORY,
-        &request,
-        Duration::from_secs(5),
-    )
-    .await
+    request_json(cli, subject, &request, Duration::from_secs(5)).await
 }
 
 /// The services answering one `$SRV.PING`, by name (what `nats micro ls` gathers).
@@ -595,56 +717,27 @@ async fn start_services(
                         "after_tools": "It is {tool_results}."},
                        {"contains": "count", "tool_calls": [{"name": "count"}],
                         "after_tools": "Counted: {tool_results}."}]);
-    let gateway = Gateway::new(
-        common::models(rules),
-        &Secrets::from_pairs(Vec::<(String, String)>::new()),
-        cyrene_model_gateway::http_client().unwrap(),
-    )
-    .unwrap();
-    let client = connect_as(
-        server,
-        "cyrene-model-gateway",
-        "pw-gateway",
-        "cyrene-model-gateway",
-    )
-    .await;
+    let gateway = common::scripted_gateway(rules);
+    let client = as_service(server, "cyrene-model-gateway", "pw-gateway").await;
     tokio::spawn(cyrene_model_gateway::serve(
         Arc::new(gateway),
         client,
         ServeOptions::default(),
         shutdown.clone(),
     ));
-    let client = connect_as(
-        server,
-        "cyrene-checkpoint-store",
-        "pw-store",
-        "cyrene-checkpoint-store",
-    )
-    .await;
+    let client = as_service(server, "cyrene-checkpoint-store", "pw-store").await;
     tokio::spawn(cyrene_checkpoint_store::run(
         cyrene_checkpoint_store::Config::new(data.path()),
         client,
         shutdown.clone(),
     ));
-    let client = connect_as(
-        server,
-        "cyrene-orchestrator",
-        "pw-orchestrator",
-        "cyrene-orchestrator",
-    )
-    .await;
+    let client = as_service(server, "cyrene-orchestrator", "pw-orchestrator").await;
     tokio::spawn(cyrene_orchestrator::run(
         cyrene_orchestrator::Config::new(data.path()),
         client,
         shutdown.clone(),
     ));
-    let client = connect_as(
-        server,
-        "cyrene-loop-worker",
-        "pw-worker",
-        "cyrene-loop-worker",
-    )
-    .await;
+    let client = as_service(server, "cyrene-loop-worker", "pw-worker").await;
     tokio::spawn(cyrene_loop_worker::run(
         common::worker_config(),
         client,
@@ -672,68 +765,29 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
 
     // A person's client: one full turn with a tool call, answered in the transcript.
     let cli = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
-    let send = SendRequest {
-        session_id: "p1".into(),
-        message: Message::text(Role::User, "what time is it?"),
-        client_id: "cli".into(),
-        idempotency_key: "k1".into(),
-        env: None,
-        parallel: false,
-        when_busy: None,
-    };
-    let ack: SendAck = request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
-        .await
-        .unwrap();
+    let send = send_request(
+        "p1",
+        Message::text(Role::User, "what time is it?"),
+        "cli",
+        "k1",
+    );
+    let ack = sent(&cli, subjects::SESSION_SEND, &send).await;
     assert!(!ack.turn_id.is_empty());
-    let answered = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let history = history(&cli, "p1").await.unwrap();
-            if let Some(answer) = history
-                .messages
-                .iter()
-                .find(|e| e.message.role == Role::Assistant)
-            {
-                return answer.message.text_content();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the turn is answered under least privilege");
-    assert!(answered.starts_with("It is "), "{answered}");
+    let what = "the turn is answered under least privilege";
+    let answer = answered(&cli, subjects::SESSION_HISTORY, "p1", what).await;
+    assert!(answer.starts_with("It is "), "{answer}");
     // A turn calls an external tool served by the tools user (once the worker has discovered
     // it: a turn before that is answered with an unknown-tool result, so each try is a new
     // session).
     let counted = tokio::time::timeout(Duration::from_secs(30), async {
         for attempt in 0_u32.. {
             let session = format!("tools{attempt}");
-            let send = SendRequest {
-                session_id: session.clone(),
-                message: Message::text(Role::User, "count, please"),
-                client_id: "cli".into(),
-                idempotency_key: format!("t{attempt}"),
-                env: None,
-                parallel: false,
-                when_busy: None,
-            };
-            let _: SendAck =
-                request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
-                    .await
-                    .unwrap();
-            loop {
-                let history = history(&cli, &session).await.unwrap();
-                if let Some(answer) = history
-                    .messages
-                    .iter()
-                    .find(|e| e.message.role == Role::Assistant)
-                {
-                    let answer = answer.message.text_content();
-                    if answer.contains("count ran as") {
-                        return answer;
-                    }
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            let message = Message::text(Role::User, "count, please");
+            let send = send_request(&session, message, "cli", &format!("t{attempt}"));
+            sent(&cli, subjects::SESSION_SEND, &send).await;
+            let answer = first_answer(&cli, subjects::SESSION_HISTORY, &session).await;
+            if answer.contains("count ran as") {
+                return answer;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -768,36 +822,18 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         document = ack.document;
     }
     let document = document.expect("the last chunk issues the document");
-    let send = SendRequest {
-        session_id: "doc1".into(),
-        message: Message {
-            content: vec![document.part],
-            ..Message::text(Role::User, "")
-        },
-        client_id: "cli".into(),
-        idempotency_key: "d1".into(),
-        env: None,
-        parallel: false,
-        when_busy: None,
+    let message = Message {
+        content: vec![document.part],
+        ..Message::text(Role::User, "")
     };
-    let _: SendAck = request_json(&cli, subjects::SESSION_SEND, &send, Duration::from_secs(5))
-        .await
-        .unwrap();
-    let read = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let history = history(&cli, "doc1").await.unwrap();
-            if let Some(answer) = history
-                .messages
-                .iter()
-                .find(|e| e.message.role == Role::Assistant)
-            {
-                return answer.message.text_content();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the document turn is answered under least privilege");
+    sent(
+        &cli,
+        subjects::SESSION_SEND,
+        &send_request("doc1", message, "cli", "d1"),
+    )
+    .await;
+    let what = "the document turn is answered under least privilege";
+    let read = answered(&cli, subjects::SESSION_HISTORY, "doc1", what).await;
     assert!(read.contains("the tea is oolong."), "{read}");
     // … and no service ran into its limits on the way (the server logs every violation).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
@@ -808,76 +844,59 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
 
     // What each user may not do.
     let (gateway, violations) = watched(&server, "cyrene-model-gateway", "pw-gateway").await;
-    gateway
-        .publish(subjects::TURN_RUN, "{}".into())
-        .await
-        .unwrap();
-    gateway.flush().await.unwrap();
-    refused(&violations, "the gateway dispatching a turn").await;
+    let what = "the gateway dispatching a turn";
+    publish_refused(&gateway, &violations, subjects::TURN_RUN, "{}", what).await;
 
     let (worker, violations) = watched(&server, "cyrene-loop-worker", "pw-worker").await;
-    let _sub = worker.subscribe(subjects::SESSION_SEND).await.unwrap();
-    worker.flush().await.unwrap();
-    refused(&violations, "a worker listening to user messages").await;
-    worker
-        .publish(subjects::CHECKPOINT_RETAIN, "{}".into())
-        .await
-        .unwrap();
-    worker.flush().await.unwrap();
-    refused(&violations, "a worker deleting checkpoints").await;
+    let what = "a worker listening to user messages";
+    let _sub = subscribe_refused(&worker, &violations, subjects::SESSION_SEND, what).await;
+    let what = "a worker deleting checkpoints";
+    publish_refused(
+        &worker,
+        &violations,
+        subjects::CHECKPOINT_RETAIN,
+        "{}",
+        what,
+    )
+    .await;
 
     let (orchestrator, violations) =
         watched(&server, "cyrene-orchestrator", "pw-orchestrator").await;
-    let _sub = orchestrator
-        .subscribe("cyrene.agent.me.hoshi.ask")
-        .await
-        .unwrap();
-    orchestrator.flush().await.unwrap();
-    refused(
+    let what = "the orchestrator listening to asks meant for hoshi";
+    let _sub = subscribe_refused(
+        &orchestrator,
         &violations,
-        "the orchestrator listening to asks meant for hoshi",
+        "cyrene.agent.me.hoshi.ask",
+        what,
     )
     .await;
 
     let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
-    client
-        .publish(subjects::TURN_COMPLETE, "{}".into())
-        .await
-        .unwrap();
-    client.flush().await.unwrap();
-    refused(&violations, "a client forging a turn completion").await;
+    let what = "a client forging a turn completion";
+    publish_refused(&client, &violations, subjects::TURN_COMPLETE, "{}", what).await;
 
     // Nobody speaks as another agent: not an agent, not a person, not the worker.
-    let (hoshi, violations) = watched(&server, "agent-hoshi", "pw-hoshi").await;
-    for subject in [
+    let who = "agent hoshi publishing";
+    let subjects = [
         "cyrene.agent.cyrene.me.ask",
         "cyrene.agent.cyrene.hoshi.event",
         "cyrene.agent.cyrene.event",
         "cyrene.agent.hoshi.me.reply.q1",
         "cyrene.agent.hoshi.a.b.c",
-    ] {
-        hoshi.publish(subject, "{}".into()).await.unwrap();
-        hoshi.flush().await.unwrap();
-        refused(&violations, &format!("agent hoshi publishing {subject}")).await;
-    }
-    let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
-    for subject in [
+    ];
+    let hoshi = publishing_refused(&server, ("agent-hoshi", "pw-hoshi"), &subjects, who).await;
+    let who = "a client publishing";
+    let subjects = [
         "cyrene.agent.hoshi.cyrene.ask",
         "cyrene.agent.cyrene.hoshi.ask",
         "cyrene.agent.hoshi.event",
         "cyrene.agent.cyrene.me.event",
-    ] {
-        client.publish(subject, "{}".into()).await.unwrap();
-        client.flush().await.unwrap();
-        refused(&violations, &format!("a client publishing {subject}")).await;
-    }
+    ];
+    publishing_refused(&server, ("cyrene-client", "pw-client"), &subjects, who).await;
     let (worker, violations) = watched(&server, "cyrene-loop-worker", "pw-worker").await;
-    worker
-        .publish("cyrene.agent.hoshi.cyrene.ask", "{}".into())
-        .await
-        .unwrap();
-    worker.flush().await.unwrap();
-    refused(&violations, "the worker asking as an external agent").await;
+    let what = "the worker asking as an external agent";
+    let subject = "cyrene.agent.hoshi.cyrene.ask";
+    publish_refused(&worker, &violations, subject, "{}", what).await;
 
     // What they may do: hoshi asks as itself and is answered; a body claiming another name on
     // its own subject is refused by the agent (`forbidden`); a person asks under their own name.
@@ -886,26 +905,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         .await
         .unwrap();
     assert!(reply.text.starts_with("It is "), "{}", reply.text);
-    let mut replies = hoshi
-        .subscribe("cyrene.agent.cyrene.hoshi.reply.q9")
-        .await
-        .unwrap();
-    hoshi.flush().await.unwrap();
-    let forged = json!({"id":"q9","from":"主人","to":"cyrene","question":"what time is it?"});
-    hoshi
-        .publish_with_reply(
-            "cyrene.agent.hoshi.cyrene.ask",
-            "cyrene.agent.cyrene.hoshi.reply.q9",
-            serde_json::to_vec(&forged).unwrap().into(),
-        )
-        .await
-        .unwrap();
-    let refusal = tokio::time::timeout(Duration::from_secs(10), replies.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let body: serde_json::Value = serde_json::from_slice(&refusal.payload).unwrap();
-    assert_eq!(body["error"]["code"], "forbidden", "{body}");
+    forged_ask_is_forbidden(&hoshi, "hoshi", "主人").await;
     let reply = Probe::new(cli.clone(), "me")
         .ask("cyrene", "what time is it?")
         .await
@@ -914,15 +914,11 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
 
     // Discovery reaches every service with one message: operators only.
     let (client, violations) = watched(&server, "cyrene-client", "pw-client").await;
-    client.publish("$SRV.PING", "".into()).await.unwrap();
-    client.flush().await.unwrap();
-    refused(&violations, "a client pinging every service").await;
-    client
-        .publish("$SRV.INFO.cyrene-orchestrator", "".into())
-        .await
-        .unwrap();
-    client.flush().await.unwrap();
-    refused(&violations, "a client asking a service for its info").await;
+    let what = "a client pinging every service";
+    publish_refused(&client, &violations, "$SRV.PING", "", what).await;
+    let what = "a client asking a service for its info";
+    let subject = "$SRV.INFO.cyrene-orchestrator";
+    publish_refused(&client, &violations, subject, "", what).await;
     assert_eq!(discovered(&operator).await, DISCOVERABLE);
 
     // The server logged the refusals above (so the clean log earlier meant something).
@@ -1168,50 +1164,29 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         "_INBOX.>",
         ">",
     ] {
-        let _sub = bob_watched.subscribe(subject).await.unwrap();
-        bob_watched.flush().await.unwrap();
-        refused(&violations, &format!("bob subscribing to {subject}")).await;
+        let what = format!("bob subscribing to {subject}");
+        let _sub = subscribe_refused(&bob_watched, &violations, subject, &what).await;
     }
 
     // Alice: a turn with a tool call in her own session, on her own subject.
     let alice_send = subjects::person("alice", subjects::PERSON_SESSION_SEND).unwrap();
     let alice_history = subjects::person("alice", subjects::PERSON_SESSION_HISTORY).unwrap();
-    let send = SendRequest {
-        session_id: "alice.s1".into(),
-        message: Message::text(Role::User, "what time is it? secret-of-alice"),
-        client_id: "alice-phone".into(),
-        idempotency_key: "a1".into(),
-        env: None,
-        parallel: false,
-        when_busy: None,
-    };
-    let ack: SendAck = request_json(&alice, &alice_send, &send, Duration::from_secs(5))
-        .await
-        .unwrap();
+    let message = Message::text(Role::User, "what time is it? secret-of-alice");
+    let send = send_request("alice.s1", message, "alice-phone", "a1");
+    let ack = sent(&alice, &alice_send, &send).await;
     assert!(!ack.turn_id.is_empty());
     let own = HistoryRequest {
         session_id: "alice.s1".into(),
         limit: None,
         before_seq: None,
     };
-    let answer = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let history: HistoryResponse =
-                request_json(&alice, &alice_history, &own, Duration::from_secs(5))
-                    .await
-                    .unwrap();
-            if let Some(answer) = history
-                .messages
-                .iter()
-                .find(|e| e.message.role == Role::Assistant)
-            {
-                return answer.message.text_content();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("alice's turn is answered");
+    let answer = answered(
+        &alice,
+        &alice_history,
+        "alice.s1",
+        "alice's turn is answered",
+    )
+    .await;
     assert!(answer.starts_with("It is "), "{answer}");
     let list = cyrene_protocol::checkpoint::ListRequest {
         agent_id: "alice.s1".into(),
@@ -1274,11 +1249,7 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         "pw-alice",
         &["--person", "alice", "checkpoints", "s1"],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let out = cli(
         "person-bob",
         "pw-bob",
@@ -1313,6 +1284,7 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
     let bob_get = subjects::person("bob", subjects::PERSON_CHECKPOINT_GET).unwrap();
     refused_with(&bob, &bob_get, &json!({"id": first}), "forbidden").await;
     // … and the server refuses him alice's subjects outright.
+    let who = "bob publishing on";
     for subject in [
         alice_history.as_str(),
         alice_send.as_str(),
@@ -1321,12 +1293,8 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         subjects::CHECKPOINT_LATEST,
         subjects::CHECKPOINT_LIST,
     ] {
-        bob_watched
-            .publish(subject.to_owned(), "{}".into())
-            .await
-            .unwrap();
-        bob_watched.flush().await.unwrap();
-        refused(&violations, &format!("bob publishing on {subject}")).await;
+        let what = format!("{who} {subject}");
+        publish_refused(&bob_watched, &violations, subject, "{}", &what).await;
     }
 
     // Alice saw her session's events; nobody else saw anything of hers (checked before the
@@ -1357,69 +1325,43 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         "forbidden",
     )
     .await;
-    let (shared_watched, violations) = watched(&server, "cyrene-client", "pw-client").await;
-    for subject in [
+    let who = "the shared client publishing";
+    let subjects = [
         subjects::CHECKPOINT_LATEST,
         alice_history.as_str(),
         "cyrene.agent.alice.cyrene.ask",
-    ] {
-        shared_watched
-            .publish(subject.to_owned(), "{}".into())
-            .await
-            .unwrap();
-        shared_watched.flush().await.unwrap();
-        refused(
-            &violations,
-            &format!("the shared client publishing {subject}"),
-        )
-        .await;
-    }
+    ];
+    publishing_refused(&server, ("cyrene-client", "pw-client"), &subjects, who).await;
 
     // Nobody asks or emits as another: not bob as alice, not alice as bob or as an agent or a
     // persona, not an agent as a person.
-    let (alice_watched, violations) = watched(&server, "person-alice", "pw-alice").await;
-    for subject in [
-        "cyrene.agent.bob.cyrene.ask",
-        "cyrene.agent.bob.event",
-        "cyrene.agent.hoshi.cyrene.ask",
-        "cyrene.agent.cyrene.hoshi.event",
-        "cyrene.person.bob.session.send",
-    ] {
-        alice_watched.publish(subject, "{}".into()).await.unwrap();
-        alice_watched.flush().await.unwrap();
-        refused(&violations, &format!("alice publishing {subject}")).await;
-    }
-    let (hoshi, violations) = watched(&server, "agent-hoshi", "pw-hoshi").await;
-    for subject in [
-        "cyrene.agent.alice.cyrene.ask",
-        "cyrene.agent.alice.event",
-        "cyrene.person.alice.session.send",
-    ] {
-        hoshi.publish(subject, "{}".into()).await.unwrap();
-        hoshi.flush().await.unwrap();
-        refused(&violations, &format!("agent hoshi publishing {subject}")).await;
+    let impostors: [((&str, &str), &str, &[&str]); 2] = [
+        (
+            ("person-alice", "pw-alice"),
+            "alice publishing",
+            &[
+                "cyrene.agent.bob.cyrene.ask",
+                "cyrene.agent.bob.event",
+                "cyrene.agent.hoshi.cyrene.ask",
+                "cyrene.agent.cyrene.hoshi.event",
+                "cyrene.person.bob.session.send",
+            ],
+        ),
+        (
+            ("agent-hoshi", "pw-hoshi"),
+            "agent hoshi publishing",
+            &[
+                "cyrene.agent.alice.cyrene.ask",
+                "cyrene.agent.alice.event",
+                "cyrene.person.alice.session.send",
+            ],
+        ),
+    ];
+    for (user, who, subjects) in impostors {
+        publishing_refused(&server, user, subjects, who).await;
     }
     // On her own subject, a body that names someone else is refused by the persona.
-    let mut replies = alice
-        .subscribe("cyrene.agent.cyrene.alice.reply.q9")
-        .await
-        .unwrap();
-    alice.flush().await.unwrap();
-    let forged = json!({"id":"q9","from":"bob","to":"cyrene","question":"what time is it?"});
-    alice
-        .publish_with_reply(
-            "cyrene.agent.alice.cyrene.ask",
-            "cyrene.agent.cyrene.alice.reply.q9",
-            serde_json::to_vec(&forged).unwrap().into(),
-        )
-        .await
-        .unwrap();
-    let refusal = tokio::time::timeout(Duration::from_secs(10), replies.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let body: serde_json::Value = serde_json::from_slice(&refusal.payload).unwrap();
-    assert_eq!(body["error"]["code"], "forbidden", "{body}");
+    forged_ask_is_forbidden(&alice, "alice", "bob").await;
 
     shutdown.cancel();
 }

@@ -59,13 +59,7 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
     let client = nats.connect().await;
     wait_for_service(&client, "cyrene-checkpoint-store").await;
 
-    let mut headers = async_nats::HeaderMap::new();
-    cyrene_bus::headers::insert(
-        &mut headers,
-        "traceparent",
-        &format!("00-{TRACE_ID}-00f067aa0ba902b7-01"),
-    )
-    .unwrap();
+    let headers = common::traceparent(TRACE_ID, "00f067aa0ba902b7");
     let reply = client
         .request_with_headers(
             "cyrene.checkpoint.latest",
@@ -77,12 +71,7 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
     assert!(String::from_utf8_lossy(&reply.payload).contains("not_found"));
 
     // A clean stop flushes the spans still queued.
-    let pid = store.id().unwrap().to_string();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    common::terminate(&store);
     let status = tokio::time::timeout(Duration::from_secs(10), store.wait())
         .await
         .expect("the store stops on SIGTERM")
@@ -154,25 +143,12 @@ async fn one_turn_is_one_trace_across_the_four_services() {
         children.push((name, child));
     }
     let client = nats.connect().await;
-    for name in [
-        "cyrene-model-gateway",
-        "cyrene-checkpoint-store",
-        "cyrene-orchestrator",
-        "cyrene-loop-worker",
-    ] {
-        wait_for_service(&client, name).await;
-    }
+    common::wait_for_the_four_services(&client).await;
     let mut events = client
         .subscribe("cyrene.session.traced.events")
         .await
         .unwrap();
-    let mut headers = async_nats::HeaderMap::new();
-    cyrene_bus::headers::insert(
-        &mut headers,
-        "traceparent",
-        &format!("00-{TURN_TRACE}-b7ad6b7169203331-01"),
-    )
-    .unwrap();
+    let headers = common::traceparent(TURN_TRACE, "b7ad6b7169203331");
     let send = r#"{"session_id":"traced","message":{"role":"user","content":"what time is it?"}}"#;
     let ack = client
         .request_with_headers("cyrene.session.send", headers, send.into())

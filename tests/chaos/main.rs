@@ -8,6 +8,8 @@
 //! - `make chaos` runs the full runs (`#[ignore]`d here): a single node and a 3-node cluster.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+#[path = "../common/mod.rs"]
+mod common;
 mod provider;
 mod report;
 mod script;
@@ -187,21 +189,51 @@ async fn chaos_loop(
     }
 }
 
+/// Kills a service process (`kill`), leaves it down for `down`, then starts it again (`start`),
+/// noting both in the timeline under `name`.
+async fn kill_and_restart(
+    world: &World,
+    name: &str,
+    down: Duration,
+    kill: impl Future<Output = ()>,
+    start: impl Future<Output = ()>,
+) {
+    kill.await;
+    world.note(format!("SIGKILL {name}"));
+    tokio::time::sleep(down).await;
+    start.await;
+    world.note(format!("{name} started again"));
+}
+
+/// Sends `marker`'s message to `session` from the phone (idempotency key `key`), as a turn of
+/// its own; returns what was sent for the report.
+async fn sent_from_the_phone(world: &World, session: &str, marker: &str, key: &str) -> Sent {
+    let request = send_request(session, &script::user_text(marker), "phone", key, false);
+    let ack = world.send(&request, Duration::from_secs(30)).await;
+    Sent {
+        session: session.to_owned(),
+        marker: marker.to_owned(),
+        parallel: false,
+        ack,
+    }
+}
+
 async fn inject(world: &World, fault: Fault, pg: Option<&LocalPostgres>) {
     match fault {
         Fault::Orchestrator => {
-            world.kill_orchestrator().await;
-            world.note("SIGKILL orchestrator");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            world.start_orchestrator().await;
-            world.note("orchestrator started again");
+            let (kill, start) = (world.kill_orchestrator(), world.start_orchestrator());
+            kill_and_restart(world, "orchestrator", Duration::from_secs(1), kill, start).await;
         }
         Fault::Store => {
-            world.kill_store().await;
-            world.note("SIGKILL checkpoint store");
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            world.start_store().await;
-            world.note("checkpoint store started again");
+            let (kill, start) = (world.kill_store(), world.start_store());
+            kill_and_restart(
+                world,
+                "checkpoint store",
+                Duration::from_secs(2),
+                kill,
+                start,
+            )
+            .await;
         }
         Fault::Nats => {
             world.note("SIGKILL nats-server (2 s outage, same store dir)");
@@ -419,34 +451,12 @@ async fn two_turn_scenario(postgres: bool) {
     let mut sent = Vec::new();
 
     // Turn 1: two tool steps, then the answer.
-    let ack = world
-        .send(
-            &send_request(&session, &script::user_text(&m1), "phone", "k1", false),
-            Duration::from_secs(30),
-        )
-        .await;
-    sent.push(Sent {
-        session: session.clone(),
-        marker: m1.clone(),
-        parallel: false,
-        ack,
-    });
+    sent.push(sent_from_the_phone(&world, &session, &m1, "k1").await);
     wait_answered(&world, &session, &m1, Duration::from_secs(60)).await;
 
     // Turn 2: step 1's tool completes; the worker dies while step 2's model call is held.
     let mut hold = world.provider.hold(&m2, 1);
-    let ack = world
-        .send(
-            &send_request(&session, &script::user_text(&m2), "phone", "k2", false),
-            Duration::from_secs(30),
-        )
-        .await;
-    sent.push(Sent {
-        session: session.clone(),
-        marker: m2.clone(),
-        parallel: false,
-        ack,
-    });
+    sent.push(sent_from_the_phone(&world, &session, &m2, "k2").await);
     assert!(
         hold.reached(Duration::from_secs(60)).await,
         "turn 2 reached step 2's model call"
@@ -596,21 +606,19 @@ fn worker_kill_gap() -> (Duration, Duration) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "make chaos: several minutes, restarts the machine's PostgreSQL"]
-async fn chaos_single_node_loses_duplicates_reruns_and_strands_nothing() {
-    let chaos = Chaos {
+/// Chaos: workers killed at random gaps ([`worker_kill_gap`]) and `faults` at their points.
+fn worker_kills_and(faults: Vec<(f64, Fault)>) -> Chaos {
+    Chaos {
         worker_kills: Some(worker_kill_gap()),
-        faults: vec![
-            (0.2, Fault::Orchestrator),
-            (0.35, Fault::Store),
-            (0.45, Fault::Nats),
-            (0.55, Fault::Orchestrator),
-            (0.7, Fault::Postgres),
-        ],
-    };
+        faults,
+    }
+}
+
+/// Runs the full load under `chaos`, settles for `CHAOS_SETTLE` (120 s by default), and asserts
+/// that nothing was lost, duplicated, rerun or stranded.
+async fn runs_clean(options: Options, chaos: Chaos) {
     let figures = run(
-        options("full", false, true),
+        options,
         full_load(),
         chaos,
         env_duration("CHAOS_SETTLE", Duration::from_secs(120)),
@@ -620,22 +628,25 @@ async fn chaos_single_node_loses_duplicates_reruns_and_strands_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "make chaos: several minutes, restarts the machine's PostgreSQL"]
+async fn chaos_single_node_loses_duplicates_reruns_and_strands_nothing() {
+    let faults = vec![
+        (0.2, Fault::Orchestrator),
+        (0.35, Fault::Store),
+        (0.45, Fault::Nats),
+        (0.55, Fault::Orchestrator),
+        (0.7, Fault::Postgres),
+    ];
+    runs_clean(options("full", false, true), worker_kills_and(faults)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "make chaos: several minutes"]
 async fn chaos_on_a_three_node_cluster_loses_duplicates_reruns_and_strands_nothing() {
-    let chaos = Chaos {
-        worker_kills: Some(worker_kill_gap()),
-        faults: vec![
-            (0.25, Fault::Orchestrator),
-            (0.4, Fault::Node(1)),
-            (0.6, Fault::Store),
-        ],
-    };
-    let figures = run(
-        options("cluster", true, true),
-        full_load(),
-        chaos,
-        env_duration("CHAOS_SETTLE", Duration::from_secs(120)),
-    )
-    .await;
-    assert_clean(&figures);
+    let faults = vec![
+        (0.25, Fault::Orchestrator),
+        (0.4, Fault::Node(1)),
+        (0.6, Fault::Store),
+    ];
+    runs_clean(options("cluster", true, true), worker_kills_and(faults)).await;
 }

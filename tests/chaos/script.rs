@@ -10,6 +10,7 @@
 //! the same logical step has the same key however often the turn is restarted, while every
 //! response carries fresh call ids, as a real model's would.
 
+use cyrene_test_support::rng::SplitMix64;
 use std::time::Duration;
 
 /// One message of a view, reduced to what the script looks at.
@@ -142,24 +143,20 @@ pub fn hash(text: &str) -> u64 {
 
 /// A small seeded PRNG (splitmix64): the run prints its seed so a schedule can be replayed.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(SplitMix64::new(seed))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (0 when `n` is 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 { 0 } else { self.next_u64() % n }
+        self.0.below(n)
     }
 
     /// Uniform in `lo..=hi`.

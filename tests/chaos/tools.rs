@@ -3,10 +3,9 @@
 //! logical key, with start and finish times and the caller's inbox (which worker asked).
 
 use crate::provider::TOOL;
-use async_nats::service::ServiceExt;
+use cyrene_test_support::micro::{add_tool, start_described_service};
 use futures::StreamExt;
 use serde_json::{Value, json};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,32 +38,17 @@ pub fn inbox_of(reply: &str) -> String {
 
 impl ToolService {
     pub async fn start(client: &async_nats::Client) -> ToolService {
-        let service = client
-            .service_builder()
-            .description("chaos suite: the tool the mock model calls")
-            .start("chaos-tools", "0.0.0")
-            .await
-            .unwrap();
-        let metadata: HashMap<String, String> = [
-            (
-                "cyrene.tool.description".to_owned(),
-                "Looks something up (chaos suite; counts its executions)".to_owned(),
-            ),
-            (
-                "cyrene.tool.parameters".to_owned(),
-                json!({"type": "object", "properties": {"key": {"type": "string"},
-                    "ms": {"type": "integer"}}})
-                .to_string(),
-            ),
-        ]
-        .into();
-        let mut endpoint = service
-            .endpoint_builder()
-            .name(TOOL)
-            .metadata(metadata)
-            .add(format!("cyrene.tool.{TOOL}"))
-            .await
-            .unwrap();
+        let service = start_described_service(
+            client,
+            "chaos-tools",
+            "0.0.0",
+            "chaos suite: the tool the mock model calls",
+        )
+        .await;
+        let description = "Looks something up (chaos suite; counts its executions)";
+        let parameters = json!({"type": "object", "properties": {"key": {"type": "string"},
+            "ms": {"type": "integer"}}});
+        let mut endpoint = add_tool(&service, TOOL, description, &parameters.to_string()).await;
         let executions: Arc<Mutex<Vec<Execution>>> = Arc::default();
         let log = executions.clone();
         tokio::spawn(async move {

@@ -50,6 +50,12 @@ pub struct TurnRequestSeen {
     pub turn_id: String,
 }
 
+impl TurnRequestSeen {
+    fn new(at: Instant, inbox: String, turn_id: String) -> TurnRequestSeen {
+        TurnRequestSeen { at, inbox, turn_id }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SaveSeen {
     pub at: Instant,
@@ -159,20 +165,14 @@ fn record(log: &Mutex<WireLog>, m: async_nats::Message) {
         }
         subjects::TURN_STEER => {
             if let Ok(req) = serde_json::from_slice::<SteerRequest>(&m.payload) {
-                log.steers.push(TurnRequestSeen {
-                    at,
-                    inbox,
-                    turn_id: req.turn_id,
-                });
+                log.steers
+                    .push(TurnRequestSeen::new(at, inbox, req.turn_id));
             }
         }
         subjects::TURN_COMPLETE => {
             if let Ok(req) = serde_json::from_slice::<TurnComplete>(&m.payload) {
-                log.completes.push(TurnRequestSeen {
-                    at,
-                    inbox,
-                    turn_id: req.turn_id,
-                });
+                log.completes
+                    .push(TurnRequestSeen::new(at, inbox, req.turn_id));
             }
         }
         subjects::CHECKPOINT_SAVE => {

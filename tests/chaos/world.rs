@@ -209,7 +209,7 @@ impl World {
     }
 
     fn command(&self, binary: &str, log: &str) -> Command {
-        let mut cmd = Command::new(workspace_binary(binary));
+        let mut cmd = Command::new(crate::common::workspace_binary(binary));
         let stderr = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -511,18 +511,6 @@ fn worker_inboxes(bus: &Bus) -> Vec<String> {
         }
     }
     found
-}
-
-/// Path of a workspace binary built next to the `cyrene` binary (`cargo build --workspace`).
-pub fn workspace_binary(name: &str) -> PathBuf {
-    let cyrene = PathBuf::from(env!("CARGO_BIN_EXE_cyrene"));
-    let path = cyrene.with_file_name(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --workspace` (make test and make chaos do)",
-        path.display()
-    );
-    path
 }
 
 /// `name`'s value, or `default`.

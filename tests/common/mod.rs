@@ -4,7 +4,6 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // shared by several test crates
 
 use async_nats::jetstream;
-use async_nats::service::ServiceExt;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
@@ -16,6 +15,7 @@ use cyrene_protocol::turn::{
 };
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_endpoint, add_tool, start_service};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -52,6 +52,121 @@ pub fn models(rules: Value) -> ModelsConfig {
     .unwrap()
 }
 
+/// A nats-server, a client of it, a shutdown token, and [`spawn_scripted_gateway`] (`rules`)
+/// serving on that client; the gateway's request log last.
+pub async fn bus_with_gateway(
+    rules: Value,
+) -> (
+    NatsServer,
+    async_nats::Client,
+    CancellationToken,
+    RequestLog,
+) {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let shutdown = CancellationToken::new();
+    let log = spawn_scripted_gateway(rules, client.clone(), &shutdown);
+    (server, client, shutdown, log)
+}
+
+/// Serves `endpoint` with `handler` (default options) until `shutdown`, on a task of its own.
+pub fn spawn_endpoint<Req, Resp, F, Fut>(
+    endpoint: async_nats::service::endpoint::Endpoint,
+    shutdown: &CancellationToken,
+    handler: F,
+) where
+    Req: serde::de::DeserializeOwned + Send + 'static,
+    Resp: serde::Serialize + Send + 'static,
+    F: Fn(Req, RequestContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Resp, ErrorBody>> + Send + 'static,
+{
+    tokio::spawn(serve_json(
+        endpoint,
+        ServeOptions::default(),
+        shutdown.clone(),
+        handler,
+    ));
+}
+
+/// A nats-server, a client of it, and a data dir for service processes, with its path as text.
+pub async fn bus_with_data_dir() -> (NatsServer, async_nats::Client, tempfile::TempDir, String) {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().display().to_string();
+    (server, client, data, dir)
+}
+
+/// Waits until the four services answer discovery: gateway, store, orchestrator, worker.
+pub async fn wait_for_the_four_services(client: &async_nats::Client) {
+    for name in [
+        "cyrene-model-gateway",
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        wait_for_service(client, name).await;
+    }
+}
+
+/// Sends SIGTERM to `child` (a clean stop); the signal must be delivered.
+pub fn terminate(child: &tokio::process::Child) {
+    let pid = child.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
+/// Headers carrying the W3C `traceparent` of trace `trace_id`, parent span `span_id`.
+pub fn traceparent(trace_id: &str, span_id: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(
+        &mut headers,
+        "traceparent",
+        &format!("00-{trace_id}-{span_id}-01"),
+    )
+    .unwrap();
+    headers
+}
+
+/// Asserts that a finished process exited successfully, showing its stderr otherwise.
+pub fn assert_success(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The real gateway over the scripted model config `rules` ([`models`]), with no secrets.
+pub fn scripted_gateway(rules: Value) -> Gateway {
+    Gateway::new(
+        models(rules),
+        &Secrets::from_pairs(Vec::<(String, String)>::new()),
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap()
+}
+
+/// [`scripted_gateway`] serving on `client` until `shutdown`; returns its request log.
+pub fn spawn_scripted_gateway(
+    rules: Value,
+    client: async_nats::Client,
+    shutdown: &CancellationToken,
+) -> RequestLog {
+    let gateway = scripted_gateway(rules);
+    let log = gateway.request_log("offline").unwrap();
+    tokio::spawn(cyrene_model_gateway::serve(
+        Arc::new(gateway),
+        client,
+        ServeOptions::default(),
+        shutdown.clone(),
+    ));
+    log
+}
+
 impl Stack {
     /// Starts everything but the workers. `database_url` None = SQLite in a temp dir.
     pub async fn start(rules: Value, database_url: Option<String>) -> Stack {
@@ -65,22 +180,12 @@ impl Stack {
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
 
-        let built = Gateway::new(
-            models(rules),
-            &Secrets::from_pairs(Vec::<(String, String)>::new()),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap();
-        let log = built.request_log("offline").unwrap();
-        if gateway {
-            // Each service on its own connection, as in production.
-            tokio::spawn(cyrene_model_gateway::serve(
-                Arc::new(built),
-                server.connect().await,
-                ServeOptions::default(),
-                shutdown.clone(),
-            ));
-        }
+        // Each service on its own connection, as in production.
+        let log = if gateway {
+            spawn_scripted_gateway(rules, server.connect().await, &shutdown)
+        } else {
+            scripted_gateway(rules).request_log("offline").unwrap()
+        };
 
         let mut store = cyrene_checkpoint_store::Config::new(data.path());
         store.database_url = database_url;
@@ -255,59 +360,37 @@ impl FakeOrchestrator {
         shutdown: CancellationToken,
     ) -> Arc<FakeOrchestrator> {
         let fake = Arc::new(FakeOrchestrator::default());
-        let service = client
-            .service_builder()
-            .start("fake-orchestrator", "0.0.0")
-            .await
-            .unwrap();
-        let steer = service
-            .endpoint_builder()
-            .name("steer")
-            .add(subjects::TURN_STEER)
-            .await
-            .unwrap();
-        let complete = service
-            .endpoint_builder()
-            .name("complete")
-            .add(subjects::TURN_COMPLETE)
-            .await
-            .unwrap();
+        let service = start_service(client, "fake-orchestrator", "0.0.0").await;
+        let steer = add_endpoint(&service, "steer", subjects::TURN_STEER).await;
+        let complete = add_endpoint(&service, "complete", subjects::TURN_COMPLETE).await;
         let f = fake.clone();
         let pusher = client.clone();
-        tokio::spawn(serve_json(
-            steer,
-            ServeOptions::default(),
-            shutdown.clone(),
-            move |req: SteerRequest, _: RequestContext| {
-                let f = f.clone();
-                let pusher = pusher.clone();
-                async move {
-                    let turn = req.turn_id.clone();
-                    let (reply, later) = f.steer(req);
-                    // Like the real orchestrator: what arrives for a later boundary is claimed
-                    // and pushed to the turn's input (the worker subscribed before this steer).
-                    let subject = subjects::turn_input(&turn).unwrap();
-                    for message in later {
-                        let payload = serde_json::to_vec(&message).unwrap();
-                        pusher
-                            .publish(subject.clone(), payload.into())
-                            .await
-                            .unwrap();
-                    }
-                    reply
+        let on_steer = move |req: SteerRequest, _: RequestContext| {
+            let f = f.clone();
+            let pusher = pusher.clone();
+            async move {
+                let turn = req.turn_id.clone();
+                let (reply, later) = f.steer(req);
+                // Like the real orchestrator: what arrives for a later boundary is claimed
+                // and pushed to the turn's input (the worker subscribed before this steer).
+                let subject = subjects::turn_input(&turn).unwrap();
+                for message in later {
+                    let payload = serde_json::to_vec(&message).unwrap();
+                    pusher
+                        .publish(subject.clone(), payload.into())
+                        .await
+                        .unwrap();
                 }
-            },
-        ));
+                reply
+            }
+        };
+        spawn_endpoint(steer, &shutdown, on_steer);
         let f = fake.clone();
-        tokio::spawn(serve_json(
-            complete,
-            ServeOptions::default(),
-            shutdown.clone(),
-            move |req: TurnComplete, _: RequestContext| {
-                let f = f.clone();
-                async move { f.complete(req) }
-            },
-        ));
+        let on_complete = move |req: TurnComplete, _: RequestContext| {
+            let f = f.clone();
+            async move { f.complete(req) }
+        };
+        spawn_endpoint(complete, &shutdown, on_complete);
         std::mem::forget(service);
         client.flush().await.unwrap();
         fake
@@ -410,69 +493,47 @@ impl TestTools {
     /// Serves the tools as micro service `test-tools` on `client` until `shutdown`.
     pub async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
         let tools = Arc::new(TestTools::default());
-        let service = client
-            .service_builder()
-            .start("test-tools", "0.0.0")
-            .await
-            .unwrap();
+        let service = start_service(client, "test-tools", "0.0.0").await;
         for (name, description) in [
             ("count", "counts its executions"),
             ("hold", "waits until the test releases it"),
             ("slow", "takes 300 ms"),
             ("broken", "always fails with a micro error"),
         ] {
-            let metadata: HashMap<String, String> = [
-                ("cyrene.tool.description".to_owned(), description.to_owned()),
-                (
-                    "cyrene.tool.parameters".to_owned(),
-                    r#"{"type":"object"}"#.to_owned(),
-                ),
-            ]
-            .into();
-            let endpoint = service
-                .endpoint_builder()
-                .name(name)
-                .metadata(metadata)
-                .add(format!("cyrene.tool.{name}"))
-                .await
-                .unwrap();
+            let endpoint = add_tool(&service, name, description, r#"{"type":"object"}"#).await;
             let t = tools.clone();
             let name = name.to_owned();
-            tokio::spawn(serve_json(
-                endpoint,
-                ServeOptions::default(),
-                shutdown.clone(),
-                move |_args: Value, ctx: RequestContext| {
-                    let (t, name) = (t.clone(), name.clone());
-                    async move {
-                        let id = ctx
-                            .headers
-                            .get("Cyrene-Tool-Call-Id")
-                            .map(|v| v.as_str().to_owned())
-                            .unwrap_or_default();
-                        t.runs.lock().unwrap().push((name.clone(), id.clone()));
-                        if name == "hold" {
-                            let gate = t.gate.lock().unwrap().clone();
-                            if let Some(gate) = gate {
-                                gate.notified().await;
-                            }
+            let on_call = move |_args: Value, ctx: RequestContext| {
+                let (t, name) = (t.clone(), name.clone());
+                async move {
+                    let id = ctx
+                        .headers
+                        .get("Cyrene-Tool-Call-Id")
+                        .map(|v| v.as_str().to_owned())
+                        .unwrap_or_default();
+                    t.runs.lock().unwrap().push((name.clone(), id.clone()));
+                    if name == "hold" {
+                        let gate = t.gate.lock().unwrap().clone();
+                        if let Some(gate) = gate {
+                            gate.notified().await;
                         }
-                        if name == "slow" {
-                            tokio::time::sleep(Duration::from_millis(300)).await;
-                        }
-                        if name == "broken" {
-                            return Err(ErrorBody::new(ErrorCode::NotFound, "no such record"));
-                        }
-                        t.finished
-                            .lock()
-                            .unwrap()
-                            .push((id.clone(), Instant::now()));
-                        Ok::<_, ErrorBody>(
-                            json!({"text": format!("{name} ran as {id}"), "is_error": false}),
-                        )
                     }
-                },
-            ));
+                    if name == "slow" {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    if name == "broken" {
+                        return Err(ErrorBody::new(ErrorCode::NotFound, "no such record"));
+                    }
+                    t.finished
+                        .lock()
+                        .unwrap()
+                        .push((id.clone(), Instant::now()));
+                    Ok::<_, ErrorBody>(
+                        json!({"text": format!("{name} ran as {id}"), "is_error": false}),
+                    )
+                }
+            };
+            spawn_endpoint(endpoint, &shutdown, on_call);
         }
         std::mem::forget(service);
         client.flush().await.unwrap();
@@ -489,13 +550,14 @@ impl TestTools {
     }
 }
 
-/// Path of a workspace binary built next to the `cyrene` binary (`make test` builds them all).
+/// Path of a workspace binary built next to the `cyrene` binary (`make test` and `make chaos`
+/// build them all).
 pub fn workspace_binary(name: &str) -> PathBuf {
     let cyrene = PathBuf::from(env!("CARGO_BIN_EXE_cyrene"));
     let path = cyrene.with_file_name(name);
     assert!(
         path.exists(),
-        "{} is missing: run `cargo build --workspace` (make test does)",
+        "{} is missing: run `cargo build --workspace` (make test and make chaos do)",
         path.display()
     );
     path

@@ -7,6 +7,7 @@
 //! system text — or none (a few well-formed requests keep the stack busy with real turns).
 
 use cyrene_test_support::MALFORMED_HEADER_BLOCKS;
+use cyrene_test_support::rng::SplitMix64;
 use serde_json::{Map, Value, json};
 
 /// The largest request sent (the server's default `max_payload` is 1 MiB; a publish above it
@@ -15,24 +16,20 @@ pub const MAX_REQUEST_BYTES: usize = 1_000_000;
 
 /// SplitMix64: small, fast, and the same sequence on every platform.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(SplitMix64::new(seed))
     }
 
     pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (`n > 0`).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
 
     pub fn range(&mut self, low: usize, high: usize) -> usize {
@@ -46,6 +43,19 @@ impl Rng {
     pub fn chance(&mut self, percent: usize) -> bool {
         self.below(100) < percent
     }
+}
+
+/// One of `mix`, each as likely as its weight; `fallback` only if the weights do not add up.
+fn weighted<T: Copy>(rng: &mut Rng, mix: &[(T, usize)], fallback: T) -> T {
+    let total: usize = mix.iter().map(|(_, w)| w).sum();
+    let mut roll = rng.below(total);
+    for &(item, weight) in mix {
+        if roll < weight {
+            return item;
+        }
+        roll -= weight;
+    }
+    fallback
 }
 
 /// Where a case goes.
@@ -140,15 +150,7 @@ impl Endpoint {
     }
 
     fn choose(rng: &mut Rng) -> Endpoint {
-        let total: usize = Endpoint::MIX.iter().map(|(_, w)| w).sum();
-        let mut roll = rng.below(total);
-        for (endpoint, weight) in Endpoint::MIX {
-            if roll < weight {
-                return endpoint;
-            }
-            roll -= weight;
-        }
-        Endpoint::SessionSend
+        weighted(rng, &Endpoint::MIX, Endpoint::SessionSend)
     }
 
     /// A well-formed request (`i` keeps keys and ids apart between cases).
@@ -237,15 +239,7 @@ impl Kind {
     ];
 
     fn choose(rng: &mut Rng) -> Kind {
-        let total: usize = Kind::MIX.iter().map(|(_, w)| w).sum();
-        let mut roll = rng.below(total);
-        for (kind, weight) in Kind::MIX {
-            if roll < weight {
-                return kind;
-            }
-            roll -= weight;
-        }
-        Kind::BrokenJson
+        weighted(rng, &Kind::MIX, Kind::BrokenJson)
     }
 }
 

@@ -172,10 +172,7 @@ struct Stack {
 
 impl Stack {
     async fn start() -> Stack {
-        let server = NatsServer::start();
-        let client = server.connect().await;
-        let data = tempfile::tempdir().unwrap();
-        let dir = data.path().display().to_string();
+        let (server, client, data, dir) = common::bus_with_data_dir().await;
         let mut children = Vec::new();
         for name in SERVICES {
             // Every malformed message is a warning or an error in a service's log (a panic

@@ -24,8 +24,12 @@ fn outage_config(dir: &tempfile::TempDir, url: String) -> Config {
     config
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
+/// What [`behind_a_proxy`] keeps alive for the test: the data dir, the bus, the database.
+type Kept = (tempfile::TempDir, NatsServer, PgTestDb);
+
+/// The service on a fresh PostgreSQL database reached through a [`TcpProxy`] the test can cut
+/// or stall, and a typed client of it.
+async fn behind_a_proxy() -> (Kept, TcpProxy, RunningService, CheckpointClient) {
     let db = PgTestDb::create(common::PG_PREFIX).await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let nats = NatsServer::start();
@@ -33,6 +37,12 @@ async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
     let service =
         RunningService::start(&nats.url(), outage_config(&dir, db.url_via(proxy.addr))).await;
     let store = CheckpointClient::new(nats.connect().await, CLIENT_TIMEOUT);
+    ((dir, nats, db), proxy, service, store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
+    let (_kept, proxy, service, store) = behind_a_proxy().await;
 
     store.save(&checkpoint("s1", 1, "before")).await.unwrap();
     assert_eq!(note(&store.latest("s1").await.unwrap()), "before");
@@ -72,13 +82,7 @@ async fn postgres_outage_answers_unavailable_and_recovers_without_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_postgres_answers_unavailable_within_the_bound_and_recovers() {
-    let db = PgTestDb::create(common::PG_PREFIX).await;
-    let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let nats = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let service =
-        RunningService::start(&nats.url(), outage_config(&dir, db.url_via(proxy.addr))).await;
-    let store = CheckpointClient::new(nats.connect().await, CLIENT_TIMEOUT);
+    let (_kept, proxy, service, store) = behind_a_proxy().await;
     store.save(&checkpoint("s1", 1, "before")).await.unwrap();
 
     proxy.stall();

@@ -56,46 +56,53 @@ async fn json_req(
     raw(client, subject, body.to_string().as_bytes()).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_endpoint_answers_with_the_documented_shapes() {
+/// A request that must be answered (not refused).
+async fn answered(client: &async_nats::Client, subject: &str, body: Value) -> Value {
+    json_req(client, subject, body).await.unwrap()
+}
+
+/// A nats-server and the service on a SQLite store in a temp dir ([`sqlite_config`]); the
+/// server and the dir are returned to live as long as the test.
+async fn sqlite_service() -> ((NatsServer, tempfile::TempDir), RunningService) {
     let nats = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    ((nats, dir), service)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_endpoint_answers_with_the_documented_shapes() {
+    let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
 
-    let saved = json_req(
+    let saved = answered(
         &c,
         subjects::CHECKPOINT_SAVE,
         json!({"id":"s1:t1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
             {"role":"user","content":[{"type":"text","text":"hi"}]}],"stop_reason":"tool_calls",
             "turn_id":"t1"},"turn_id":"t1","attempt":1}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(saved["id"], "s1:t1:3");
     assert_eq!(saved["attempt"], 1);
     assert_eq!(saved["state"]["stop_reason"], "tool_calls");
     assert!(saved["created_at"].as_str().unwrap().ends_with('Z'));
     assert_eq!(saved["created_at"], saved["updated_at"]);
-    json_req(
+    answered(
         &c,
         subjects::CHECKPOINT_SAVE,
         json!({"id":"s1:4","agent_id":"s1","step":4,"state":{"step":4}}),
     )
-    .await
-    .unwrap();
+    .await;
 
-    let latest = json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"}))
-        .await
-        .unwrap();
+    let latest = answered(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"})).await;
     assert_eq!(latest["step"], 4);
-    let of_turn = json_req(
+    let of_turn = answered(
         &c,
         subjects::CHECKPOINT_LATEST,
         json!({"agent_id":"s1","turn_id":"t1","attempt":2}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(of_turn, saved, "the turn's own latest, read fenced");
     assert_eq!(
         json_req(
@@ -116,17 +123,14 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
         .await,
         Err(ErrorCode::BadRequest)
     );
-    let got = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:3"}))
-        .await
-        .unwrap();
+    let got = answered(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:3"})).await;
     assert_eq!(got, saved);
-    let list = json_req(
+    let list = answered(
         &c,
         subjects::CHECKPOINT_LIST,
         json!({"agent_id":"s1","limit":50}),
     )
-    .await
-    .unwrap();
+    .await;
     let steps: Vec<u64> = list["checkpoints"]
         .as_array()
         .unwrap()
@@ -134,21 +138,19 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
         .map(|c| c["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [4, 3]);
-    let retained = json_req(
+    let retained = answered(
         &c,
         subjects::CHECKPOINT_RETAIN,
         json!({"agent_id":"s1","keep_last":1}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(retained, json!({"deleted":1}));
-    let aged = json_req(
+    let aged = answered(
         &c,
         subjects::CHECKPOINT_RETAIN,
         json!({"older_than_secs":86400}),
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(aged, json!({"deleted":0}));
     assert_eq!(
         json_req(
@@ -169,134 +171,75 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
-    let nats = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
-    let c = nats.connect().await;
     let big = serde_json::to_string(&big_state(4096)).unwrap();
     let oversized = format!(r#"{{"id":"s1:1","agent_id":"s1","step":1,"state":{big}}}"#);
-    let cases: Vec<(&str, Vec<u8>, ErrorCode)> = vec![
-        (
+    let ((nats, _dir), service) = sqlite_service().await;
+    let c = nats.connect().await;
+    // Each subject's refused bodies, in order; each case is numbered across all of them.
+    let refused = |subject: &'static str, code: ErrorCode, bodies: &[&[u8]]| {
+        bodies
+            .iter()
+            .map(|body| (subject, body.to_vec(), code))
+            .collect::<Vec<_>>()
+    };
+    let cases: Vec<(&str, Vec<u8>, ErrorCode)> = [
+        refused(
             subjects::CHECKPOINT_SAVE,
-            b"{".to_vec(),
             ErrorCode::BadRequest,
+            &[
+                b"{",
+                b"",
+                b"not json",
+                br#"{"id":"s1:1"}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":1}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":"one","state":{}}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":1,"state":[1]}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":1,"state":"text"}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":1,"state":null}"#,
+                br#"{"id":"s.1.2:1","agent_id":"s.1.2","step":1,"state":{}}"#,
+                br#"{"id":"s1:2","agent_id":"s1","step":1,"state":{}}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":1,"state":{},"attempt":2}"#,
+                br#"{"id":"s1:1","agent_id":"s1","step":-1,"state":{}}"#,
+            ],
         ),
-        (
+        refused(
             subjects::CHECKPOINT_SAVE,
-            b"".to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            b"not json".to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1"}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":1}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":"one","state":{}}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":[1]}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":"text"}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":null}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s.1.2:1","agent_id":"s.1.2","step":1,"state":{}}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:2","agent_id":"s1","step":1,"state":{}}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":1,"state":{},"attempt":2}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            br#"{"id":"s1:1","agent_id":"s1","step":-1,"state":{}}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_SAVE,
-            oversized.into_bytes(),
             ErrorCode::TooLarge,
+            &[oversized.as_bytes()],
         ),
-        (
+        refused(
             subjects::CHECKPOINT_LATEST,
-            b"{}".to_vec(),
             ErrorCode::BadRequest,
+            &[
+                b"{}",
+                br#"{"agent_id":"s1","extra":1}"#,
+                br#"{"agent_id":"s1.>"}"#,
+            ],
         ),
-        (
-            subjects::CHECKPOINT_LATEST,
-            br#"{"agent_id":"s1","extra":1}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_LATEST,
-            br#"{"agent_id":"s1.>"}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
+        refused(
             subjects::CHECKPOINT_GET,
-            br#"{"id":"s1"}"#.to_vec(),
             ErrorCode::BadRequest,
+            &[br#"{"id":"s1"}"#, br#"{"id":7}"#],
         ),
-        (
-            subjects::CHECKPOINT_GET,
-            br#"{"id":7}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
+        refused(
             subjects::CHECKPOINT_LIST,
-            br#"{"agent_id":"s1","limit":0}"#.to_vec(),
             ErrorCode::BadRequest,
+            &[
+                br#"{"agent_id":"s1","limit":0}"#,
+                br#"{"agent_id":"s1","limit":-5}"#,
+            ],
         ),
-        (
-            subjects::CHECKPOINT_LIST,
-            br#"{"agent_id":"s1","limit":-5}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
+        refused(
             subjects::CHECKPOINT_RETAIN,
-            b"{}".to_vec(),
             ErrorCode::BadRequest,
+            &[
+                b"{}",
+                br#"{"agent_id":"s1","keep_last":1,"older_than_secs":1}"#,
+                br#"{"keep_last":1}"#,
+            ],
         ),
-        (
-            subjects::CHECKPOINT_RETAIN,
-            br#"{"agent_id":"s1","keep_last":1,"older_than_secs":1}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-        (
-            subjects::CHECKPOINT_RETAIN,
-            br#"{"keep_last":1}"#.to_vec(),
-            ErrorCode::BadRequest,
-        ),
-    ];
+    ]
+    .concat();
     for (n, (subject, body, code)) in cases.into_iter().enumerate() {
         let shown = String::from_utf8_lossy(&body[..body.len().min(80)]).into_owned();
         assert_eq!(
@@ -308,13 +251,12 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
         let step = u32::try_from(n).unwrap() + 1;
         let ok = serde_json::to_vec(&checkpoint("alive", step, "ok")).unwrap();
         raw(&c, subjects::CHECKPOINT_SAVE, &ok).await.unwrap();
-        let latest = json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"alive"}))
-            .await
-            .unwrap();
+        let latest = answered(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"alive"})).await;
         assert_eq!(latest["step"], step);
     }
+    let untouched = json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"})).await;
     assert_eq!(
-        json_req(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"s1"})).await,
+        untouched,
         Err(ErrorCode::NotFound),
         "no refused save wrote anything"
     );
@@ -323,9 +265,7 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fenced_saves_over_nats_answer_conflict() {
-    let nats = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
     let save = |cp| serde_json::to_vec(&cp).unwrap();
     raw(
@@ -344,18 +284,14 @@ async fn fenced_saves_over_nats_answer_conflict() {
         .await,
         Err(ErrorCode::Conflict)
     );
-    let row = json_req(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:1"}))
-        .await
-        .unwrap();
+    let row = answered(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:1"})).await;
     assert_eq!(row["state"]["note"], "a2");
     service.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_micro_service_lists_its_named_endpoints() {
-    let nats = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
     let reply = c
         .request("$SRV.INFO.cyrene-checkpoint-store", "".into())
@@ -402,9 +338,7 @@ async fn the_default_database_is_created_in_the_data_dir() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_typed_client_speaks_to_the_running_service() {
-    let nats = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let service = RunningService::start(&nats.url(), sqlite_config(&dir)).await;
+    let ((nats, _dir), service) = sqlite_service().await;
     let store = CheckpointClient::new(nats.connect().await, TIMEOUT);
     typed_client_round_trip(&store).await;
 
@@ -430,6 +364,15 @@ async fn the_service_and_client_work_on_postgres() {
         !dir.path().join("data/checkpoints.db").exists(),
         "no SQLite file when DATABASE_URL names PostgreSQL"
     );
+}
+
+/// The code a page of `wide` before the cursor `before` is refused with.
+async fn refused_cursor(store: &CheckpointClient, before: &str) -> ErrorCode {
+    store
+        .list_page("wide", None, Some(before))
+        .await
+        .unwrap_err()
+        .code()
 }
 
 async fn typed_client_round_trip(store: &CheckpointClient) {
@@ -553,21 +496,7 @@ async fn every_stored_checkpoint_can_be_read_back_over_the_bus() {
     // Paging by count says where to go on too; a cursor of another owner is refused.
     let one = store.list_page("wide", Some(1), None).await.unwrap();
     assert_eq!(one.next_before.as_deref(), Some("wide:3"));
-    assert_eq!(
-        store
-            .list_page("wide", None, Some("big:1"))
-            .await
-            .unwrap_err()
-            .code(),
-        ErrorCode::BadRequest
-    );
-    assert_eq!(
-        store
-            .list_page("wide", None, Some("wide:9"))
-            .await
-            .unwrap_err()
-            .code(),
-        ErrorCode::NotFound
-    );
+    assert_eq!(refused_cursor(&store, "big:1").await, ErrorCode::BadRequest);
+    assert_eq!(refused_cursor(&store, "wide:9").await, ErrorCode::NotFound);
     service.stop().await.unwrap();
 }

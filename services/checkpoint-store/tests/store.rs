@@ -6,7 +6,7 @@ mod common;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use common::{SqliteTestDb, big_state, checkpoint, fenced, note, pg_store};
-use cyrene_checkpoint_store::{CheckpointStore, StoreOptions};
+use cyrene_checkpoint_store::{CheckpointStore, StoreError, StoreOptions};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest};
 use cyrene_protocol::{ErrorCode, JsonObject};
 use serde_json::{Value, json};
@@ -119,6 +119,54 @@ fn delta(
     }
 }
 
+/// The code a refused store call answered with.
+fn code<T: std::fmt::Debug>(result: Result<T, StoreError>) -> ErrorCode {
+    result.unwrap_err().code()
+}
+
+/// `owner`'s rows, as `list` pages them by default.
+async fn rows<S: CheckpointStore>(store: &S, owner: &str) -> Vec<Checkpoint> {
+    store.list(owner, None).await.unwrap()
+}
+
+/// A fenced read of `turn` by `attempt` (None: unfenced), now.
+async fn read_turn<S: CheckpointStore>(
+    store: &S,
+    owner: &str,
+    turn: &str,
+    attempt: Option<u32>,
+) -> Result<Checkpoint, StoreError> {
+    store.latest_of_turn(owner, turn, attempt, t(0)).await
+}
+
+/// Applies `request` now; returns how many rows it deleted.
+async fn retain<S: CheckpointStore>(store: &S, request: RetainRequest) -> u64 {
+    store.retain(&request, t(0)).await.unwrap()
+}
+
+/// Runs `sql` on a PostgreSQL connection.
+async fn pg_apply(conn: &mut sqlx::PgConnection, sql: &'static str) {
+    use sqlx::Executor;
+    conn.execute(sqlx::raw_sql(sql)).await.unwrap();
+}
+
+/// The PostgreSQL store at `url`.
+async fn pg_connect(url: &str) -> Result<cyrene_checkpoint_store::PgStore, StoreError> {
+    cyrene_checkpoint_store::PgStore::connect(url, &options()).await
+}
+
+/// Saves `cp` as written at `at`; the save must succeed.
+async fn put<S: CheckpointStore>(store: &S, cp: Checkpoint, at: DateTime<Utc>) -> Checkpoint {
+    store.save(cp, at).await.unwrap()
+}
+
+/// Attempt 1 of turn `t1`: steps 1 to 3 (`a1` … `a3`) on the base `seed`.
+async fn three_steps_on_a_seed<S: CheckpointStore>(store: &S) {
+    put(store, delta(1, 1, &["a1"], Some(&["seed"]), 1), t(0)).await;
+    put(store, delta(2, 2, &["a2"], None, 1), t(0)).await;
+    put(store, delta(3, 3, &["a3"], None, 1), t(0)).await;
+}
+
 async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
     let seed: Vec<String> = (0..50).map(|i| format!("old {i}")).collect();
     let seed: Vec<&str> = seed.iter().map(String::as_str).collect();
@@ -128,7 +176,7 @@ async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
     let mut sizes = Vec::new();
     for cp in [one, two, three] {
         sizes.push(cp.state.as_str().len());
-        let saved = store.save(cp, t(0)).await.unwrap();
+        let saved = put(store, cp, t(0)).await;
         assert!(saved.base.is_none(), "a reply never carries the base");
     }
     // What each row stores does not depend on the window's 50 messages.
@@ -146,14 +194,11 @@ async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
         "a read is a full snapshot"
     );
     assert_eq!(latest.state.to_map()["stop_reason"], "tool_calls");
-    let fenced_read = store
-        .latest_of_turn("s1", "t1", Some(2), t(0))
-        .await
-        .unwrap();
+    let fenced_read = read_turn(store, "s1", "t1", Some(2)).await.unwrap();
     assert_eq!(fenced_read.state, latest.state);
     let two = store.get("s1:t1:2").await.unwrap();
     assert_eq!(texts(&two).len(), 54);
-    let listed = store.list("s1", None).await.unwrap();
+    let listed = rows(store, "s1").await;
     let lens: Vec<usize> = listed.iter().map(|c| texts(c).len()).collect();
     assert_eq!(lens, [55, 54, 52]);
     // A delta without its turn, or a base without a delta, is refused.
@@ -170,24 +215,10 @@ async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
 }
 
 async fn a_turn_restarting_from_its_base_drops_its_earlier_rows<S: CheckpointStore>(store: &S) {
-    store
-        .save(delta(1, 1, &["a1"], Some(&["seed"]), 1), t(0))
-        .await
-        .unwrap();
-    store
-        .save(delta(2, 2, &["a2"], None, 1), t(0))
-        .await
-        .unwrap();
-    store
-        .save(delta(3, 3, &["a3"], None, 1), t(0))
-        .await
-        .unwrap();
+    three_steps_on_a_seed(store).await;
     // Attempt 2 starts the turn again from a new base: attempt 1's rows are not its window.
-    store
-        .save(delta(1, 1, &["b1"], Some(&["seed v2"]), 2), t(0))
-        .await
-        .unwrap();
-    let rows = store.list("s1", None).await.unwrap();
+    put(store, delta(1, 1, &["b1"], Some(&["seed v2"]), 2), t(0)).await;
+    let rows = rows(store, "s1").await;
     let ids: Vec<&str> = rows.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids, ["s1:t1:1"]);
     assert_eq!(texts(&rows[0]), ["seed v2", "b1"]);
@@ -198,14 +229,8 @@ async fn a_turn_restarting_from_its_base_drops_its_earlier_rows<S: CheckpointSto
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
     // A delta that resends from an earlier point (its previous save was lost) replaces the tail.
-    store
-        .save(delta(2, 2, &["b2"], None, 2), t(0))
-        .await
-        .unwrap();
-    store
-        .save(delta(3, 2, &["b2", "b3"], None, 2), t(0))
-        .await
-        .unwrap();
+    put(store, delta(2, 2, &["b2"], None, 2), t(0)).await;
+    put(store, delta(3, 2, &["b2", "b3"], None, 2), t(0)).await;
     assert_eq!(
         texts(&store.latest("s1").await.unwrap()),
         ["seed v2", "b1", "b2", "b3"]
@@ -222,11 +247,8 @@ async fn a_delta_after_a_full_row_builds_on_it<S: CheckpointStore>(store: &S) {
     };
     let mut old = fenced("s1", 1, "", "t1", 1);
     old.state = state.into();
-    store.save(old, t(0)).await.unwrap();
-    store
-        .save(delta(2, 2, &["result", "answer"], None, 2), t(0))
-        .await
-        .unwrap();
+    put(store, old, t(0)).await;
+    put(store, delta(2, 2, &["result", "answer"], None, 2), t(0)).await;
     assert_eq!(
         texts(&store.latest("s1").await.unwrap()),
         ["seed", "call", "result", "answer"]
@@ -236,52 +258,29 @@ async fn a_delta_after_a_full_row_builds_on_it<S: CheckpointStore>(store: &S) {
     let mut orphan = delta(5, 9, &["x"], None, 1);
     orphan.turn_id = Some("t9".into());
     orphan.id = "s1:t9:5".into();
-    store.save(orphan, t(0)).await.unwrap();
+    put(store, orphan, t(0)).await;
     let err = store.get("s1:t9:5").await.unwrap_err();
     assert_eq!(err.code(), ErrorCode::Internal, "{err}");
 }
 
 async fn retention_keeps_what_a_kept_delta_is_built_on<S: CheckpointStore>(store: &S) {
-    store
-        .save(delta(1, 1, &["a1"], Some(&["seed"]), 1), t(0))
-        .await
-        .unwrap();
-    store
-        .save(delta(2, 2, &["a2"], None, 1), t(0))
-        .await
-        .unwrap();
-    store
-        .save(delta(3, 3, &["a3"], None, 1), t(0))
-        .await
-        .unwrap();
-    let deleted = store
-        .retain(&RetainRequest::keep_last("s1", 1), t(0))
-        .await
-        .unwrap();
+    three_steps_on_a_seed(store).await;
+    let deleted = retain(store, RetainRequest::keep_last("s1", 1)).await;
     assert_eq!(deleted, 0, "steps 1 and 2 are what step 3 is built on");
     assert_eq!(
         texts(&store.latest("s1").await.unwrap()),
         ["seed", "a1", "a2", "a3"]
     );
-    let all = store
-        .retain(&RetainRequest::keep_last("s1", 0), t(0))
-        .await
-        .unwrap();
+    let all = retain(store, RetainRequest::keep_last("s1", 0)).await;
     assert_eq!(all, 3);
     // The base went with its rows: a new delta of the turn without a base cannot be rebuilt.
-    store
-        .save(delta(4, 4, &["a4"], None, 1), t(0))
-        .await
-        .unwrap();
-    assert_eq!(
-        store.latest("s1").await.unwrap_err().code(),
-        ErrorCode::Internal
-    );
+    put(store, delta(4, 4, &["a4"], None, 1), t(0)).await;
+    assert_eq!(code(store.latest("s1").await), ErrorCode::Internal);
 }
 
 async fn save_returns_the_stored_row_with_timestamps<S: CheckpointStore>(store: &S) {
     let now = t(0);
-    let saved = store.save(checkpoint("s1", 1, "a"), now).await.unwrap();
+    let saved = put(store, checkpoint("s1", 1, "a"), now).await;
     assert_eq!(saved.id, "s1:1");
     assert_eq!(saved.agent_id, "s1");
     assert_eq!(saved.step, 1);
@@ -297,36 +296,24 @@ async fn save_returns_the_stored_row_with_timestamps<S: CheckpointStore>(store: 
 }
 
 async fn save_is_an_upsert_that_keeps_created_at<S: CheckpointStore>(store: &S) {
-    let first = store
-        .save(checkpoint("s1", 2, "first"), t(60))
-        .await
-        .unwrap();
-    let second = store
-        .save(checkpoint("s1", 2, "second"), t(0))
-        .await
-        .unwrap();
+    let first = put(store, checkpoint("s1", 2, "first"), t(60)).await;
+    let second = put(store, checkpoint("s1", 2, "second"), t(0)).await;
     assert_eq!(second.created_at, first.created_at);
     assert!(second.updated_at > first.updated_at);
     assert_eq!(note(&second), "second");
-    let rows = store.list("s1", None).await.unwrap();
+    let rows = rows(store, "s1").await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0], second);
 }
 
 async fn latest_is_the_last_write_not_the_highest_step<S: CheckpointStore>(store: &S) {
-    store.save(checkpoint("s1", 5, "five"), t(0)).await.unwrap();
+    put(store, checkpoint("s1", 5, "five"), t(0)).await;
     // Written later by a replica whose clock is behind: write order wins, not the clock.
-    store
-        .save(checkpoint("s1", 3, "three"), t(10))
-        .await
-        .unwrap();
+    put(store, checkpoint("s1", 3, "three"), t(10)).await;
     let latest = store.latest("s1").await.unwrap();
     assert_eq!((latest.step, note(&latest)), (3, "three"));
     // Overwriting a row makes it the latest again.
-    store
-        .save(checkpoint("s1", 5, "five again"), t(0))
-        .await
-        .unwrap();
+    put(store, checkpoint("s1", 5, "five again"), t(0)).await;
     assert_eq!(note(&store.latest("s1").await.unwrap()), "five again");
 }
 
@@ -334,62 +321,34 @@ async fn latest_is_the_last_write_not_the_highest_step<S: CheckpointStore>(store
 /// while turn 1's step 3 stayed "latest", so a crashed turn 2 started over.
 async fn turns_of_one_owner_never_overwrite_or_mask_each_other<S: CheckpointStore>(store: &S) {
     for (step, note) in [(1, "t1 tools"), (2, "t1 tools 2"), (3, "t1 answer")] {
-        store
-            .save(fenced("s1", step, note, "turn1", 1), t(0))
-            .await
-            .unwrap();
+        put(store, fenced("s1", step, note, "turn1", 1), t(0)).await;
     }
-    let second = store
-        .save(fenced("s1", 1, "t2 tools", "turn2", 1), t(0))
-        .await
-        .unwrap();
+    let second = put(store, fenced("s1", 1, "t2 tools", "turn2", 1), t(0)).await;
     assert_eq!(second.id, "s1:turn2:1");
 
     assert_eq!(note(&store.latest("s1").await.unwrap()), "t2 tools");
-    let turn2 = store
-        .latest_of_turn("s1", "turn2", None, t(0))
-        .await
-        .unwrap();
+    let turn2 = read_turn(store, "s1", "turn2", None).await.unwrap();
     assert_eq!((turn2.step, note(&turn2)), (1, "t2 tools"));
-    let turn1 = store
-        .latest_of_turn("s1", "turn1", None, t(0))
-        .await
-        .unwrap();
+    let turn1 = read_turn(store, "s1", "turn1", None).await.unwrap();
     assert_eq!((turn1.step, note(&turn1)), (3, "t1 answer"));
     // Every row of the earlier turn is still there, by id and in the list.
     assert_eq!(note(&store.get("s1:turn1:1").await.unwrap()), "t1 tools");
-    let ids: Vec<String> = store
-        .list("s1", None)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|c| c.id)
-        .collect();
+    let ids: Vec<String> = rows(store, "s1").await.into_iter().map(|c| c.id).collect();
     assert_eq!(
         ids,
         ["s1:turn2:1", "s1:turn1:3", "s1:turn1:2", "s1:turn1:1"]
     );
     // A turn of another owner with the same id is not this owner's.
     assert_eq!(
-        store
-            .latest_of_turn("s1#a", "turn1", None, t(0))
-            .await
-            .unwrap_err()
-            .code(),
+        code(read_turn(store, "s1#a", "turn1", None).await),
         ErrorCode::NotFound
     );
 }
 
 async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
-    store
-        .save(fenced("s1", 1, "a1 step1", "turn1", 1), t(0))
-        .await
-        .unwrap();
+    put(store, fenced("s1", 1, "a1 step1", "turn1", 1), t(0)).await;
     // Attempt 2 (a redelivery) reads before it writes anything.
-    let read = store
-        .latest_of_turn("s1", "turn1", Some(2), t(0))
-        .await
-        .unwrap();
+    let read = read_turn(store, "s1", "turn1", Some(2)).await.unwrap();
     assert_eq!(note(&read), "a1 step1");
     // Attempt 1's save still in flight lands after the read: refused, so the read was the truth.
     let late = store
@@ -398,30 +357,16 @@ async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
         .unwrap_err();
     assert_eq!(late.code(), ErrorCode::Conflict, "{late}");
     assert_eq!(
-        store
-            .latest_of_turn("s1", "turn1", Some(1), t(0))
-            .await
-            .unwrap_err()
-            .code(),
+        code(read_turn(store, "s1", "turn1", Some(1)).await),
         ErrorCode::Conflict,
         "an older attempt's read is refused too"
     );
     // The same attempt may read again; an unfenced read changes nothing.
-    store
-        .latest_of_turn("s1", "turn1", Some(2), t(0))
-        .await
-        .unwrap();
-    store
-        .latest_of_turn("s1", "turn1", None, t(0))
-        .await
-        .unwrap();
+    read_turn(store, "s1", "turn1", Some(2)).await.unwrap();
+    read_turn(store, "s1", "turn1", None).await.unwrap();
     // A turn with no rows yet: not found, but its attempt is recorded all the same.
     assert_eq!(
-        store
-            .latest_of_turn("s1", "turn9", Some(3), t(0))
-            .await
-            .unwrap_err()
-            .code(),
+        code(read_turn(store, "s1", "turn9", Some(3)).await),
         ErrorCode::NotFound
     );
     let err = store
@@ -431,11 +376,7 @@ async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
     assert_eq!(err.code(), ErrorCode::Conflict);
     for (owner, turn) in [("s.1.2", "turn1"), ("s1", "t.1"), ("s1", "")] {
         assert_eq!(
-            store
-                .latest_of_turn(owner, turn, Some(1), t(0))
-                .await
-                .unwrap_err()
-                .code(),
+            code(read_turn(store, owner, turn, Some(1)).await),
             ErrorCode::BadRequest,
             "{owner} {turn}"
         );
@@ -443,26 +384,17 @@ async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
 }
 
 async fn reads_of_missing_rows_are_not_found<S: CheckpointStore>(store: &S) {
-    assert_eq!(
-        store.latest("nobody").await.unwrap_err().code(),
-        ErrorCode::NotFound
-    );
-    assert_eq!(
-        store.get("nobody:1").await.unwrap_err().code(),
-        ErrorCode::NotFound
-    );
-    assert!(store.list("nobody", None).await.unwrap().is_empty());
+    assert_eq!(code(store.latest("nobody").await), ErrorCode::NotFound);
+    assert_eq!(code(store.get("nobody:1").await), ErrorCode::NotFound);
+    assert!(rows(store, "nobody").await.is_empty());
 }
 
 async fn list_is_most_recent_write_first_and_limited<S: CheckpointStore>(store: &S) {
     for step in 1..=60 {
-        store
-            .save(checkpoint("s1", step, "x"), t(100 - i64::from(step)))
-            .await
-            .unwrap();
+        put(store, checkpoint("s1", step, "x"), t(100 - i64::from(step))).await;
     }
     let steps = |rows: Vec<Checkpoint>| rows.into_iter().map(|c| c.step).collect::<Vec<_>>();
-    let page = steps(store.list("s1", None).await.unwrap());
+    let page = steps(rows(store, "s1").await);
     assert_eq!(
         page,
         (11..=60).rev().collect::<Vec<_>>(),
@@ -473,10 +405,7 @@ async fn list_is_most_recent_write_first_and_limited<S: CheckpointStore>(store: 
         [60, 59, 58]
     );
     assert_eq!(store.list("s1", Some(5000)).await.unwrap().len(), 60);
-    store
-        .save(checkpoint("s1", 7, "again"), t(0))
-        .await
-        .unwrap();
+    put(store, checkpoint("s1", 7, "again"), t(0)).await;
     assert_eq!(
         steps(store.list("s1", Some(3)).await.unwrap()),
         [7, 60, 59],
@@ -485,31 +414,19 @@ async fn list_is_most_recent_write_first_and_limited<S: CheckpointStore>(store: 
 }
 
 async fn legs_never_see_each_others_rows<S: CheckpointStore>(store: &S) {
-    store.save(checkpoint("s1", 2, "main"), t(3)).await.unwrap();
-    store
-        .save(checkpoint("s1#a", 2, "leg a"), t(2))
-        .await
-        .unwrap();
-    store
-        .save(checkpoint("s1#a", 7, "leg a7"), t(1))
-        .await
-        .unwrap();
-    store
-        .save(checkpoint("s1#b", 1, "leg b"), t(0))
-        .await
-        .unwrap();
+    put(store, checkpoint("s1", 2, "main"), t(3)).await;
+    put(store, checkpoint("s1#a", 2, "leg a"), t(2)).await;
+    put(store, checkpoint("s1#a", 7, "leg a7"), t(1)).await;
+    put(store, checkpoint("s1#b", 1, "leg b"), t(0)).await;
     assert_eq!(note(&store.latest("s1").await.unwrap()), "main");
     assert_eq!(note(&store.latest("s1#a").await.unwrap()), "leg a7");
     assert_eq!(note(&store.latest("s1#b").await.unwrap()), "leg b");
     assert_eq!(note(&store.get("s1:2").await.unwrap()), "main");
     assert_eq!(note(&store.get("s1#a:2").await.unwrap()), "leg a");
-    assert_eq!(store.list("s1", None).await.unwrap().len(), 1);
-    assert_eq!(store.list("s1#a", None).await.unwrap().len(), 2);
-    assert!(store.list("s1#c", None).await.unwrap().is_empty());
-    let kept = store
-        .retain(&RetainRequest::keep_last("s1#a", 0), t(0))
-        .await
-        .unwrap();
+    assert_eq!(rows(store, "s1").await.len(), 1);
+    assert_eq!(rows(store, "s1#a").await.len(), 2);
+    assert!(rows(store, "s1#c").await.is_empty());
+    let kept = retain(store, RetainRequest::keep_last("s1#a", 0)).await;
     assert_eq!(kept, 2);
     assert_eq!(note(&store.latest("s1").await.unwrap()), "main");
     assert_eq!(note(&store.latest("s1#b").await.unwrap()), "leg b");
@@ -517,28 +434,22 @@ async fn legs_never_see_each_others_rows<S: CheckpointStore>(store: &S) {
 
 async fn reads_never_delete<S: CheckpointStore>(store: &S) {
     for step in 1..=4 {
-        store.save(checkpoint("s1", step, "x"), t(0)).await.unwrap();
+        put(store, checkpoint("s1", step, "x"), t(0)).await;
     }
     for _ in 0..3 {
         store.latest("s1").await.unwrap();
         store.get("s1:2").await.unwrap();
         store.list("s1", Some(2)).await.unwrap();
     }
-    assert_eq!(store.list("s1", None).await.unwrap().len(), 4);
+    assert_eq!(rows(store, "s1").await.len(), 4);
     for step in 1..=4 {
         store.get(&format!("s1:{step}")).await.unwrap();
     }
 }
 
 async fn fencing_refuses_older_attempts_of_a_turn<S: CheckpointStore>(store: &S) {
-    store
-        .save(fenced("s1", 1, "a1", "turn1", 1), t(5))
-        .await
-        .unwrap();
-    let live = store
-        .save(fenced("s1", 1, "a2", "turn1", 2), t(4))
-        .await
-        .unwrap();
+    put(store, fenced("s1", 1, "a1", "turn1", 1), t(5)).await;
+    let live = put(store, fenced("s1", 1, "a2", "turn1", 2), t(4)).await;
     assert_eq!(live.attempt, Some(2));
     assert_eq!(live.turn_id.as_deref(), Some("turn1"));
 
@@ -554,20 +465,11 @@ async fn fencing_refuses_older_attempts_of_a_turn<S: CheckpointStore>(store: &S)
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
     assert_eq!(note(&store.get("s1:turn1:1").await.unwrap()), "a2");
-    assert_eq!(
-        store.get("s1:turn1:2").await.unwrap_err().code(),
-        ErrorCode::NotFound
-    );
+    assert_eq!(code(store.get("s1:turn1:2").await), ErrorCode::NotFound);
 
     // Equal and newer attempts are accepted; the newer one raises the bar.
-    store
-        .save(fenced("s1", 2, "a2 step2", "turn1", 2), t(2))
-        .await
-        .unwrap();
-    store
-        .save(fenced("s1", 3, "a3", "turn1", 3), t(1))
-        .await
-        .unwrap();
+    put(store, fenced("s1", 2, "a2 step2", "turn1", 2), t(2)).await;
+    put(store, fenced("s1", 3, "a3", "turn1", 3), t(1)).await;
     let err = store
         .save(fenced("s1", 4, "late a2", "turn1", 2), t(0))
         .await
@@ -577,20 +479,11 @@ async fn fencing_refuses_older_attempts_of_a_turn<S: CheckpointStore>(store: &S)
 }
 
 async fn fencing_is_per_turn_and_optional<S: CheckpointStore>(store: &S) {
-    store
-        .save(fenced("s1", 1, "t1", "turn1", 5), t(3))
-        .await
-        .unwrap();
+    put(store, fenced("s1", 1, "t1", "turn1", 5), t(3)).await;
     // Another turn starts at attempt 1 regardless of turn1's attempts.
-    store
-        .save(fenced("s1", 2, "t2", "turn2", 1), t(2))
-        .await
-        .unwrap();
+    put(store, fenced("s1", 2, "t2", "turn2", 1), t(2)).await;
     // A save without a fencing token is never fenced.
-    let plain = store
-        .save(checkpoint("s1", 1, "plain"), t(1))
-        .await
-        .unwrap();
+    let plain = put(store, checkpoint("s1", 1, "plain"), t(1)).await;
     assert_eq!(plain.turn_id, None);
     assert_eq!(plain.attempt, None);
     assert_eq!(note(&store.get("s1:1").await.unwrap()), "plain");
@@ -657,28 +550,15 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
     assert_eq!(err.code(), ErrorCode::TooLarge, "{err}");
 
     for owner in ["", "s 1", "s1#", "s*"] {
-        assert_eq!(
-            store.latest(owner).await.unwrap_err().code(),
-            ErrorCode::BadRequest
-        );
-        assert_eq!(
-            store.list(owner, None).await.unwrap_err().code(),
-            ErrorCode::BadRequest
-        );
+        assert_eq!(code(store.latest(owner).await), ErrorCode::BadRequest);
+        assert_eq!(code(store.list(owner, None).await), ErrorCode::BadRequest);
     }
     for id in [
         "s1", "s1:", "s1:x", "s1:01", "s.1.2:1", ":1", "s1::1", "s1:t.1:1",
     ] {
-        assert_eq!(
-            store.get(id).await.unwrap_err().code(),
-            ErrorCode::BadRequest,
-            "{id}"
-        );
+        assert_eq!(code(store.get(id).await), ErrorCode::BadRequest, "{id}");
     }
-    assert_eq!(
-        store.list("s1", Some(0)).await.unwrap_err().code(),
-        ErrorCode::BadRequest
-    );
+    assert_eq!(code(store.list("s1", Some(0)).await), ErrorCode::BadRequest);
     for req in [
         RetainRequest::default(),
         RetainRequest {
@@ -689,98 +569,56 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
         RetainRequest::older_than(u64::MAX),
     ] {
         assert_eq!(
-            store.retain(&req, now).await.unwrap_err().code(),
+            code(store.retain(&req, now).await),
             ErrorCode::BadRequest,
             "{req:?}"
         );
     }
 
     // Nothing was written, and the store still serves.
-    assert!(store.list("s1", None).await.unwrap().is_empty());
+    assert!(rows(store, "s1").await.is_empty());
     let just_fits = Checkpoint {
         state: big_state(MAX_STATE - 100),
         ..checkpoint("s1", 1, "")
     };
-    store.save(just_fits, now).await.unwrap();
+    put(store, just_fits, now).await;
     assert_eq!(store.latest("s1").await.unwrap().step, 1);
 }
 
 async fn retain_keep_last_keeps_the_newest_steps_of_one_owner<S: CheckpointStore>(store: &S) {
     for step in 1..=10 {
-        store.save(checkpoint("s1", step, "x"), t(0)).await.unwrap();
-        store
-            .save(checkpoint("s1#a", step, "x"), t(0))
-            .await
-            .unwrap();
+        put(store, checkpoint("s1", step, "x"), t(0)).await;
+        put(store, checkpoint("s1#a", step, "x"), t(0)).await;
     }
-    let deleted = store
-        .retain(&RetainRequest::keep_last("s1", 3), t(0))
-        .await
-        .unwrap();
+    let deleted = retain(store, RetainRequest::keep_last("s1", 3)).await;
     assert_eq!(deleted, 7);
-    let steps: Vec<u32> = store
-        .list("s1", None)
-        .await
-        .unwrap()
-        .iter()
-        .map(|c| c.step)
-        .collect();
+    let steps: Vec<u32> = rows(store, "s1").await.iter().map(|c| c.step).collect();
     assert_eq!(steps, [10, 9, 8]);
-    assert_eq!(store.list("s1#a", None).await.unwrap().len(), 10);
-    let again = store
-        .retain(&RetainRequest::keep_last("s1", 3), t(0))
-        .await
-        .unwrap();
+    assert_eq!(rows(store, "s1#a").await.len(), 10);
+    let again = retain(store, RetainRequest::keep_last("s1", 3)).await;
     assert_eq!(again, 0, "retention is idempotent");
-    let all = store
-        .retain(&RetainRequest::keep_last("s1", 0), t(0))
-        .await
-        .unwrap();
+    let all = retain(store, RetainRequest::keep_last("s1", 0)).await;
     assert_eq!(all, 3);
-    assert_eq!(
-        store.latest("s1").await.unwrap_err().code(),
-        ErrorCode::NotFound
-    );
+    assert_eq!(code(store.latest("s1").await), ErrorCode::NotFound);
 }
 
 async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S) {
     const DAY: i64 = 86_400;
     // Idle owner: every row three days old, written by a fenced turn.
-    store
-        .save(fenced("idle", 1, "x", "old-turn", 5), t(3 * DAY))
-        .await
-        .unwrap();
-    store
-        .save(checkpoint("idle", 2, "x"), t(3 * DAY - 10))
-        .await
-        .unwrap();
+    put(store, fenced("idle", 1, "x", "old-turn", 5), t(3 * DAY)).await;
+    put(store, checkpoint("idle", 2, "x"), t(3 * DAY - 10)).await;
     // Mixed owner: an old row, but its newest row is fresh, so all of it stays.
-    store
-        .save(checkpoint("mixed", 1, "x"), t(3 * DAY))
-        .await
-        .unwrap();
-    store
-        .save(checkpoint("mixed", 2, "x"), t(3600))
-        .await
-        .unwrap();
-    store.save(checkpoint("fresh", 1, "x"), t(0)).await.unwrap();
+    put(store, checkpoint("mixed", 1, "x"), t(3 * DAY)).await;
+    put(store, checkpoint("mixed", 2, "x"), t(3600)).await;
+    put(store, checkpoint("fresh", 1, "x"), t(0)).await;
 
-    let deleted = store
-        .retain(&RetainRequest::older_than(DAY as u64), t(0))
-        .await
-        .unwrap();
+    let deleted = retain(store, RetainRequest::older_than(DAY as u64)).await;
     assert_eq!(deleted, 2);
-    assert_eq!(
-        store.latest("idle").await.unwrap_err().code(),
-        ErrorCode::NotFound
-    );
-    assert_eq!(store.list("mixed", None).await.unwrap().len(), 2);
-    assert_eq!(store.list("fresh", None).await.unwrap().len(), 1);
+    assert_eq!(code(store.latest("idle").await), ErrorCode::NotFound);
+    assert_eq!(rows(store, "mixed").await.len(), 2);
+    assert_eq!(rows(store, "fresh").await.len(), 1);
     // The idle turn's fencing record went with it: a new attempt 1 of that id is accepted.
-    store
-        .save(fenced("idle", 1, "x", "old-turn", 1), t(0))
-        .await
-        .unwrap();
+    put(store, fenced("idle", 1, "x", "old-turn", 1), t(0)).await;
 }
 
 /// A database created by the first migration (state as `jsonb`) keeps its rows through the
@@ -790,11 +628,11 @@ async fn postgres_rows_written_as_jsonb_survive_the_move_to_json() {
     use sqlx::{Connection, Executor, PgConnection};
     let db = common::PgTestDb::create(common::PG_PREFIX).await;
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
-    conn.execute(sqlx::raw_sql(include_str!(
-        "../migrations/postgres/0001_checkpoints.sql"
-    )))
-    .await
-    .unwrap();
+    pg_apply(
+        &mut conn,
+        include_str!("../migrations/postgres/0001_checkpoints.sql"),
+    )
+    .await;
     conn.execute(
         "INSERT INTO checkpoints (id, agent_id, step, state, created_at, updated_at) \
          VALUES ('s1:1', 's1', 1, '{\"note\": \"old\", \"step\": 1}'::jsonb, now(), now())",
@@ -803,14 +641,12 @@ async fn postgres_rows_written_as_jsonb_survive_the_move_to_json() {
     .unwrap();
     let _ = conn.close().await;
 
-    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
-        .await
-        .unwrap();
+    let store = pg_connect(&db.url).await.unwrap();
     let old = store.latest("s1").await.unwrap();
     assert_eq!(note(&old), "old");
     let mut new = checkpoint("s1", 2, "new");
     new.state = cyrene_protocol::JsonObject::from_text(r#"{"note":"new",  "b":1}"#.into()).unwrap();
-    store.save(new, Utc::now()).await.unwrap();
+    put(&store, new, Utc::now()).await;
     assert_eq!(
         store.latest("s1").await.unwrap().state.as_str(),
         r#"{"note":"new",  "b":1}"#
@@ -834,12 +670,9 @@ async fn old_rows_survive_the_move_to_turn_rows<S: CheckpointStore>(store: &S) {
         .await
         .unwrap();
     assert_eq!(old_turn.id, "s1:2");
-    store
-        .save(fenced("s1", 1, "new turn", "turn2", 1), Utc::now())
-        .await
-        .unwrap();
+    put(store, fenced("s1", 1, "new turn", "turn2", 1), Utc::now()).await;
     assert_eq!(note(&store.latest("s1").await.unwrap()), "new turn");
-    assert_eq!(store.list("s1", None).await.unwrap().len(), 3);
+    assert_eq!(rows(store, "s1").await.len(), 3);
 }
 
 const OLD_ROWS: &str = "INSERT INTO checkpoints \
@@ -892,32 +725,28 @@ async fn postgres_rows_from_before_turn_rows_are_carried_over() {
     use sqlx::{Connection, Executor, PgConnection};
     let db = common::PgTestDb::create(common::PG_PREFIX).await;
     // Everything before 0003, through the migrator, as the previous release left it.
-    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
-        .await
-        .unwrap();
+    let store = pg_connect(&db.url).await.unwrap();
     store.close().await;
     let mut conn = PgConnection::connect(&db.url).await.unwrap();
-    conn.execute(sqlx::raw_sql(
+    pg_apply(
+        &mut conn,
         "DROP TABLE checkpoints; DROP SEQUENCE IF EXISTS checkpoints_write_seq; \
          DELETE FROM _sqlx_migrations WHERE version >= 3;",
-    ))
-    .await
-    .unwrap();
-    conn.execute(sqlx::raw_sql(include_str!(
-        "../migrations/postgres/0001_checkpoints.sql"
-    )))
-    .await
-    .unwrap();
-    conn.execute(sqlx::raw_sql(include_str!(
-        "../migrations/postgres/0002_state_json.sql"
-    )))
-    .await
-    .unwrap();
+    )
+    .await;
+    pg_apply(
+        &mut conn,
+        include_str!("../migrations/postgres/0001_checkpoints.sql"),
+    )
+    .await;
+    pg_apply(
+        &mut conn,
+        include_str!("../migrations/postgres/0002_state_json.sql"),
+    )
+    .await;
     conn.execute(OLD_ROWS).await.unwrap();
     let _ = conn.close().await;
-    let store = cyrene_checkpoint_store::PgStore::connect(&db.url, &options())
-        .await
-        .unwrap();
+    let store = pg_connect(&db.url).await.unwrap();
     old_rows_survive_the_move_to_turn_rows(&store).await;
     store.close().await;
 }
@@ -938,45 +767,30 @@ async fn postgres_over_tls_when_the_url_asks_for_it() {
             .unwrap()
         }
     };
-    let plain = cyrene_checkpoint_store::PgStore::connect(
-        &format!("{}?sslmode=disable", db.url),
-        &options(),
-    )
-    .await
-    .unwrap();
-    assert!(!encrypted(&plain).await);
-    plain.close().await;
-    let tls = cyrene_checkpoint_store::PgStore::connect(
-        &format!("{}?sslmode=require", db.url),
-        &options(),
-    )
-    .await
-    .unwrap();
-    assert!(encrypted(&tls).await, "sslmode=require did not encrypt");
-    tls.save(checkpoint("s1", 1, "over tls"), Utc::now())
+    let plain = pg_connect(&format!("{}?sslmode=disable", db.url))
         .await
         .unwrap();
+    assert!(!encrypted(&plain).await);
+    plain.close().await;
+    let tls = pg_connect(&format!("{}?sslmode=require", db.url))
+        .await
+        .unwrap();
+    assert!(encrypted(&tls).await, "sslmode=require did not encrypt");
+    put(&tls, checkpoint("s1", 1, "over tls"), Utc::now()).await;
     assert_eq!(note(&tls.latest("s1").await.unwrap()), "over tls");
     tls.close().await;
     // The server's certificate checked against a CA file (Debian's self-signed one, where the
     // local server uses it): verify-ca passes, and a wrong CA is refused.
     let snakeoil = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
     if std::path::Path::new(snakeoil).exists() {
-        let verified = cyrene_checkpoint_store::PgStore::connect(
-            &format!("{}?sslmode=verify-ca&sslrootcert={snakeoil}", db.url),
-            &options(),
-        )
-        .await
-        .unwrap();
+        let url = format!("{}?sslmode=verify-ca&sslrootcert={snakeoil}", db.url);
+        let verified = pg_connect(&url).await.unwrap();
         assert!(encrypted(&verified).await);
         verified.close().await;
         let public_cas = "/etc/ssl/certs/ca-certificates.crt";
         if std::path::Path::new(public_cas).exists() {
-            let refused = cyrene_checkpoint_store::PgStore::connect(
-                &format!("{}?sslmode=verify-ca&sslrootcert={public_cas}", db.url),
-                &options(),
-            )
-            .await;
+            let url = format!("{}?sslmode=verify-ca&sslrootcert={public_cas}", db.url);
+            let refused = pg_connect(&url).await;
             assert!(
                 refused.is_err(),
                 "a certificate no given CA signed was accepted"

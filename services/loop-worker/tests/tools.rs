@@ -1,13 +1,13 @@
 //! External tool calls over a real nats-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use async_nats::service::ServiceExt;
 use cyrene_loop_worker::ports::ToolContext;
-use cyrene_loop_worker::tools::{META_DESCRIPTION, META_PARAMETERS, Tools};
+use cyrene_loop_worker::ports::ToolOutput;
+use cyrene_loop_worker::tools::Tools;
 use cyrene_protocol::message::ToolCall;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_tool, start_service};
 use futures::StreamExt;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -31,28 +31,15 @@ fn call(name: &str, id: &str) -> ToolCall {
     }
 }
 
+/// `tools` calls `name` (call id `id`) for a turn allowed `allowed` (None: every tool).
+async fn call_with(tools: &Tools, allowed: Option<&[&str]>, name: &str, id: &str) -> ToolOutput {
+    tools.call(&context(allowed), &call(name, id)).await
+}
+
 /// Serves `cyrene.tool.<name>` as a discoverable micro endpoint; counts the requests.
 async fn serve_tool(client: &async_nats::Client, name: &str) -> Arc<AtomicUsize> {
-    let service = client
-        .service_builder()
-        .start("test-tools", "0.0.0")
-        .await
-        .unwrap();
-    let metadata: HashMap<String, String> = [
-        (META_DESCRIPTION.to_owned(), "a test tool".to_owned()),
-        (
-            META_PARAMETERS.to_owned(),
-            r#"{"type":"object"}"#.to_owned(),
-        ),
-    ]
-    .into();
-    let mut endpoint = service
-        .endpoint_builder()
-        .name(name)
-        .metadata(metadata)
-        .add(format!("cyrene.tool.{name}"))
-        .await
-        .unwrap();
+    let service = start_service(client, "test-tools", "0.0.0").await;
+    let mut endpoint = add_tool(&service, name, "a test tool", r#"{"type":"object"}"#).await;
     let served = Arc::new(AtomicUsize::new(0));
     let count = served.clone();
     tokio::spawn(async move {
@@ -99,17 +86,15 @@ async fn a_tool_call_id_that_cannot_be_a_header_is_an_error_result_not_a_panic()
     assert_eq!(tools.discover(Duration::from_millis(500)).await, 1);
     // The model's id goes into `Cyrene-Tool-Call-Id`: a line break would panic async-nats.
     for id in ["a\r\nInjected: yes", "\n", "a\rb"] {
-        let out = tools.call(&context(None), &call("lookup", id)).await;
+        let out = call_with(&tools, None, "lookup", id).await;
         assert!(out.is_error, "{id:?}");
         assert!(out.text.contains("was not called"), "{id:?}: {}", out.text);
     }
     assert_eq!(served.load(Ordering::SeqCst), 0);
     // Any other id is sent.
-    let out = tools
-        .call(&context(None), &call("lookup", "昔涟 \u{7f}"))
-        .await;
-    assert!(!out.is_error, "{}", out.text);
+    let out = call_with(&tools, None, "lookup", "昔涟 \u{7f}").await;
     assert_eq!(served.load(Ordering::SeqCst), 1);
+    assert!(!out.is_error, "{}", out.text);
 }
 
 #[tokio::test]
@@ -126,7 +111,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
     tools.discover(Duration::from_millis(500)).await;
 
     // Not discovered (no tool metadata): refused, nothing sent, although someone answers.
-    let out = tools.call(&context(None), &call("hidden", "c1")).await;
+    let out = call_with(&tools, None, "hidden", "c1").await;
     assert!(out.is_error);
     assert!(out.text.contains("not available"), "{}", out.text);
     assert_eq!(
@@ -145,9 +130,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
         0,
         "a tool outside the list was called"
     );
-    let out = tools
-        .call(&context(Some(&[])), &call("current_time", "c3"))
-        .await;
+    let out = call_with(&tools, Some(&[]), "current_time", "c3").await;
     assert!(
         out.is_error && out.text.contains("not allowed"),
         "{}",
@@ -169,9 +152,7 @@ async fn only_discovered_and_allowed_tools_are_called() {
     assert!(!names(None).contains(&"hidden".to_owned()));
 
     // Allowed and discovered: called.
-    let out = tools
-        .call(&context(Some(&["lookup"])), &call("lookup", "c5"))
-        .await;
+    let out = call_with(&tools, Some(&["lookup"]), "lookup", "c5").await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(lookup.load(Ordering::SeqCst), 1);
 }
@@ -187,7 +168,7 @@ async fn a_tool_registered_after_the_last_discovery_is_found_on_its_first_call()
     );
     assert_eq!(tools.discover(Duration::from_millis(200)).await, 0);
     let late = serve_tool(&client, "late").await;
-    let out = tools.call(&context(None), &call("late", "c1")).await;
+    let out = call_with(&tools, None, "late", "c1").await;
     assert!(!out.is_error, "{}", out.text);
     assert_eq!(late.load(Ordering::SeqCst), 1);
 }

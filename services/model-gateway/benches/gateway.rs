@@ -15,17 +15,17 @@
 //! cores (nats-server, gateway, this process), so the figures are conservative.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+mod common;
+
+use async_nats::client::RequestError;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::subjects::MODEL_COMPLETE;
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::echo::{ECHO_SUBJECT, EchoProcess, run_echo_if_asked};
 use serde_json::{Value, json};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 const SEQUENTIAL: usize = 3_000;
 const CONCURRENT_PER_WORKER: usize = 300;
@@ -34,98 +34,13 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 const REPLY: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"Hello! How can I help you today?"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21,"prompt_tokens_details":{"cached_tokens":0}}}"#;
 
-/// A minimal keep-alive HTTP/1.1 server answering every request with [`REPLY`].
+/// The mock upstream answering every request with [`REPLY`].
 async fn mock_upstream() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let response = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{REPLY}",
         REPLY.len()
     );
-    let response: Arc<[u8]> = response.into_bytes().into();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut socket, _)) = listener.accept().await else {
-                return;
-            };
-            let _ = socket.set_nodelay(true);
-            let response = response.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::with_capacity(16 * 1024);
-                loop {
-                    // Read one request: headers, then content-length bytes of body.
-                    let header_end = loop {
-                        if let Some(i) = find(&buf, b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 8192];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let length = content_length(&buf[..header_end]);
-                    while buf.len() < header_end + length {
-                        let mut chunk = [0u8; 8192];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..header_end + length);
-                    if socket.write_all(&response).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    format!("http://{addr}")
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-fn content_length(head: &[u8]) -> usize {
-    let text = String::from_utf8_lossy(head);
-    text.lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim()
-                .eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())?
-        })
-        .unwrap_or(0)
-}
-
-struct GatewayProcess(Child);
-
-impl Drop for GatewayProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_gateway(nats_url: &str, upstream: &str, dir: &std::path::Path) -> GatewayProcess {
-    let config = json!({"providers":{"mock":{"protocol":"openai","base_url":upstream,
-                          "models":{"bench-model":{}}}},
-                        "groups":{"default":[{"provider":"mock","model":"bench-model"}]},
-                        "active_group":"default"});
-    let path = dir.join("models.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_cyrene-model-gateway"))
-        .arg("--nats-url")
-        .arg(nats_url)
-        .arg("--models")
-        .arg(&path)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn cyrene-model-gateway");
-    GatewayProcess(child)
+    common::mock_upstream(vec![response.into_bytes()]).await
 }
 
 fn question() -> ModelRequest {
@@ -185,18 +100,17 @@ impl Paths {
         started.elapsed()
     }
 
+    /// The question, once, to the gateway over NATS.
+    async fn ask_gateway(&self, timeout: Duration) -> Result<async_nats::Message, RequestError> {
+        let request = async_nats::Request::new()
+            .payload(self.payload.clone())
+            .timeout(Some(timeout));
+        self.nats.send_request(MODEL_COMPLETE, request).await
+    }
+
     async fn gateway(&self) -> Duration {
         let started = Instant::now();
-        let reply = self
-            .nats
-            .send_request(
-                MODEL_COMPLETE,
-                async_nats::Request::new()
-                    .payload(self.payload.clone())
-                    .timeout(Some(TIMEOUT)),
-            )
-            .await
-            .unwrap();
+        let reply = self.ask_gateway(TIMEOUT).await.unwrap();
         let resp: ModelResponse = serde_json::from_slice(&reply.payload)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&reply.payload)));
         assert_eq!(resp.provider, "mock");
@@ -309,26 +223,18 @@ fn report(label: &str, f: &Figures, targets: Option<(f64, f64)>) {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a filter argument that names something else skips us.
-    if std::env::args()
-        .skip(1)
-        .any(|a| !a.starts_with('-') && !"gateway".contains(a.as_str()))
-    {
+    if common::filtered_out("gateway") {
         return;
     }
     run_echo_if_asked();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(run());
+    common::block_on(run());
 }
 
 async fn run() {
     let upstream = mock_upstream().await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let _gateway = start_gateway(&server.url(), &upstream, dir.path());
+    let _gateway = common::start_gateway(&server.url(), &upstream, dir.path(), |_| {});
     let _echo = EchoProcess::start(&server.url()).await;
     let nats = server.connect().await;
     let http = cyrene_model_gateway::http_client().unwrap();
@@ -342,15 +248,7 @@ async fn run() {
     // Ready when the gateway answers (bounded).
     let mut ready = false;
     for _ in 0..200 {
-        let reply = paths
-            .nats
-            .send_request(
-                MODEL_COMPLETE,
-                async_nats::Request::new()
-                    .payload(paths.payload.clone())
-                    .timeout(Some(Duration::from_millis(500))),
-            )
-            .await;
+        let reply = paths.ask_gateway(Duration::from_millis(500)).await;
         if reply.is_ok_and(|r| r.headers.is_none()) {
             ready = true;
             break;

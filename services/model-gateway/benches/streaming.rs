@@ -14,6 +14,8 @@
 //! figures are indicative.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+mod common;
+
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::Delta;
@@ -21,11 +23,7 @@ use cyrene_test_support::NatsServer;
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::json;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 const CALLS: usize = 300;
 const CHUNKS: usize = 200;
@@ -52,82 +50,15 @@ fn sse_body() -> (String, String) {
     (first, rest)
 }
 
-/// A keep-alive HTTP/1.1 server answering every request with the SSE reply: headers and the
-/// first event in one write, the rest in a second.
+/// The mock upstream answering every request with the SSE reply: headers and the first event
+/// in one write, the rest in a second.
 async fn mock_upstream() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let (first, rest) = sse_body();
     let head = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{first}",
         first.len() + rest.len()
     );
-    let head: Arc<[u8]> = head.into_bytes().into();
-    let rest: Arc<[u8]> = rest.into_bytes().into();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut socket, _)) = listener.accept().await else {
-                return;
-            };
-            let _ = socket.set_nodelay(true);
-            let (head, rest) = (head.clone(), rest.clone());
-            tokio::spawn(async move {
-                let mut buf = Vec::with_capacity(16 * 1024);
-                loop {
-                    let header_end = loop {
-                        if let Some(i) = find(&buf, b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 8192];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let length = content_length(&buf[..header_end]);
-                    while buf.len() < header_end + length {
-                        let mut chunk = [0u8; 8192];
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..header_end + length);
-                    if socket.write_all(&head).await.is_err()
-                        || socket.write_all(&rest).await.is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    format!("http://{addr}")
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-fn content_length(head: &[u8]) -> usize {
-    String::from_utf8_lossy(head)
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim()
-                .eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())?
-        })
-        .unwrap_or(0)
-}
-
-struct GatewayProcess(Child);
-
-impl Drop for GatewayProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    common::mock_upstream(vec![head.into_bytes(), rest.into_bytes()]).await
 }
 
 fn free_port() -> u16 {
@@ -138,32 +69,19 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The gateway with its OpenAI-compatible front door on `http`, open to [`KEY`].
 fn start_gateway(
     nats_url: &str,
     upstream: &str,
     http: &str,
     dir: &std::path::Path,
-) -> GatewayProcess {
-    let config = json!({"providers":{"mock":{"protocol":"openai","base_url":upstream,
-                          "models":{"bench-model":{}}}},
-                        "groups":{"default":[{"provider":"mock","model":"bench-model"}]},
-                        "active_group":"default"});
-    let path = dir.join("models.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_cyrene-model-gateway"))
-        .arg("--nats-url")
-        .arg(nats_url)
-        .arg("--models")
-        .arg(&path)
-        .arg("--http-addr")
-        .arg(http)
-        .env("CYRENE_GATEWAY_HTTP_KEYS", KEY)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn cyrene-model-gateway");
-    GatewayProcess(child)
+) -> common::GatewayProcess {
+    common::start_gateway(nats_url, upstream, dir, |command| {
+        command
+            .arg("--http-addr")
+            .arg(http)
+            .env("CYRENE_GATEWAY_HTTP_KEYS", KEY);
+    })
 }
 
 /// One call's timings: first text chunk after the request, and first → last text chunk.
@@ -291,17 +209,10 @@ fn summary(calls: &[Call]) -> (f64, f64, f64) {
 }
 
 fn main() {
-    if std::env::args()
-        .skip(1)
-        .any(|a| !a.starts_with('-') && !"streaming".contains(a.as_str()))
-    {
+    if common::filtered_out("streaming") {
         return;
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(run());
+    common::block_on(run());
 }
 
 async fn run() {

@@ -2,6 +2,9 @@
 //! normalised response, and routing/fallback/cooldown/timeout behaviour of the gateway.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{bodies, hits};
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorCode;
@@ -65,18 +68,48 @@ async fn reply_with(server: &MockServer, route: &str, body: Value) {
         .await;
 }
 
-async fn bodies(server: &MockServer) -> Vec<Value> {
+/// A mock upstream that answers every POST on `route` with `body`.
+async fn answering(route: &str, body: Value) -> MockServer {
+    let server = MockServer::start().await;
+    reply_with(&server, route, body).await;
     server
-        .received_requests()
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.body_json::<Value>().unwrap())
-        .collect()
 }
 
-async fn hits(server: &MockServer) -> usize {
-    server.received_requests().await.unwrap().len()
+/// A gateway with one openai-protocol provider on `server` (and `extra` fields), model `m`.
+fn openai_gateway(server: &MockServer, extra: Value) -> Gateway {
+    gateway(single(openai_provider(server, extra), "m"))
+}
+
+/// A gateway with one anthropic-protocol provider on `server` (and `extra` fields), `model`.
+fn anthropic_gateway(server: &MockServer, extra: Value, model: &str) -> Gateway {
+    gateway(single(anthropic_provider(server, extra), model))
+}
+
+/// A thinking request: `budget` tokens (None = unset), switched on or off.
+fn thinking(budget: Option<u32>, enable: bool) -> Option<Thinking> {
+    Some(Thinking {
+        budget_tokens: budget,
+        enable: Some(enable),
+    })
+}
+
+/// A mock openai upstream that answers only after 5 s.
+async fn slow_upstream() -> MockServer {
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(openai_text_reply("late"))
+                .set_delay(Duration::from_secs(5)),
+        )
+        .mount(&slow)
+        .await;
+    slow
+}
+
+/// Asserts that an error `message` names `cause`.
+fn assert_names(message: &str, cause: &str) {
+    assert!(message.contains(cause), "{message}");
 }
 
 fn ask(messages: Vec<Message>) -> ModelRequest {
@@ -109,11 +142,8 @@ impl std::io::Write for Captured {
     }
 }
 
-/// Completes `req` and returns the reply with the WARN lines logged meanwhile.
-async fn complete_logging_warnings(
-    gw: &Gateway,
-    req: &ModelRequest,
-) -> (Result<ModelResponse, cyrene_protocol::ErrorBody>, String) {
+/// Completes `req` (which must succeed) and returns the WARN lines logged meanwhile.
+async fn warnings_completing(gw: &Gateway, req: &ModelRequest) -> String {
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -122,8 +152,8 @@ async fn complete_logging_warnings(
         .with_writer(move || writer.clone())
         .finish();
     let result = gw.complete(req).with_subscriber(subscriber).await;
-    let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
-    (result, logs)
+    result.unwrap();
+    String::from_utf8(captured.0.lock().unwrap().clone()).unwrap()
 }
 
 fn openai_text_reply(text: &str) -> Value {
@@ -143,9 +173,8 @@ fn anthropic_text_reply(text: &str) -> Value {
 
 #[tokio::test]
 async fn openai_text_is_sent_natively_and_normalised() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/chat/completions", openai_text_reply("hello")).await;
-    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let server = answering("/chat/completions", openai_text_reply("hello")).await;
+    let gw = openai_gateway(&server, json!({}));
     let mut req = ask(vec![
         Message::text(Role::System, "be brief"),
         Message::text(Role::User, "hi").sender("阿明"),
@@ -176,19 +205,13 @@ async fn openai_text_is_sent_natively_and_normalised() {
 
 #[tokio::test]
 async fn openai_several_tool_calls_in_one_reply_decode_their_arguments() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
-        "/chat/completions",
-        json!({"model":"m","choices":[{"message":{"role":"assistant","content":null,
+    let server = answering("/chat/completions", json!({"model":"m","choices":[{"message":{"role":"assistant","content":null,
             "tool_calls":[
               {"id":"c1","type":"function","function":{"name":"get_time","arguments":"{\"tz\":\"UTC\"}"}},
               {"id":"c2","type":"function","function":{"name":"ping","arguments":""}},
               {"id":"c3","type":"function","function":{"name":"broken","arguments":"{\"a\":"}}]},
-            "finish_reason":"tool_calls"}]}),
-    )
-    .await;
-    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+            "finish_reason":"tool_calls"}]})).await;
+    let gw = openai_gateway(&server, json!({}));
     let mut req = ask(vec![user("what time is it?")]);
     req.tools = vec![
         ToolSpec {
@@ -237,6 +260,30 @@ async fn openai_several_tool_calls_in_one_reply_decode_their_arguments() {
     );
 }
 
+/// A user message with `text`, the inline image `data_url` and the linked image `url`.
+fn two_images(text: &str, data_url: &str, url: &str) -> Message {
+    let mut msg = Message::image(Role::User, text, data_url);
+    msg.content.push(Part::ImageUrl {
+        image_url: url.into(),
+    });
+    msg
+}
+
+/// The next step of a `time?` turn: `assistant` (the first reply, as the worker keeps it) and
+/// the result of its `get_time` call `call_id`; returns the assistant message as sent upstream.
+async fn assistant_sent_back(
+    gw: &Gateway,
+    server: &MockServer,
+    assistant: Message,
+    call_id: &str,
+) -> Value {
+    let result = Message::tool_result(call_id, "get_time", "12:00", false);
+    gw.complete(&ask(vec![user("time?"), assistant, result]))
+        .await
+        .unwrap();
+    bodies(server).await[1]["messages"][1].clone()
+}
+
 fn tool_history() -> Vec<Message> {
     let calls = [
         ToolCall {
@@ -262,14 +309,8 @@ fn tool_history() -> Vec<Message> {
 
 #[tokio::test]
 async fn openai_tool_results_keep_their_text_and_ids() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
-        "/chat/completions",
-        openai_text_reply("noon; no file"),
-    )
-    .await;
-    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let server = answering("/chat/completions", openai_text_reply("noon; no file")).await;
+    let gw = openai_gateway(&server, json!({}));
     gw.complete(&ask(tool_history())).await.unwrap();
     assert_eq!(
         bodies(&server).await[0]["messages"],
@@ -284,20 +325,10 @@ async fn openai_tool_results_keep_their_text_and_ids() {
 
 #[tokio::test]
 async fn openai_images_go_as_image_url_parts() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/chat/completions", openai_text_reply("a cat")).await;
-    let gw = gateway(single(
-        openai_provider(&server, json!({"models":{"m":{"vision":true}}})),
-        "m",
-    ));
-    let mut msg = Message::image(
-        Role::User,
-        "what is this?",
-        "data:image/png;base64,iVBORw0KGgo=",
-    );
-    msg.content.push(Part::ImageUrl {
-        image_url: "https://example.invalid/cat.jpg".into(),
-    });
+    let server = answering("/chat/completions", openai_text_reply("a cat")).await;
+    let gw = openai_gateway(&server, json!({"models":{"m":{"vision":true}}}));
+    let inline = "data:image/png;base64,iVBORw0KGgo=";
+    let msg = two_images("what is this?", inline, "https://example.invalid/cat.jpg");
     gw.complete(&ask(vec![msg])).await.unwrap();
     assert_eq!(
         bodies(&server).await[0]["messages"],
@@ -310,9 +341,7 @@ async fn openai_images_go_as_image_url_parts() {
 
 #[tokio::test]
 async fn deepseek_reasoning_and_cache_tokens_round_trip() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
+    let server = answering(
         "/chat/completions",
         json!({"model":"deepseek-chat","choices":[{"message":{"role":"assistant",
               "content":"","reasoning_content":"need the time",
@@ -324,10 +353,7 @@ async fn deepseek_reasoning_and_cache_tokens_round_trip() {
                        "completion_tokens_details":{"reasoning_tokens":12}}}),
     )
     .await;
-    let gw = gateway(single(
-        openai_provider(&server, json!({"vendor":"deepseek"})),
-        "m",
-    ));
+    let gw = openai_gateway(&server, json!({"vendor":"deepseek"}));
     let first = gw.complete(&ask(vec![user("time?")])).await.unwrap();
     assert_eq!(first.model, "deepseek-chat");
     assert_eq!(
@@ -357,15 +383,8 @@ async fn deepseek_reasoning_and_cache_tokens_round_trip() {
         signature: Some("sig".into()),
         redacted: None,
     });
-    gw.complete(&ask(vec![
-        user("time?"),
-        assistant,
-        Message::tool_result("c1", "get_time", "12:00", false),
-    ]))
-    .await
-    .unwrap();
     assert_eq!(
-        bodies(&server).await[1]["messages"][1],
+        assistant_sent_back(&gw, &server, assistant, "c1").await,
         json!({"role":"assistant","content":null,"reasoning_content":"need the time",
                "tool_calls":[{"id":"c1","type":"function",
                               "function":{"name":"get_time","arguments":"{}"}}]})
@@ -374,9 +393,7 @@ async fn deepseek_reasoning_and_cache_tokens_round_trip() {
 
 #[tokio::test]
 async fn openai_cached_tokens_count_as_hits_and_the_rest_as_misses() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
+    let server = answering(
         "/chat/completions",
         json!({"model":"gpt-4o","choices":[{"message":{"content":"ok"},"finish_reason":"stop"}],
                "usage":{"prompt_tokens":2000,"completion_tokens":10,"total_tokens":2010,
@@ -384,7 +401,7 @@ async fn openai_cached_tokens_count_as_hits_and_the_rest_as_misses() {
                         "completion_tokens_details":{"reasoning_tokens":0}}}),
     )
     .await;
-    let gw = gateway(single(openai_provider(&server, json!({})), "m"));
+    let gw = openai_gateway(&server, json!({}));
     let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
     assert_eq!(
         (
@@ -399,23 +416,13 @@ async fn openai_cached_tokens_count_as_hits_and_the_rest_as_misses() {
 
 #[tokio::test]
 async fn deepseek_thinking_switch_and_effort_aliases_map_natively() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(
-        openai_provider(&server, json!({"vendor":"deepseek"})),
-        "m",
-    ));
+    let server = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&server, json!({"vendor":"deepseek"}));
     let mut req = ask(vec![user("x")]);
-    req.thinking = Some(Thinking {
-        budget_tokens: None,
-        enable: Some(false),
-    });
+    req.thinking = thinking(None, false);
     req.reasoning_effort = "medium".into();
     gw.complete(&req).await.unwrap();
-    req.thinking = Some(Thinking {
-        budget_tokens: None,
-        enable: Some(true),
-    });
+    req.thinking = thinking(None, true);
     req.reasoning_effort = "ultra".into();
     gw.complete(&req).await.unwrap();
     req.thinking = None;
@@ -438,19 +445,12 @@ async fn deepseek_thinking_switch_and_effort_aliases_map_natively() {
 
 #[tokio::test]
 async fn openai_effort_whitelist_and_max_completion_tokens() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(
-        openai_provider(&server, json!({"vendor":"openai"})),
-        "m",
-    ));
+    let server = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&server, json!({"vendor":"openai"}));
     let mut req = ask(vec![user("x")]);
     req.reasoning_effort = "minimal".into();
     req.max_tokens = Some(100);
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(2048),
-        enable: Some(true),
-    });
+    req.thinking = thinking(Some(2048), true);
     gw.complete(&req).await.unwrap();
     req.reasoning_effort = "max".into(); // DeepSeek's level, not OpenAI's: dropped
     gw.complete(&req).await.unwrap();
@@ -465,16 +465,11 @@ async fn openai_effort_whitelist_and_max_completion_tokens() {
 
 #[tokio::test]
 async fn effort_is_matched_as_given_and_sent_unchecked_without_a_declared_whitelist() {
-    let deepseek = MockServer::start().await;
-    reply_with(&deepseek, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(
-        openai_provider(&deepseek, json!({"vendor":"deepseek"})),
-        "m",
-    ));
+    let deepseek = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&deepseek, json!({"vendor":"deepseek"}));
     let mut req = ask(vec![user("x")]);
     req.reasoning_effort = "HIGH".into(); // not "high": no case folding (seed 004)
-    let (result, logs) = complete_logging_warnings(&gw, &req).await;
-    result.unwrap();
+    let logs = warnings_completing(&gw, &req).await;
     assert_eq!(
         bodies(&deepseek).await[0],
         json!({"model":"m","messages":[{"role":"user","content":"x"}]})
@@ -483,12 +478,10 @@ async fn effort_is_matched_as_given_and_sent_unchecked_without_a_declared_whitel
 
     // A local server (vendor generic) declares no whitelist: the value goes as given, with a
     // WARN, instead of being checked against a guessed list.
-    let local = MockServer::start().await;
-    reply_with(&local, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(openai_provider(&local, json!({})), "m"));
+    let local = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&local, json!({}));
     req.reasoning_effort = "xhigh".into();
-    let (result, logs) = complete_logging_warnings(&gw, &req).await;
-    result.unwrap();
+    let logs = warnings_completing(&gw, &req).await;
     assert_eq!(
         bodies(&local).await[0],
         json!({"model":"m","messages":[{"role":"user","content":"x"}],"reasoning_effort":"xhigh"})
@@ -499,34 +492,20 @@ async fn effort_is_matched_as_given_and_sent_unchecked_without_a_declared_whitel
     );
 
     // A configured whitelist is a declared one.
-    let checked = MockServer::start().await;
-    reply_with(&checked, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(
-        openai_provider(&checked, json!({"reasoning_efforts":["low","high"]})),
-        "m",
-    ));
+    let checked = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&checked, json!({"reasoning_efforts":["low","high"]}));
     gw.complete(&req).await.unwrap();
     assert!(bodies(&checked).await[0].get("reasoning_effort").is_none());
 }
 
 #[tokio::test]
 async fn dashscope_zero_thinking_budget_is_the_provider_default() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/chat/completions", openai_text_reply("ok")).await;
-    let gw = gateway(single(
-        openai_provider(&server, json!({"vendor":"dashscope"})),
-        "m",
-    ));
+    let server = answering("/chat/completions", openai_text_reply("ok")).await;
+    let gw = openai_gateway(&server, json!({"vendor":"dashscope"}));
     let mut req = ask(vec![user("x")]);
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(0),
-        enable: Some(true),
-    });
+    req.thinking = thinking(Some(0), true);
     gw.complete(&req).await.unwrap();
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(2048),
-        enable: Some(true),
-    });
+    req.thinking = thinking(Some(2048), true);
     gw.complete(&req).await.unwrap();
     let sent = bodies(&server).await;
     let user_only = json!([{"role":"user","content":"x"}]);
@@ -544,9 +523,8 @@ async fn dashscope_zero_thinking_budget_is_the_provider_default() {
 
 #[tokio::test]
 async fn anthropic_text_is_sent_natively_and_normalised() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("hello")).await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let server = answering("/v1/messages", anthropic_text_reply("hello")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let mut req = ask(vec![
         Message::text(Role::System, "be brief"),
         user("hi"),
@@ -582,9 +560,7 @@ async fn anthropic_text_is_sent_natively_and_normalised() {
 
 #[tokio::test]
 async fn anthropic_several_tool_uses_and_tool_results_with_is_error() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
+    let server = answering(
         "/v1/messages",
         json!({"model":"claude","stop_reason":"tool_use","content":[
             {"type":"text","text":"Let me check."},
@@ -593,7 +569,7 @@ async fn anthropic_several_tool_uses_and_tool_results_with_is_error() {
             "usage":{"input_tokens":10,"output_tokens":5}}),
     )
     .await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let mut req = ask(tool_history());
     req.tools = vec![ToolSpec {
         name: "get_time".into(),
@@ -629,16 +605,18 @@ async fn anthropic_several_tool_uses_and_tool_results_with_is_error() {
 
 #[tokio::test]
 async fn anthropic_images_use_base64_and_url_sources() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("a cat")).await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
-    let mut msg = Message::image(Role::User, "what?", "data:image/jpeg;base64,/9j/4AAQ");
-    msg.content.push(Part::ImageUrl {
-        image_url: "https://example.invalid/cat.png".into(),
-    });
-    gw.complete(&ask(vec![msg])).await.unwrap();
+    let server = answering("/v1/messages", anthropic_text_reply("a cat")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
+    let inline = "data:image/jpeg;base64,/9j/4AAQ";
+    let images = ask(vec![two_images(
+        "what?",
+        inline,
+        "https://example.invalid/cat.png",
+    )]);
+    gw.complete(&images).await.unwrap();
+    let sent = bodies(&server).await;
     assert_eq!(
-        bodies(&server).await[0]["messages"],
+        sent[0]["messages"],
         json!([{"role":"user","content":[
             {"type":"text","text":"what?"},
             {"type":"image","source":{"type":"base64","media_type":"image/jpeg","data":"/9j/4AAQ"}},
@@ -648,9 +626,7 @@ async fn anthropic_images_use_base64_and_url_sources() {
 
 #[tokio::test]
 async fn anthropic_thinking_blocks_round_trip_with_signatures() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
+    let server = answering(
         "/v1/messages",
         json!({"model":"claude","stop_reason":"tool_use","content":[
             {"type":"thinking","thinking":"I should look","signature":"sig-1"},
@@ -659,7 +635,7 @@ async fn anthropic_thinking_blocks_round_trip_with_signatures() {
             "usage":{"input_tokens":10,"output_tokens":5}}),
     )
     .await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let first = gw.complete(&ask(vec![user("time?")])).await.unwrap();
     assert_eq!(
         serde_json::to_value(&first.message.content).unwrap(),
@@ -677,15 +653,8 @@ async fn anthropic_thinking_blocks_round_trip_with_signatures() {
             redacted: None,
         },
     );
-    gw.complete(&ask(vec![
-        user("time?"),
-        assistant,
-        Message::tool_result("toolu_1", "get_time", "12:00", false),
-    ]))
-    .await
-    .unwrap();
     assert_eq!(
-        bodies(&server).await[1]["messages"][1],
+        assistant_sent_back(&gw, &server, assistant, "toolu_1").await,
         json!({"role":"assistant","content":[
             {"type":"thinking","thinking":"I should look","signature":"sig-1"},
             {"type":"redacted_thinking","data":"opaque"},
@@ -695,16 +664,14 @@ async fn anthropic_thinking_blocks_round_trip_with_signatures() {
 
 #[tokio::test]
 async fn anthropic_cache_read_and_creation_tokens_normalise() {
-    let server = MockServer::start().await;
-    reply_with(
-        &server,
+    let server = answering(
         "/v1/messages",
         json!({"model":"claude","stop_reason":"end_turn","content":[{"type":"text","text":"ok"}],
                "usage":{"input_tokens":50,"output_tokens":7,"cache_read_input_tokens":900,
                         "cache_creation_input_tokens":50}}),
     )
     .await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
     assert_eq!(
         (
@@ -721,29 +688,20 @@ async fn anthropic_cache_read_and_creation_tokens_normalise() {
 
 #[tokio::test]
 async fn anthropic_thinking_budget_adaptive_and_effort_map_per_model() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
-    let gw = gateway(single(
-        anthropic_provider(
-            &server,
-            json!({"models":{"claude":{},"claude-new":{"thinking":"adaptive"}}}),
-        ),
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(
+        &server,
+        json!({"models":{"claude":{},"claude-new":{"thinking":"adaptive"}}}),
         "claude",
-    ));
+    );
     let mut req = ask(vec![user("x")]);
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(8000),
-        enable: Some(true),
-    });
+    req.thinking = thinking(Some(8000), true);
     req.reasoning_effort = "high".into();
     gw.complete(&req).await.unwrap();
     req.model = "claude-new".into();
     req.reasoning_effort = "ultra".into(); // unknown here: dropped
     gw.complete(&req).await.unwrap();
-    req.thinking = Some(Thinking {
-        budget_tokens: None,
-        enable: Some(false),
-    });
+    req.thinking = thinking(None, false);
     req.max_tokens = Some(100);
     req.reasoning_effort = String::new();
     gw.complete(&req).await.unwrap();
@@ -769,14 +727,10 @@ async fn anthropic_thinking_budget_adaptive_and_effort_map_per_model() {
 
 #[tokio::test]
 async fn anthropic_zero_thinking_budget_is_the_default_budget() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let mut req = ask(vec![user("x")]);
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(0),
-        enable: Some(true),
-    });
+    req.thinking = thinking(Some(0), true);
     gw.complete(&req).await.unwrap();
     assert_eq!(
         bodies(&server).await[0],
@@ -788,22 +742,15 @@ async fn anthropic_zero_thinking_budget_is_the_default_budget() {
 
 #[tokio::test]
 async fn anthropic_thinking_budgets_it_cannot_send_are_warned_about() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
-    let gw = gateway(single(
-        anthropic_provider(
-            &server,
-            json!({"models":{"claude-new":{"thinking":"adaptive"}}}),
-        ),
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(
+        &server,
+        json!({"models":{"claude-new":{"thinking":"adaptive"}}}),
         "claude-new",
-    ));
+    );
     let mut req = ask(vec![user("x")]);
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(3000),
-        enable: Some(true),
-    });
-    let (result, logs) = complete_logging_warnings(&gw, &req).await;
-    result.unwrap();
+    req.thinking = thinking(Some(3000), true);
+    let logs = warnings_completing(&gw, &req).await;
     assert_eq!(
         bodies(&server).await[0]["thinking"],
         json!({"type":"adaptive"})
@@ -814,12 +761,8 @@ async fn anthropic_thinking_budgets_it_cannot_send_are_warned_about() {
         "{logs}"
     );
 
-    req.thinking = Some(Thinking {
-        budget_tokens: Some(3000),
-        enable: Some(false),
-    });
-    let (result, logs) = complete_logging_warnings(&gw, &req).await;
-    result.unwrap();
+    req.thinking = thinking(Some(3000), false);
+    let logs = warnings_completing(&gw, &req).await;
     assert_eq!(
         bodies(&server).await[1]["thinking"],
         json!({"type":"disabled"})
@@ -830,20 +773,15 @@ async fn anthropic_thinking_budgets_it_cannot_send_are_warned_about() {
     );
 
     // Nothing dropped, nothing to warn about.
-    req.thinking = Some(Thinking {
-        budget_tokens: None,
-        enable: Some(true),
-    });
-    let (result, logs) = complete_logging_warnings(&gw, &req).await;
-    result.unwrap();
+    req.thinking = thinking(None, true);
+    let logs = warnings_completing(&gw, &req).await;
     assert!(!logs.contains("budget_tokens"), "{logs}");
 }
 
 #[tokio::test]
 async fn anthropic_tool_choice_is_sent_exactly_as_given() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let mut req = ask(vec![user("x")]);
     req.tools = vec![ToolSpec {
         name: "get_time".into(),
@@ -869,9 +807,8 @@ async fn anthropic_tool_choice_is_sent_exactly_as_given() {
 
 #[tokio::test]
 async fn anthropic_system_messages_inside_the_conversation_keep_their_position() {
-    let server = MockServer::start().await;
-    reply_with(&server, "/v1/messages", anthropic_text_reply("ok")).await;
-    let gw = gateway(single(anthropic_provider(&server, json!({})), "claude"));
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
     let lead = "[会话角色] 你正以「cyrene」的身份对话。";
     let to_owner =
         "[发言归属] 以下发言来自主人（管理员账户）本人，不是你说的，也不是本会话里的第三方人员。";
@@ -918,6 +855,22 @@ async fn failing(status: u16, body: Value, retry_after: Option<&str>) -> MockSer
     server
 }
 
+/// An openai provider (the whole active chain) and an anthropic one, named as given, with
+/// `extra` top-level fields (a vision chain, persona chains).
+fn openai_and_anthropic(
+    (openai, openai_server): (&str, &MockServer),
+    (anthropic, anthropic_server): (&str, &MockServer),
+    extra: Value,
+) -> Value {
+    let mut config = json!({
+        "providers":{openai:openai_provider(openai_server, json!({})),
+                     anthropic:anthropic_provider(anthropic_server, json!({}))},
+        "groups":{"g":[{"provider":openai,"model":"m"}]},
+        "active_group":"g"});
+    merge(&mut config, extra);
+    config
+}
+
 fn chain_of(servers: &[(&str, &MockServer)], extra: Value) -> Value {
     let mut providers = Map::new();
     let mut chain = Vec::new();
@@ -932,8 +885,7 @@ fn chain_of(servers: &[(&str, &MockServer)], extra: Value) -> Value {
 async fn fallback_tries_the_chain_in_order_on_5xx_and_429() {
     let a = failing(500, json!({"error":{"message":"boom"}}), None).await;
     let b = failing(429, json!({"error":{"message":"slow down"}}), None).await;
-    let c = MockServer::start().await;
-    reply_with(&c, "/chat/completions", openai_text_reply("from c")).await;
+    let c = answering("/chat/completions", openai_text_reply("from c")).await;
     let gw = gateway(chain_of(&[("a", &a), ("b", &b), ("c", &c)], json!({})));
     let resp = gw.complete(&ask(vec![user("x")])).await.unwrap();
     assert_eq!(resp.provider, "c");
@@ -948,16 +900,8 @@ async fn every_step_failing_is_unavailable_with_each_cause() {
     let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
     let err = gw.complete(&ask(vec![user("x")])).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Unavailable);
-    assert!(
-        err.message.contains("a/m: HTTP 503: overloaded"),
-        "{}",
-        err.message
-    );
-    assert!(
-        err.message.contains("b/m: HTTP 502: bad gateway"),
-        "{}",
-        err.message
-    );
+    assert_names(&err.message, "a/m: HTTP 503: overloaded");
+    assert_names(&err.message, "b/m: HTTP 502: bad gateway");
 }
 
 #[tokio::test]
@@ -968,16 +912,13 @@ async fn a_400_is_returned_at_once_with_the_provider_message() {
         None,
     )
     .await;
-    let b = MockServer::start().await;
-    reply_with(&b, "/chat/completions", openai_text_reply("never")).await;
+    let b = answering("/chat/completions", openai_text_reply("never")).await;
     let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
     let err = gw.complete(&ask(vec![user("x")])).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Upstream);
-    assert!(
-        err.message
-            .contains("HTTP 400: invalid_request_error: messages: tool result without call"),
-        "{}",
-        err.message
+    assert_names(
+        &err.message,
+        "HTTP 400: invalid_request_error: messages: tool result without call",
     );
     assert_eq!(hits(&b).await, 0);
 }
@@ -985,8 +926,7 @@ async fn a_400_is_returned_at_once_with_the_provider_message() {
 #[tokio::test]
 async fn a_provider_cools_down_after_consecutive_failures() {
     let a = failing(500, json!({}), None).await;
-    let b = MockServer::start().await;
-    reply_with(&b, "/chat/completions", openai_text_reply("b")).await;
+    let b = answering("/chat/completions", openai_text_reply("b")).await;
     let gw = gateway(chain_of(
         &[("a", &a), ("b", &b)],
         json!({"cooldown":{"failures":2,"cooldown_ms":600000}}),
@@ -1005,8 +945,7 @@ async fn a_provider_cools_down_after_consecutive_failures() {
 #[tokio::test]
 async fn retry_after_starts_a_cooldown_at_once() {
     let a = failing(429, json!({"error":{"message":"rate"}}), Some("30")).await;
-    let b = MockServer::start().await;
-    reply_with(&b, "/chat/completions", openai_text_reply("b")).await;
+    let b = answering("/chat/completions", openai_text_reply("b")).await;
     let gw = gateway(chain_of(&[("a", &a), ("b", &b)], json!({})));
     for _ in 0..3 {
         assert_eq!(
@@ -1030,16 +969,14 @@ async fn a_chain_that_is_all_cooling_down_is_still_tried() {
 
 #[tokio::test]
 async fn image_requests_go_to_a_vision_step_or_the_vision_chain() {
-    let text = MockServer::start().await;
-    reply_with(&text, "/chat/completions", openai_text_reply("text")).await;
-    let eyes = MockServer::start().await;
-    reply_with(&eyes, "/v1/messages", anthropic_text_reply("eyes")).await;
-    let gw = gateway(json!({
-        "providers":{"text":openai_provider(&text, json!({})),
-                     "eyes":anthropic_provider(&eyes, json!({}))},
-        "groups":{"g":[{"provider":"text","model":"m"}]},
-        "active_group":"g",
-        "vision":[{"provider":"eyes","model":"claude"}]}));
+    let text = answering("/chat/completions", openai_text_reply("text")).await;
+    let eyes = answering("/v1/messages", anthropic_text_reply("eyes")).await;
+    let vision = json!({"vision":[{"provider":"eyes","model":"claude"}]});
+    let gw = gateway(openai_and_anthropic(
+        ("text", &text),
+        ("eyes", &eyes),
+        vision,
+    ));
     let plain = gw.complete(&ask(vec![user("hi")])).await.unwrap();
     assert_eq!(plain.provider, "text");
     let img = Message::image(Role::User, "see", "https://example.invalid/a.png");
@@ -1051,16 +988,14 @@ async fn image_requests_go_to_a_vision_step_or_the_vision_chain() {
 
 #[tokio::test]
 async fn persona_chains_and_model_overrides_pick_their_providers() {
-    let main = MockServer::start().await;
-    reply_with(&main, "/chat/completions", openai_text_reply("main")).await;
-    let claude = MockServer::start().await;
-    reply_with(&claude, "/v1/messages", anthropic_text_reply("claude")).await;
-    let gw = gateway(json!({
-        "providers":{"main":openai_provider(&main, json!({})),
-                     "claude":anthropic_provider(&claude, json!({}))},
-        "groups":{"g":[{"provider":"main","model":"m"}]},
-        "active_group":"g",
-        "persona_providers":{"hoshi":[{"provider":"claude","model":"claude"}]}}));
+    let main = answering("/chat/completions", openai_text_reply("main")).await;
+    let claude = answering("/v1/messages", anthropic_text_reply("claude")).await;
+    let personas = json!({"persona_providers":{"hoshi":[{"provider":"claude","model":"claude"}]}});
+    let gw = gateway(openai_and_anthropic(
+        ("main", &main),
+        ("claude", &claude),
+        personas,
+    ));
     let mut req = ask(vec![user("hi")]);
     assert_eq!(gw.complete(&req).await.unwrap().provider, "main");
     req.persona_id = "hoshi".into();
@@ -1078,17 +1013,8 @@ async fn persona_chains_and_model_overrides_pick_their_providers() {
 
 #[tokio::test]
 async fn a_slow_provider_times_out_and_the_next_step_answers() {
-    let slow = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_json(openai_text_reply("late"))
-                .set_delay(Duration::from_secs(5)),
-        )
-        .mount(&slow)
-        .await;
-    let fast = MockServer::start().await;
-    reply_with(&fast, "/chat/completions", openai_text_reply("fast")).await;
+    let slow = slow_upstream().await;
+    let fast = answering("/chat/completions", openai_text_reply("fast")).await;
     let mut config = chain_of(&[("slow", &slow), ("fast", &fast)], json!({}));
     config["providers"]["slow"]["timeout_ms"] = json!(200);
     let gw = gateway(config);
@@ -1098,47 +1024,21 @@ async fn a_slow_provider_times_out_and_the_next_step_answers() {
 
 #[tokio::test]
 async fn the_request_deadline_bounds_the_whole_call() {
-    let slow = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_json(openai_text_reply("late"))
-                .set_delay(Duration::from_secs(5)),
-        )
-        .mount(&slow)
-        .await;
-    let never = MockServer::start().await;
-    reply_with(&never, "/chat/completions", openai_text_reply("never")).await;
+    let slow = slow_upstream().await;
+    let never = answering("/chat/completions", openai_text_reply("never")).await;
     let gw = gateway(chain_of(&[("slow", &slow), ("never", &never)], json!({})));
     let mut req = ask(vec![user("x")]);
     req.total_timeout_ms = Some(200);
     let err = gw.complete(&req).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Timeout);
-    assert!(
-        err.message.contains("slow/m: no answer within"),
-        "{}",
-        err.message
-    );
-    assert!(
-        err.message.contains("never/m: not tried"),
-        "{}",
-        err.message
-    );
+    assert_names(&err.message, "slow/m: no answer within");
+    assert_names(&err.message, "never/m: not tried");
     assert_eq!(hits(&never).await, 0);
 }
 
 async fn slow_then_fast() -> (MockServer, MockServer) {
-    let slow = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_json(openai_text_reply("late"))
-                .set_delay(Duration::from_secs(5)),
-        )
-        .mount(&slow)
-        .await;
-    let fast = MockServer::start().await;
-    reply_with(&fast, "/chat/completions", openai_text_reply("fast")).await;
+    let slow = slow_upstream().await;
+    let fast = answering("/chat/completions", openai_text_reply("fast")).await;
     (slow, fast)
 }
 
@@ -1182,8 +1082,7 @@ async fn a_connection_refused_falls_back() {
         .local_addr()
         .unwrap()
         .port();
-    let ok = MockServer::start().await;
-    reply_with(&ok, "/chat/completions", openai_text_reply("ok")).await;
+    let ok = answering("/chat/completions", openai_text_reply("ok")).await;
     let gw = gateway(json!({
         "providers":{"dead":{"protocol":"openai","base_url":format!("http://127.0.0.1:{port}"),
                              "models":{"m":{}}},

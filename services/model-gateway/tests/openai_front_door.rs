@@ -6,20 +6,19 @@
 //! (call records on a real nats-server).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+mod common;
+
+use common::{call_records, openai_upstream, shared_gateway};
 use cyrene_model_gateway::http::{ClientKeys, HttpConfig};
 use cyrene_protocol::model::CallRecord;
-use cyrene_protocol::subjects::MODEL_CALLS;
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use wiremock::matchers::{method, path};
+use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
 const KEY: &str = "cyrene-test-client-key";
@@ -37,16 +36,12 @@ struct Door {
 }
 
 async fn start() -> Door {
-    let upstream = MockServer::start().await;
-    Mock::given(method("POST"))
-        .and(path("/chat/completions"))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!({
-            "model":"m","choices":[{"message":{"role":"assistant","content":"from upstream"},
-                                    "finish_reason":"stop"}],
-            "usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6,
-                     "prompt_tokens_details":{"cached_tokens":3}}})))
-        .mount(&upstream)
-        .await;
+    let upstream = openai_upstream(json!({
+        "model":"m","choices":[{"message":{"role":"assistant","content":"from upstream"},
+                                "finish_reason":"stop"}],
+        "usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6,
+                 "prompt_tokens_details":{"cached_tokens":3}}}))
+    .await;
     let down = MockServer::start().await;
     Mock::given(method("POST"))
         .respond_with(
@@ -54,7 +49,7 @@ async fn start() -> Door {
         )
         .mount(&down)
         .await;
-    let models: ModelsConfig = serde_json::from_value(json!({
+    let gateway = shared_gateway(json!({
         "providers":{
           "offline":{"protocol":"scripted","models":{"scripted":{},"eyes":{"vision":true}},
             "script":{"rules":[
@@ -64,16 +59,7 @@ async fn start() -> Door {
           "up":{"protocol":"openai","base_url":upstream.uri(),"vendor":"openai","models":{"m":{}}},
           "broken":{"protocol":"openai","base_url":down.uri(),"models":{"down":{}}}},
         "groups":{"g":[{"provider":"offline","model":"scripted"}]},
-        "active_group":"g"}))
-    .unwrap();
-    let gateway = Arc::new(
-        Gateway::new(
-            models,
-            &Secrets::default(),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap(),
-    );
+        "active_group":"g"}));
     let nats = NatsServer::start();
     let client = nats.connect().await;
     let shutdown = CancellationToken::new();
@@ -118,8 +104,7 @@ fn openai_python_path() -> PathBuf {
 #[tokio::test]
 async fn the_official_openai_sdk_works_against_the_front_door() {
     let door = start().await;
-    let mut records = door.client.subscribe(MODEL_CALLS).await.unwrap();
-    door.client.flush().await.unwrap();
+    let mut records = call_records(&door.client).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/openai_sdk/front_door.py");
     let pythonpath = openai_python_path();
     let base_url = format!("http://{}/v1", door.addr);

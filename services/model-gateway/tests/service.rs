@@ -3,17 +3,19 @@
 //! input of each kind, and the service still serving afterwards.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
+use common::{call_records, openai_upstream, shared_gateway};
 use cyrene_bus::RequestError;
 use cyrene_bus::request::request_json;
 use cyrene_bus::service::ServeOptions;
 use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{
     CallRecord, ModelRequest, ModelResponse, RouteRequest, RouteResponse, RouteStep,
 };
-use cyrene_protocol::subjects::{MODEL_CALLS, MODEL_COMPLETE, MODEL_ROUTE};
+use cyrene_protocol::subjects::{MODEL_COMPLETE, MODEL_ROUTE};
 use cyrene_protocol::{ErrorCode, ErrorEnvelope};
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
@@ -22,8 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use wiremock::matchers::{method, path};
-use wiremock::{Mock, MockServer, ResponseTemplate};
+use wiremock::MockServer;
 
 const MAX_PAYLOAD: usize = 16 * 1024;
 const WAIT: Duration = Duration::from_secs(10);
@@ -48,17 +49,13 @@ impl Running {
 }
 
 async fn start() -> Running {
-    let upstream = MockServer::start().await;
-    Mock::given(method("POST"))
-        .and(path("/chat/completions"))
-        .respond_with(ResponseTemplate::new(200).set_body_json(json!({
-            "model":"m","choices":[{"message":{"role":"assistant","content":"from http"},
-                                    "finish_reason":"stop"}],
-            "usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}})))
-        .mount(&upstream)
-        .await;
+    let upstream = openai_upstream(json!({
+        "model":"m","choices":[{"message":{"role":"assistant","content":"from http"},
+                                "finish_reason":"stop"}],
+        "usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}))
+    .await;
     let broken = format!("{}/broken", upstream.uri());
-    let models: ModelsConfig = serde_json::from_value(json!({
+    let gateway = shared_gateway(json!({
         "providers":{
           "offline":{"protocol":"scripted","models":{"scripted":{}},"script":{"rules":[
               {"contains":"time","tool_calls":[{"name":"get_time","args":{"tz":"UTC"}}],
@@ -67,16 +64,7 @@ async fn start() -> Running {
           "down":{"protocol":"openai","base_url":broken,"models":{"m":{}}}},
         "groups":{"default":[{"provider":"offline","model":"scripted"}]},
         "active_group":"default",
-        "persona_providers":{"wire":[{"provider":"http","model":"m"}]}}))
-    .unwrap();
-    let gateway = Arc::new(
-        Gateway::new(
-            models,
-            &Secrets::default(),
-            cyrene_model_gateway::http_client().unwrap(),
-        )
-        .unwrap(),
-    );
+        "persona_providers":{"wire":[{"provider":"http","model":"m"}]}}));
     let server = NatsServer::start();
     let client = server.connect().await;
     let shutdown = CancellationToken::new();
@@ -154,8 +142,7 @@ async fn raw_error(client: &async_nats::Client, payload: Vec<u8>) -> (String, Er
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scripted_call_answers_offline_and_publishes_its_call_record() {
     let gw = start().await;
-    let mut calls = gw.client.subscribe(MODEL_CALLS).await.unwrap();
-    gw.client.flush().await.unwrap();
+    let mut calls = call_records(&gw.client).await;
     let resp = complete(&gw.client, &ask("hello there")).await;
     assert!(resp.offline);
     assert_eq!(resp.provider, "offline");
@@ -196,8 +183,7 @@ async fn a_scripted_tool_round_trip_works_over_the_bus() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_through_an_http_provider_is_answered_and_recorded() {
     let gw = start().await;
-    let mut calls = gw.client.subscribe(MODEL_CALLS).await.unwrap();
-    gw.client.flush().await.unwrap();
+    let mut calls = call_records(&gw.client).await;
     let mut req = ask("hi");
     req.persona_id = "wire".into();
     let resp = complete(&gw.client, &req).await;
@@ -268,12 +254,13 @@ async fn route_tells_the_main_model_and_whether_it_sees_images() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_calls_publish_no_call_record() {
     let gw = start().await;
-    let mut calls = gw.client.subscribe(MODEL_CALLS).await.unwrap();
-    gw.client.flush().await.unwrap();
+    let mut calls = call_records(&gw.client).await;
     // Model "m" is declared by `down` and `http`, tried in name order; `down` points at a path
     // the mock does not serve, so it answers 404: an upstream refusal, returned at once.
-    let mut req = ask("hi");
-    req.model = "m".into();
+    let req = ModelRequest {
+        model: "m".into(),
+        ..ask("hi")
+    };
     let err = request_json::<_, ModelResponse>(&gw.client, MODEL_COMPLETE, &req, WAIT).await;
     let body = match err {
         Err(cyrene_bus::RequestError::Remote(body)) => body,

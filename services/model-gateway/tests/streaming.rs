@@ -4,6 +4,9 @@
 //! nats-server (`cyrene.model.complete.stream`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{bodies, call_records, hits};
 use cyrene_bus::RequestError;
 use cyrene_bus::model_stream::complete_stream;
 use cyrene_bus::service::ServeOptions;
@@ -13,7 +16,7 @@ use cyrene_model_gateway::providers::DeltaSink;
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role};
 use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
 use cyrene_protocol::stream::{Delta, StreamChunk};
-use cyrene_protocol::subjects::{MODEL_CALLS, MODEL_COMPLETE_STREAM};
+use cyrene_protocol::subjects::MODEL_COMPLETE_STREAM;
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
@@ -62,26 +65,24 @@ fn sse_named(events: &[Value]) -> String {
         .collect()
 }
 
+/// A mock openai-protocol upstream that streams `chunks` on every `/chat/completions` call.
+async fn openai_streaming(chunks: &[Value]) -> MockServer {
+    streaming("/chat/completions", sse(chunks)).await
+}
+
+/// A mock upstream that streams `body` (server-sent events) on every POST to `route`.
+async fn streaming(route: &str, body: String) -> MockServer {
+    let server = MockServer::start().await;
+    streams(&server, route, body).await;
+    server
+}
+
 async fn streams(server: &MockServer, route: &str, body: String) {
     Mock::given(method("POST"))
         .and(path(route))
         .respond_with(ResponseTemplate::new(200).set_body_raw(body, "text/event-stream"))
         .mount(server)
         .await;
-}
-
-async fn hits(server: &MockServer) -> usize {
-    server.received_requests().await.unwrap().len()
-}
-
-async fn bodies(server: &MockServer) -> Vec<Value> {
-    server
-        .received_requests()
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.body_json::<Value>().unwrap())
-        .collect()
 }
 
 fn openai(server: &MockServer) -> Value {
@@ -304,34 +305,18 @@ async fn anthropic_stream_keeps_thinking_signatures_tool_input_and_usage() {
 #[tokio::test]
 async fn a_provider_failing_after_its_first_delta_is_an_error_not_a_fallback() {
     // The stream stops after one delta (no finish_reason, no [DONE]): a connection cut mid-way.
-    let cut = MockServer::start().await;
-    streams(
-        &cut,
-        "/chat/completions",
-        sse(&[openai_chunk(json!({"content":"Half an"}), None)]),
-    )
-    .await;
+    let cut = openai_streaming(&[openai_chunk(json!({"content":"Half an"}), None)]).await;
     // The provider reports an error inside the stream after some text.
-    let erroring = MockServer::start().await;
-    streams(
-        &erroring,
-        "/chat/completions",
-        sse(&[
-            openai_chunk(json!({"content":"Half"}), None),
-            json!({"error":{"message":"overloaded","type":"server_error"}}),
-        ]),
-    )
+    let erroring = openai_streaming(&[
+        openai_chunk(json!({"content":"Half"}), None),
+        json!({"error":{"message":"overloaded","type":"server_error"}}),
+    ])
     .await;
     for broken in [&cut, &erroring] {
-        let backup = MockServer::start().await;
-        streams(
-            &backup,
-            "/chat/completions",
-            sse(&[
-                openai_chunk(json!({"content":"whole"}), Some("stop")),
-                json!("[DONE]"),
-            ]),
-        )
+        let backup = openai_streaming(&[
+            openai_chunk(json!({"content":"whole"}), Some("stop")),
+            json!("[DONE]"),
+        ])
         .await;
         let gw = gateway(chain(&[
             ("a", openai(broken), "m"),
@@ -358,22 +343,11 @@ async fn a_provider_failing_before_its_first_delta_falls_back() {
         .mount(&down)
         .await;
     // Only the role chunk arrives, then the stream ends: no output yet, so the next step runs.
-    let silent = MockServer::start().await;
-    streams(
-        &silent,
-        "/chat/completions",
-        sse(&[openai_chunk(json!({"role":"assistant"}), None)]),
-    )
-    .await;
-    let backup = MockServer::start().await;
-    streams(
-        &backup,
-        "/chat/completions",
-        sse(&[
-            openai_chunk(json!({"content":"from b"}), Some("stop")),
-            json!("[DONE]"),
-        ]),
-    )
+    let silent = openai_streaming(&[openai_chunk(json!({"role":"assistant"}), None)]).await;
+    let backup = openai_streaming(&[
+        openai_chunk(json!({"content":"from b"}), Some("stop")),
+        json!("[DONE]"),
+    ])
     .await;
     let gw = gateway(chain(&[
         ("a", openai(&down), "m"),
@@ -419,18 +393,13 @@ struct Running {
 }
 
 async fn start_bus() -> Running {
-    let upstream = MockServer::start().await;
-    streams(
-        &upstream,
-        "/chat/completions",
-        sse(&[
-            openai_chunk(json!({"content":"one "}), None),
-            openai_chunk(json!({"content":"two "}), None),
-            openai_chunk(json!({"content":"three"}), Some("stop")),
-            json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}),
-            json!("[DONE]"),
-        ]),
-    )
+    let upstream = openai_streaming(&[
+        openai_chunk(json!({"content":"one "}), None),
+        openai_chunk(json!({"content":"two "}), None),
+        openai_chunk(json!({"content":"three"}), Some("stop")),
+        json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}),
+        json!("[DONE]"),
+    ])
     .await;
     let gw = Arc::new(gateway(json!({
         "providers":{
@@ -475,8 +444,7 @@ async fn start_bus() -> Running {
 #[tokio::test]
 async fn the_streamed_endpoint_publishes_ordered_deltas_then_the_response_and_a_call_record() {
     let bus = start_bus().await;
-    let mut records = bus.client.subscribe(MODEL_CALLS).await.unwrap();
-    bus.client.flush().await.unwrap();
+    let mut records = call_records(&bus.client).await;
     let mut req = ask("hi");
     req.model = "m".into();
     req.purpose = "chat".into();

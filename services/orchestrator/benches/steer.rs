@@ -10,7 +10,7 @@
 #[allow(dead_code)]
 mod harness;
 
-use harness::{Backend, JobQueue, Replica, World, send_ok, steer};
+use harness::{Backend, one_replica, send_ok, steer};
 use std::time::{Duration, Instant};
 
 /// Measured boundaries per case (after a warm-up).
@@ -22,9 +22,7 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 }
 
 async fn bench(backend: Backend) {
-    let world = World::new(backend).await;
-    let _orchestrator = Replica::start(&world, world.config()).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orchestrator, mut jobs) = one_replica(backend).await;
     let c = &world.client;
     send_ok(c, "bench", "start").await;
     let (job, _) = jobs.next().await;

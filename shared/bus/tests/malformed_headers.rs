@@ -4,11 +4,11 @@
 //! every message is delivered without headers (and so answered), as nats.go does.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use async_nats::service::ServiceExt;
 use async_nats::{Client, ConnectOptions, Event};
 use cyrene_bus::request_json;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_protocol::ErrorBody;
+use cyrene_test_support::micro::{add_endpoint, start_service};
 use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection};
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -50,34 +50,103 @@ async fn watched(server: &NatsServer) -> (Client, Arc<AtomicUsize>) {
     (client, drops)
 }
 
+/// Everything `raw` sent so far was accepted by the server.
+async fn accepted(raw: &mut RawConnection, what: &str) {
+    let errors = raw.round_trip().await;
+    assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+}
+
+/// The echo micro endpoint on one watched connection, and on another a subscriber to plain
+/// messages and to the raw client's replies (`raw.reply.>`); both connections' ids as started.
+struct Echoing {
+    service_client: Client,
+    service_drops: Arc<AtomicUsize>,
+    subscriber: Client,
+    subscriber_drops: Arc<AtomicUsize>,
+    plain: async_nats::Subscriber,
+    replies: async_nats::Subscriber,
+    connections: Vec<u64>,
+    shutdown: CancellationToken,
+    _service: async_nats::service::Service,
+}
+
+impl Echoing {
+    async fn start(server: &NatsServer, echo_subject: &str, plain_subject: &str) -> Echoing {
+        let (service_client, service_drops) = watched(server).await;
+        let service = start_service(&service_client, "echoer", "0.1.0").await;
+        let endpoint = add_endpoint(&service, "echo", echo_subject).await;
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve_json(
+            endpoint,
+            ServeOptions::default(),
+            shutdown.clone(),
+            echo,
+        ));
+        let (subscriber, subscriber_drops) = watched(server).await;
+        let plain = subscriber
+            .subscribe(plain_subject.to_owned())
+            .await
+            .unwrap();
+        let replies = subscriber.subscribe("raw.reply.>").await.unwrap();
+        subscriber.flush().await.unwrap();
+        service_client.flush().await.unwrap();
+        let connections = server.connection_ids();
+        Echoing {
+            service_client,
+            service_drops,
+            subscriber,
+            subscriber_drops,
+            plain,
+            replies,
+            connections,
+            shutdown,
+            _service: service,
+        }
+    }
+
+    /// The next plain message the subscriber gets.
+    async fn next_plain(&mut self, what: &str) -> async_nats::Message {
+        tokio::time::timeout(T, self.plain.next())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the subscriber got nothing"))
+            .unwrap()
+    }
+
+    /// Neither connection dropped, and both are the ones from the start.
+    fn assert_no_connection_lost(&self, server: &NatsServer, what: &str) {
+        assert_eq!(
+            self.service_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: service reconnected"
+        );
+        assert_eq!(
+            self.subscriber_drops.load(Ordering::SeqCst),
+            0,
+            "{what}: subscriber reconnected"
+        );
+        let mut now = server.connection_ids();
+        now.retain(|id| self.connections.contains(id));
+        assert_eq!(now, self.connections, "{what}: a connection was replaced");
+    }
+
+    /// Each client connected once in the whole test; then the endpoint stops.
+    fn assert_connected_once(self) {
+        let service = self
+            .service_client
+            .statistics()
+            .connects
+            .load(Ordering::SeqCst);
+        assert_eq!(service, 1);
+        let subscriber = self.subscriber.statistics().connects.load(Ordering::SeqCst);
+        assert_eq!(subscriber, 1);
+        self.shutdown.cancel();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_without_headers() {
     let server = NatsServer::start();
-    let (service_client, service_drops) = watched(&server).await;
-    let service = service_client
-        .service_builder()
-        .start("echoer", "0.1.0")
-        .await
-        .unwrap();
-    let endpoint = service
-        .endpoint_builder()
-        .name("echo")
-        .add("test.echo")
-        .await
-        .unwrap();
-    let shutdown = CancellationToken::new();
-    tokio::spawn(serve_json(
-        endpoint,
-        ServeOptions::default(),
-        shutdown.clone(),
-        echo,
-    ));
-    let (subscriber, subscriber_drops) = watched(&server).await;
-    let mut plain = subscriber.subscribe("test.plain").await.unwrap();
-    let mut replies = subscriber.subscribe("raw.reply.>").await.unwrap();
-    subscriber.flush().await.unwrap();
-    service_client.flush().await.unwrap();
-    let connections = server.connection_ids();
+    let mut echoing = Echoing::start(&server, "test.echo", "test.plain").await;
 
     let mut raw = RawConnection::connect(server.port(), None).await;
     for (i, (what, block)) in MALFORMED_HEADER_BLOCKS.iter().enumerate() {
@@ -98,21 +167,17 @@ async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_wi
             b"",
         )
         .await;
-        let errors = raw.round_trip().await;
-        assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+        accepted(&mut raw, what).await;
 
         // The plain subscriber gets the message, payload intact, headers dropped.
-        let message = tokio::time::timeout(T, plain.next())
-            .await
-            .unwrap_or_else(|_| panic!("{what}: the subscriber got nothing"))
-            .unwrap();
+        let message = echoing.next_plain(what).await;
         assert_eq!(message.payload, payload.as_bytes(), "{what}");
         assert!(message.headers.is_none(), "{what}: {:?}", message.headers);
 
         // The endpoint and the service's discovery answer the raw requests.
         let mut answered = Vec::new();
         for _ in 0..2 {
-            let reply = tokio::time::timeout(T, replies.next())
+            let reply = tokio::time::timeout(T, echoing.replies.next())
                 .await
                 .unwrap_or_else(|_| panic!("{what}: unanswered, got {answered:?}"))
                 .unwrap();
@@ -130,31 +195,13 @@ async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_wi
         );
 
         // Both connections are the ones from before, and still serve well-formed traffic.
-        let ok: Echo = request_json(&subscriber, "test.echo", &json!({"text": "ok"}), T)
+        let ok: Echo = request_json(&echoing.subscriber, "test.echo", &json!({"text": "ok"}), T)
             .await
             .unwrap_or_else(|err| panic!("{what}: the endpoint stopped answering: {err}"));
         assert!(ok.text.starts_with("ok ("), "{what}: {}", ok.text);
-        assert_eq!(
-            service_drops.load(Ordering::SeqCst),
-            0,
-            "{what}: service reconnected"
-        );
-        assert_eq!(
-            subscriber_drops.load(Ordering::SeqCst),
-            0,
-            "{what}: subscriber reconnected"
-        );
-        let mut now = server.connection_ids();
-        now.retain(|id| connections.contains(id));
-        assert_eq!(now, connections, "{what}: a connection was replaced");
+        echoing.assert_no_connection_lost(&server, what);
     }
-    assert_eq!(
-        service_client.statistics().connects.load(Ordering::SeqCst),
-        1
-    );
-    assert_eq!(subscriber.statistics().connects.load(Ordering::SeqCst), 1);
-    shutdown.cancel();
-    drop(service);
+    echoing.assert_connected_once();
 }
 
 /// A subject (or reply subject) that is not UTF-8 costs only its message (issue 12, item 1): the
@@ -164,31 +211,7 @@ async fn a_malformed_header_block_costs_no_connection_and_the_message_arrives_wi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subject_that_is_not_utf8_costs_only_that_message() {
     let server = NatsServer::start();
-    let (service_client, service_drops) = watched(&server).await;
-    let service = service_client
-        .service_builder()
-        .start("echoer", "0.1.0")
-        .await
-        .unwrap();
-    let endpoint = service
-        .endpoint_builder()
-        .name("echo")
-        .add("test.echo.*")
-        .await
-        .unwrap();
-    let shutdown = CancellationToken::new();
-    tokio::spawn(serve_json(
-        endpoint,
-        ServeOptions::default(),
-        shutdown.clone(),
-        echo,
-    ));
-    let (subscriber, subscriber_drops) = watched(&server).await;
-    let mut plain = subscriber.subscribe("x.*").await.unwrap();
-    let mut replies = subscriber.subscribe("raw.reply.>").await.unwrap();
-    subscriber.flush().await.unwrap();
-    service_client.flush().await.unwrap();
-    let connections = server.connection_ids();
+    let mut echoing = Echoing::start(&server, "test.echo.*", "x.*").await;
 
     let mut raw = RawConnection::connect(server.port(), None).await;
     /// What is wrong, the subject, the reply subject.
@@ -219,18 +242,14 @@ async fn a_subject_that_is_not_utf8_costs_only_that_message() {
             payload.as_bytes(),
         )
         .await;
-        let errors = raw.round_trip().await;
-        assert!(errors.is_empty(), "{what}: the server refused: {errors:?}");
+        accepted(&mut raw, what).await;
 
         // The plain subscriber gets the next message, never the unreadable one.
-        let message = tokio::time::timeout(T, plain.next())
-            .await
-            .unwrap_or_else(|_| panic!("{what}: the subscriber got nothing"))
-            .unwrap();
+        let message = echoing.next_plain(what).await;
         assert_eq!(message.subject.as_str(), "x.after", "{what}");
         assert_eq!(message.payload, payload.as_bytes(), "{what}");
         // The endpoint answers the good request after the unreadable one.
-        let reply = tokio::time::timeout(T, replies.next())
+        let reply = tokio::time::timeout(T, echoing.replies.next())
             .await
             .unwrap_or_else(|_| panic!("{what}: the endpoint stopped answering"))
             .unwrap();
@@ -242,25 +261,7 @@ async fn a_subject_that_is_not_utf8_costs_only_that_message() {
         let body: Echo = serde_json::from_slice(&reply.payload).unwrap();
         assert_eq!(body.text, format!("case {i} (0 headers)"), "{what}");
 
-        assert_eq!(
-            service_drops.load(Ordering::SeqCst),
-            0,
-            "{what}: service reconnected"
-        );
-        assert_eq!(
-            subscriber_drops.load(Ordering::SeqCst),
-            0,
-            "{what}: subscriber reconnected"
-        );
-        let mut now = server.connection_ids();
-        now.retain(|id| connections.contains(id));
-        assert_eq!(now, connections, "{what}: a connection was replaced");
+        echoing.assert_no_connection_lost(&server, what);
     }
-    assert_eq!(subscriber.statistics().connects.load(Ordering::SeqCst), 1);
-    assert_eq!(
-        service_client.statistics().connects.load(Ordering::SeqCst),
-        1
-    );
-    shutdown.cancel();
-    drop(service);
+    echoing.assert_connected_once();
 }

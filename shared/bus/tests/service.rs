@@ -2,11 +2,11 @@
 //! bad input answered without reaching the handler, trace context carried across the bus.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use async_nats::service::ServiceExt;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::micro::{add_endpoint, start_service};
 use opentelemetry::trace::TraceContextExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -52,17 +52,8 @@ const T: Duration = Duration::from_secs(5);
 
 async fn start(server: &NatsServer, max_payload: usize) -> (async_nats::Client, CancellationToken) {
     let client = server.connect().await;
-    let service = client
-        .service_builder()
-        .start("greeter", "0.1.0")
-        .await
-        .unwrap();
-    let endpoint = service
-        .endpoint_builder()
-        .name("greet")
-        .add("test.greet")
-        .await
-        .unwrap();
+    let service = start_service(&client, "greeter", "0.1.0").await;
+    let endpoint = add_endpoint(&service, "greet", "test.greet").await;
     let shutdown = CancellationToken::new();
     let options = ServeOptions {
         max_payload,
@@ -75,19 +66,20 @@ async fn start(server: &NatsServer, max_payload: usize) -> (async_nats::Client, 
     (client, shutdown)
 }
 
+/// Asks the greeter to greet `name`.
+async fn ask_greeting(client: &async_nats::Client, name: &str) -> Result<Greeting, RequestError> {
+    request_json(client, "test.greet", &json!({ "name": name }), T).await
+}
+
 #[tokio::test]
 async fn answers_json_and_maps_handler_errors_to_the_envelope() {
     let server = NatsServer::start();
     let (client, _shutdown) = start(&server, 1024).await;
 
-    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"ann"}), T)
-        .await
-        .unwrap();
+    let ok: Greeting = ask_greeting(&client, "ann").await.unwrap();
     assert_eq!(ok.text, "hello ann");
 
-    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"nobody"}), T)
-        .await
-        .unwrap_err();
+    let err = ask_greeting(&client, "nobody").await.unwrap_err();
     match err {
         RequestError::Remote(body) => {
             assert_eq!(body, ErrorBody::new(ErrorCode::NotFound, "nobody is here"))
@@ -131,9 +123,7 @@ async fn bad_input_gets_a_structured_error_and_the_service_keeps_serving() {
                 .is_some_and(|m| !m.is_empty())
         );
     }
-    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"bo"}), T)
-        .await
-        .unwrap();
+    let ok: Greeting = ask_greeting(&client, "bo").await.unwrap();
     assert_eq!(ok.text, "hello bo");
 }
 
@@ -157,16 +147,12 @@ async fn every_reply_fits_the_bus_whatever_the_request_echoes() {
     assert!(header.get("Nats-Service-Error").unwrap().as_str().len() <= 1024);
 
     // A reply over max_payload becomes a structured too_large instead of silence.
-    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"everybody"}), T)
-        .await
-        .unwrap_err();
+    let err = ask_greeting(&client, "everybody").await.unwrap_err();
     match err {
         RequestError::Remote(body) => assert_eq!(body.code, ErrorCode::TooLarge, "{body}"),
         other => panic!("expected too_large, got {other:?}"),
     }
-    let ok: Greeting = request_json(&client, "test.greet", &json!({"name":"cy"}), T)
-        .await
-        .unwrap();
+    let ok: Greeting = ask_greeting(&client, "cy").await.unwrap();
     assert_eq!(ok.text, "hello cy");
 }
 
@@ -222,9 +208,7 @@ async fn the_callers_trace_context_reaches_the_handler() {
 async fn shutdown_stops_the_endpoint() {
     let server = NatsServer::start();
     let (client, shutdown) = start(&server, 1024).await;
-    let _: Greeting = request_json(&client, "test.greet", &json!({"name":"a"}), T)
-        .await
-        .unwrap();
+    let _: Greeting = ask_greeting(&client, "a").await.unwrap();
     shutdown.cancel();
     let gone = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
@@ -247,13 +231,9 @@ async fn shutdown_stops_the_endpoint() {
 async fn errors_are_counted_in_srv_stats_and_keep_their_envelope() {
     let server = NatsServer::start();
     let (client, _shutdown) = start(&server, 1024).await;
-    let _: Greeting = request_json(&client, "test.greet", &json!({"name":"ann"}), T)
-        .await
-        .unwrap();
+    let _: Greeting = ask_greeting(&client, "ann").await.unwrap();
     // A handler error and a body that never reaches the handler.
-    let err = request_json::<_, Greeting>(&client, "test.greet", &json!({"name":"nobody"}), T)
-        .await
-        .unwrap_err();
+    let err = ask_greeting(&client, "nobody").await.unwrap_err();
     assert!(
         matches!(err, RequestError::Remote(ref b) if b.code == ErrorCode::NotFound),
         "{err:?}"

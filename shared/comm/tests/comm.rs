@@ -1,7 +1,7 @@
 //! The comm protocol over a real nats-server (one per test).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use cyrene_comm::{Answer, AskError, AskOptions, Handler, Probe};
+use cyrene_comm::{AgentHandle, Answer, AskError, AskOptions, Handler, Probe};
 use cyrene_protocol::comm::{Ask, Event, Reply};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
@@ -38,6 +38,48 @@ impl Handler for Echo {
         self.events.lock().await.push(event);
         self.event_seen.notify_waiters();
     }
+}
+
+/// `id`'s agent on `client`, handled by `handler`.
+async fn serving<H: Handler>(
+    client: &async_nats::Client,
+    id: &str,
+    handler: Arc<H>,
+) -> AgentHandle {
+    Probe::new(client.clone(), id).serve(handler).await.unwrap()
+}
+
+/// A server, a client of it, and on that client agent `b` answering with [`Echo`].
+async fn echo_agent_b() -> (NatsServer, async_nats::Client, Arc<Echo>, AgentHandle) {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let echo = Arc::new(Echo::default());
+    let agent = serving(&client, "b", echo.clone()).await;
+    (server, client, echo, agent)
+}
+
+/// A plain NATS request of `body` on `subject`, not through a probe.
+async fn raw_request(
+    client: &async_nats::Client,
+    subject: &str,
+    body: &serde_json::Value,
+) -> async_nats::Message {
+    let payload = serde_json::to_vec(body).unwrap().into();
+    client.request(subject.to_owned(), payload).await.unwrap()
+}
+
+/// `asker` asks `to` the `question`, waiting at most `timeout`.
+async fn ask_within(
+    asker: &Probe,
+    to: &str,
+    question: &str,
+    timeout: Duration,
+) -> Result<Reply, AskError> {
+    let options = AskOptions {
+        timeout: Some(timeout),
+        ..Default::default()
+    };
+    asker.ask_with(to, question, options).await
 }
 
 /// Never answers.
@@ -117,13 +159,7 @@ async fn odd_ids_become_the_documented_subjects_on_the_wire() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_concurrent_asks_get_their_own_replies() {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let echo = Arc::new(Echo::default());
-    let agent = Probe::new(client.clone(), "b")
-        .serve(echo.clone())
-        .await
-        .unwrap();
+    let (_server, client, echo, agent) = echo_agent_b().await;
     let asker = Probe::new(client, "a");
 
     let asks = (0..200).map(|i| {
@@ -145,22 +181,10 @@ async fn two_hundred_concurrent_asks_get_their_own_replies() {
 async fn timeout_no_responders_and_cancellation_are_distinct() {
     let server = NatsServer::start();
     let client = server.connect().await;
-    let silent = Probe::new(client.clone(), "silent")
-        .serve(Arc::new(Silent))
-        .await
-        .unwrap();
+    let silent = serving(&client, "silent", Arc::new(Silent)).await;
     let asker = Probe::new(client, "a");
 
-    let timeout = asker
-        .ask_with(
-            "silent",
-            "?",
-            AskOptions {
-                timeout: Some(Duration::from_millis(200)),
-                ..Default::default()
-            },
-        )
-        .await;
+    let timeout = ask_within(&asker, "silent", "?", Duration::from_millis(200)).await;
     assert!(
         matches!(timeout, Err(AskError::Timeout { ref to, .. }) if to == "silent"),
         "{timeout:?}"
@@ -193,10 +217,7 @@ async fn timeout_no_responders_and_cancellation_are_distinct() {
 async fn handler_errors_come_back_as_the_error_envelope() {
     let server = NatsServer::start();
     let client = server.connect().await;
-    let agent = Probe::new(client.clone(), "b")
-        .serve(Arc::new(Echo::default()))
-        .await
-        .unwrap();
+    let agent = serving(&client, "b", Arc::new(Echo::default())).await;
     let err = Probe::new(client, "a").ask("b", "fail").await.unwrap_err();
     match err {
         AskError::Remote { error, .. } => {
@@ -256,10 +277,7 @@ async fn asks_of_one_agent_never_overlap_while_events_do() {
     let server = NatsServer::start();
     let client = server.connect().await;
     let overlap = Arc::new(Overlap::default());
-    let agent = Probe::new(client.clone(), "b")
-        .serve(overlap.clone())
-        .await
-        .unwrap();
+    let agent = serving(&client, "b", overlap.clone()).await;
     let asker = Probe::new(client, "a");
 
     let asks = (0..20).map(|i| {
@@ -290,19 +308,10 @@ async fn asks_of_one_agent_never_overlap_while_events_do() {
 async fn a_plain_request_with_an_inbox_reply_to_is_answered() {
     let server = NatsServer::start();
     let client = server.connect().await;
-    let agent = Probe::new(client.clone(), "b")
-        .serve(Arc::new(Echo::default()))
-        .await
-        .unwrap();
+    let agent = serving(&client, "b", Arc::new(Echo::default())).await;
 
     let ask = json!({"id":"q1","from":"cli","to":"b","question":"ping"});
-    let message = client
-        .request(
-            "cyrene.agent.cli.b.ask",
-            serde_json::to_vec(&ask).unwrap().into(),
-        )
-        .await
-        .unwrap();
+    let message = raw_request(&client, "cyrene.agent.cli.b.ask", &ask).await;
     let reply: Reply = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(
         (
@@ -340,14 +349,8 @@ async fn replicas_of_one_agent_share_each_ask() {
     let server = NatsServer::start();
     let client = server.connect().await;
     let (one, two) = (Arc::new(Echo::default()), Arc::new(Echo::default()));
-    let r1 = Probe::new(client.clone(), "b")
-        .serve(one.clone())
-        .await
-        .unwrap();
-    let r2 = Probe::new(client.clone(), "b")
-        .serve(two.clone())
-        .await
-        .unwrap();
+    let r1 = serving(&client, "b", one.clone()).await;
+    let r2 = serving(&client, "b", two.clone()).await;
     let asker = Probe::new(client, "a");
     for i in 0..40 {
         asker.ask("b", &i.to_string()).await.unwrap();
@@ -364,10 +367,7 @@ async fn replicas_of_one_agent_share_each_ask() {
 async fn a_probe_keeps_working_after_the_server_restarts() {
     let mut server = NatsServer::start();
     let client = server.connect().await;
-    let agent = Probe::new(client.clone(), "b")
-        .serve(Arc::new(Echo::default()))
-        .await
-        .unwrap();
+    let agent = serving(&client, "b", Arc::new(Echo::default())).await;
     let asker = Probe::new(client.clone(), "a");
     assert_eq!(asker.ask("b", "before").await.unwrap().text, "before");
 
@@ -405,24 +405,12 @@ fn error_code(message: &async_nats::Message) -> String {
 
 #[tokio::test]
 async fn an_ask_whose_from_is_not_the_subject_sender_is_forbidden() {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let echo = Arc::new(Echo::default());
-    let agent = Probe::new(client.clone(), "b")
-        .serve(echo.clone())
-        .await
-        .unwrap();
+    let (_server, client, echo, agent) = echo_agent_b().await;
 
     // hoshi's subject, cyrene's name; and a made-up owner name on hoshi's subject.
     for from in ["cyrene", "主人", "hoshi2", ""] {
         let ask = json!({"id":"q1","from":from,"to":"b","question":"who am I?"});
-        let message = client
-            .request(
-                "cyrene.agent.hoshi.b.ask",
-                serde_json::to_vec(&ask).unwrap().into(),
-            )
-            .await
-            .unwrap();
+        let message = raw_request(&client, "cyrene.agent.hoshi.b.ask", &ask).await;
         let headers = message.headers.clone().expect("error headers");
         assert_eq!(
             headers.get("Nats-Service-Error-Code").map(|v| v.as_str()),
@@ -443,10 +431,7 @@ async fn an_ask_whose_from_is_not_the_subject_sender_is_forbidden() {
         ("cyrene.agent.a_b.b.ask", "a.b"),
     ] {
         let ask = json!({"id":"q2","from":from,"to":"b","question":"me"});
-        let message = client
-            .request(subject, serde_json::to_vec(&ask).unwrap().into())
-            .await
-            .unwrap();
+        let message = raw_request(&client, subject, &ask).await;
         let reply: Reply = serde_json::from_slice(&message.payload).unwrap();
         assert_eq!(reply.to, from);
     }
@@ -455,13 +440,7 @@ async fn an_ask_whose_from_is_not_the_subject_sender_is_forbidden() {
 
 #[tokio::test]
 async fn an_event_whose_from_is_not_the_subject_sender_is_dropped() {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let echo = Arc::new(Echo::default());
-    let agent = Probe::new(client.clone(), "b")
-        .serve(echo.clone())
-        .await
-        .unwrap();
+    let (_server, client, echo, agent) = echo_agent_b().await;
 
     // Directed and broadcast, each claiming to be cyrene on hoshi's subject.
     let forged = json!({"from":"cyrene","name":"forged"});
@@ -472,13 +451,7 @@ async fn an_event_whose_from_is_not_the_subject_sender_is_dropped() {
             .unwrap();
     }
     // Sent as a request, the refusal is answered.
-    let message = client
-        .request(
-            "cyrene.agent.hoshi.b.event",
-            serde_json::to_vec(&forged).unwrap().into(),
-        )
-        .await
-        .unwrap();
+    let message = raw_request(&client, "cyrene.agent.hoshi.b.event", &forged).await;
     assert_eq!(error_code(&message), "forbidden");
     // Then an honest one: once it is in, the forged ones (sent before it) are known dropped.
     Probe::new(client.clone(), "hoshi")
@@ -503,12 +476,9 @@ async fn an_event_whose_from_is_not_the_subject_sender_is_dropped() {
 async fn a_reply_from_an_agent_that_was_not_asked_is_ignored() {
     let server = NatsServer::start();
     let client = server.connect().await;
-    // `b` exists but answers slowly; `mallory` watches the wire and answers first in b's name.
-    let agent = Probe::new(client.clone(), "b")
-        .serve(Arc::new(Slow))
-        .await
-        .unwrap();
+    // `mallory` watches the wire and answers first in b's name; `b` exists but answers slowly.
     let mut asks = client.subscribe("cyrene.agent.a.b.ask").await.unwrap();
+    let agent = serving(&client, "b", Arc::new(Slow)).await;
     client.flush().await.unwrap();
     let spy = client.clone();
     let forger = tokio::spawn(async move {
@@ -543,26 +513,14 @@ impl Handler for Slow {
 async fn the_default_ask_timeout_caps_a_longer_caller_deadline() {
     let server = NatsServer::start();
     let client = server.connect().await;
-    let silent = Probe::new(client.clone(), "silent")
-        .serve(Arc::new(Silent))
-        .await
-        .unwrap();
+    let silent = serving(&client, "silent", Arc::new(Silent)).await;
     client.flush().await.unwrap();
     let asker = Probe::new(client, "a");
     // Connected and subscribed in real time; the wait itself runs on the paused clock, which
     // jumps to the next timer whenever nothing else is ready.
     tokio::time::pause();
     let started = tokio::time::Instant::now();
-    let result = asker
-        .ask_with(
-            "silent",
-            "?",
-            AskOptions {
-                timeout: Some(Duration::from_secs(120)),
-                ..Default::default()
-            },
-        )
-        .await;
+    let result = ask_within(&asker, "silent", "?", Duration::from_secs(120)).await;
     let waited = started.elapsed();
     tokio::time::resume();
     match result {

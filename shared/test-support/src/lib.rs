@@ -76,8 +76,10 @@
 mod binary;
 mod cluster;
 pub mod echo;
+pub mod micro;
 mod probe;
 pub mod raw;
+pub mod rng;
 mod server;
 
 pub use binary::nats_server_binary;

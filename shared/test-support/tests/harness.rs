@@ -1,4 +1,5 @@
 //! Tests of the nats-server harness itself.
+#![allow(clippy::unwrap_used)] // a failed call should fail the test
 
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -49,6 +50,27 @@ async fn round_trip(
             return;
         }
     }
+}
+
+/// Creates the stream `name` on `subjects`, with `replicas` (0: the server's default).
+async fn create_stream(js: &jetstream::Context, name: &str, subjects: &str, replicas: usize) {
+    js.create_stream(jetstream::stream::Config {
+        name: name.to_owned(),
+        subjects: vec![subjects.to_owned()],
+        num_replicas: replicas,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+}
+
+/// Publishes `payload` on `subject` and waits for the stream's ack.
+async fn publish_acked(js: &jetstream::Context, subject: &'static str, payload: &'static str) {
+    js.publish(subject, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -113,18 +135,8 @@ async fn jetstream_stream_survives_restart() {
     let mut server = NatsServer::start();
     let client = server.connect().await;
     let js = jetstream::new(client.clone());
-    js.create_stream(jetstream::stream::Config {
-        name: "HARNESS".to_owned(),
-        subjects: vec!["harness.js.>".to_owned()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    js.publish("harness.js.one", "kept".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    create_stream(&js, "HARNESS", "harness.js.>", 0).await;
+    publish_acked(&js, "harness.js.one", "kept").await;
 
     server.restart();
 
@@ -190,19 +202,8 @@ async fn cluster_routes_messages_between_nodes() {
 
     // A replicated stream works, and survives one node restarting.
     let js = jetstream::new(cluster.connect().await);
-    js.create_stream(jetstream::stream::Config {
-        name: "REPLICATED".to_owned(),
-        subjects: vec!["harness.rep.>".to_owned()],
-        num_replicas: 3,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    js.publish("harness.rep.one", "r".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    create_stream(&js, "REPLICATED", "harness.rep.>", 3).await;
+    publish_acked(&js, "harness.rep.one", "r").await;
     js.get_stream("REPLICATED")
         .await
         .unwrap()
@@ -212,14 +213,7 @@ async fn cluster_routes_messages_between_nodes() {
         })
         .await
         .unwrap();
-    js.create_stream(jetstream::stream::Config {
-        name: "SINGLE".to_owned(),
-        subjects: vec!["harness.single.>".to_owned()],
-        num_replicas: 1,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    create_stream(&js, "SINGLE", "harness.single.>", 1).await;
 
     let port = cluster.node(1).port();
     cluster.restart_node(1);

@@ -111,9 +111,7 @@ async fn an_ask_to_a_persona_is_answered_by_its_turn() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_asker_never_sees_another_askers_questions_or_answers() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
-    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    let (world, _orch, worker) = with_a_fake_worker(Duration::from_millis(5)).await;
     let alice = Probe::new(world.client.clone(), "alice");
     let bob = Probe::new(world.client.clone(), "bob");
 
@@ -146,9 +144,7 @@ async fn an_asker_never_sees_another_askers_questions_or_answers() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_ask_in_another_agents_name_is_forbidden() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
-    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    let (world, _orch, worker) = with_a_fake_worker(Duration::from_millis(5)).await;
     // The agent is up once an honest ask is answered.
     ask(
         &Probe::new(world.client.clone(), "hoshi"),
@@ -223,18 +219,14 @@ async fn an_ask_times_out_when_no_worker_runs_its_turn() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
-    let world = World::new(Backend::Sqlite).await;
-    let mut config = world.config();
-    config.parallel_clients = vec!["phone".into()];
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(Backend::Sqlite, |config| {
+        config.parallel_clients = vec!["phone".into()];
+    })
+    .await;
     let c = &world.client;
 
-    let m1 = send(c, &send_req("s1", "write about the sea", "k1", "desk"))
-        .await
-        .unwrap();
-    assert_eq!(m1.disposition, Disposition::TurnStarted);
-    let (leg1, _) = jobs.next().await;
+    let first = send_req("s1", "write about the sea", "k1", "desk");
+    let (m1, leg1) = start_turn(c, &mut jobs, &first).await;
     // The live leg reports progress as a worker would.
     let subject = subjects::session_events("s1").unwrap();
     let mut step = SessionEvent::new(SessionEventType::Step, "s1");

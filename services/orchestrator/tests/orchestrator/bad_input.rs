@@ -42,6 +42,11 @@ fn doc(v: Value) -> Vec<u8> {
     serde_json::to_vec(&v).unwrap()
 }
 
+/// A steer of `session`'s turn `turn` at step 1, attempt 1, after `after_seq`.
+fn steer_doc(session: &str, turn: &str, after_seq: i64) -> Vec<u8> {
+    doc(json!({"session_id":session,"turn_id":turn,"step":1,"after_seq":after_seq,"attempt":1}))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_input_gets_the_documented_error_and_the_service_keeps_serving() {
     let world = World::new(Backend::Sqlite).await;
@@ -144,22 +149,19 @@ async fn bad_input_gets_the_documented_error_and_the_service_keeps_serving() {
         ),
         (
             subjects::TURN_STEER,
-            doc(json!({"session_id":"s1","turn_id":"t.1","step":1,
-            "after_seq":0,"attempt":1})),
+            steer_doc("s1", "t.1", 0),
             ErrorCode::BadRequest,
             "turn_id",
         ),
         (
             subjects::TURN_STEER,
-            doc(json!({"session_id":"s1","turn_id":"t1","step":1,
-            "after_seq":-1,"attempt":1})),
+            steer_doc("s1", "t1", -1),
             ErrorCode::BadRequest,
             "invalid",
         ),
         (
             subjects::TURN_STEER,
-            doc(json!({"session_id":"nope","turn_id":"t1","step":1,
-            "after_seq":0,"attempt":1})),
+            steer_doc("nope", "t1", 0),
             ErrorCode::NotFound,
             "no session",
         ),

@@ -7,9 +7,7 @@ use cyrene_protocol::session::{Disposition, SessionEventType};
 use futures::StreamExt;
 
 async fn dispositions_follow_the_fence(backend: Backend) {
-    let world = World::new(backend).await;
-    let _orch = Replica::start(&world, world.config()).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica(backend).await;
     let c = &world.client;
 
     let m1 = send_ok(c, "s1", "first").await;
@@ -128,20 +126,14 @@ async fn dispositions_follow_the_fence(backend: Backend) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn dispositions_follow_the_fence_on_sqlite() {
-    dispositions_follow_the_fence(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn dispositions_follow_the_fence_on_postgres() {
-    dispositions_follow_the_fence(Backend::Postgres).await;
-}
+on_both_backends!(
+    dispositions_follow_the_fence:
+    dispositions_follow_the_fence_on_sqlite,
+    dispositions_follow_the_fence_on_postgres
+);
 
 async fn steer_claims_once_replays_and_is_fenced(backend: Backend) {
-    let world = World::new(backend).await;
-    let _orch = Replica::start(&world, world.config()).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica(backend).await;
     let c = &world.client;
 
     send_ok(c, "s1", "start").await;
@@ -225,9 +217,7 @@ async fn steer_claims_once_replays_and_is_fenced(backend: Backend) {
 /// the message is not in the completion's `steered_ids`, so it goes back to pending and becomes
 /// the next turn — answered, never dropped.
 async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(backend: Backend) {
-    let world = World::new(backend).await;
-    let _orch = Replica::start(&world, world.config()).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica(backend).await;
     let c = &world.client;
 
     send_ok(c, "s1", "start").await;
@@ -248,25 +238,17 @@ async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(backend: 
     assert_eq!(late_entry.turn_id, next.turn_id);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_sqlite() {
-    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(Backend::Sqlite).await;
-}
+on_both_backends!(
+    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn:
+    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_sqlite,
+    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_postgres
+);
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_claimed_message_the_turn_never_took_in_becomes_its_own_turn_on_postgres() {
-    a_claimed_message_the_turn_never_took_in_becomes_its_own_turn(Backend::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn steer_claims_once_replays_and_is_fenced_on_sqlite() {
-    steer_claims_once_replays_and_is_fenced(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn steer_claims_once_replays_and_is_fenced_on_postgres() {
-    steer_claims_once_replays_and_is_fenced(Backend::Postgres).await;
-}
+on_both_backends!(
+    steer_claims_once_replays_and_is_fenced:
+    steer_claims_once_replays_and_is_fenced_on_sqlite,
+    steer_claims_once_replays_and_is_fenced_on_postgres
+);
 
 async fn idempotent_send_returns_the_first_ack(backend: Backend) {
     let world = World::new(backend).await;
@@ -301,20 +283,15 @@ async fn idempotent_send_returns_the_first_ack(backend: Backend) {
     assert_eq!(h[1].id, pending.message_id);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn idempotent_send_returns_the_first_ack_on_sqlite() {
-    idempotent_send_returns_the_first_ack(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn idempotent_send_returns_the_first_ack_on_postgres() {
-    idempotent_send_returns_the_first_ack(Backend::Postgres).await;
-}
+on_both_backends!(
+    idempotent_send_returns_the_first_ack:
+    idempotent_send_returns_the_first_ack_on_sqlite,
+    idempotent_send_returns_the_first_ack_on_postgres
+);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn history_pages_backwards() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
+    let (world, _orch) = sqlite_replica().await;
     let c = &world.client;
     for i in 0..5 {
         send_ok(c, "s1", &format!("m{i}")).await;
@@ -348,8 +325,7 @@ async fn history_pages_backwards() {
 /// user could make their own history unreadable. The page stops at what fits, newest kept.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_history_page_never_outgrows_the_bus() {
-    let world = World::new(Backend::Sqlite).await;
-    let _orch = Replica::start(&world, world.config()).await;
+    let (world, _orch) = sqlite_replica().await;
     let c = &world.client;
     for i in 0..5 {
         send_ok(c, "big", &format!("{i}{}", "x".repeat(240 * 1024))).await;

@@ -9,7 +9,7 @@ use cyrene_orchestrator::{Config, run};
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
-    HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
+    Disposition, HistoryEntry, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
@@ -25,6 +25,25 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Declares the `#[tokio::test]`s `$sqlite` and `$postgres`, which run the scenario
+/// `$scenario(backend)` on SQLite and on PostgreSQL.
+#[allow(unused_macros)] // the steer bench includes this file too
+macro_rules! on_both_backends {
+    ($scenario:ident: $sqlite:ident, $postgres:ident) => {
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $sqlite() {
+            $scenario($crate::harness::Backend::Sqlite).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $postgres() {
+            $scenario($crate::harness::Backend::Postgres).await;
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_both_backends;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -114,6 +133,64 @@ pub async fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Opt
         assert!(start.elapsed() < limit, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A world on `backend` with one replica on its default config, and the turn queue watched.
+pub async fn one_replica(backend: Backend) -> (World, Replica, JobQueue) {
+    one_replica_with(backend, |_| {}).await
+}
+
+/// Like [`one_replica`], the replica's config first changed by `configure`.
+pub async fn one_replica_with(
+    backend: Backend,
+    configure: impl FnOnce(&mut Config),
+) -> (World, Replica, JobQueue) {
+    let world = World::new(backend).await;
+    let mut config = world.config();
+    configure(&mut config);
+    let replica = Replica::start(&world, config).await;
+    let jobs = JobQueue::new(&world.client).await;
+    (world, replica, jobs)
+}
+
+/// A SQLite world with one replica on its default config.
+pub async fn sqlite_replica() -> (World, Replica) {
+    let world = World::new(Backend::Sqlite).await;
+    let replica = Replica::start(&world, world.config()).await;
+    (world, replica)
+}
+
+/// A SQLite world with one replica and a [`FakeWorker`] holding each turn for `hold`, one step.
+pub async fn with_a_fake_worker(hold: Duration) -> (World, Replica, FakeWorker) {
+    let world = World::new(Backend::Sqlite).await;
+    let replica = Replica::start(&world, world.config()).await;
+    let worker = FakeWorker::start(&world, hold, 1).await;
+    (world, replica, worker)
+}
+
+/// Sends `req`, which must start a turn; returns its ack and the turn's job.
+pub async fn start_turn(
+    client: &async_nats::Client,
+    jobs: &mut JobQueue,
+    req: &SendRequest,
+) -> (SendAck, TurnJob) {
+    let ack = send(client, req).await.unwrap();
+    assert_eq!(ack.disposition, Disposition::TurnStarted);
+    let (job, _) = jobs.next().await;
+    (ack, job)
+}
+
+/// Completes `job`'s `attempt` with `answer`; whether this was the first completion.
+pub async fn completes_first(
+    client: &async_nats::Client,
+    job: &TurnJob,
+    attempt: u32,
+    answer: &str,
+) -> bool {
+    complete(client, &completion(job, attempt, answer))
+        .await
+        .unwrap()
+        .first
 }
 
 /// One orchestrator replica (`run` in a task).
@@ -218,32 +295,29 @@ where
 
 /// How many `cyrene-orchestrator` instances answer `$SRV.PING`.
 async fn ping_count(client: &async_nats::Client) -> usize {
-    discovery::gather(
-        client,
-        Verb::Ping,
-        Some("cyrene-orchestrator"),
-        Duration::from_millis(150),
-        None,
-    )
-    .await
-    .unwrap()
-    .len()
+    orchestrators(client, Verb::Ping, Duration::from_millis(150))
+        .await
+        .len()
+}
+
+/// What each `cyrene-orchestrator` instance answers to `verb` within `wait`.
+async fn orchestrators(
+    client: &async_nats::Client,
+    verb: Verb,
+    wait: Duration,
+) -> Vec<serde_json::Value> {
+    discovery::gather(client, verb, Some("cyrene-orchestrator"), wait, None)
+        .await
+        .unwrap()
 }
 
 /// `num_requests` of `endpoint` on each `cyrene-orchestrator` instance (`$SRV.STATS`).
 pub async fn endpoint_requests(client: &async_nats::Client, endpoint: &str) -> Vec<u64> {
-    discovery::gather(
-        client,
-        Verb::Stats,
-        Some("cyrene-orchestrator"),
-        Duration::from_millis(300),
-        None,
-    )
-    .await
-    .unwrap()
-    .iter()
-    .map(|stats| discovery::endpoint_stat(stats, endpoint, "num_requests").unwrap_or(0))
-    .collect()
+    orchestrators(client, Verb::Stats, Duration::from_millis(300))
+        .await
+        .iter()
+        .map(|stats| discovery::endpoint_stat(stats, endpoint, "num_requests").unwrap_or(0))
+        .collect()
 }
 
 pub fn user(text: &str) -> Message {

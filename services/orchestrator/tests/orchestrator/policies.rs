@@ -13,18 +13,13 @@ use std::time::{Duration, Instant};
 /// An enqueued message waits for the next turn: no boundary of the running turn claims it, even
 /// when a later (steered) message is claimed there; the next turn consumes it, once.
 async fn an_enqueued_message_waits_for_the_next_turn(backend: Backend) {
-    let world = World::new(backend).await;
-    let mut config = world.config();
-    config.enqueue_sessions = vec!["s2".into()];
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
+        config.enqueue_sessions = vec!["s2".into()];
+    })
+    .await;
     let c = &world.client;
 
-    let m1 = send(c, &send_req("s1", "write a poem", "k1", "desk"))
-        .await
-        .unwrap();
-    assert_eq!(m1.disposition, Disposition::TurnStarted);
-    let (turn1, _) = jobs.next().await;
+    let (m1, turn1) = start_turn(c, &mut jobs, &send_req("s1", "write a poem", "k1", "desk")).await;
     // Per message: `when_busy: enqueue`.
     let mut later = send_req("s1", "then a limerick", "k2", "desk");
     later.when_busy = Some(BusyPolicy::Enqueue);
@@ -53,12 +48,7 @@ async fn an_enqueued_message_waits_for_the_next_turn(backend: Backend) {
         Some("then a limerick")
     );
     assert!(steer(c, &turn2, 1, 0).await.unwrap().messages.is_empty());
-    assert!(
-        complete(c, &completion(&turn2, 1, "a limerick"))
-            .await
-            .unwrap()
-            .first
-    );
+    assert!(completes_first(c, &turn2, 1, "a limerick").await);
 
     let h = history(c, "s1").await;
     let turn_of = |id: &str| {
@@ -84,42 +74,33 @@ async fn an_enqueued_message_waits_for_the_next_turn(backend: Backend) {
         .unwrap();
     assert_eq!(queued.disposition, Disposition::Pending);
     assert!(steer(c, &s2_turn1, 1, 0).await.unwrap().messages.is_empty());
-    assert!(
-        complete(c, &completion(&s2_turn1, 1, "one"))
-            .await
-            .unwrap()
-            .first
-    );
+    assert!(completes_first(c, &s2_turn1, 1, "one").await);
     let (s2_turn2, _) = jobs.next().await;
     assert_eq!(s2_turn2.message_ids, vec![queued.message_id]);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn an_enqueued_message_waits_for_the_next_turn_on_sqlite() {
-    an_enqueued_message_waits_for_the_next_turn(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn an_enqueued_message_waits_for_the_next_turn_on_postgres() {
-    an_enqueued_message_waits_for_the_next_turn(Backend::Postgres).await;
-}
+on_both_backends!(
+    an_enqueued_message_waits_for_the_next_turn:
+    an_enqueued_message_waits_for_the_next_turn_on_sqlite,
+    an_enqueued_message_waits_for_the_next_turn_on_postgres
+);
 
 /// While a turn runs, a message under the reject policy gets `conflict` and nothing is stored;
 /// once the session is idle the same message (same key) starts a turn.
 async fn a_rejected_message_is_refused_and_not_stored(backend: Backend) {
-    let world = World::new(backend).await;
-    let mut config = world.config();
-    config.reject_clients = vec!["bot".into()];
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
+        config.reject_clients = vec!["bot".into()];
+    })
+    .await;
     let c = &world.client;
 
     // Idle: the reject policy does not apply.
-    let m1 = send(c, &send_req("s1", "summarise the news", "k1", "bot"))
-        .await
-        .unwrap();
-    assert_eq!(m1.disposition, Disposition::TurnStarted);
-    let (turn1, _) = jobs.next().await;
+    let (_, turn1) = start_turn(
+        c,
+        &mut jobs,
+        &send_req("s1", "summarise the news", "k1", "bot"),
+    )
+    .await;
     // By client list, and per message.
     let by_client = send_req("s1", "are you done?", "k2", "bot");
     let err = send(c, &by_client).await.unwrap_err();
@@ -134,12 +115,7 @@ async fn a_rejected_message_is_refused_and_not_stored(backend: Backend) {
     assert_eq!(history(c, "s1").await.len(), 1);
     assert!(steer(c, &turn1, 1, 0).await.unwrap().messages.is_empty());
     // A session that does not exist yet and is busy cannot happen; one that is idle accepts.
-    assert!(
-        complete(c, &completion(&turn1, 1, "the news"))
-            .await
-            .unwrap()
-            .first
-    );
+    assert!(completes_first(c, &turn1, 1, "the news").await);
     let again = send(c, &by_client).await.unwrap();
     assert_eq!(again.disposition, Disposition::TurnStarted);
     let (turn2, _) = jobs.next().await;
@@ -157,15 +133,11 @@ async fn a_rejected_message_is_refused_and_not_stored(backend: Backend) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_rejected_message_is_refused_and_not_stored_on_sqlite() {
-    a_rejected_message_is_refused_and_not_stored(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn a_rejected_message_is_refused_and_not_stored_on_postgres() {
-    a_rejected_message_is_refused_and_not_stored(Backend::Postgres).await;
-}
+on_both_backends!(
+    a_rejected_message_is_refused_and_not_stored:
+    a_rejected_message_is_refused_and_not_stored_on_sqlite,
+    a_rejected_message_is_refused_and_not_stored_on_postgres
+);
 
 fn two_personas() -> Personas {
     let persona = |id: &str, name: &str| Persona {
@@ -202,11 +174,10 @@ type AskResult = Result<cyrene_protocol::comm::Reply, AskError>;
 /// would wait on hoshi, who waits on cyrene: it is refused at once with `conflict`, and the
 /// outer asks are still answered. The ask's `data` reaches the turn as a JSON part.
 async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
-    let world = World::new(backend).await;
-    let mut config = world.config();
-    config.personas = two_personas();
-    let _orch = Replica::start(&world, config).await;
-    let mut jobs = JobQueue::new(&world.client).await;
+    let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
+        config.personas = two_personas();
+    })
+    .await;
     let c = &world.client;
     let options = |chain: Vec<String>| AskOptions {
         timeout: Some(Duration::from_secs(20)),
@@ -247,13 +218,8 @@ async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
     // cyrene's turn asks hoshi back: a cycle, refused at once.
     let cyrene = Probe::new(c.clone(), "cyrene");
     let started = Instant::now();
-    let back = ask_with(
-        &cyrene,
-        "hoshi",
-        "what did alice order?",
-        options(cyrene_turn.ask_chain.clone()),
-    )
-    .await;
+    let cyrene_chain = || options(cyrene_turn.ask_chain.clone());
+    let back = ask_with(&cyrene, "hoshi", "what did alice order?", cyrene_chain()).await;
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "refused at once"
@@ -266,13 +232,7 @@ async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
         other => panic!("expected a conflict, got {other:?}"),
     }
     // So is an ask to itself, and nothing was stored for either.
-    let own = ask_with(
-        &cyrene,
-        "cyrene",
-        "me?",
-        options(cyrene_turn.ask_chain.clone()),
-    )
-    .await;
+    let own = ask_with(&cyrene, "cyrene", "me?", cyrene_chain()).await;
     assert!(
         matches!(own, Err(AskError::Remote { ref error, .. }) if error.code == ErrorCode::Conflict)
     );
@@ -283,28 +243,14 @@ async fn an_ask_back_along_the_chain_is_refused_at_once(backend: Backend) {
     );
 
     // The chain unwinds: cyrene answers hoshi, hoshi answers alice.
-    assert!(
-        complete(c, &completion(&cyrene_turn, 1, "tea, I think"))
-            .await
-            .unwrap()
-            .first
-    );
+    assert!(completes_first(c, &cyrene_turn, 1, "tea, I think").await);
     assert_eq!(middle.await.unwrap().unwrap().text, "tea, I think");
-    assert!(
-        complete(c, &completion(&hoshi_turn, 1, "tea"))
-            .await
-            .unwrap()
-            .first
-    );
+    assert!(completes_first(c, &hoshi_turn, 1, "tea").await);
     assert_eq!(outer.await.unwrap().unwrap().text, "tea");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn an_ask_back_along_the_chain_is_refused_at_once_on_sqlite() {
-    an_ask_back_along_the_chain_is_refused_at_once(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn an_ask_back_along_the_chain_is_refused_at_once_on_postgres() {
-    an_ask_back_along_the_chain_is_refused_at_once(Backend::Postgres).await;
-}
+on_both_backends!(
+    an_ask_back_along_the_chain_is_refused_at_once:
+    an_ask_back_along_the_chain_is_refused_at_once_on_sqlite,
+    an_ask_back_along_the_chain_is_refused_at_once_on_postgres
+);

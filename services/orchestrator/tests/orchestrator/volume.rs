@@ -210,15 +210,11 @@ async fn restart_under_load_loses_nothing(backend: Backend) {
     worker.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn restart_under_load_loses_nothing_on_sqlite() {
-    restart_under_load_loses_nothing(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread")]
-async fn restart_under_load_loses_nothing_on_postgres() {
-    restart_under_load_loses_nothing(Backend::Postgres).await;
-}
+on_both_backends!(
+    restart_under_load_loses_nothing:
+    restart_under_load_loses_nothing_on_sqlite,
+    restart_under_load_loses_nothing_on_postgres
+);
 
 /// A turn committed but never published (a crash between commit and publish) is republished by
 /// the sweeper of whichever replica runs next.
