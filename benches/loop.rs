@@ -333,7 +333,7 @@ async fn pg_commit(url: &str) -> f64 {
 /// a step's fenced checkpoint save (NATS + store + database) and a step's model call with a view
 /// of the window's size (NATS + gateway, scripted provider), plain and streamed. The save and the
 /// call run side by side in a step, so a step costs about the larger of the two.
-async fn parts(real: &Real, window: usize) -> (f64, f64, f64) {
+async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
     let owner = format!("parts-{window}");
     let turn = format!("t-parts-{window}");
     let delta = json!({"step": 1, "from": window, "stop_reason": "tool_calls", "turn_id": turn,
@@ -475,7 +475,7 @@ async fn main() {
             if window == 10 {
                 at_ten = Some(p50);
             }
-            let (save, plain, streamed) = parts(&real, window).await;
+            let (save, plain, streamed) = step_parts(&real, window).await;
             println!(
                 "  {name:<8} window {window:>4}: p50 {p50:.3} ms  p99 {p99:.3} ms  ({n} steps); \
                  {row:.0} B per step row, base {base:.0} B once per turn ({rows} rows){target}"
