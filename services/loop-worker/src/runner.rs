@@ -722,7 +722,6 @@ fn now_unix_ms() -> u64 {
 pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
-    use cyrene_protocol::session::SessionEnv;
     use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
     use serde_json::Map;
     use std::collections::VecDeque;
@@ -937,23 +936,9 @@ pub(crate) mod tests {
 
     fn job() -> TurnJob {
         TurnJob {
-            turn_id: "t1".into(),
-            session_id: "s1".into(),
-            leg_id: String::new(),
-            env: SessionEnv {
-                restricted: false,
-                persona: "cyrene".into(),
-            },
-            instructions: "You are Cyrene.".into(),
-            persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
-            messages: vec![Message::text(Role::User, "what time is it?")],
             message_ids: vec!["m1".into()],
-            base_seq: 1,
-            notice: None,
             max_steps: 4,
-            deadline_unix_ms: None,
-            tools: None,
-            ask_chain: Vec::new(),
+            ..cyrene_test_support::fixtures::turn_job("t1", "s1", "what time is it?")
         }
     }
 

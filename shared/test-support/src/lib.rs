@@ -13,7 +13,8 @@
 //!   client library will not (malformed header blocks, [`MALFORMED_HEADER_BLOCKS`]);
 //! - [`NatsCluster`]: several JetStream nodes routed into one cluster, each
 //!   node a [`NatsServer`] that can be killed and restarted on its own;
-//! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests.
+//! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests;
+//! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -77,6 +78,7 @@
 mod binary;
 mod cluster;
 pub mod echo;
+pub mod fixtures;
 pub mod micro;
 pub mod pdf;
 mod probe;
