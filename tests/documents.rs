@@ -21,6 +21,7 @@ use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::pdf::tiny_pdf;
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -186,44 +187,6 @@ fn parts(document: &DocumentInfo) -> (String, String, String, u64) {
         } => (name.clone(), mime.clone(), url.clone(), *size),
         other => panic!("not a document part: {other:?}"),
     }
-}
-
-/// A one-page PDF showing `text` (Helvetica), built with lopdf.
-fn tiny_pdf(text: &str) -> Vec<u8> {
-    use lopdf::content::{Content, Operation};
-    use lopdf::{Document, Object, Stream, dictionary};
-    let mut doc = Document::with_version("1.5");
-    let pages_id = doc.new_object_id();
-    let font_id = doc.add_object(dictionary! {
-        "Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica",
-    });
-    let resources_id = doc.add_object(dictionary! { "Font" => dictionary! { "F1" => font_id } });
-    let content = Content {
-        operations: vec![
-            Operation::new("BT", vec![]),
-            Operation::new("Tf", vec!["F1".into(), 12.into()]),
-            Operation::new("Td", vec![72.into(), 700.into()]),
-            Operation::new("Tj", vec![Object::string_literal(text)]),
-            Operation::new("ET", vec![]),
-        ],
-    };
-    let content_id = doc.add_object(Stream::new(dictionary! {}, content.encode().unwrap()));
-    let page_id = doc.add_object(dictionary! {
-        "Type" => "Page", "Parent" => pages_id, "Contents" => content_id,
-    });
-    doc.objects.insert(
-        pages_id,
-        Object::Dictionary(dictionary! {
-            "Type" => "Pages", "Kids" => vec![page_id.into()], "Count" => 1,
-            "Resources" => resources_id,
-            "MediaBox" => vec![0.into(), 0.into(), 595.into(), 842.into()],
-        }),
-    );
-    let catalog_id = doc.add_object(dictionary! { "Type" => "Catalog", "Pages" => pages_id });
-    doc.trailer.set("Root", catalog_id);
-    let mut bytes = Vec::new();
-    doc.save_to(&mut bytes).unwrap();
-    bytes
 }
 
 /// The start of a Windows executable (`MZ` header, PE signature offset).

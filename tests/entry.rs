@@ -149,17 +149,7 @@ async fn cyrene_up_starts_every_service_from_its_own_env_vars() {
 
     // checkpoint store: CYRENE_STORE_MAX_STATE_BYTES
     let state = cyrene_protocol::JsonObject::encode(&json!({"note": "x".repeat(100)})).unwrap();
-    let big = Checkpoint {
-        id: "s1:1".into(),
-        agent_id: "s1".into(),
-        step: 1,
-        state,
-        turn_id: None,
-        attempt: None,
-        base: None,
-        created_at: None,
-        updated_at: None,
-    };
+    let big = Checkpoint::unfenced("s1", 1, state);
     let err =
         cyrene_bus::request_json::<_, Checkpoint>(&client, subjects::CHECKPOINT_SAVE, &big, t)
             .await

@@ -101,73 +101,60 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         }
     };
     let shutdown = CancellationToken::new();
-    let mut services: JoinSet<(&'static str, Result<(), String>)> = JoinSet::new();
+    let mut services = Services::new();
 
     let mut gateway = service_config("cyrene-model-gateway", gateway_args)?;
     gateway.models = models;
     gateway.secrets = secrets;
     let client = connect("cyrene-model-gateway").await?;
-    let s = shutdown.clone();
-    services.spawn(async move {
-        (
-            "model-gateway",
-            cyrene_model_gateway::run(gateway, client, s)
-                .await
-                .map_err(|e| e.to_string()),
-        )
-    });
+    spawn_service(
+        &mut services,
+        "model-gateway",
+        cyrene_model_gateway::run(gateway, client, shutdown.clone()),
+    );
 
     let mut store = service_config("cyrene-checkpoint-store", store_args)?;
     store.data_dir = store_dir.clone();
     store.database_url = args.database_url.clone();
     let client = connect("cyrene-checkpoint-store").await?;
-    let s = shutdown.clone();
-    services.spawn(async move {
-        (
-            "checkpoint-store",
-            cyrene_checkpoint_store::run(store, client, s)
-                .await
-                .map_err(|e| e.to_string()),
-        )
-    });
+    spawn_service(
+        &mut services,
+        "checkpoint-store",
+        cyrene_checkpoint_store::run(store, client, shutdown.clone()),
+    );
 
     let mut orchestrator = service_config("cyrene-orchestrator", orchestrator_args)?;
     orchestrator.data_dir = orchestrator_dir;
     orchestrator.database_url = args.database_url.clone();
     orchestrator.personas = personas;
     let client = connect("cyrene-orchestrator").await?;
-    let s = shutdown.clone();
-    services.spawn(async move {
-        (
-            "orchestrator",
-            cyrene_orchestrator::run(orchestrator, client, s)
-                .await
-                .map_err(|e| e.to_string()),
-        )
-    });
+    spawn_service(
+        &mut services,
+        "orchestrator",
+        cyrene_orchestrator::run(orchestrator, client, shutdown.clone()),
+    );
 
     for _ in 0..args.workers.max(1) {
         let client = connect("cyrene-loop-worker").await?;
-        let s = shutdown.clone();
         let mut config = service_config(
             "cyrene-loop-worker",
             service_args::<cyrene_loop_worker::Args>("cyrene-loop-worker")?,
         )?;
         // Tools registered after start show up within seconds, not half a minute.
         config.tool_refresh = Duration::from_secs(5);
-        services.spawn(async move {
-            (
-                "loop-worker",
-                cyrene_loop_worker::run(config, client, s)
-                    .await
-                    .map_err(|e| e.to_string()),
-            )
-        });
+        spawn_service(
+            &mut services,
+            "loop-worker",
+            cyrene_loop_worker::run(config, client, shutdown.clone()),
+        );
     }
     if offline {
         let client = connect("cyrene-demo-tools").await?;
-        let s = shutdown.clone();
-        services.spawn(async move { ("demo-tools", demo_tools(client, s).await) });
+        spawn_service(
+            &mut services,
+            "demo-tools",
+            demo_tools(client, shutdown.clone()),
+        );
     }
 
     eprintln!(
@@ -203,6 +190,18 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         Some(message) => Err(CliError::Failed(message)),
         None => Ok(()),
     }
+}
+
+/// The services `cyrene up` runs, each with its name and its failure as text.
+type Services = JoinSet<(&'static str, Result<(), String>)>;
+
+/// Runs `service` (a service's `run`) in `services` under `name`.
+fn spawn_service<E: std::fmt::Display>(
+    services: &mut Services,
+    name: &'static str,
+    service: impl Future<Output = Result<(), E>> + Send + 'static,
+) {
+    services.spawn(async move { (name, service.await.map_err(|e| e.to_string())) });
 }
 
 /// A service's `Args` as the environment alone sets them.

@@ -8,8 +8,6 @@ use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::scripted::RequestLog;
-use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::{
     SteerRequest, SteerResponse, SteeredMessage, TurnComplete, TurnCompleteAck, TurnJob,
 };
@@ -298,25 +296,7 @@ pub fn worker_config() -> cyrene_loop_worker::Config {
 
 /// A job for session `session` answering `text`.
 pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
-    TurnJob {
-        turn_id: turn_id.to_owned(),
-        session_id: session.to_owned(),
-        leg_id: String::new(),
-        env: SessionEnv {
-            restricted: false,
-            persona: "cyrene".into(),
-        },
-        instructions: "You are Cyrene.".into(),
-        persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
-        messages: vec![Message::text(Role::User, text)],
-        message_ids: vec![format!("{turn_id}-m")],
-        base_seq: 1,
-        notice: None,
-        max_steps: 8,
-        deadline_unix_ms: None,
-        tools: None,
-        ask_chain: Vec::new(),
-    }
+    cyrene_test_support::fixtures::turn_job(turn_id, session, text)
 }
 
 /// Waits (bounded) until a micro service named `name` answers `$SRV.PING`.

@@ -120,10 +120,6 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
-        &self.common
-    }
-
     fn into_config(self) -> Result<Config, Problems> {
         let config = Config {
             concurrency: self.concurrency,

@@ -178,49 +178,6 @@ impl DocumentExtractor for DocumentTexts {
 mod tests {
     use super::*;
 
-    /// A one-page PDF whose page shows `text` (Helvetica), built with lopdf.
-    pub(crate) fn tiny_pdf(text: &str) -> Vec<u8> {
-        use lopdf::content::{Content, Operation};
-        use lopdf::{Document, Object, Stream, dictionary};
-        let mut doc = Document::with_version("1.5");
-        let pages_id = doc.new_object_id();
-        let font_id = doc.add_object(dictionary! {
-            "Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica",
-        });
-        let resources_id = doc.add_object(dictionary! {
-            "Font" => dictionary! { "F1" => font_id },
-        });
-        let content = Content {
-            operations: vec![
-                Operation::new("BT", vec![]),
-                Operation::new("Tf", vec!["F1".into(), 12.into()]),
-                Operation::new("Td", vec![72.into(), 700.into()]),
-                Operation::new("Tj", vec![Object::string_literal(text)]),
-                Operation::new("ET", vec![]),
-            ],
-        };
-        let content_id = doc.add_object(Stream::new(
-            dictionary! {},
-            content.encode().expect("content encodes"),
-        ));
-        let page_id = doc.add_object(dictionary! {
-            "Type" => "Page", "Parent" => pages_id, "Contents" => content_id,
-        });
-        doc.objects.insert(
-            pages_id,
-            Object::Dictionary(dictionary! {
-                "Type" => "Pages", "Kids" => vec![page_id.into()], "Count" => 1,
-                "Resources" => resources_id,
-                "MediaBox" => vec![0.into(), 0.into(), 595.into(), 842.into()],
-            }),
-        );
-        let catalog_id = doc.add_object(dictionary! { "Type" => "Catalog", "Pages" => pages_id });
-        doc.trailer.set("Root", catalog_id);
-        let mut bytes = Vec::new();
-        doc.save_to(&mut bytes).expect("pdf saves");
-        bytes
-    }
-
     fn fetched(mime: &str, title: &str) -> FetchedDocument {
         FetchedDocument {
             name: "d-1".into(),
@@ -246,7 +203,11 @@ mod tests {
                 Some("a,b")
             );
         }
-        let pdf = extract_text("application/pdf", tiny_pdf("Quarterly revenue 42")).await;
+        let pdf = extract_text(
+            "application/pdf",
+            cyrene_test_support::pdf::tiny_pdf("Quarterly revenue 42"),
+        )
+        .await;
         assert!(pdf.unwrap().contains("Quarterly revenue 42"));
     }
 

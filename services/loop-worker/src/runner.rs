@@ -722,7 +722,6 @@ fn now_unix_ms() -> u64 {
 pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
-    use cyrene_protocol::session::SessionEnv;
     use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
     use serde_json::Map;
     use std::collections::VecDeque;
@@ -867,6 +866,38 @@ pub(crate) mod tests {
         }
     }
 
+    impl Fake {
+        /// A bus whose model gives `replies`, in order.
+        fn scripted(replies: impl IntoIterator<Item = Result<ModelResponse, ErrorBody>>) -> Self {
+            let fake = Self::default();
+            fake.replies.lock().unwrap().extend(replies);
+            fake
+        }
+
+        /// A bus whose store already holds `latest` as the turn's newest row (a redelivery).
+        fn resuming(latest: Option<Checkpoint>) -> Self {
+            let fake = Self::default();
+            *fake.latest.lock().unwrap() = latest;
+            fake
+        }
+
+        /// The state of the `index`th full snapshot saved.
+        fn saved_state(&self, index: usize) -> CheckpointState {
+            state(&self.saved.lock().unwrap()[index])
+        }
+    }
+
+    /// The full snapshots attempt `attempt` of `job()` saves when the model gives `replies`:
+    /// what a later attempt finds in the store.
+    async fn rows_left_by(
+        replies: impl IntoIterator<Item = Result<ModelResponse, ErrorBody>>,
+        attempt: u32,
+    ) -> Vec<Checkpoint> {
+        let fake = Fake::scripted(replies);
+        let _ = run_turn(&fake, &job(), attempt, &CFG).await;
+        fake.saved.lock().unwrap().clone()
+    }
+
     /// A plain text answer of the scripted model (also used by `crate::images`' tests).
     pub(crate) fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
         Ok(ModelResponse {
@@ -905,23 +936,9 @@ pub(crate) mod tests {
 
     fn job() -> TurnJob {
         TurnJob {
-            turn_id: "t1".into(),
-            session_id: "s1".into(),
-            leg_id: String::new(),
-            env: SessionEnv {
-                restricted: false,
-                persona: "cyrene".into(),
-            },
-            instructions: "You are Cyrene.".into(),
-            persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
-            messages: vec![Message::text(Role::User, "what time is it?")],
             message_ids: vec!["m1".into()],
-            base_seq: 1,
-            notice: None,
             max_steps: 4,
-            deadline_unix_ms: None,
-            tools: None,
-            ask_chain: Vec::new(),
+            ..cyrene_test_support::fixtures::turn_job("t1", "s1", "what time is it?")
         }
     }
 
@@ -943,11 +960,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_tool_turn_checkpoints_every_step_and_ends_with_the_answer() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1", "c2"]), reply_text("It is noon.")]);
+        let fake = Fake::scripted([reply_tools(&["c1", "c2"]), reply_text("It is noon.")]);
         let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
 
         assert_eq!(done.outcome, TurnOutcome::Final);
@@ -999,11 +1012,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_steered_message_reaches_the_next_step_but_never_a_checkpoint() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("done")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("done")]);
         let steered = SteeredMessage {
             id: "m2".into(),
             seq: 2,
@@ -1047,8 +1056,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn each_save_sends_only_what_its_step_added_and_the_base_once() {
-        let fake = Fake::default();
-        fake.replies.lock().unwrap().extend([
+        let fake = Fake::scripted([
             reply_tools(&["c1"]),
             reply_tools(&["c2", "c3"]),
             reply_text("done"),
@@ -1081,8 +1089,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn after_a_failed_save_the_next_one_resends_from_the_last_stored_point() {
-        let fake = Fake::default();
-        fake.replies.lock().unwrap().extend([
+        let fake = Fake::scripted([
             reply_tools(&["c1"]),
             reply_tools(&["c2"]),
             reply_text("done"),
@@ -1102,14 +1109,13 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn pushed_input_reaches_the_next_boundary_without_a_steer_request() {
-        let fake = Fake::default();
         let (push, receiver) = futures::channel::mpsc::unbounded();
-        *fake.pushes.lock().unwrap() = Some(receiver);
-        fake.replies.lock().unwrap().extend([
+        let fake = Fake::scripted([
             reply_tools(&["c1"]),
             reply_tools(&["c2"]),
             reply_text("done"),
         ]);
+        *fake.pushes.lock().unwrap() = Some(receiver);
         let pushed = |id: &str, seq: u64| SteeredMessage {
             id: id.into(),
             seq,
@@ -1145,22 +1151,12 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_crash_left_checkpoint_resumes_without_rerunning_tools() {
-        let first = Fake::default();
-        first
-            .replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("x")]);
-        let _ = run_turn(&first, &job(), 1, &CFG).await;
-        let crash_left = first.saved.lock().unwrap()[0].clone();
+        let crash_left = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 1)
+            .await
+            .swap_remove(0);
 
-        let second = Fake::default();
+        let second = Fake::scripted([reply_text("It is noon.")]);
         *second.latest.lock().unwrap() = Some(crash_left);
-        second
-            .replies
-            .lock()
-            .unwrap()
-            .push_back(reply_text("It is noon."));
         let done = completed(run_turn(&second, &job(), 2, &CFG).await);
 
         assert_eq!(done.steps, 2);
@@ -1175,17 +1171,9 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_settled_turn_is_reported_again_not_rerun() {
-        let first = Fake::default();
-        first
-            .replies
-            .lock()
-            .unwrap()
-            .push_back(reply_text("It is noon."));
-        let _ = run_turn(&first, &job(), 1, &CFG).await;
-        let settled = first.saved.lock().unwrap().last().cloned();
+        let settled = rows_left_by([reply_text("It is noon.")], 1).await.pop();
 
-        let again = Fake::default();
-        *again.latest.lock().unwrap() = settled;
+        let again = Fake::resuming(settled);
         let done = completed(run_turn(&again, &job(), 2, &CFG).await);
         assert_eq!(done.outcome, TurnOutcome::Final);
         assert_eq!(done.message.unwrap().text_content(), "It is noon.");
@@ -1195,7 +1183,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_settled_turn_is_reported_again_with_its_steered_messages() {
-        let first = Fake::default();
+        let first = Fake::scripted([reply_text("Noon, and sunny.")]);
         first.steers.lock().unwrap().push_back(Ok(SteerResponse {
             messages: vec![SteeredMessage {
                 id: "m2".into(),
@@ -1203,18 +1191,12 @@ pub(crate) mod tests {
                 message: Message::text(Role::User, "and the weather?"),
             }],
         }));
-        first
-            .replies
-            .lock()
-            .unwrap()
-            .push_back(reply_text("Noon, and sunny."));
         let reported = completed(run_turn(&first, &job(), 1, &CFG).await);
         assert_eq!(reported.steered_ids, ["m2"]);
         let settled = first.saved.lock().unwrap().last().cloned();
 
         // The report never arrived; the worker died; the redelivery must say the same.
-        let again = Fake::default();
-        *again.latest.lock().unwrap() = settled;
+        let again = Fake::resuming(settled);
         let done = completed(run_turn(&again, &job(), 2, &CFG).await);
         assert_eq!(
             done.steered_ids,
@@ -1226,18 +1208,12 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn another_turns_checkpoint_is_never_resumed_or_reported() {
-        let earlier = Fake::default();
-        earlier
-            .replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("x")]);
-        let _ = run_turn(&earlier, &job(), 1, &CFG).await;
-        let other_turn = earlier.saved.lock().unwrap()[0].clone();
+        let other_turn = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 1)
+            .await
+            .swap_remove(0);
 
-        let fake = Fake::default();
+        let fake = Fake::scripted([reply_text("fresh")]);
         *fake.latest.lock().unwrap() = Some(other_turn);
-        fake.replies.lock().unwrap().push_back(reply_text("fresh"));
         let mut next = job();
         next.turn_id = "t2".into();
         let done = completed(run_turn(&fake, &next, 1, &CFG).await);
@@ -1247,10 +1223,9 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_failed_checkpoint_read_hands_the_job_back_instead_of_starting_fresh() {
-        let fake = Fake::default();
+        let fake = Fake::scripted([reply_tools(&["c1"])]);
         *fake.load_error.lock().unwrap() =
             Some(ErrorBody::new(ErrorCode::Unavailable, "store down"));
-        fake.replies.lock().unwrap().push_back(reply_tools(&["c1"]));
         let end = run_turn(&fake, &job(), 2, &CFG).await;
         assert!(
             matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
@@ -1266,11 +1241,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_fenced_off_attempt_stops_without_reporting() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("x")]);
         *fake.save_error.lock().unwrap() =
             Some(ErrorBody::new(ErrorCode::Conflict, "attempt 1 < 2"));
         assert_eq!(run_turn(&fake, &job(), 1, &CFG).await, TurnEnd::Stale);
@@ -1294,17 +1265,11 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn an_attempt_older_than_the_latest_writer_stops_at_once() {
-        let first = Fake::default();
-        first
-            .replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("x")]);
-        let _ = run_turn(&first, &job(), 3, &CFG).await;
-        let written_by_3 = first.saved.lock().unwrap()[0].clone();
+        let written_by_3 = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 3)
+            .await
+            .swap_remove(0);
 
-        let zombie = Fake::default();
-        *zombie.latest.lock().unwrap() = Some(written_by_3);
+        let zombie = Fake::resuming(Some(written_by_3));
         assert_eq!(run_turn(&zombie, &job(), 2, &CFG).await, TurnEnd::Stale);
         assert!(zombie.requests.lock().unwrap().is_empty());
         assert!(zombie.steer_requests.lock().unwrap().is_empty());
@@ -1312,12 +1277,8 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn images_become_descriptions_for_a_main_model_without_vision() {
-        let fake = Fake::default();
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("a kite!")]);
         *fake.vision.lock().unwrap() = Some(false);
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("a kite!")]);
         let mut j = job();
         let photo = Message::image(Role::User, "look", "https://example.invalid/kite.png");
         j.messages = vec![photo.clone()];
@@ -1341,15 +1302,14 @@ pub(crate) mod tests {
         }
         assert_eq!(*fake.vision_asks.lock().unwrap(), 1, "asked once per turn");
         // The window (checkpoints) keeps the image itself.
-        assert_eq!(state(&fake.saved.lock().unwrap()[0]).messages[0], photo);
+        assert_eq!(fake.saved_state(0).messages[0], photo);
     }
 
     #[tokio::test]
     async fn images_pass_through_to_a_main_model_with_vision_or_when_unsure() {
         for vision in [Some(true), None] {
-            let fake = Fake::default();
+            let fake = Fake::scripted([reply_text("nice")]);
             *fake.vision.lock().unwrap() = vision;
-            fake.replies.lock().unwrap().push_back(reply_text("nice"));
             let mut j = job();
             j.messages = vec![Message::image(
                 Role::User,
@@ -1368,8 +1328,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_failed_steer_yields_nothing_and_the_turn_goes_on() {
-        let fake = Fake::default();
-        fake.replies.lock().unwrap().push_back(reply_text("fine"));
+        let fake = Fake::scripted([reply_text("fine")]);
         fake.steers
             .lock()
             .unwrap()
@@ -1381,11 +1340,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn other_non_conflict_save_failures_do_not_fail_the_turn() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("ok")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("ok")]);
         *fake.save_error.lock().unwrap() = Some(ErrorBody::new(ErrorCode::Unavailable, "db down"));
         let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
         assert_eq!(done.outcome, TurnOutcome::Final);
@@ -1393,11 +1348,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn retryable_model_failures_retry_until_the_last_attempt_then_settle() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .push_back(Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway")));
+        let fake = Fake::scripted([Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway"))]);
         assert!(matches!(
             run_turn(&fake, &job(), 1, &CFG).await,
             TurnEnd::Retry(_)
@@ -1414,7 +1365,7 @@ pub(crate) mod tests {
         let done = completed(run_turn(&fake, &job(), 3, &CFG).await);
         assert_eq!(done.outcome, TurnOutcome::Error);
         assert_eq!(done.error.unwrap().code, ErrorCode::Unavailable);
-        assert_eq!(state(&fake.saved.lock().unwrap()[0]).stop_reason, "error");
+        assert_eq!(fake.saved_state(0).stop_reason, "error");
         assert!(
             fake.events
                 .lock()
@@ -1423,11 +1374,10 @@ pub(crate) mod tests {
                 .any(|e| e.kind == SessionEventType::Error)
         );
 
-        let bad = Fake::default();
-        bad.replies.lock().unwrap().push_back(Err(ErrorBody::new(
+        let bad = Fake::scripted([Err(ErrorBody::new(
             ErrorCode::Upstream,
             "400 from provider",
-        )));
+        ))]);
         assert_eq!(
             completed(run_turn(&bad, &job(), 1, &CFG).await).outcome,
             TurnOutcome::Error
@@ -1436,11 +1386,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn running_out_of_steps_settles_as_budget_exhausted() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["a"]), reply_tools(&["b"])]);
+        let fake = Fake::scripted([reply_tools(&["a"]), reply_tools(&["b"])]);
         let mut j = job();
         j.max_steps = 2;
         let done = completed(run_turn(&fake, &j, 1, &CFG).await);
@@ -1454,16 +1400,12 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_call_with_undecodable_args_gets_an_error_result_without_running() {
-        let fake = Fake::default();
         let mut r = reply_tools(&["bad"]).unwrap();
         r.tool_calls[0].args_error = Some("expected value at line 1".into());
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([Ok(r), reply_text("sorry")]);
+        let fake = Fake::scripted([Ok(r), reply_text("sorry")]);
         let _ = run_turn(&fake, &job(), 1, &CFG).await;
         assert!(fake.tool_runs.lock().unwrap().is_empty());
-        let window = state(&fake.saved.lock().unwrap()[0]).messages;
+        let window = fake.saved_state(0).messages;
         assert!(
             matches!(&window[2].content[0], Part::ToolResult { is_error: true, text, .. }
             if text.contains("not valid JSON"))
@@ -1472,11 +1414,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn the_parallel_notice_is_the_last_view_message_and_never_checkpointed() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("x")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("x")]);
         let mut j = job();
         j.leg_id = "leg2".into();
         j.notice = Some(ParallelNotice {
@@ -1503,19 +1441,12 @@ pub(crate) mod tests {
         let done = completed(run_turn(&fake, &j, 1, &CFG).await);
         assert_eq!(done.outcome, TurnOutcome::Cancelled);
         assert!(fake.requests.lock().unwrap().is_empty());
-        assert_eq!(
-            state(&fake.saved.lock().unwrap()[0]).stop_reason,
-            "canceled"
-        );
+        assert_eq!(fake.saved_state(0).stop_reason, "canceled");
     }
 
     #[tokio::test]
     async fn every_view_opens_with_the_instructions_then_the_time_block() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("noon")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("noon")]);
         let _ = run_turn(&fake, &job(), 1, &CFG).await;
         let requests = fake.requests.lock().unwrap();
         assert_eq!(requests.len(), 2);
@@ -1541,8 +1472,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn the_step_budget_ends_with_a_safety_net_answer_without_tools() {
-        let fake = Fake::default();
-        fake.replies.lock().unwrap().extend([
+        let fake = Fake::scripted([
             reply_tools(&["a"]),
             reply_tools(&["b"]),
             reply_text("From what I found: noon."),
@@ -1579,8 +1509,7 @@ pub(crate) mod tests {
         );
 
         // Redelivered after the report was lost: reported again, not rerun.
-        let again = Fake::default();
-        *again.latest.lock().unwrap() = Some(settled);
+        let again = Fake::resuming(Some(settled));
         let done = completed(run_turn(&again, &j, 2, &CFG).await);
         assert_eq!(
             (done.outcome, done.stop_reason.as_str()),
@@ -1591,12 +1520,8 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_model_call_still_running_at_the_deadline_is_abandoned_as_aborted() {
-        let fake = Fake::default();
+        let fake = Fake::scripted([reply_text("too late")]);
         *fake.model_delay.lock().unwrap() = Some(std::time::Duration::from_secs(30));
-        fake.replies
-            .lock()
-            .unwrap()
-            .push_back(reply_text("too late"));
         let mut j = job();
         j.deadline_unix_ms = Some(now_unix_ms() + 150);
         let started = std::time::Instant::now();
@@ -1604,16 +1529,12 @@ pub(crate) mod tests {
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
         assert_eq!(done.outcome, TurnOutcome::Cancelled);
         assert_eq!(done.stop_reason, "aborted");
-        assert_eq!(state(&fake.saved.lock().unwrap()[0]).stop_reason, "aborted");
+        assert_eq!(fake.saved_state(0).stop_reason, "aborted");
     }
 
     #[tokio::test]
     async fn tool_calls_carry_the_turns_allow_list() {
-        let fake = Fake::default();
-        fake.replies
-            .lock()
-            .unwrap()
-            .extend([reply_tools(&["c1"]), reply_text("ok")]);
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("ok")]);
         let mut j = job();
         j.tools = Some(vec!["current_time".into()]);
         let _ = run_turn(&fake, &j, 1, &CFG).await;

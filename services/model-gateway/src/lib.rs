@@ -102,10 +102,6 @@ pub struct Args {
 impl cyrene_bus::entry::ServiceArgs for Args {
     type Config = Config;
 
-    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
-        &self.common
-    }
-
     /// Reads the model config (every problem in it is listed) and the API keys it names from the
     /// environment — the only place keys are read.
     fn into_config(self) -> Result<Config, cyrene_bus::entry::Problems> {

@@ -330,10 +330,6 @@ pub struct Args {
 impl ServiceArgs for Args {
     type Config = Config;
 
-    fn common(&self) -> &cyrene_bus::entry::ServiceFlags {
-        &self.common
-    }
-
     fn into_config(self) -> Result<Config, Problems> {
         let config = self.config().map_err(|e| Problems(vec![e.to_string()]))?;
         config.problems()?;

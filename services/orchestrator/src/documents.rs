@@ -221,19 +221,8 @@ impl Documents {
                 document: Some(document),
             });
         }
-        let metadata = HashMap::from([
-            (META_SESSION.to_owned(), req.session_id.clone()),
-            (META_TITLE.to_owned(), title),
-            (META_TOTAL.to_owned(), total.to_string()),
-        ]);
-        self.put(&chunk_name(&upload_id, 0), metadata, &data)
-            .await?;
-        Ok(UploadAck {
-            upload_id,
-            seq: 0,
-            received: total,
-            document: None,
-        })
+        self.stage(upload_id, 0, &req.session_id, title, total, &data)
+            .await
     }
 
     async fn next_chunk(&self, req: UploadRequest, data: Vec<u8>) -> Result<UploadAck, ErrorBody> {
@@ -304,16 +293,31 @@ impl Documents {
                 document: Some(document),
             });
         }
+        self.stage(req.upload_id, req.seq, &req.session_id, title, total, &data)
+            .await
+    }
+
+    /// Stages chunk `seq` of an upload that goes on, labelled with what the next chunk checks
+    /// and needs (the session, the title, the bytes received so far), and acknowledges it.
+    async fn stage(
+        &self,
+        upload_id: String,
+        seq: u32,
+        session_id: &str,
+        title: String,
+        total: u64,
+        data: &[u8],
+    ) -> Result<UploadAck, ErrorBody> {
         let metadata = HashMap::from([
-            (META_SESSION.to_owned(), req.session_id.clone()),
+            (META_SESSION.to_owned(), session_id.to_owned()),
             (META_TITLE.to_owned(), title),
             (META_TOTAL.to_owned(), total.to_string()),
         ]);
-        self.put(&chunk_name(&req.upload_id, req.seq), metadata, &data)
+        self.put(&chunk_name(&upload_id, seq), metadata, data)
             .await?;
         Ok(UploadAck {
-            upload_id: req.upload_id,
-            seq: req.seq,
+            upload_id,
+            seq,
             received: total,
             document: None,
         })

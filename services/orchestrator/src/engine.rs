@@ -90,6 +90,17 @@ fn check_turn_id(id: &str) -> Result<(), ErrorBody> {
     })
 }
 
+/// Checks the ids a worker's steer or completion names its turn by: session, turn and (for a
+/// parallel leg) leg.
+fn check_turn_ref(session_id: &str, turn_id: &str, leg_id: &str) -> Result<(), ErrorBody> {
+    check_id(IdKind::Session, "session_id", session_id)?;
+    check_turn_id(turn_id)?;
+    if !leg_id.is_empty() {
+        check_id(IdKind::Leg, "leg_id", leg_id)?;
+    }
+    Ok(())
+}
+
 /// Checks a user message: role, non-empty content of user-side parts, sizes.
 pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), ErrorBody> {
     if message.role != Role::User {
@@ -281,22 +292,14 @@ impl Engine {
 
     /// `cyrene.turn.steer`.
     pub async fn steer(&self, req: SteerRequest) -> Result<SteerResponse, ErrorBody> {
-        check_id(IdKind::Session, "session_id", &req.session_id)?;
-        check_turn_id(&req.turn_id)?;
-        if !req.leg_id.is_empty() {
-            check_id(IdKind::Leg, "leg_id", &req.leg_id)?;
-        }
+        check_turn_ref(&req.session_id, &req.turn_id, &req.leg_id)?;
         let messages = bounded(self.config.db_timeout, self.store.steer(&req)).await?;
         Ok(SteerResponse { messages })
     }
 
     /// `cyrene.turn.complete`.
     pub async fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {
-        check_id(IdKind::Session, "session_id", &req.session_id)?;
-        check_turn_id(&req.turn_id)?;
-        if !req.leg_id.is_empty() {
-            check_id(IdKind::Leg, "leg_id", &req.leg_id)?;
-        }
+        check_turn_ref(&req.session_id, &req.turn_id, &req.leg_id)?;
         let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
         if !done.first {
             return Ok(TurnCompleteAck { first: false });

@@ -224,22 +224,14 @@ mod tests {
 
     /// The memory semantics, on whichever database `memory` uses.
     async fn remembers_by_persona_and_session(memory: &SqlMemory) {
-        memory
-            .write(write("cyrene", "", "likes oolong"))
-            .await
-            .unwrap();
-        memory
-            .write(write("cyrene", "s1", "we plan a picnic"))
-            .await
-            .unwrap();
-        memory
-            .write(write("cyrene", "s2", "talking about exams"))
-            .await
-            .unwrap();
-        memory
-            .write(write("hoshi", "", "likes trains"))
-            .await
-            .unwrap();
+        for (persona, session, text) in [
+            ("cyrene", "", "likes oolong"),
+            ("cyrene", "s1", "we plan a picnic"),
+            ("cyrene", "s2", "talking about exams"),
+            ("hoshi", "", "likes trains"),
+        ] {
+            memory.write(write(persona, session, text)).await.unwrap();
+        }
 
         let s1 = memory.read(read("cyrene", "s1")).await.unwrap();
         assert_eq!(texts(&s1.working_memory), ["we plan a picnic"]);
@@ -292,22 +284,18 @@ mod tests {
 
         // Bad input.
         let code = |r: Result<MemoryWriteAck, ErrorBody>| r.unwrap_err().code;
-        assert_eq!(
-            code(memory.write(write("cyrene", "", " ")).await),
-            ErrorCode::BadRequest
-        );
-        assert_eq!(
-            code(memory.write(write("cyrene", "", "a\nb")).await),
-            ErrorCode::BadRequest
-        );
-        assert_eq!(
-            code(memory.write(write("a.b", "", "x")).await),
-            ErrorCode::BadRequest
-        );
-        assert_eq!(
-            code(memory.write(write("cyrene", "s>", "x")).await),
-            ErrorCode::BadRequest
-        );
+        for (persona, session, text) in [
+            ("cyrene", "", " "),
+            ("cyrene", "", "a\nb"),
+            ("a.b", "", "x"),
+            ("cyrene", "s>", "x"),
+        ] {
+            assert_eq!(
+                code(memory.write(write(persona, session, text)).await),
+                ErrorCode::BadRequest,
+                "{persona:?} {session:?} {text:?}"
+            );
+        }
         let long = "x".repeat(MAX_ENTRY_BYTES + 1);
         assert_eq!(
             code(memory.write(write("cyrene", "", &long)).await),

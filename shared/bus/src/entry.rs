@@ -50,7 +50,8 @@ pub struct HealthArgs {
 }
 
 /// The flags every service binary shares, flattened once into each `Args`:
-/// `#[command(flatten)] pub common: ServiceFlags`.
+/// `#[command(flatten)] pub common: ServiceFlags`. [`main`] reads them from the same command
+/// line as the `Args` ([`crate::env::parse_with_part`]).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServiceFlags {
     /// How to reach the bus (URLs and credentials).
@@ -61,13 +62,10 @@ pub struct ServiceFlags {
     pub health: HealthArgs,
 }
 
-/// The flags and env of a service binary.
+/// The flags and env of a service binary; they flatten [`ServiceFlags`].
 pub trait ServiceArgs: clap::Parser + Sized {
     /// What the service's `run` takes.
     type Config;
-
-    /// The flags every service has ([`ServiceFlags`]).
-    fn common(&self) -> &ServiceFlags;
 
     /// The checked configuration, or every problem with it.
     fn into_config(self) -> Result<Self::Config, Problems>;
@@ -101,7 +99,9 @@ where
     Fut: Future<Output = Result<(), E>>,
     E: RunError,
 {
-    let (args, warnings) = match crate::env::parse::<A>(std::env::args_os(), &crate::env::process) {
+    let parsed =
+        crate::env::parse_with_part::<A, ServiceFlags>(std::env::args_os(), &crate::env::process);
+    let (args, common, warnings) = match parsed {
         Ok(parsed) => parsed,
         // --help and --version exit 0, a flag clap refuses 2.
         Err(err) => err.exit(),
@@ -110,8 +110,8 @@ where
     for warning in &warnings {
         warning.log();
     }
-    let health_addr = args.common().health.health_addr;
-    let bus = args.common().bus.config(service, ConnectMode::Service);
+    let health_addr = common.health.health_addr;
+    let bus = common.bus.config(service, ConnectMode::Service);
     let config = match (bus.as_ref(), args.into_config()) {
         (Ok(_), Ok(config)) => config,
         (bus, config) => {

@@ -194,10 +194,33 @@ pub fn parse<A: clap::Parser>(
     argv: impl IntoIterator<Item = impl Into<OsString>>,
     env: Lookup<'_>,
 ) -> Result<(A, Vec<Warning>), clap::Error> {
+    let (argv, warnings) = with_legacy_flags::<A>(argv, env);
+    Ok((A::try_parse_from(argv)?, warnings))
+}
+
+/// [`parse`], also reading `P`, a part flattened into `A`, from the same command line: how
+/// [`crate::entry::main`] reads the flags every service shares.
+pub fn parse_with_part<A: clap::Parser, P: clap::FromArgMatches>(
+    argv: impl IntoIterator<Item = impl Into<OsString>>,
+    env: Lookup<'_>,
+) -> Result<(A, P, Vec<Warning>), clap::Error> {
+    let (argv, warnings) = with_legacy_flags::<A>(argv, env);
+    let mut matches = A::command().try_get_matches_from(argv)?;
+    let typed = |err: clap::Error| err.format(&mut A::command());
+    let part = P::from_arg_matches(&matches).map_err(typed)?;
+    let args = A::from_arg_matches_mut(&mut matches).map_err(typed)?;
+    Ok((args, part, warnings))
+}
+
+/// `argv` with the [`legacy_flags`] of [`RENAMED`] appended, and their warnings.
+fn with_legacy_flags<A: clap::CommandFactory>(
+    argv: impl IntoIterator<Item = impl Into<OsString>>,
+    env: Lookup<'_>,
+) -> (Vec<OsString>, Vec<Warning>) {
     let mut argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
     let (flags, warnings) = legacy_flags(&A::command(), &argv, RENAMED, env);
     argv.extend(flags);
-    Ok((A::try_parse_from(argv)?, warnings))
+    (argv, warnings)
 }
 
 #[cfg(test)]
@@ -235,6 +258,33 @@ mod tests {
         let (flags, warnings) = legacy_flags(&Args::command(), &argv, TABLE, &lookup);
         argv.extend(flags);
         (Args::try_parse_from(argv).unwrap(), warnings)
+    }
+
+    /// A part flattened into a command, as [`crate::entry::ServiceFlags`] is into every `Args`.
+    #[derive(Debug, Clone, PartialEq, clap::Args)]
+    struct Part {
+        #[arg(long, env = "CYRENE_TESTSVC_LEVEL", default_value_t = 1)]
+        level: u32,
+    }
+
+    #[derive(Debug, Parser)]
+    struct WithPart {
+        #[command(flatten)]
+        part: Part,
+        #[arg(long, env = "CYRENE_TESTSVC_WINDOW", default_value_t = 40)]
+        window: usize,
+    }
+
+    #[test]
+    fn a_flattened_part_is_read_from_the_same_command_line() {
+        let none = |_: &str| None;
+        let argv = ["svc", "--level", "3", "--window", "7"];
+        let (args, part, warnings) = parse_with_part::<WithPart, Part>(argv, &none).unwrap();
+        assert_eq!(part, Part { level: 3 });
+        assert_eq!((args.part, args.window), (part, 7));
+        assert!(warnings.is_empty());
+        let (_, part, _) = parse_with_part::<WithPart, Part>(["svc"], &none).unwrap();
+        assert_eq!(part.level, 1, "the part's defaults apply");
     }
 
     #[test]

@@ -40,6 +40,24 @@ pub struct Checkpoint {
     pub updated_at: Option<String>,
 }
 
+impl Checkpoint {
+    /// An unfenced save of `agent_id`'s `state` at `step`, as a caller sends it: id
+    /// [`checkpoint_id`]`(agent_id, None, step)`, no fence, no base, no timestamps.
+    pub fn unfenced(agent_id: &str, step: u32, state: JsonObject) -> Self {
+        Checkpoint {
+            id: checkpoint_id(agent_id, None, step),
+            agent_id: agent_id.to_owned(),
+            step,
+            state,
+            turn_id: None,
+            attempt: None,
+            base: None,
+            created_at: None,
+            updated_at: None,
+        }
+    }
+}
+
 /// What the loop worker saves after every step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointState {
@@ -269,17 +287,7 @@ mod tests {
             serde_json::to_value(&state).unwrap()
         );
         let state = JsonObject::encode(&borrowed).unwrap();
-        let cp = Checkpoint {
-            id: checkpoint_id("s1", None, 3),
-            agent_id: "s1".into(),
-            step: 3,
-            state,
-            turn_id: None,
-            attempt: None,
-            base: None,
-            created_at: None,
-            updated_at: None,
-        };
+        let cp = Checkpoint::unfenced("s1", 3, state);
         let doc = json!({"id":"s1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
             {"role":"user","content":[{"type":"text","text":"hi"}]}],"stop_reason":"tool_calls",
             "turn_id":"t1"}});

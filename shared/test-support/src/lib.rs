@@ -12,7 +12,9 @@
 //! - [`RawConnection`]: a hand-written client connection for publishing what a
 //!   client library will not (malformed header blocks, [`MALFORMED_HEADER_BLOCKS`]);
 //! - [`NatsCluster`]: several JetStream nodes routed into one cluster, each
-//!   node a [`NatsServer`] that can be killed and restarted on its own.
+//!   node a [`NatsServer`] that can be killed and restarted on its own;
+//! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests;
+//! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -76,7 +78,9 @@
 mod binary;
 mod cluster;
 pub mod echo;
+pub mod fixtures;
 pub mod micro;
+pub mod pdf;
 mod probe;
 pub mod raw;
 pub mod rng;

@@ -56,17 +56,7 @@ pub fn checkpoint(owner: &str, step: u32, note: &str) -> Checkpoint {
     let Value::Object(state) = json!({"step": step, "messages": [], "note": note}) else {
         unreachable!()
     };
-    Checkpoint {
-        id: format!("{owner}:{step}"),
-        agent_id: owner.to_owned(),
-        step,
-        state: state.into(),
-        turn_id: None,
-        attempt: None,
-        base: None,
-        created_at: None,
-        updated_at: None,
-    }
+    Checkpoint::unfenced(owner, step, state.into())
 }
 
 /// `checkpoint` with a fencing token.

@@ -91,9 +91,10 @@ pub enum StoreError {
     /// Fenced off (an older attempt) or too late (the turn already completed).
     #[error("{0}")]
     Conflict(String),
-    /// The database cannot be reached or is busy; retrying later may succeed.
-    #[error("database unavailable: {0}")]
-    Unavailable(String),
+    /// A query failed: `unavailable` when the database cannot be reached or is busy (retrying
+    /// later may succeed), else `internal`.
+    #[error(transparent)]
+    Query(#[from] cyrene_sql::QueryError),
     /// Opening the database or applying the migrations failed.
     #[error("could not open the database: {0}")]
     Open(String),
@@ -108,7 +109,8 @@ impl StoreError {
             StoreError::BadRequest(_) => ErrorCode::BadRequest,
             StoreError::NotFound(_) => ErrorCode::NotFound,
             StoreError::Conflict(_) => ErrorCode::Conflict,
-            StoreError::Unavailable(_) | StoreError::Open(_) => ErrorCode::Unavailable,
+            StoreError::Query(err) => err.code(),
+            StoreError::Open(_) => ErrorCode::Unavailable,
             StoreError::Internal(_) => ErrorCode::Internal,
         }
     }
@@ -131,13 +133,10 @@ impl From<JobError> for StoreError {
     }
 }
 
+/// Classified by [`cyrene_sql::QueryError`], like every SQL-backed service.
 impl From<sqlx::Error> for StoreError {
     fn from(err: sqlx::Error) -> Self {
-        if cyrene_sql::is_unavailable(&err) {
-            StoreError::Unavailable(err.to_string())
-        } else {
-            StoreError::Internal(err.to_string())
-        }
+        StoreError::Query(err.into())
     }
 }
 

@@ -1,0 +1,29 @@
+//! Protocol values that the tests of several crates start from.
+
+use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::session::SessionEnv;
+use cyrene_protocol::turn::TurnJob;
+
+/// A turn job of the built-in persona `cyrene` (昔涟, "You are Cyrene.") for session `session`,
+/// answering the user message `text` (id `{turn_id}-m`), with 8 steps and no deadline.
+pub fn turn_job(turn_id: &str, session: &str, text: &str) -> TurnJob {
+    TurnJob {
+        turn_id: turn_id.to_owned(),
+        session_id: session.to_owned(),
+        leg_id: String::new(),
+        env: SessionEnv {
+            restricted: false,
+            persona: "cyrene".into(),
+        },
+        instructions: "You are Cyrene.".into(),
+        persona_names: [("cyrene".to_owned(), "昔涟".to_owned())].into(),
+        messages: vec![Message::text(Role::User, text)],
+        message_ids: vec![format!("{turn_id}-m")],
+        base_seq: 1,
+        notice: None,
+        max_steps: 8,
+        deadline_unix_ms: None,
+        tools: None,
+        ask_chain: Vec::new(),
+    }
+}
