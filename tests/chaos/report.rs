@@ -303,13 +303,14 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                 continue;
             }
             let last = acts.iter().rev().find(|(at, _)| *at <= kill.at);
-            if last.is_none_or(|(_, by)| by != inbox) {
+            let killed = |by: &str| by == inbox || kill.also.iter().any(|a| a == by);
+            if last.is_none_or(|(_, by)| !killed(by)) {
                 continue;
             }
             f.interrupted += 1;
             let next = inputs.wire.model_requests.iter().find(|r| {
                 r.at > kill.at
-                    && r.inbox != *inbox
+                    && !killed(&r.inbox)
                     && turn_of_primary(&r.primary).as_deref() == Some(turn)
             });
             let Some(next) = next else {

@@ -115,6 +115,11 @@ impl Wire {
                 .await
                 .unwrap(),
             client.subscribe(subjects::MODEL_COMPLETE).await.unwrap(),
+            // A turn's steps call the model streamed (docs/model-gateway.md, "Streaming").
+            client
+                .subscribe(subjects::MODEL_COMPLETE_STREAM)
+                .await
+                .unwrap(),
             client.subscribe(subjects::TURN_STEER).await.unwrap(),
             client.subscribe(subjects::TURN_COMPLETE).await.unwrap(),
             client.subscribe(subjects::CHECKPOINT_SAVE).await.unwrap(),
@@ -149,7 +154,7 @@ fn record(log: &Mutex<WireLog>, m: async_nats::Message) {
                 log.jobs.push(JobSeen { at, job });
             }
         }
-        subjects::MODEL_COMPLETE => {
+        subjects::MODEL_COMPLETE | subjects::MODEL_COMPLETE_STREAM => {
             let Ok(body) = serde_json::from_slice::<Value>(&m.payload) else {
                 return;
             };

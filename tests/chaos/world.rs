@@ -74,6 +74,9 @@ pub struct WorkerKill {
     pub n: usize,
     pub pid: u32,
     pub inbox: Option<String>,
+    /// The killed worker's other reply inboxes (its streamed model calls' shared inbox), from
+    /// the same connection: requests from them are the killed worker's too.
+    pub also: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -310,15 +313,20 @@ impl World {
     async fn learn_worker_inbox(&self) -> Option<String> {
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            let inboxes = {
+            let connections = {
                 let bus = self.bus.lock().unwrap();
                 worker_inboxes(&bus)
             };
             {
+                // A new worker is a connection none of whose inboxes is known yet (a known
+                // worker's stream inbox appears later, beside its request inbox).
                 let mut known = self.known_inboxes.lock().unwrap();
-                if let Some(new) = inboxes.into_iter().find(|i| !known.contains(i)) {
-                    known.insert(new.clone());
-                    return Some(new);
+                if let Some(new) = connections
+                    .into_iter()
+                    .find(|c| !c.is_empty() && c.iter().all(|i| !known.contains(i)))
+                {
+                    known.extend(new.iter().cloned());
+                    return new.into_iter().next();
                 }
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -348,12 +356,26 @@ impl World {
                 .map(|r| r.inbox.clone())
                 .collect()
         };
+        let connections = {
+            let bus = self.bus.lock().unwrap();
+            worker_inboxes(&bus)
+        };
+        // Every inbox of a worker's connection (request inbox first, stream inbox beside it).
+        let inboxes_of = |inbox: &Option<String>| -> Vec<String> {
+            let Some(inbox) = inbox else {
+                return Vec::new();
+            };
+            connections
+                .iter()
+                .find(|c| c.contains(inbox))
+                .cloned()
+                .unwrap_or_else(|| vec![inbox.clone()])
+        };
         let candidates: Vec<usize> = (0..procs.workers.len())
             .filter(|i| {
-                procs.workers[*i]
-                    .inbox
-                    .as_ref()
-                    .is_some_and(|inbox| busy.contains(inbox))
+                inboxes_of(&procs.workers[*i].inbox)
+                    .iter()
+                    .any(|inbox| busy.contains(inbox))
             })
             .collect();
         let index = if candidates.is_empty() {
@@ -362,6 +384,10 @@ impl World {
             candidates[pick % candidates.len()]
         };
         let mut worker = procs.workers.remove(index);
+        let also: Vec<String> = inboxes_of(&worker.inbox)
+            .into_iter()
+            .filter(|i| Some(i) != worker.inbox.as_ref())
+            .collect();
         let _ = worker.child.start_kill();
         let at = Instant::now();
         let _ = worker.child.wait().await;
@@ -370,6 +396,7 @@ impl World {
             n: worker.n,
             pid: worker.pid,
             inbox: worker.inbox.clone(),
+            also,
         };
         self.kills.lock().unwrap().push(kill.clone());
         Some(kill)
@@ -488,7 +515,7 @@ pub fn send_request(
 }
 
 /// Inboxes of the loop worker connections on every running node (`/connz`).
-fn worker_inboxes(bus: &Bus) -> Vec<String> {
+fn worker_inboxes(bus: &Bus) -> Vec<Vec<String>> {
     let mut found = Vec::new();
     for node in bus.nodes() {
         let Some(connz) = node.monitor_json("/connz?subs=1&limit=4096") else {
@@ -500,13 +527,16 @@ fn worker_inboxes(bus: &Bus) -> Vec<String> {
                 .as_array()
                 .cloned()
                 .unwrap_or_default();
-            for s in subs {
-                if let Some(sub) = s.as_str()
-                    && sub.starts_with(WORKER_INBOX_PREFIX)
-                    && let Some(inbox) = sub.strip_suffix(".*")
-                {
-                    found.push(inbox.to_owned());
-                }
+            let mut inboxes: Vec<String> = subs
+                .iter()
+                .filter_map(|s| s.as_str())
+                .filter(|sub| sub.starts_with(WORKER_INBOX_PREFIX))
+                .filter_map(|sub| sub.strip_suffix(".*"))
+                .map(str::to_owned)
+                .collect();
+            inboxes.sort();
+            if !inboxes.is_empty() {
+                found.push(inboxes);
             }
         }
     }
