@@ -382,6 +382,8 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
         purpose: "chat".to_owned(),
         ..Default::default()
     };
+    // Streamed the way the worker streams: through one shared reply subscription.
+    let inbox = cyrene_bus::model_stream::StreamInbox::new(real.client.clone());
     let (mut plain, mut streamed) = (Vec::new(), Vec::new());
     for i in 0..400 {
         let start = Instant::now();
@@ -394,14 +396,10 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
         .await
         .unwrap();
         let middle = Instant::now();
-        cyrene_bus::model_stream::complete_stream(
-            &real.client,
-            &request,
-            Duration::from_secs(10),
-            |_, _| {},
-        )
-        .await
-        .unwrap();
+        inbox
+            .complete_stream(&request, Duration::from_secs(10), |_, _| {})
+            .await
+            .unwrap();
         if i >= 50 {
             plain.push(middle - start);
             streamed.push(middle.elapsed());
