@@ -19,7 +19,7 @@ use cyrene_protocol::stream::{Delta, StreamChunk};
 use cyrene_protocol::subjects;
 use futures::{Stream, StreamExt};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, mpsc};
@@ -52,14 +52,11 @@ pub struct StreamInbox {
     prefix: String,
     routes: Routes,
     next: AtomicU64,
+    closed: Arc<AtomicBool>,
     router: OnceCell<RouterTask>,
 }
 
-type Routes = Arc<Mutex<HashMap<u64, mpsc::Sender<async_nats::Message>>>>;
-
-/// How many replies one call may have waiting; past that they are dropped, which the call sees
-/// as a gap in `seq` (an error), as a slow subscription of its own would.
-const ROUTE_CAPACITY: usize = 1024;
+type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<async_nats::Message>>>>;
 
 /// The task handing each reply to its call; aborted with the `StreamInbox`.
 #[derive(Debug)]
@@ -85,7 +82,7 @@ impl Drop for Route<'_> {
 
 fn lock(
     routes: &Routes,
-) -> std::sync::MutexGuard<'_, HashMap<u64, mpsc::Sender<async_nats::Message>>> {
+) -> std::sync::MutexGuard<'_, HashMap<u64, mpsc::UnboundedSender<async_nats::Message>>> {
     routes
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -99,6 +96,7 @@ impl StreamInbox {
             prefix,
             routes: Routes::default(),
             next: AtomicU64::new(0),
+            closed: Arc::new(AtomicBool::new(false)),
             router: OnceCell::new(),
         }
     }
@@ -109,7 +107,7 @@ impl StreamInbox {
             .subscribe(format!("{}.*", self.prefix))
             .await
             .map_err(|e| transport(&e))?;
-        let routes = self.routes.clone();
+        let (routes, closed) = (self.routes.clone(), self.closed.clone());
         Ok(RouterTask(tokio::spawn(async move {
             while let Some(message) = replies.next().await {
                 let token = message
@@ -119,11 +117,11 @@ impl StreamInbox {
                     .and_then(|t| t.parse().ok());
                 let route = token.and_then(|t: u64| lock(&routes).get(&t).cloned());
                 if let Some(route) = route {
-                    let _ = route.try_send(message);
+                    let _ = route.send(message);
                 }
             }
-            // The client is gone: every waiting call hears it at once (its sender is dropped);
-            // later ones see the task finished.
+            // The client is gone: every waiting call hears it at once, later ones are refused.
+            closed.store(true, Ordering::SeqCst);
             lock(&routes).clear();
         })))
     }
@@ -136,16 +134,15 @@ impl StreamInbox {
         on_delta: impl FnMut(u64, Delta),
     ) -> Result<ModelResponse, RequestError> {
         let payload = encode(&self.client, request)?;
-        let router = self.router.get_or_try_init(|| self.start()).await?;
+        self.router.get_or_try_init(|| self.start()).await?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(ROUTE_CAPACITY);
+        let (tx, rx) = mpsc::unbounded_channel();
         lock(&self.routes).insert(token, tx);
         let _route = Route {
             routes: &self.routes,
             token,
         };
-        // Checked after the route is in: a router ending later still clears it.
-        if router.0.is_finished() {
+        if self.closed.load(Ordering::SeqCst) {
             return Err(transport(&"the reply subscription closed"));
         }
         let replies = futures::stream::unfold(rx, |mut rx| async move {
