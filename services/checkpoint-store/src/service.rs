@@ -23,8 +23,6 @@ use crate::{Error, SERVICE_NAME};
 use async_nats::Client;
 use chrono::Utc;
 use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
-use cyrene_bus::service::WireError;
-use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{ServeOptions, page_within, reply_budget};
 use cyrene_protocol::checkpoint::owner_person;
 use cyrene_protocol::checkpoint::{
@@ -32,7 +30,7 @@ use cyrene_protocol::checkpoint::{
 };
 use cyrene_protocol::error::{ErrorBody, ErrorCode};
 use cyrene_protocol::subjects;
-use std::collections::HashMap;
+use cyrene_sql::bounded;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -50,14 +48,11 @@ pub async fn serve<S: CheckpointStore>(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let store = Arc::new(store);
-    let spec = ServiceSpec {
-        name: SERVICE_NAME,
-        version: env!("CARGO_PKG_VERSION"),
-        description: "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, \
-                      list, retain"
-            .to_owned(),
-        metadata: HashMap::new(),
-    };
+    let spec = ServiceSpec::new(
+        SERVICE_NAME,
+        env!("CARGO_PKG_VERSION"),
+        "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, list, retain",
+    );
     let endpoints = endpoints(&store, config, reply_budget(&client));
     let mut host = Host::start(&client, spec, endpoints, shutdown.clone()).await?;
     // Registered, and the database opened (with its migrations) by `run`: ready while the

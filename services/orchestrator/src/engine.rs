@@ -23,7 +23,6 @@ use crate::store::{NewMessage, NewTurn, Pushed, Store};
 use async_nats::jetstream;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
-use cyrene_bus::service::database_call as bounded;
 use cyrene_bus::service::{page_within, reply_budget};
 use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
@@ -37,6 +36,7 @@ use cyrene_protocol::turn::{
     SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnOutcome,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_sql::bounded;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;

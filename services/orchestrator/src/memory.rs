@@ -11,13 +11,13 @@
 //! - Every entry is one line of at most [`MAX_ENTRY_BYTES`] bytes, checked on write.
 
 use crate::store::{StoreError, now_ms};
-use cyrene_bus::service::database_call;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::memory::{
     MAX_ENTRY_BYTES, MAX_READ_ENTRIES, MemoryEntry, MemoryForgetAck, MemoryForgetRequest,
     MemoryReadRequest, MemoryReadResponse, MemoryWriteAck, MemoryWriteRequest,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_sql::bounded;
 use sqlx::{AnyPool, Row};
 use std::future::Future;
 use std::time::Duration;
@@ -165,20 +165,20 @@ impl SqlMemory {
 impl MemoryStore for SqlMemory {
     async fn read(&self, req: MemoryReadRequest) -> Result<MemoryReadResponse, ErrorBody> {
         check_ids(&req.persona_id, &req.session_id)?;
-        database_call(self.timeout, self.read_both(&req)).await
+        bounded(self.timeout, self.read_both(&req)).await
     }
 
     async fn write(&self, req: MemoryWriteRequest) -> Result<MemoryWriteAck, ErrorBody> {
         check_ids(&req.persona_id, &req.session_id)?;
         check_text(&req.text)?;
         let id = format!("m-{}", ids::new_id());
-        database_call(self.timeout, self.insert(&req, &id)).await?;
+        bounded(self.timeout, self.insert(&req, &id)).await?;
         Ok(MemoryWriteAck { id })
     }
 
     async fn forget(&self, req: MemoryForgetRequest) -> Result<MemoryForgetAck, ErrorBody> {
         check_ids(&req.persona_id, "")?;
-        let forgotten = database_call(self.timeout, self.delete(&req)).await?;
+        let forgotten = bounded(self.timeout, self.delete(&req)).await?;
         Ok(MemoryForgetAck { forgotten })
     }
 }

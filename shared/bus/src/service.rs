@@ -43,39 +43,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// A failure that knows its place in the wire error set.
-pub trait WireError: std::fmt::Display {
-    fn to_body(&self) -> ErrorBody;
-}
-
-/// Runs a database operation within `limit`: a failure keeps its code, a timeout becomes
-/// `unavailable` (a silent database never hangs a request); what an operator should see is
-/// logged (`unavailable` as WARN, `internal` as ERROR).
-pub async fn database_call<T, E: WireError>(
-    limit: Duration,
-    op: impl Future<Output = Result<T, E>>,
-) -> Result<T, ErrorBody> {
-    match tokio::time::timeout(limit, op).await {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => {
-            let body = err.to_body();
-            match body.code {
-                ErrorCode::Unavailable => tracing::warn!(error = %err, "database unavailable"),
-                ErrorCode::Internal => tracing::error!(error = %err, "database error"),
-                _ => {}
-            }
-            Err(body)
-        }
-        Err(_) => {
-            tracing::warn!(after = ?limit, "database did not answer in time");
-            Err(ErrorBody::new(
-                ErrorCode::Unavailable,
-                format!("the database did not answer within {limit:?}"),
-            ))
-        }
-    }
-}
-
 /// The micro error headers for `err`.
 pub fn error_headers(err: &ErrorBody) -> HeaderMap {
     let mut headers = HeaderMap::new();

@@ -5,6 +5,8 @@
 //! - [`is_unavailable`]: which sqlx failures mean "down, busy or going away" (answered
 //!   `unavailable`, retryable) rather than a bug (`internal`), and [`QueryError`], a failed
 //!   query so classified, with its wire code;
+//! - [`StoreError`]: the one error of a store operation, each variant one wire code, and
+//!   [`bounded`], the one time limit on a store call;
 //! - [`PoolSettings`], [`SqliteSettings`]: how a pool is sized and an SQLite file is opened;
 //! - [`Migrations`] ([`migrations!`]): the one migrations layout, `migrations/{postgres,sqlite}`
 //!   beside each service's `Cargo.toml`;
@@ -14,11 +16,13 @@
 //! Each service keeps its own migration files and its own queries.
 
 mod classify;
+mod error;
 mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use classify::{QueryError, is_unavailable};
+pub use error::{StoreError, bounded};
 pub use pool::{Migrations, OpenError, PoolSettings, SqliteSettings};
 
 use std::path::Path;

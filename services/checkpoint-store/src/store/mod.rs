@@ -40,12 +40,12 @@ pub use postgres::PgStore;
 pub use sqlite::SqliteStore;
 
 use chrono::{DateTime, Utc};
+use cyrene_protocol::JsonObject;
 use cyrene_protocol::checkpoint::{
     Checkpoint, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, RetainMode, RetainRequest, checkpoint_id,
     validate_owner,
 };
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
-use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
 use std::future::Future;
 use std::time::Duration;
 
@@ -85,59 +85,8 @@ impl Default for StoreOptions {
     }
 }
 
-/// Why a store operation failed; each variant maps onto one wire [`ErrorCode`].
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The input is invalid (owner key, id, fencing fields, limits, retention mode).
-    #[error("{0}")]
-    BadRequest(String),
-    /// No such checkpoint.
-    #[error("{0}")]
-    NotFound(String),
-    /// Fenced off: a newer attempt of the turn has already written.
-    #[error("{0}")]
-    Conflict(String),
-    /// The serialised state is over the configured limit.
-    #[error("state is {size} bytes; the limit is {max}")]
-    TooLarge { size: usize, max: usize },
-    /// A query failed: `unavailable` when the database cannot be reached or is busy (retrying
-    /// later may succeed), else `internal`.
-    #[error(transparent)]
-    Query(#[from] cyrene_sql::QueryError),
-    /// Opening the database or applying the migrations failed.
-    #[error("could not open the database: {0}")]
-    Open(String),
-    /// A row that cannot be represented (a bug or a corrupt row).
-    #[error("database error: {0}")]
-    Internal(String),
-}
-
-impl StoreError {
-    /// The wire code of this failure.
-    pub fn code(&self) -> ErrorCode {
-        match self {
-            StoreError::BadRequest(_) => ErrorCode::BadRequest,
-            StoreError::NotFound(_) => ErrorCode::NotFound,
-            StoreError::Conflict(_) => ErrorCode::Conflict,
-            StoreError::TooLarge { .. } => ErrorCode::TooLarge,
-            StoreError::Query(err) => err.code(),
-            StoreError::Open(_) => ErrorCode::Unavailable,
-            StoreError::Internal(_) => ErrorCode::Internal,
-        }
-    }
-}
-
-/// The error envelope body sent to the caller.
-impl cyrene_bus::service::WireError for StoreError {
-    fn to_body(&self) -> ErrorBody {
-        ErrorBody::new(self.code(), self.to_string())
-    }
-}
-
-/// Maps a database failure onto [`StoreError::Query`] ([`cyrene_sql::QueryError`]).
-pub(crate) fn classify(err: sqlx::Error) -> StoreError {
-    StoreError::Query(err.into())
-}
+/// Why a store operation failed: the one error of both SQL services ([`cyrene_sql::StoreError`]).
+pub use cyrene_sql::StoreError;
 
 /// The per-step snapshot store (docs/architecture.md §3). Implemented once per SQL backend.
 ///
@@ -591,6 +540,7 @@ pub(crate) fn no_checkpoint(what: &str) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cyrene_protocol::ErrorCode;
     use serde_json::json;
 
     fn cp(id: &str, agent: &str, step: u32) -> Checkpoint {

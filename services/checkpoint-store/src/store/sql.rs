@@ -14,8 +14,7 @@
 
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
-    classify, cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save,
-    retain_mode,
+    cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -138,7 +137,7 @@ macro_rules! on_every_dialect {
 /// A non-NULL timestamp column as text.
 fn ts<D: Dialect>(row: &D::Row, column: &str) -> Result<String, StoreError> {
     D::ts_text(row, column)
-        .map_err(classify)?
+        .map_err(StoreError::from)?
         .ok_or_else(|| StoreError::Internal(format!("{column} is NULL")))
 }
 
@@ -152,7 +151,7 @@ on_every_dialect! {
         let stored = Self::bind_row(sqlx::query(D::UPSERT), row)
             .fetch_one(conn)
             .await
-            .map_err(classify)?;
+            .map_err(StoreError::from)?;
         Ok((
             ts::<D>(&stored, "created_at")?,
             ts::<D>(&stored, "updated_at")?,
@@ -186,9 +185,9 @@ on_every_dialect! {
         let recorded: i64 = D::bind_ts(query, now)
             .fetch_one(conn)
             .await
-            .map_err(classify)?
+            .map_err(StoreError::from)?
             .try_get(0usize)
-            .map_err(classify)?;
+            .map_err(StoreError::from)?;
         if recorded > fence.attempt {
             return Err(fenced(fence, recorded));
         }
@@ -209,10 +208,10 @@ on_every_dialect! {
         let stored = Self::bind_row(sqlx::query(sql), row)
             .fetch_one(conn)
             .await
-            .map_err(classify)?;
-        let recorded: i64 = stored.try_get("max_attempt").map_err(classify)?;
-        let created = D::ts_text(&stored, "created_at").map_err(classify)?;
-        let updated = D::ts_text(&stored, "updated_at").map_err(classify)?;
+            .map_err(StoreError::from)?;
+        let recorded: i64 = stored.try_get("max_attempt").map_err(StoreError::from)?;
+        let created = D::ts_text(&stored, "created_at").map_err(StoreError::from)?;
+        let updated = D::ts_text(&stored, "updated_at").map_err(StoreError::from)?;
         match (created, updated) {
             (Some(created), Some(updated)) if recorded <= fence.attempt => Ok((created, updated)),
             _ => Err(fenced(fence, recorded)),
@@ -222,17 +221,17 @@ on_every_dialect! {
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
         let (created, updated) = match (&row.fence, &row.base) {
             (None, _) => {
-                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
                 Self::upsert(&mut conn, &row).await?
             }
             // One statement: atomic without a transaction, one round trip.
             (Some(fence), None) if D::FENCED_UPSERT.is_some() => {
-                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }
             (Some(fence), base) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+                let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
                 let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;
                 if let Some(base) = base {
                     // A turn (re)starting from its base: the rows of any earlier start are no
@@ -245,16 +244,16 @@ on_every_dialect! {
                     D::bind_ts(query, row.now)
                         .execute(&mut *tx)
                         .await
-                        .map_err(classify)?;
+                        .map_err(StoreError::from)?;
                     sqlx::query(D::DROP_EARLIER_START)
                         .bind(row.agent_id.as_str())
                         .bind(fence.turn_id.as_str())
                         .bind(row.id.as_str())
                         .execute(&mut *tx)
                         .await
-                        .map_err(classify)?;
+                        .map_err(StoreError::from)?;
                 }
-                tx.commit().await.map_err(classify)?;
+                tx.commit().await.map_err(StoreError::from)?;
                 stored
             }
         };
@@ -269,14 +268,14 @@ on_every_dialect! {
                 .bind(turn_id.as_str())
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(classify)?;
+                .map_err(StoreError::from)?;
             let chain: Vec<String> = sqlx::query_scalar(D::CHAIN)
                 .bind(agent_id.as_str())
                 .bind(turn_id.as_str())
                 .bind(step)
                 .fetch_all(&self.pool)
                 .await
-                .map_err(classify)?;
+                .map_err(StoreError::from)?;
             Ok((base, chain))
         })
         .await
@@ -285,13 +284,13 @@ on_every_dialect! {
     /// The columns of a read row.
     fn raw(row: &D::Row) -> Result<RawRow, StoreError> {
         Ok(RawRow {
-            id: row.try_get("id").map_err(classify)?,
-            agent_id: row.try_get("agent_id").map_err(classify)?,
-            step: row.try_get("step").map_err(classify)?,
-            state: row.try_get("state").map_err(classify)?,
-            turn_id: row.try_get("turn_id").map_err(classify)?,
-            attempt: row.try_get("attempt").map_err(classify)?,
-            delta_from: row.try_get("delta_from").map_err(classify)?,
+            id: row.try_get("id").map_err(StoreError::from)?,
+            agent_id: row.try_get("agent_id").map_err(StoreError::from)?,
+            step: row.try_get("step").map_err(StoreError::from)?,
+            state: row.try_get("state").map_err(StoreError::from)?,
+            turn_id: row.try_get("turn_id").map_err(StoreError::from)?,
+            attempt: row.try_get("attempt").map_err(StoreError::from)?,
+            delta_from: row.try_get("delta_from").map_err(StoreError::from)?,
             created_at: ts::<D>(row, "created_at")?,
             updated_at: ts::<D>(row, "updated_at")?,
         })
@@ -324,7 +323,7 @@ on_every_dialect! {
             .bind(agent_id)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(StoreError::from)?;
         self.found(row, &format!("agent_id {agent_id}")).await
     }
 
@@ -344,19 +343,19 @@ on_every_dialect! {
         let row = match fence {
             None => read().fetch_optional(&self.pool).await,
             Some(fence) if D::RAISE_COMMITS_FIRST => {
-                let mut conn = self.pool.acquire().await.map_err(classify)?;
+                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
                 Self::raise(&mut conn, &fence, now).await?;
                 read().fetch_optional(&mut *conn).await
             }
             Some(fence) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+                let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
                 Self::raise(&mut tx, &fence, now).await?;
-                let row = read().fetch_optional(&mut *tx).await.map_err(classify)?;
+                let row = read().fetch_optional(&mut *tx).await.map_err(StoreError::from)?;
                 tx.commit().await.map(|()| row)
             }
         }
-        .map_err(classify)?;
+        .map_err(StoreError::from)?;
         self.found(row, &format!("agent_id {agent_id} turn {turn_id}"))
             .await
     }
@@ -367,7 +366,7 @@ on_every_dialect! {
             .bind(id)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(StoreError::from)?;
         self.found(row, &format!("id {id}")).await
     }
 
@@ -384,7 +383,7 @@ on_every_dialect! {
                 .bind(id)
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(classify)?
+                .map_err(StoreError::from)?
                 .ok_or_else(|| cursor_gone(id))?,
         };
         let rows = sqlx::query(D::PAGE)
@@ -393,7 +392,7 @@ on_every_dialect! {
             .bind(i64::from(count))
             .fetch_all(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(StoreError::from)?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
             out.push(self.full(row).await?);
@@ -402,7 +401,7 @@ on_every_dialect! {
     }
 
     async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await.map_err(classify)?;
+        let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
         let done = match retain_mode(request)? {
             RetainMode::KeepLast {
                 agent_id,
@@ -412,25 +411,25 @@ on_every_dialect! {
                 .bind(i64::from(keep_last))
                 .execute(&mut *tx)
                 .await
-                .map_err(classify)?,
+                .map_err(StoreError::from)?,
             RetainMode::OlderThan { secs } => {
                 let cut = cutoff(now, secs)?;
                 let done = D::bind_ts(sqlx::query(D::DROP_IDLE_OWNERS), cut)
                     .execute(&mut *tx)
                     .await
-                    .map_err(classify)?;
+                    .map_err(StoreError::from)?;
                 D::bind_ts(sqlx::query(D::DROP_OLD_ATTEMPTS), cut)
                     .execute(&mut *tx)
                     .await
-                    .map_err(classify)?;
+                    .map_err(StoreError::from)?;
                 done
             }
         };
         sqlx::query(D::DROP_ORPHAN_BASES)
             .execute(&mut *tx)
             .await
-            .map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
+            .map_err(StoreError::from)?;
+        tx.commit().await.map_err(StoreError::from)?;
         Ok(D::rows_affected(&done))
     }
 

@@ -55,7 +55,6 @@ use crate::job::{JobError, Pending};
 use cyrene_protocol::message::Message;
 use cyrene_protocol::session::{BusyPolicy, SendAck, SessionEnv};
 use cyrene_protocol::turn::SteeredMessage;
-use cyrene_protocol::{ErrorBody, ErrorCode};
 use sqlx::{Any, AnyPool, Row, Transaction};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -81,62 +80,13 @@ pub const MIGRATIONS_TABLE: &str = "orch_migrations";
 /// Largest number of pending messages one new turn claims at once.
 pub const MAX_BATCH: i64 = 256;
 
-/// Why a store operation failed; each variant maps onto one wire [`ErrorCode`].
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("{0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    NotFound(String),
-    /// Fenced off (an older attempt) or too late (the turn already completed).
-    #[error("{0}")]
-    Conflict(String),
-    /// A query failed: `unavailable` when the database cannot be reached or is busy (retrying
-    /// later may succeed), else `internal`.
-    #[error(transparent)]
-    Query(#[from] cyrene_sql::QueryError),
-    /// Opening the database or applying the migrations failed.
-    #[error("could not open the database: {0}")]
-    Open(String),
-    /// Any other failure (a bug or a corrupt row).
-    #[error("database error: {0}")]
-    Internal(String),
-}
-
-impl StoreError {
-    pub fn code(&self) -> ErrorCode {
-        match self {
-            StoreError::BadRequest(_) => ErrorCode::BadRequest,
-            StoreError::NotFound(_) => ErrorCode::NotFound,
-            StoreError::Conflict(_) => ErrorCode::Conflict,
-            StoreError::Query(err) => err.code(),
-            StoreError::Open(_) => ErrorCode::Unavailable,
-            StoreError::Internal(_) => ErrorCode::Internal,
-        }
-    }
-
-    pub fn to_body(&self) -> ErrorBody {
-        ErrorBody::new(self.code(), self.to_string())
-    }
-}
-
-impl cyrene_bus::service::WireError for StoreError {
-    fn to_body(&self) -> ErrorBody {
-        StoreError::to_body(self)
-    }
-}
+/// Why a store operation failed: the one error of both SQL services ([`cyrene_sql::StoreError`]).
+pub use cyrene_sql::StoreError;
 
 /// A job that cannot be built means a corrupt row or no persona: never the caller's fault.
 impl From<JobError> for StoreError {
     fn from(err: JobError) -> Self {
         StoreError::Internal(err.to_string())
-    }
-}
-
-/// Classified by [`cyrene_sql::QueryError`], like every SQL-backed service.
-impl From<sqlx::Error> for StoreError {
-    fn from(err: sqlx::Error) -> Self {
-        StoreError::Query(err.into())
     }
 }
 
@@ -473,6 +423,7 @@ fn sqlite_url(url: &str) -> Result<String, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cyrene_protocol::ErrorCode;
     use cyrene_protocol::ids::new_id;
 
     #[test]
