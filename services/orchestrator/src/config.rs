@@ -33,22 +33,8 @@ pub struct Config {
     pub window: usize,
     /// Step budget put into every turn job.
     pub max_steps: u32,
-    /// Sessions under the parallel policy: a message from another client while a turn runs starts
-    /// its own leg.
-    pub parallel_sessions: Vec<String>,
-    /// Clients under the parallel policy (their messages start a leg while another client's turn
-    /// runs).
-    pub parallel_clients: Vec<String>,
-    /// Sessions under the enqueue policy: a message sent while a turn runs waits for the next
-    /// turn and is never steered into the running one.
-    pub enqueue_sessions: Vec<String>,
-    /// Clients under the enqueue policy.
-    pub enqueue_clients: Vec<String>,
-    /// Sessions under the reject policy: a message sent while a turn runs is refused with
-    /// `conflict` and nothing is stored.
-    pub reject_sessions: Vec<String>,
-    /// Clients under the reject policy.
-    pub reject_clients: Vec<String>,
+    /// The sessions and clients under a double-texting policy other than `steer`.
+    pub busy: BusyPolicies,
     /// Largest serialised user message `send` accepts (`too_large` above).
     pub max_message_bytes: usize,
     /// Byte budget of a turn job: the oldest window messages are left out to stay under it.
@@ -83,12 +69,7 @@ impl Config {
             personas: Personas::builtin(),
             window: DEFAULT_WINDOW,
             max_steps: DEFAULT_MAX_STEPS,
-            parallel_sessions: Vec::new(),
-            parallel_clients: Vec::new(),
-            enqueue_sessions: Vec::new(),
-            enqueue_clients: Vec::new(),
-            reject_sessions: Vec::new(),
-            reject_clients: Vec::new(),
+            busy: BusyPolicies::default(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_job_bytes: DEFAULT_MAX_JOB_BYTES,
             max_document_bytes: crate::documents::DEFAULT_MAX_DOCUMENT_BYTES,
@@ -141,40 +122,12 @@ impl Config {
                 problems.push(format!("{name} must be at least 1"));
             }
         }
-        for (kind, lists) in [
-            (
-                IdKind::Session,
-                [
-                    ("parallel_sessions", &self.parallel_sessions),
-                    ("enqueue_sessions", &self.enqueue_sessions),
-                    ("reject_sessions", &self.reject_sessions),
-                ],
-            ),
-            (
-                IdKind::Client,
-                [
-                    ("parallel_clients", &self.parallel_clients),
-                    ("enqueue_clients", &self.enqueue_clients),
-                    ("reject_clients", &self.reject_clients),
-                ],
-            ),
-        ] {
-            let mut policy_of = std::collections::BTreeMap::new();
-            for (name, list) in lists {
-                for id in list {
-                    if let Err(e) = ids::validate(kind, id) {
-                        problems.push(format!("{name}: {e}"));
-                    }
-                    if let Some(other) = policy_of.insert(id.as_str(), name)
-                        && other != name
-                    {
-                        problems.push(format!(
-                            "{id:?} is in both {other} and {name}: one policy each"
-                        ));
-                    }
-                }
-            }
-        }
+        self.busy
+            .sessions
+            .check(IdKind::Session, "sessions", &mut problems);
+        self.busy
+            .clients
+            .check(IdKind::Client, "clients", &mut problems);
         self.pool.check(&mut problems);
         if let Err(err) = self.database() {
             problems.push(err.to_string());
@@ -185,26 +138,11 @@ impl Config {
     /// The double-texting policy of a message without its own `when_busy`: its client's list
     /// first, then its session's; `steer` when neither is listed.
     pub fn busy_policy(&self, session_id: &str, client_id: &str) -> BusyPolicy {
-        let listed = |list: &Vec<String>, id: &str| !id.is_empty() && list.iter().any(|x| x == id);
-        let by_client = [
-            (&self.parallel_clients, BusyPolicy::Parallel),
-            (&self.enqueue_clients, BusyPolicy::Enqueue),
-            (&self.reject_clients, BusyPolicy::Reject),
-        ];
-        let by_session = [
-            (&self.parallel_sessions, BusyPolicy::Parallel),
-            (&self.enqueue_sessions, BusyPolicy::Enqueue),
-            (&self.reject_sessions, BusyPolicy::Reject),
-        ];
-        by_client
-            .into_iter()
-            .find(|(list, _)| listed(list, client_id))
-            .or_else(|| {
-                by_session
-                    .into_iter()
-                    .find(|(list, _)| listed(list, session_id))
-            })
-            .map_or(BusyPolicy::Steer, |(_, policy)| policy)
+        self.busy
+            .clients
+            .policy_of(client_id)
+            .or_else(|| self.busy.sessions.policy_of(session_id))
+            .unwrap_or(BusyPolicy::Steer)
     }
 
     /// Which database to open.
@@ -347,12 +285,18 @@ impl Args {
         }
         config.window = self.window;
         config.max_steps = self.max_steps;
-        config.parallel_sessions = clean(&self.parallel_sessions);
-        config.parallel_clients = clean(&self.parallel_clients);
-        config.enqueue_sessions = clean(&self.enqueue_sessions);
-        config.enqueue_clients = clean(&self.enqueue_clients);
-        config.reject_sessions = clean(&self.reject_sessions);
-        config.reject_clients = clean(&self.reject_clients);
+        config.busy = BusyPolicies {
+            sessions: PolicyLists {
+                parallel: clean(&self.parallel_sessions),
+                enqueue: clean(&self.enqueue_sessions),
+                reject: clean(&self.reject_sessions),
+            },
+            clients: PolicyLists {
+                parallel: clean(&self.parallel_clients),
+                enqueue: clean(&self.enqueue_clients),
+                reject: clean(&self.reject_clients),
+            },
+        };
         config.max_message_bytes = self.max_message_bytes;
         config.max_document_bytes = self.max_document_bytes;
         config.ask_timeout = self.ask_timeout;
@@ -365,6 +309,69 @@ impl Args {
         config.max_in_flight = self.max_in_flight;
         config.turns_replicas = self.turns_replicas;
         Ok(config)
+    }
+}
+
+/// Which sessions and which clients are under a double-texting policy other than `steer`
+/// (docs/orchestrator.md); a client's policy comes before its session's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BusyPolicies {
+    pub sessions: PolicyLists,
+    pub clients: PolicyLists,
+}
+
+/// The ids (of sessions, or of clients) under each policy other than `steer`; an id is in one
+/// list at most.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyLists {
+    /// A message from another client while a turn runs starts its own leg.
+    pub parallel: Vec<String>,
+    /// A message sent while a turn runs waits for the next turn and is never steered into the
+    /// running one.
+    pub enqueue: Vec<String>,
+    /// A message sent while a turn runs is refused with `conflict` and nothing is stored.
+    pub reject: Vec<String>,
+}
+
+impl PolicyLists {
+    fn lists(&self) -> [(&'static str, &Vec<String>, BusyPolicy); 3] {
+        [
+            ("parallel", &self.parallel, BusyPolicy::Parallel),
+            ("enqueue", &self.enqueue, BusyPolicy::Enqueue),
+            ("reject", &self.reject, BusyPolicy::Reject),
+        ]
+    }
+
+    /// The policy `id` is listed under (an empty id never is).
+    pub fn policy_of(&self, id: &str) -> Option<BusyPolicy> {
+        if id.is_empty() {
+            return None;
+        }
+        self.lists()
+            .into_iter()
+            .find(|(_, list, _)| list.iter().any(|x| x == id))
+            .map(|(_, _, policy)| policy)
+    }
+
+    /// Adds a problem for every invalid id and every id in two lists; `scope` names the lists
+    /// as the flags do (`parallel_sessions`).
+    fn check(&self, kind: IdKind, scope: &str, problems: &mut Vec<String>) {
+        let mut policy_of = std::collections::BTreeMap::new();
+        for (policy, list, _) in self.lists() {
+            let name = format!("{policy}_{scope}");
+            for id in list {
+                if let Err(e) = ids::validate(kind, id) {
+                    problems.push(format!("{name}: {e}"));
+                }
+                if let Some(other) = policy_of.insert(id.as_str(), name.clone())
+                    && other != name
+                {
+                    problems.push(format!(
+                        "{id:?} is in both {other} and {name}: one policy each"
+                    ));
+                }
+            }
+        }
     }
 }
 
@@ -396,11 +403,11 @@ mod tests {
         c.database_url = Some("mysql://x".into());
         assert!(c.validate().is_err());
         let mut c = Config::new("/tmp/x");
-        c.parallel_clients = vec!["a b".into()];
+        c.busy.clients.parallel = vec!["a b".into()];
         assert!(c.validate().is_err());
         let mut c = Config::new("/tmp/x");
-        c.parallel_sessions = vec!["s1".into()];
-        c.reject_sessions = vec!["s1".into()];
+        c.busy.sessions.parallel = vec!["s1".into()];
+        c.busy.sessions.reject = vec!["s1".into()];
         assert!(c.validate().is_err(), "one policy per session");
         let mut c = Config::new("/tmp/x");
         c.max_steps = 0;
@@ -419,7 +426,7 @@ mod tests {
             "10",
         ]);
         let config = args.config().unwrap();
-        assert_eq!(config.parallel_clients, vec!["phone", "watch"]);
+        assert_eq!(config.busy.clients.parallel, vec!["phone", "watch"]);
         assert_eq!(config.busy_policy("s", "phone"), BusyPolicy::Parallel);
         assert_eq!(config.busy_policy("s", "desk"), BusyPolicy::Steer);
         assert_eq!(config.window, 10);
@@ -432,8 +439,8 @@ mod tests {
     #[test]
     fn a_client_policy_wins_over_a_session_policy() {
         let mut c = Config::new("/tmp/x");
-        c.enqueue_sessions = vec!["s1".into()];
-        c.reject_clients = vec!["bot".into()];
+        c.busy.sessions.enqueue = vec!["s1".into()];
+        c.busy.clients.reject = vec!["bot".into()];
         assert!(c.validate().is_ok());
         assert_eq!(c.busy_policy("s1", "phone"), BusyPolicy::Enqueue);
         assert_eq!(c.busy_policy("s1", "bot"), BusyPolicy::Reject);

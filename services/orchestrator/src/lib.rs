@@ -41,7 +41,7 @@ pub mod progress;
 pub mod service;
 pub mod store;
 
-pub use config::{Args, Config, ConfigError, Database};
+pub use config::{Args, BusyPolicies, Config, ConfigError, Database, PolicyLists};
 pub use engine::{Engine, TurnDone};
 pub use personas::{Persona, Personas};
 pub use store::{Backend, JobSettings, Store, StoreError, StoreOptions};

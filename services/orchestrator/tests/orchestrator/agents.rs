@@ -220,7 +220,7 @@ async fn an_ask_times_out_when_no_worker_runs_its_turn() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
     let (world, _orch, mut jobs) = one_replica_with(Backend::Sqlite, |config| {
-        config.parallel_clients = vec!["phone".into()];
+        config.busy.clients.parallel = vec!["phone".into()];
     })
     .await;
     let c = &world.client;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 /// when a later (steered) message is claimed there; the next turn consumes it, once.
 async fn an_enqueued_message_waits_for_the_next_turn(backend: Backend) {
     let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
-        config.enqueue_sessions = vec!["s2".into()];
+        config.busy.sessions.enqueue = vec!["s2".into()];
     })
     .await;
     let c = &world.client;
@@ -89,7 +89,7 @@ on_both_backends!(
 /// once the session is idle the same message (same key) starts a turn.
 async fn a_rejected_message_is_refused_and_not_stored(backend: Backend) {
     let (world, _orch, mut jobs) = one_replica_with(backend, |config| {
-        config.reject_clients = vec!["bot".into()];
+        config.busy.clients.reject = vec!["bot".into()];
     })
     .await;
     let c = &world.client;
