@@ -88,8 +88,26 @@ pub async fn send_message(
     request: &SendRequest,
     timeout: Duration,
 ) -> Result<SendAck, CliError> {
-    let subject = person::subject(subjects::SESSION_SEND, subjects::PERSON_SESSION_SEND);
-    request_json(client, &subject, request, timeout)
+    ask(
+        client,
+        subjects::SESSION_SEND,
+        subjects::PERSON_SESSION_SEND,
+        request,
+        timeout,
+    )
+    .await
+}
+
+/// One request on `shared`, or on the person's own `cyrene.person.<person>.<own>` when acting as
+/// a person; a failure is mapped onto the CLI's exit codes.
+async fn ask<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
+    client: &Client,
+    shared: &str,
+    own: &str,
+    request: &Req,
+    timeout: Duration,
+) -> Result<Resp, CliError> {
+    request_json(client, &person::subject(shared, own), request, timeout)
         .await
         .map_err(request_error)
 }
@@ -273,14 +291,14 @@ pub async fn history(client: Client, args: HistoryArgs) -> Result<(), CliError> 
         limit: Some(args.limit),
         before_seq: args.before_seq,
     };
-    let history: HistoryResponse = request_json(
+    let history: HistoryResponse = ask(
         &client,
-        &person::subject(subjects::SESSION_HISTORY, subjects::PERSON_SESSION_HISTORY),
+        subjects::SESSION_HISTORY,
+        subjects::PERSON_SESSION_HISTORY,
         &request,
         Duration::from_secs(5),
     )
-    .await
-    .map_err(request_error)?;
+    .await?;
     for entry in &history.messages {
         if args.json {
             println!("{}", serde_json::to_string(entry).unwrap_or_default());
@@ -313,14 +331,14 @@ pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), Cl
         limit: Some(args.limit),
         before: None,
     };
-    let list: ListResponse = request_json(
+    let list: ListResponse = ask(
         &client,
-        &person::subject(subjects::CHECKPOINT_LIST, subjects::PERSON_CHECKPOINT_LIST),
+        subjects::CHECKPOINT_LIST,
+        subjects::PERSON_CHECKPOINT_LIST,
         &request,
         Duration::from_secs(5),
     )
-    .await
-    .map_err(request_error)?;
+    .await?;
     if list.checkpoints.is_empty() {
         eprintln!("no checkpoints for {}", args.owner);
         return Ok(());

@@ -16,7 +16,6 @@ use cyrene_bus::service::RequestContext;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
 use serde_json::{Value, json};
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -90,72 +89,62 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
             .map_err(|e| fail("personas", &e))?,
     };
 
-    let connect = |name: &'static str| {
-        let config = bus.config(name, ConnectMode::Client);
-        let nats_url = nats_url.clone();
-        async move {
-            let config = config.map_err(CliError::Failed)?;
-            cyrene_bus::connect(&config)
-                .await
-                .map_err(|e| CliError::Failed(format!("cannot connect to NATS at {nats_url}: {e}")))
-        }
+    let mut stack = Stack {
+        bus,
+        nats_url: nats_url.clone(),
+        services: Services::new(),
+        shutdown: CancellationToken::new(),
     };
-    let shutdown = CancellationToken::new();
-    let mut services = Services::new();
 
     let mut gateway = service_config("cyrene-model-gateway", gateway_args)?;
     gateway.models = models;
     gateway.secrets = secrets;
-    let client = connect("cyrene-model-gateway").await?;
-    spawn_service(
-        &mut services,
-        "model-gateway",
-        cyrene_model_gateway::run(gateway, client, shutdown.clone()),
-    );
+    stack
+        .start("cyrene-model-gateway", |client, stop| {
+            cyrene_model_gateway::run(gateway, client, stop)
+        })
+        .await?;
 
     let mut store = service_config("cyrene-checkpoint-store", store_args)?;
     store.data_dir = store_dir.clone();
     store.database_url = args.database_url.clone();
-    let client = connect("cyrene-checkpoint-store").await?;
-    spawn_service(
-        &mut services,
-        "checkpoint-store",
-        cyrene_checkpoint_store::run(store, client, shutdown.clone()),
-    );
+    stack
+        .start("cyrene-checkpoint-store", |client, stop| {
+            cyrene_checkpoint_store::run(store, client, stop)
+        })
+        .await?;
 
     let mut orchestrator = service_config("cyrene-orchestrator", orchestrator_args)?;
     orchestrator.data_dir = orchestrator_dir;
     orchestrator.database_url = args.database_url.clone();
     orchestrator.personas = personas;
-    let client = connect("cyrene-orchestrator").await?;
-    spawn_service(
-        &mut services,
-        "orchestrator",
-        cyrene_orchestrator::run(orchestrator, client, shutdown.clone()),
-    );
+    stack
+        .start("cyrene-orchestrator", |client, stop| {
+            cyrene_orchestrator::run(orchestrator, client, stop)
+        })
+        .await?;
 
     for _ in 0..args.workers.max(1) {
-        let client = connect("cyrene-loop-worker").await?;
         let mut config = service_config(
             "cyrene-loop-worker",
             service_args::<cyrene_loop_worker::Args>("cyrene-loop-worker")?,
         )?;
         // Tools registered after start show up within seconds, not half a minute.
         config.tool_refresh = Duration::from_secs(5);
-        spawn_service(
-            &mut services,
-            "loop-worker",
-            cyrene_loop_worker::run(config, client, shutdown.clone()),
-        );
+        stack
+            .start("cyrene-loop-worker", |client, stop| {
+                cyrene_loop_worker::run(config, client, stop)
+            })
+            .await?;
     }
     if offline {
-        let client = connect("cyrene-demo-tools").await?;
-        spawn_service(
-            &mut services,
-            "demo-tools",
-            demo_tools(client, shutdown.clone()),
-        );
+        stack.start("cyrene-demo-tools", demo_tools).await?;
     }
+    let Stack {
+        mut services,
+        shutdown,
+        ..
+    } = stack;
 
     eprintln!(
         "cyrene: up on {nats_url} — model-gateway ({}), checkpoint-store, orchestrator, {} loop worker(s); data in {}. Ctrl-C to stop.",
@@ -195,13 +184,39 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
 /// The services `cyrene up` runs, each with its name and its failure as text.
 type Services = JoinSet<(&'static str, Result<(), String>)>;
 
-/// Runs `service` (a service's `run`) in `services` under `name`.
-fn spawn_service<E: std::fmt::Display>(
-    services: &mut Services,
-    name: &'static str,
-    service: impl Future<Output = Result<(), E>> + Send + 'static,
-) {
-    services.spawn(async move { (name, service.await.map_err(|e| e.to_string())) });
+/// The services started so far, and how the next one connects.
+struct Stack<'a> {
+    bus: &'a cyrene_bus::BusArgs,
+    nats_url: String,
+    services: Services,
+    shutdown: CancellationToken,
+}
+
+impl Stack<'_> {
+    /// Connects as `binary` (its own connection, as when it runs as its own process) and runs
+    /// `run(client, shutdown)` among the services.
+    async fn start<E, Fut>(
+        &mut self,
+        binary: &'static str,
+        run: impl FnOnce(async_nats::Client, CancellationToken) -> Fut,
+    ) -> Result<(), CliError>
+    where
+        E: std::fmt::Display,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+    {
+        let config = self
+            .bus
+            .config(binary, ConnectMode::Client)
+            .map_err(CliError::Failed)?;
+        let client = cyrene_bus::connect(&config).await.map_err(|e| {
+            CliError::Failed(format!("cannot connect to NATS at {}: {e}", self.nats_url))
+        })?;
+        let service = run(client, self.shutdown.clone());
+        let name = binary.trim_start_matches("cyrene-");
+        self.services
+            .spawn(async move { (name, service.await.map_err(|e| e.to_string())) });
+        Ok(())
+    }
 }
 
 /// A service's `Args` as the environment alone sets them.
@@ -218,12 +233,11 @@ fn service_config<A: ServiceArgs>(binary: &str, args: A) -> Result<A::Config, Cl
 
 /// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.
 async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> Result<(), String> {
-    let spec = ServiceSpec {
-        name: "cyrene-demo-tools",
-        version: env!("CARGO_PKG_VERSION"),
-        description: "Cyrene demo tools (offline mode)".to_owned(),
-        metadata: HashMap::new(),
-    };
+    let spec = ServiceSpec::new(
+        "cyrene-demo-tools",
+        env!("CARGO_PKG_VERSION"),
+        "Cyrene demo tools (offline mode)",
+    );
     let search_notes = |args: Value, _ctx: RequestContext| async move {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let query = args

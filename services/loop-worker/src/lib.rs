@@ -85,13 +85,11 @@ impl cyrene_bus::entry::RunError for Error {
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     config.validate()?;
     let config = Arc::new(config);
-    let spec = ServiceSpec {
-        name: SERVICE_NAME,
-        version: env!("CARGO_PKG_VERSION"),
-        description: "Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue"
-            .to_owned(),
-        metadata: Default::default(),
-    };
+    let spec = ServiceSpec::new(
+        SERVICE_NAME,
+        env!("CARGO_PKG_VERSION"),
+        "Cyrene loop worker: runs turn jobs from the CYRENE_TURNS work queue",
+    );
     let mut host = Host::start(&client, spec, Vec::new(), shutdown.clone()).await?;
     let js = async_nats::jetstream::new(client.clone());
     let stream = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {

@@ -53,6 +53,18 @@ impl NatsPorts {
             timeouts,
         }
     }
+
+    /// One short request to another service (steer, route, document chunk, memory), bounded by
+    /// the worker's control-request timeout; a failure is the error body the turn reports.
+    async fn ask<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
+        &self,
+        subject: &str,
+        request: &Req,
+    ) -> Result<Resp, ErrorBody> {
+        request_json(&self.client, subject, request, self.timeouts.steer)
+            .await
+            .map_err(|e| e.to_body())
+    }
 }
 
 fn checkpoint_error(err: CheckpointError) -> ErrorBody {
@@ -115,14 +127,7 @@ impl TurnPorts for NatsPorts {
     }
 
     async fn steer(&self, request: SteerRequest) -> Result<SteerResponse, ErrorBody> {
-        let response: SteerResponse = request_json(
-            &self.client,
-            subjects::TURN_STEER,
-            &request,
-            self.timeouts.steer,
-        )
-        .await
-        .map_err(|e| e.to_body())?;
+        let response: SteerResponse = self.ask(subjects::TURN_STEER, &request).await?;
         metrics::counter!("cyrene_steer_claims_total").increment(1);
         metrics::counter!("cyrene_steered_messages_total")
             .increment(response.messages.len() as u64);
@@ -134,14 +139,7 @@ impl TurnPorts for NatsPorts {
             persona_id: persona_id.to_owned(),
             ..Default::default()
         };
-        let route: RouteResponse = request_json(
-            &self.client,
-            subjects::MODEL_ROUTE,
-            &request,
-            self.timeouts.steer,
-        )
-        .await
-        .map_err(|e| e.to_body())?;
+        let route: RouteResponse = self.ask(subjects::MODEL_ROUTE, &request).await?;
         Ok(route.main_has_vision())
     }
 
@@ -231,14 +229,7 @@ impl TurnPorts for NatsPorts {
                 offset: bytes.len() as u64,
                 max_bytes: 0,
             };
-            let chunk: ReadResponse = request_json(
-                &self.client,
-                document::DOCUMENT_READ,
-                &request,
-                self.timeouts.steer,
-            )
-            .await
-            .map_err(|e| e.to_body())?;
+            let chunk: ReadResponse = self.ask(document::DOCUMENT_READ, &request).await?;
             if chunk.size > MAX_FETCH_BYTES {
                 return Err(ErrorBody::new(
                     ErrorCode::TooLarge,
@@ -276,14 +267,7 @@ impl TurnPorts for NatsPorts {
             persona_id: persona_id.to_owned(),
             session_id: session_id.to_owned(),
         };
-        request_json(
-            &self.client,
-            memory::MEMORY_READ,
-            &request,
-            self.timeouts.steer,
-        )
-        .await
-        .map_err(|e| e.to_body())
+        self.ask(memory::MEMORY_READ, &request).await
     }
 
     async fn publish(&self, event: SessionEvent) {

@@ -361,13 +361,11 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     gateway.log_routing_table();
-    let spec = ServiceSpec {
-        name: SERVICE_NAME,
-        version: env!("CARGO_PKG_VERSION"),
-        description: "Cyrene model gateway: the only component that talks to LLM providers"
-            .to_owned(),
-        metadata: Default::default(),
-    };
+    let spec = ServiceSpec::new(
+        SERVICE_NAME,
+        env!("CARGO_PKG_VERSION"),
+        "Cyrene model gateway: the only component that talks to LLM providers",
+    );
     let complete = {
         let (gateway, client) = (gateway.clone(), client.clone());
         move |req: ModelRequest, _: RequestContext| {

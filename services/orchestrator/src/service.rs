@@ -33,7 +33,6 @@ use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest};
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
-use std::collections::HashMap;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -43,17 +42,13 @@ pub async fn start<M: MemoryStore + 'static>(
     memory: Arc<M>,
     shutdown: CancellationToken,
 ) -> Result<Host, Error> {
-    let spec = ServiceSpec {
-        name: SERVICE_NAME,
-        version: env!("CARGO_PKG_VERSION"),
-        description: "Cyrene sessions: exactly-once messages, the per-session turn fence, turn \
-                      dispatch (CYRENE_TURNS), steering and completion, history"
-            .to_owned(),
-        metadata: HashMap::from([(
-            "cyrene.backend".to_owned(),
-            engine.store.backend().name().to_owned(),
-        )]),
-    };
+    let spec = ServiceSpec::new(
+        SERVICE_NAME,
+        env!("CARGO_PKG_VERSION"),
+        "Cyrene sessions: exactly-once messages, the per-session turn fence, turn dispatch \
+         (CYRENE_TURNS), steering and completion, history",
+    )
+    .with_metadata("cyrene.backend", engine.store.backend().name());
     let options = ServeOptions {
         max_in_flight: engine.config().max_in_flight,
         ..ServeOptions::default()

@@ -33,6 +33,24 @@ pub struct ServiceSpec {
     pub metadata: HashMap<String, String>,
 }
 
+impl ServiceSpec {
+    /// A service named `name` at `version` (its crate's `CARGO_PKG_VERSION`), no metadata.
+    pub fn new(name: &'static str, version: &'static str, description: impl Into<String>) -> Self {
+        ServiceSpec {
+            name,
+            version,
+            description: description.into(),
+            metadata: HashMap::new(),
+        }
+    }
+
+    /// Adds one `$SRV.INFO` metadata entry.
+    pub fn with_metadata(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.to_owned(), value.into());
+        self
+    }
+}
+
 /// Serves one added endpoint until the token fires.
 type Serve = Box<
     dyn FnOnce(
