@@ -163,10 +163,9 @@ async fn openai_stream_asks_for_usage_and_adds_up_to_the_non_streamed_response()
     );
     // The same response the non-streamed reply with these totals decodes to.
     let whole = cyrene_model_gateway::providers::openai::decode(
-        &serde_json::to_vec(&json!({"model":"m-2025","choices":[{"message":{
+        &json!({"model":"m-2025","choices":[{"message":{
             "content":"Hello, world","reasoning_content":"think hard"},"finish_reason":"stop"}],
-            "usage":usage}))
-        .unwrap(),
+            "usage":usage}),
         "m",
     )
     .unwrap();

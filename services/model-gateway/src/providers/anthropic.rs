@@ -28,8 +28,8 @@
 
 use super::openai::u64_at;
 use super::{
-    DeltaSink, HttpDialect, ProviderError, StreamEvents, event_json, normalise_effort,
-    parse_data_uri, strings, upstream_message,
+    Decode, DeltaSink, HttpDialect, ProviderError, StreamEvents, Upstream, event_json,
+    normalise_effort, parse_data_uri, reply_model, strings, tool_spec, upstream_message,
 };
 use crate::config::{ModelCaps, ProviderConfig, ThinkingStyle};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
@@ -37,7 +37,6 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
-use std::fmt;
 
 /// The API version header sent with every request.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
@@ -47,24 +46,12 @@ pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 pub const DEFAULT_THINKING_BUDGET: u32 = 1024;
 
 /// A provider speaking `/v1/messages`.
+#[derive(Debug)]
 pub struct AnthropicProvider {
-    name: String,
-    url: String,
-    api_key: Option<String>,
+    upstream: Upstream,
     models: BTreeMap<String, ModelCaps>,
     /// The `output_config.effort` whitelist (always declared for this dialect).
     efforts: Vec<String>,
-    http: reqwest::Client,
-}
-
-impl fmt::Debug for AnthropicProvider {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AnthropicProvider")
-            .field("name", &self.name)
-            .field("url", &self.url)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
-            .finish()
-    }
 }
 
 impl AnthropicProvider {
@@ -75,15 +62,12 @@ impl AnthropicProvider {
         http: reqwest::Client,
     ) -> AnthropicProvider {
         AnthropicProvider {
-            name: name.to_owned(),
-            url: format!("{}/v1/messages", config.base_url.trim_end_matches('/')),
-            api_key,
+            upstream: Upstream::new(name, config, "/v1/messages", api_key, http),
             models: config.models.clone(),
             efforts: config
                 .reasoning_efforts
                 .clone()
                 .unwrap_or_else(|| strings(&["low", "medium", "high", "max"])),
-            http,
         }
     }
 }
@@ -100,7 +84,7 @@ impl HttpDialect for AnthropicProvider {
             .get(model)
             .and_then(|c| c.thinking)
             .unwrap_or_default();
-        let thinking = thinking(req, style, &self.name);
+        let thinking = thinking(req, style, &self.upstream.name);
         let budget = thinking
             .as_ref()
             .and_then(|t| t.get("budget_tokens"))
@@ -124,15 +108,7 @@ impl HttpDialect for AnthropicProvider {
             let tools = req
                 .tools
                 .iter()
-                .map(|t| {
-                    let mut tool = Map::new();
-                    tool.insert("name".into(), json!(t.name));
-                    if !t.description.is_empty() {
-                        tool.insert("description".into(), json!(t.description));
-                    }
-                    tool.insert("input_schema".into(), t.parameters.clone());
-                    Value::Object(tool)
-                })
+                .map(|t| Value::Object(tool_spec(t, "input_schema")))
                 .collect();
             body.insert("tools".into(), Value::Array(tools));
         }
@@ -147,7 +123,7 @@ impl HttpDialect for AnthropicProvider {
             &req.reasoning_effort,
             Some(&self.efforts),
             false,
-            &self.name,
+            &self.upstream.name,
         ) {
             body.insert("output_config".into(), json!({"effort": effort}));
         }
@@ -163,18 +139,17 @@ impl HttpDialect for AnthropicProvider {
 
     fn post(&self) -> reqwest::RequestBuilder {
         let http = self
+            .upstream
             .http
-            .post(&self.url)
+            .post(&self.upstream.url)
             .header("anthropic-version", ANTHROPIC_VERSION);
-        match &self.api_key {
+        match &self.upstream.api_key {
             Some(key) => http.header("x-api-key", key),
             None => http,
         }
     }
 
-    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
-        decode(body, model)
-    }
+    const DECODE: Decode = decode;
 }
 
 /// The blocks of a streamed `/v1/messages` reply seen so far.
@@ -211,7 +186,7 @@ impl StreamEvents for StreamAccumulator {
             "stop_reason": self.stop_reason,
             "usage": Value::Object(self.usage),
         });
-        decode_value(&reply, model)
+        decode(&reply, model)
     }
 }
 
@@ -493,15 +468,8 @@ fn assistant_blocks(m: &Message) -> Vec<Value> {
     blocks
 }
 
-/// Decodes a `/v1/messages` reply. `model` is used when the reply names none.
-pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
-    decode_value(&v, model)
-}
-
-/// [`decode`] of a parsed reply.
-fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
+/// Decodes a `/v1/messages` reply (parsed JSON). `model` is used when the reply names none.
+pub fn decode(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let blocks = v
         .get("content")
         .and_then(Value::as_array)
@@ -562,12 +530,7 @@ fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> 
     let miss = u64_at(usage, &["input_tokens"]) + u64_at(usage, &["cache_creation_input_tokens"]);
     let completion = u64_at(usage, &["output_tokens"]);
     Ok(ModelResponse {
-        model: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|m| !m.is_empty())
-            .unwrap_or(model)
-            .to_owned(),
+        model: reply_model(v, model),
         content: text,
         message: Message::with_parts(Role::Assistant, parts),
         tool_calls,

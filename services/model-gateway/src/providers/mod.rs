@@ -20,10 +20,10 @@ pub mod scripted;
 pub mod sse;
 
 use crate::config::Step;
-use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -177,8 +177,77 @@ pub(crate) trait HttpDialect: Send + Sync {
     fn ask_for_stream(&self, body: &mut Map<String, Value>);
     /// A POST to the dialect's endpoint with its authentication headers.
     fn post(&self) -> reqwest::RequestBuilder;
-    /// A whole (non-streamed) reply.
-    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError>;
+    /// Decodes a whole (non-streamed) reply; `model` is used when the reply names none.
+    const DECODE: Decode;
+}
+
+/// How a dialect decodes a whole reply (parsed JSON) asked of `model`.
+pub(crate) type Decode = fn(&Value, &str) -> Result<ModelResponse, ProviderError>;
+
+/// A whole reply's bytes, decoded by the dialect `D`.
+fn decode_whole<D: HttpDialect>(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+    let reply: Value = serde_json::from_slice(body)
+        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    (D::DECODE)(&reply, model)
+}
+
+/// Where an HTTP dialect posts, and with which key; its `Debug` never shows the key.
+pub(crate) struct Upstream {
+    /// The provider's name in the model config (for logs and errors).
+    pub(crate) name: String,
+    pub(crate) url: String,
+    pub(crate) api_key: Option<String>,
+    pub(crate) http: reqwest::Client,
+}
+
+impl Upstream {
+    /// The provider `name` configured by `config`, posting to `path` below its `base_url`.
+    pub(crate) fn new(
+        name: &str,
+        config: &crate::config::ProviderConfig,
+        path: &str,
+        api_key: Option<String>,
+        http: reqwest::Client,
+    ) -> Upstream {
+        Upstream {
+            name: name.to_owned(),
+            url: format!("{}{path}", config.base_url.trim_end_matches('/')),
+            api_key,
+            http,
+        }
+    }
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// A tool as both dialects declare it: its name, its description when it has one, and its
+/// parameters' JSON schema under `schema_key`.
+pub(crate) fn tool_spec(tool: &ToolSpec, schema_key: &str) -> Map<String, Value> {
+    let mut spec = Map::new();
+    spec.insert("name".into(), json!(tool.name));
+    if !tool.description.is_empty() {
+        spec.insert("description".into(), json!(tool.description));
+    }
+    spec.insert(schema_key.into(), tool.parameters.clone());
+    spec
+}
+
+/// The model a reply names, else `asked`.
+pub(crate) fn reply_model(reply: &Value, asked: &str) -> String {
+    reply
+        .get("model")
+        .and_then(Value::as_str)
+        .filter(|m| !m.is_empty())
+        .unwrap_or(asked)
+        .to_owned()
 }
 
 /// A streamed reply put back together event by event into the whole reply's shape.
@@ -231,7 +300,7 @@ async fn http_complete<D: HttpDialect>(
 ) -> Result<ModelResponse, ProviderError> {
     let body = dialect.encode(request, &step.model)?;
     let reply = post_json(dialect.post(), body_bytes(&body)?, deadline).await?;
-    dialect.decode(&reply, &step.model)
+    decode_whole::<D>(&reply, &step.model)
 }
 
 /// [`Provider::stream`] of an HTTP dialect: the events are put back together into the
@@ -252,7 +321,7 @@ async fn http_stream<D: HttpDialect>(
     let response = post_for_stream(dialect.post(), body_bytes(&body)?, deadline).await?;
     let response = match whole_reply(response, started, deadline).await? {
         Ok(whole) => {
-            let response = dialect.decode(&whole, &step.model)?;
+            let response = decode_whole::<D>(&whole, &step.model)?;
             for delta in response_deltas(&response) {
                 sink.send(delta);
             }

@@ -20,8 +20,8 @@
 //!   refuse `max_tokens`), as `max_tokens` elsewhere.
 
 use super::{
-    DeltaSink, HttpDialect, ProviderError, StreamEvents, event_json, normalise_effort, strings,
-    tool_choice_forces, upstream_message,
+    Decode, DeltaSink, HttpDialect, ProviderError, StreamEvents, Upstream, event_json,
+    normalise_effort, reply_model, strings, tool_choice_forces, tool_spec, upstream_message,
 };
 use crate::config::{ProviderConfig, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
@@ -29,28 +29,14 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse, Thinking};
 use cyrene_protocol::stream::Delta;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
-use std::fmt;
 
 /// A provider speaking `/chat/completions`.
+#[derive(Debug)]
 pub struct OpenAiProvider {
-    name: String,
-    url: String,
-    api_key: Option<String>,
+    upstream: Upstream,
     vendor: Vendor,
     /// The declared `reasoning_effort` whitelist; `None` = none declared (sent unchecked).
     efforts: Option<Vec<String>>,
-    http: reqwest::Client,
-}
-
-impl fmt::Debug for OpenAiProvider {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpenAiProvider")
-            .field("name", &self.name)
-            .field("url", &self.url)
-            .field("vendor", &self.vendor)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
-            .finish()
-    }
 }
 
 /// The documented `reasoning_effort` values per vendor (after DeepSeek alias normalisation);
@@ -75,15 +61,12 @@ impl OpenAiProvider {
     ) -> OpenAiProvider {
         let vendor = config.vendor();
         OpenAiProvider {
-            name: name.to_owned(),
-            url: format!("{}/chat/completions", config.base_url.trim_end_matches('/')),
-            api_key,
+            upstream: Upstream::new(name, config, "/chat/completions", api_key, http),
             vendor,
             efforts: config
                 .reasoning_efforts
                 .clone()
                 .or_else(|| default_efforts(vendor)),
-            http,
         }
     }
 
@@ -97,7 +80,7 @@ impl OpenAiProvider {
                 }
                 if thinking.and_then(Thinking::budget).is_some() {
                     tracing::warn!(
-                        provider = %self.name,
+                        provider = %self.upstream.name,
                         "DeepSeek has no thinking budget; budget_tokens not sent"
                     );
                 }
@@ -105,7 +88,7 @@ impl OpenAiProvider {
                 let thinking_on = thinking.and_then(|t| t.enable) != Some(false);
                 if thinking_on && req.tool_choice.as_ref().is_some_and(tool_choice_forces) {
                     tracing::warn!(
-                        provider = %self.name,
+                        provider = %self.upstream.name,
                         "forced tool_choice with DeepSeek thinking on is refused upstream; \
                          disable thinking explicitly (not changed here)"
                     );
@@ -123,7 +106,7 @@ impl OpenAiProvider {
             Vendor::Openai | Vendor::Generic => {
                 if thinking.is_some() {
                     tracing::warn!(
-                        provider = %self.name,
+                        provider = %self.upstream.name,
                         "this provider has no thinking switch; thinking not sent \
                          (use reasoning_effort)"
                     );
@@ -159,15 +142,7 @@ impl HttpDialect for OpenAiProvider {
             let tools = req
                 .tools
                 .iter()
-                .map(|t| {
-                    let mut function = Map::new();
-                    function.insert("name".into(), json!(t.name));
-                    if !t.description.is_empty() {
-                        function.insert("description".into(), json!(t.description));
-                    }
-                    function.insert("parameters".into(), t.parameters.clone());
-                    json!({"type": "function", "function": function})
-                })
+                .map(|t| json!({"type": "function", "function": tool_spec(t, "parameters")}))
                 .collect();
             body.insert("tools".into(), Value::Array(tools));
         }
@@ -179,7 +154,7 @@ impl HttpDialect for OpenAiProvider {
             &req.reasoning_effort,
             self.efforts.as_deref(),
             self.vendor == Vendor::Deepseek,
-            &self.name,
+            &self.upstream.name,
         ) {
             body.insert("reasoning_effort".into(), json!(effort));
         }
@@ -195,16 +170,14 @@ impl HttpDialect for OpenAiProvider {
     }
 
     fn post(&self) -> reqwest::RequestBuilder {
-        let http = self.http.post(&self.url);
-        match &self.api_key {
+        let http = self.upstream.http.post(&self.upstream.url);
+        match &self.upstream.api_key {
             Some(key) => http.bearer_auth(key),
             None => http,
         }
     }
 
-    fn decode(&self, body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
-        decode(body, model)
-    }
+    const DECODE: Decode = decode;
 }
 
 /// The parts of a streamed `/chat/completions` reply seen so far (first choice only).
@@ -259,7 +232,7 @@ impl StreamEvents for StreamAccumulator {
             "choices": [{"message": message, "finish_reason": self.finish_reason}],
             "usage": self.usage.unwrap_or(Value::Null),
         });
-        decode_value(&reply, model)
+        decode(&reply, model)
     }
 }
 
@@ -463,15 +436,8 @@ fn tool_messages(m: &Message, out: &mut Vec<Value>) {
     }
 }
 
-/// Decodes a `/chat/completions` reply. `model` is used when the reply names none.
-pub fn decode(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
-    decode_value(&v, model)
-}
-
-/// [`decode`] of a parsed reply.
-fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
+/// Decodes a `/chat/completions` reply (parsed JSON). `model` is used when the reply names none.
+pub fn decode(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let choice = v
         .get("choices")
         .and_then(|c| c.get(0))
@@ -545,12 +511,7 @@ fn decode_value(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> 
         (0, 0)
     };
     Ok(ModelResponse {
-        model: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|m| !m.is_empty())
-            .unwrap_or(model)
-            .to_owned(),
+        model: reply_model(v, model),
         content: text,
         message: Message::with_parts(Role::Assistant, parts),
         tool_calls,
@@ -642,7 +603,7 @@ mod tests {
     #[test]
     fn missing_usage_fields_are_zero_never_an_error() {
         let resp = decode(
-            br#"{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}"#,
+            &json!({"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}]}),
             "m",
         )
         .unwrap();
@@ -651,7 +612,7 @@ mod tests {
         assert_eq!((resp.prompt_tokens, resp.cache_hit_tokens), (0, 0));
         assert_eq!(resp.cache_hit_rate(), 0.0);
         assert!(matches!(
-            decode(br#"{"choices":[]}"#, "m"),
+            decode(&json!({"choices":[]}), "m"),
             Err(ProviderError::BadResponse(_))
         ));
     }
