@@ -10,6 +10,7 @@
 //!   held in [`Secrets`], whose `Debug` prints the names only.
 
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
@@ -23,6 +24,7 @@ pub const DEFAULT_COOLDOWN_FAILURES: u32 = 3;
 pub const DEFAULT_COOLDOWN_MS: u64 = 30_000;
 
 /// The whole model config file.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelsConfig {
@@ -40,7 +42,6 @@ pub struct ModelsConfig {
     #[serde(default)]
     pub vision: Vec<Step>,
     /// Whole-request deadline when the request gives no `total_timeout_ms`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_timeout_ms: Option<u64>,
 }
 
@@ -92,6 +93,7 @@ pub enum Vendor {
 }
 
 /// One provider.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderConfig {
@@ -105,19 +107,15 @@ pub struct ProviderConfig {
     /// Models served here, with their capabilities.
     pub models: BTreeMap<String, ModelCaps>,
     /// OpenAI-compatible vendor; inferred from `base_url` when absent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vendor: Option<Vendor>,
     /// Per-attempt timeout at this provider when the request gives no `timeout_ms` (always
     /// bounded by the request deadline).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub cooldown: CooldownConfig,
     /// Overrides the recognised `reasoning_effort` values (after alias normalisation).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_efforts: Option<Vec<String>>,
     /// The script of a `scripted` provider.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub script: Option<Script>,
 }
 
@@ -146,6 +144,7 @@ impl ProviderConfig {
 }
 
 /// Per-model capabilities.
+#[skip_serializing_none]
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelCaps {
@@ -153,7 +152,6 @@ pub struct ModelCaps {
     #[serde(default)]
     pub vision: bool,
     /// How an Anthropic model takes `thinking` (default `budget`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thinking: Option<ThinkingStyle>,
 }
 
@@ -196,26 +194,24 @@ fn default_cooldown_ms() -> u64 {
 }
 
 /// The script of the offline provider: rules tried in order against the last user text.
+#[skip_serializing_none]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Script {
     #[serde(default)]
     pub rules: Vec<Rule>,
     /// Reply when no rule matches; `{input}` is replaced by the last user text.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_reply: Option<String>,
 }
 
 /// One scripted rule. Exactly one of `contains`/`equals` selects it (plain text, no regex).
+#[skip_serializing_none]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub contains: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub equals: Option<String>,
     /// Text reply (`{input}` = the last user text).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply: Option<String>,
     /// Tool calls to ask for while the conversation has no tool result after the user text.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -225,7 +221,6 @@ pub struct Rule {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub more_rounds: Vec<Vec<ScriptedCall>>,
     /// Final text once tool results arrived (`{tool_results}` = their texts, `{input}` too).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after_tools: Option<String>,
 }
 

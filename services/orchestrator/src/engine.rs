@@ -38,6 +38,7 @@ use cyrene_protocol::turn::{
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_sql::bounded;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +51,7 @@ const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The completion notification of a turn that answers an ask, published on the ask's private
 /// core NATS subject by whichever replica records the completion.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnDone {
     pub turn_id: String,
@@ -57,7 +59,6 @@ pub struct TurnDone {
     /// The final answer's text (empty when there is none).
     #[serde(default)]
     pub text: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
 }
 

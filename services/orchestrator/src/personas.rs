@@ -9,6 +9,7 @@
 
 use cyrene_protocol::ids::{self, IdKind};
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -21,6 +22,7 @@ Answer in the language the user writes in. Be concise, honest about what you do 
 use the tools you are given when they help.";
 
 /// One persona: who answers, under which name, with which system prompt.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Persona {
@@ -38,11 +40,9 @@ pub struct Persona {
     /// The tools its turns may offer and call (built-in or discovered tool names): absent =
     /// every tool; a list = only those (`[]` = none). Sent as the turn job's `tools`; the loop
     /// worker refuses a call outside it with an `is_error` result.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<String>>,
     /// How long one of its turns may run, in milliseconds from the turn's creation: absent = no
     /// limit. Sent as the turn job's `deadline_unix_ms`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_timeout_ms: Option<u64>,
 }
 

@@ -12,8 +12,10 @@ use crate::ids::{self, IdError, IdKind};
 use crate::json::JsonObject;
 use crate::message::Message;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// One per-step snapshot as saved and returned.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
     pub id: String,
@@ -23,20 +25,15 @@ pub struct Checkpoint {
     /// there.
     pub state: JsonObject,
     /// Fencing: the turn that wrote it …
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<String>,
     /// … and that turn's delivery attempt; older attempts are refused once a newer one wrote.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
     /// Only in a fenced save whose `state` is a step's delta: the turn's base window
     /// (`{"messages":[…]}`), stored once per turn; never in a reply (docs/checkpoint-store.md,
     /// "Incremental checkpoints").
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<JsonObject>,
     /// RFC 3339, set by the store.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<String>,
 }
 
@@ -76,10 +73,10 @@ pub struct CheckpointState {
 /// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window. With
 /// `from`, it is a step's *delta*: `messages` are the window's messages from position `from` on,
 /// and the store rebuilds the full window from the turn's base and its earlier rows.
+#[skip_serializing_none]
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct CheckpointStateRef<'a> {
     pub step: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub from: Option<usize>,
     pub messages: &'a [Message],
     #[serde(skip_serializing_if = "str::is_empty")]
@@ -97,13 +94,12 @@ pub struct CheckpointStateRef<'a> {
 /// a loop worker does before it runs a delivery): the store first records `attempt` as the turn's
 /// newest, so no older attempt can write after the read, and answers `conflict` when a newer
 /// attempt already has.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LatestRequest {
     pub agent_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
 }
 
@@ -125,15 +121,14 @@ pub struct GetRequest {
 }
 
 /// `cyrene.checkpoint.list` request (most recently written first).
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListRequest {
     pub agent_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
     /// Continue a listing: only rows written before the row with this id (a previous page's
     /// `next_before`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub before: Option<String>,
 }
 
@@ -145,10 +140,10 @@ pub const LIST_MAX_LIMIT: u32 = 1000;
 /// `cyrene.checkpoint.list` reply: most recently written first. A page holds at most `limit`
 /// rows and at most what the bus carries in one message; `next_before` is set when more rows
 /// follow (pass it as `before` for the next page).
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListResponse {
     pub checkpoints: Vec<Checkpoint>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_before: Option<String>,
 }
 
@@ -160,14 +155,12 @@ pub struct ListResponse {
 ///   written more than that long ago.
 ///
 /// Any other combination is a `bad_request`; see [`RetainRequest::mode`].
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetainRequest {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_last: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub older_than_secs: Option<u64>,
 }
 

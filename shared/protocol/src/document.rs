@@ -11,6 +11,7 @@
 
 use crate::message::Part;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// Upload one chunk (micro endpoint `upload` of `cyrene-orchestrator`).
 pub const DOCUMENT_UPLOAD: &str = "cyrene.document.upload";
@@ -53,6 +54,7 @@ pub struct UploadRequest {
 }
 
 /// The reply to one chunk.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UploadAck {
@@ -62,7 +64,6 @@ pub struct UploadAck {
     /// Bytes received so far, this chunk included.
     pub received: u64,
     /// On the last chunk: the finished document.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub document: Option<DocumentInfo>,
 }
 

@@ -8,6 +8,8 @@
 //! - Every type serialises to exactly the JSON documented in docs/architecture.md §9: snake_case
 //!   keys, optional fields omitted when empty, `content` always a list on output (a plain string
 //!   is accepted on input as one text part), tool-call `args` always a JSON object.
+//!   An `Option` field is left out when `None` by `#[skip_serializing_none]` on its type (above
+//!   the `#[derive]`), which knows `Option<…>` by name only: a type alias of it is not skipped.
 //! - A subject is never built from unvalidated text: session/agent/leg ids go through
 //!   [`ids::validate`], comm ids through [`subjects::token`].
 //! - A client-chosen name reaches system text only through [`names::display_name`].

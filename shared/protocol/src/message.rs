@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
+use serde_with::skip_serializing_none;
 
 /// Who authored a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -35,6 +36,7 @@ pub enum ReasoningFamily {
 }
 
 /// One content part of a message.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Part {
@@ -49,7 +51,6 @@ pub enum Part {
         #[serde(default)]
         args: Map<String, Value>,
         /// Set when the provider's arguments were not valid JSON; `args` is then `{}`.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         args_error: Option<String>,
     },
     /// The outcome of a tool call.
@@ -73,10 +74,8 @@ pub enum Part {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         text: String,
         /// Anthropic `thinking.signature`.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         signature: Option<String>,
         /// Anthropic `redacted_thinking.data`.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         redacted: Option<String>,
     },
 }
@@ -88,13 +87,13 @@ impl Part {
 }
 
 /// A tool call as returned in a model response and carried in a `tool_call` part.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {
     pub id: String,
     pub name: String,
     #[serde(default)]
     pub args: Map<String, Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args_error: Option<String>,
 }
 

@@ -4,6 +4,7 @@
 use crate::message::{Message, ToolCall};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_with::skip_serializing_none;
 
 /// A tool the model may call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -21,13 +22,12 @@ fn empty_object() -> Value {
 }
 
 /// Reasoning knobs. Absent = do not interfere (DeepSeek thinks by default).
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Thinking {
     /// The thinking budget (a target, not a hard cap); absent or 0 = the provider's default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_tokens: Option<u32>,
     /// An explicit on/off switch; absent = no explicit switch.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable: Option<bool>,
 }
 
@@ -41,6 +41,7 @@ impl Thinking {
 
 /// A completion request. No top_p and no penalties on purpose (seed 004: they are silently
 /// ignored or become hard floors on one side of the thinking switch).
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelRequest {
@@ -48,9 +49,7 @@ pub struct ModelRequest {
     /// Explicit model override; empty = routed.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub model: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
     /// Accounting tag.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -61,9 +60,7 @@ pub struct ModelRequest {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<ToolSpec>,
     /// Opaque, passed through.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_choice: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thinking: Option<Thinking>,
     /// Matched against the provider's declared whitelist exactly as given; empty = do not
     /// interfere.
@@ -71,11 +68,9 @@ pub struct ModelRequest {
     pub reasoning_effort: String,
     /// Bounds **one** HTTP call to a provider (seed 004 `Options.Timeout`); absent or 0 = the
     /// provider's own `timeout_ms`. Each fallback attempt gets its own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     /// Bounds the whole request, every fallback attempt included (the caller's deadline); absent
     /// or 0 = the gateway's `default_timeout_ms`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub total_timeout_ms: Option<u64>,
 }
 

@@ -2,6 +2,7 @@
 
 use crate::message::Message;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// Session facts taken when the session is created.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -16,6 +17,7 @@ pub struct SessionEnv {
 }
 
 /// `cyrene.session.send` request.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SendRequest {
@@ -26,7 +28,6 @@ pub struct SendRequest {
     /// Client-chosen key: a resend with the same key gets the first ack back.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub idempotency_key: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<SessionEnv>,
     /// Per-send opt-in to the parallel policy: when a turn of *another* client is in flight, this
     /// message starts its own leg (`parallel_leg`) instead of waiting (`pending`).
@@ -35,7 +36,6 @@ pub struct SendRequest {
     /// Per-send double-texting policy: what happens to this message when a turn of its session
     /// is in flight. Absent = the configured policy of its client or session (default `steer`).
     /// `parallel: true` is the same as `"when_busy":"parallel"`; the two may not disagree.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub when_busy: Option<BusyPolicy>,
 }
 
@@ -97,6 +97,7 @@ pub enum SessionEventType {
 }
 
 /// Published on `cyrene.session.<sid>.events`.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionEvent {
     #[serde(rename = "type")]
@@ -106,23 +107,17 @@ pub struct SessionEvent {
     pub turn_id: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub leg_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at_step: Option<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub message_ids: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Message>,
     /// On `error` events: what went wrong.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<crate::ErrorBody>,
     /// On `delta` events: the text piece.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<String>,
     /// On `delta` events: 0, 1, 2, … within one (turn, attempt, step).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
     /// On `delta` events: the turn's delivery attempt (1-based); a higher one re-streams.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
     /// On `delta` events: who is speaking (the persona id the `final` message will carry).
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -152,13 +147,12 @@ impl SessionEvent {
 /// `cyrene.session.history` request: the transcript, oldest→newest, at most `limit` messages
 /// (default [`HISTORY_DEFAULT_LIMIT`], at most [`HISTORY_MAX_LIMIT`]), all before `before_seq`
 /// when given (paging backwards).
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HistoryRequest {
     pub session_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub before_seq: Option<u64>,
 }
 
@@ -179,13 +173,13 @@ pub struct HistoryEntry {
 }
 
 /// `cyrene.session.history` reply, oldest→newest.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct HistoryResponse {
     #[serde(default)]
     pub messages: Vec<HistoryEntry>,
     /// Set when older entries were left out of this page (by `limit` or because the page
     /// reached what the bus carries in one message): pass it as `before_seq` for the next page.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_before_seq: Option<u64>,
 }
 

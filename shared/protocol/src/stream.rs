@@ -12,6 +12,7 @@
 use crate::ErrorBody;
 use crate::model::ModelResponse;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 
 /// A piece of output, in the order the provider produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -47,18 +48,16 @@ impl Delta {
 }
 
 /// One message on the caller's inbox.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamChunk {
     /// 0, 1, 2, … per call: a gap means a message was lost (core NATS does not redeliver).
     pub seq: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<Delta>,
     /// End marker of a successful call: the whole response.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub done: Option<Box<ModelResponse>>,
     /// End marker of a failed call.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
 }
 

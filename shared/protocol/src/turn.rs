@@ -18,9 +18,11 @@ use crate::ErrorBody;
 use crate::message::Message;
 use crate::session::SessionEnv;
 use serde::{Deserialize, Serialize};
+use serde_with::skip_serializing_none;
 use std::collections::BTreeMap;
 
 /// One turn to run: everything a worker needs, so workers stay stateless.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TurnJob {
@@ -46,7 +48,6 @@ pub struct TurnJob {
     #[serde(default)]
     pub base_seq: u64,
     /// Attached when this is a second leg (seed 000).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notice: Option<ParallelNotice>,
     /// Model steps allowed before the turn ends as budget exhausted.
     #[serde(default = "default_max_steps")]
@@ -54,11 +55,9 @@ pub struct TurnJob {
     /// Wall-clock deadline of the turn, unix milliseconds (the persona's turn timeout counted
     /// from the turn's creation); none = no deadline. Past it, no further step starts and a
     /// model call in flight is abandoned.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_unix_ms: Option<u64>,
     /// The tools this turn may offer and call (the persona's allow-list): none = every
     /// discovered tool and the built-ins; a list = only those of them (empty = no tool at all).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<String>>,
     /// For a turn answering an agent ask: the agents already answering an ask this turn serves,
     /// outermost first, ending with this turn's persona. The worker's `ask_agent` sends it as
@@ -122,6 +121,7 @@ pub enum TurnOutcome {
 
 /// `cyrene.turn.complete` request: idempotent by turn id, fenced by attempt, retried by the worker
 /// until acknowledged.
+#[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TurnComplete {
@@ -132,7 +132,6 @@ pub struct TurnComplete {
     pub attempt: u32,
     pub outcome: TurnOutcome,
     /// The final assistant message (persona id in `sender_name`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Message>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub stop_reason: String,
@@ -142,7 +141,6 @@ pub struct TurnComplete {
     /// Ids of the steered messages this turn consumed (besides `TurnJob::message_ids`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steered_ids: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
 }
 
