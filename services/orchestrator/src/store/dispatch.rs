@@ -6,7 +6,6 @@
 //!   duplicate by its `Nats-Msg-Id` (the turn id).
 
 use super::{Store, StoreError, Undispatched, now_ms};
-use sqlx::Row;
 use std::time::Duration;
 
 impl Store {
@@ -25,21 +24,13 @@ impl Store {
         older_than: Duration,
     ) -> Result<Vec<Undispatched>, StoreError> {
         let cutoff = now_ms() - i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-        let rows = sqlx::query(
+        Ok(sqlx::query_as(
             "SELECT turn_id, job FROM orch_turns \
              WHERE dispatched = 0 AND status = 'running' AND created_at <= $1 \
              ORDER BY created_at LIMIT 100",
         )
         .bind(cutoff)
         .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(Undispatched {
-                    turn_id: r.try_get(0)?,
-                    job: r.try_get(1)?,
-                })
-            })
-            .collect()
+        .await?)
     }
 }

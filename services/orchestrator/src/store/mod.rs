@@ -173,8 +173,8 @@ pub struct Completed {
     pub pushed: Option<Pushed>,
 }
 
-/// A turn that has not been confirmed as published.
-#[derive(Debug, Clone)]
+/// A turn that has not been confirmed as published (a row of `orch_turns`).
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Undispatched {
     pub turn_id: String,
     pub job: String,
@@ -191,6 +191,8 @@ pub struct Store {
     settings: std::sync::Arc<JobSettings>,
 }
 
+/// A running turn of a session (a row of `orch_turns`).
+#[derive(sqlx::FromRow)]
 struct RunningTurn {
     turn_id: String,
     client_id: String,
@@ -363,23 +365,13 @@ impl Store {
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
     ) -> Result<Vec<RunningTurn>, StoreError> {
-        let rows = sqlx::query(
+        Ok(sqlx::query_as(
             "SELECT turn_id, client_id, first_message_id, base_seq FROM orch_turns \
              WHERE session_id = $1 AND status = 'running' ORDER BY created_at, turn_id",
         )
         .bind(session_id)
         .fetch_all(&mut **tx)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(RunningTurn {
-                    turn_id: r.try_get(0)?,
-                    client_id: r.try_get(1)?,
-                    first_message_id: r.try_get(2)?,
-                    base_seq: r.try_get(3)?,
-                })
-            })
-            .collect()
+        .await?)
     }
 
     async fn count_pending(
