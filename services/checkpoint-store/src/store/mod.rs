@@ -157,40 +157,29 @@ pub trait CheckpointStore: Send + Sync + 'static {
     fn ping(&self) -> impl Future<Output = bool> + Send;
 }
 
-/// A validated save, ready to bind.
+/// A validated save, ready to bind: the checkpoint as sent (its state was checked once, when
+/// the request was decoded, and is bound as its text) and what the store derives from it.
 #[derive(Debug, Clone)]
 pub(crate) struct SaveRow {
-    pub id: String,
-    pub agent_id: String,
-    pub step: u32,
-    /// Checked once, when the request was decoded; bound as its text.
-    pub state: JsonObject,
+    /// With a canonical id, `turn_id` and `attempt` together or neither, and a `base` only with
+    /// a delta state.
+    pub checkpoint: Checkpoint,
+    /// `turn_id` and `attempt` of a fenced save.
     pub fence: Option<Fence>,
-    /// The turn's base window, when this save stores it (`{"messages":[…]}`).
-    pub base: Option<JsonObject>,
     /// The state's `from` when it is a step's delta.
     pub delta_from: Option<i64>,
     pub now: DateTime<Utc>,
 }
 
 impl SaveRow {
-    /// The row as stored, with the timestamps the database gave it: the saved values moved
-    /// back out (the state is not checked again).
+    /// The row as stored, with the timestamps the database gave it (the base, stored once per
+    /// turn, is never in a reply).
     pub fn stored(self, created_at: String, updated_at: String) -> Checkpoint {
-        let (turn_id, attempt) = match self.fence {
-            Some(f) => (Some(f.turn_id), u32::try_from(f.attempt).ok()),
-            None => (None, None),
-        };
         Checkpoint {
-            id: self.id,
-            agent_id: self.agent_id,
-            step: self.step,
-            state: self.state,
-            turn_id,
-            attempt,
             base: None,
             created_at: Some(created_at),
             updated_at: Some(updated_at),
+            ..self.checkpoint
         }
     }
 }
@@ -225,11 +214,11 @@ pub(crate) fn prepare_save(
     max_state_bytes: usize,
 ) -> Result<SaveRow, StoreError> {
     check_owner(&checkpoint.agent_id)?;
-    let fence = match (checkpoint.turn_id, checkpoint.attempt) {
+    let fence = match (&checkpoint.turn_id, checkpoint.attempt) {
         (Some(turn_id), Some(attempt)) => {
-            check_turn_id(&turn_id)?;
+            check_turn_id(turn_id)?;
             Some(Fence {
-                turn_id,
+                turn_id: turn_id.clone(),
                 attempt: i64::from(attempt),
             })
         }
@@ -254,8 +243,8 @@ pub(crate) fn prepare_save(
         )));
     }
     // Stored as sent: decoding already checked it is one JSON object.
-    let state = checkpoint.state;
-    for text in std::iter::once(&state).chain(checkpoint.base.as_ref()) {
+    let state = &checkpoint.state;
+    for text in std::iter::once(state).chain(checkpoint.base.as_ref()) {
         if text.as_str().len() > max_state_bytes {
             return Err(StoreError::TooLarge {
                 size: text.as_str().len(),
@@ -281,12 +270,8 @@ pub(crate) fn prepare_save(
         })?;
     }
     Ok(SaveRow {
-        id: checkpoint.id,
-        agent_id: checkpoint.agent_id,
-        step: checkpoint.step,
-        state,
+        checkpoint,
         fence,
-        base: checkpoint.base,
         delta_from: from.map(|f| i64::try_from(f).unwrap_or(i64::MAX)),
         now,
     })

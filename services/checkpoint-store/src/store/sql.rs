@@ -164,10 +164,10 @@ on_every_dialect! {
         row: &'q SaveRow,
     ) -> Query<'q, D, D::Arguments> {
         let query = query
-            .bind(row.id.as_str())
-            .bind(row.agent_id.as_str())
-            .bind(i64::from(row.step))
-            .bind(row.state.as_str())
+            .bind(row.checkpoint.id.as_str())
+            .bind(row.checkpoint.agent_id.as_str())
+            .bind(i64::from(row.checkpoint.step))
+            .bind(row.checkpoint.state.as_str())
             .bind(row.fence.as_ref().map(|f| f.turn_id.as_str()))
             .bind(row.fence.as_ref().map(|f| f.attempt));
         D::bind_ts(query, row.now).bind(row.delta_from)
@@ -219,7 +219,7 @@ on_every_dialect! {
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
-        let (created, updated) = match (&row.fence, &row.base) {
+        let (created, updated) = match (&row.fence, &row.checkpoint.base) {
             (None, _) => {
                 let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
                 Self::upsert(&mut conn, &row).await?
@@ -237,7 +237,7 @@ on_every_dialect! {
                     // A turn (re)starting from its base: the rows of any earlier start are no
                     // longer part of its window.
                     let query = sqlx::query(D::UPSERT_BASE)
-                        .bind(row.agent_id.as_str())
+                        .bind(row.checkpoint.agent_id.as_str())
                         .bind(fence.turn_id.as_str())
                         .bind(base.as_str())
                         .bind(fence.attempt);
@@ -246,9 +246,9 @@ on_every_dialect! {
                         .await
                         .map_err(StoreError::from)?;
                     sqlx::query(D::DROP_EARLIER_START)
-                        .bind(row.agent_id.as_str())
+                        .bind(row.checkpoint.agent_id.as_str())
                         .bind(fence.turn_id.as_str())
-                        .bind(row.id.as_str())
+                        .bind(row.checkpoint.id.as_str())
                         .execute(&mut *tx)
                         .await
                         .map_err(StoreError::from)?;
