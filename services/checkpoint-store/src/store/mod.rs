@@ -369,35 +369,22 @@ pub(crate) struct RawRow {
 impl RawRow {
     /// The wire shape; a row that cannot be represented is a corrupt row (`internal`).
     pub fn into_checkpoint(self) -> Result<Checkpoint, StoreError> {
-        let RawRow {
-            id,
-            agent_id,
-            step,
-            state,
-            turn_id,
-            attempt,
-            delta_from: _,
-            created_at,
-            updated_at,
-        } = self;
+        let id = self.id;
         let corrupt = |what: &str| StoreError::Internal(format!("row {id:?}: {what}"));
-        let step = u32::try_from(step).map_err(|_| corrupt("step out of range"))?;
-        let attempt = match attempt {
-            Some(a) => Some(u32::try_from(a).map_err(|_| corrupt("attempt out of range"))?),
-            None => None,
-        };
-        let state =
-            JsonObject::from_text(state).map_err(|_| corrupt("state is not a JSON object"))?;
         Ok(Checkpoint {
+            step: u32::try_from(self.step).map_err(|_| corrupt("step out of range"))?,
+            state: JsonObject::from_text(self.state)
+                .map_err(|_| corrupt("state is not a JSON object"))?,
+            attempt: match self.attempt {
+                Some(a) => Some(u32::try_from(a).map_err(|_| corrupt("attempt out of range"))?),
+                None => None,
+            },
             id,
-            agent_id,
-            step,
-            state,
-            turn_id,
-            attempt,
+            agent_id: self.agent_id,
+            turn_id: self.turn_id,
             base: None,
-            created_at: Some(created_at),
-            updated_at: Some(updated_at),
+            created_at: Some(self.created_at),
+            updated_at: Some(self.updated_at),
         })
     }
 }
