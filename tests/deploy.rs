@@ -516,13 +516,17 @@ fn the_helm_values_carry_the_users_and_what_cyrene_needs() {
             .map(|(_, v)| v.as_str())
             .unwrap_or_else(|| panic!("{key} missing"))
     };
-    assert_eq!(get("config.cluster.enabled"), "true");
-    assert_eq!(get("config.cluster.replicas"), "3");
-    assert_eq!(get("config.jetstream.enabled"), "true");
-    assert_eq!(get("config.jetstream.fileStore.enabled"), "true");
-    assert_eq!(get("config.jetstream.fileStore.pvc.enabled"), "true");
-    assert_eq!(get("config.monitor.enabled"), "true");
-    assert_eq!(get("service.ports.monitor.enabled"), "true");
+    for (key, want) in [
+        ("config.cluster.enabled", "true"),
+        ("config.cluster.replicas", "3"),
+        ("config.jetstream.enabled", "true"),
+        ("config.jetstream.fileStore.enabled", "true"),
+        ("config.jetstream.fileStore.pvc.enabled", "true"),
+        ("config.monitor.enabled", "true"),
+        ("service.ports.monitor.enabled", "true"),
+    ] {
+        assert_eq!(get(key), want, "{key}");
+    }
     // The KEDA scaler reads the monitoring port the values open.
     let port = get("config.monitor.port");
     let scaled = std::fs::read_to_string(deploy_dir().join("keda/scaledobject.yaml")).unwrap();

@@ -374,11 +374,13 @@ mod tests {
 
     #[test]
     fn the_person_of_an_owner_or_a_checkpoint_is_its_session_s() {
-        assert_eq!(owner_person("alice.s1"), Some("alice"));
-        assert_eq!(owner_person("alice.s1#l1"), Some("alice"));
-        assert_eq!(owner_person("alice.s1#l1:t1:3"), Some("alice"));
-        assert_eq!(owner_person("s1#l1:3"), None);
-        assert_eq!(owner_person(""), None);
+        // A session of alice's, a leg of it and a checkpoint of that leg.
+        for key in ["alice.s1", "alice.s1#l1", "alice.s1#l1:t1:3"] {
+            assert_eq!(owner_person(key), Some("alice"), "owner_person({key:?})");
+        }
+        for key in ["s1#l1:3", ""] {
+            assert_eq!(owner_person(key), None, "owner_person({key:?})");
+        }
     }
 
     #[test]

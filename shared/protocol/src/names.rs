@@ -196,30 +196,40 @@ mod tests {
         }
     }
 
+    /// Each `(raw, want)`: `display_name(raw)` is `want`.
+    fn assert_display_names<const N: usize>(cases: [(&str, &str); N]) {
+        for (raw, want) in cases {
+            assert_eq!(display_name(raw), want, "display_name({raw:?})");
+        }
+    }
+
     #[test]
     fn line_breaks_and_controls_become_one_space() {
-        assert_eq!(display_name("a\nb"), "a b");
-        assert_eq!(display_name("a\r\n\tb"), "a b");
-        assert_eq!(display_name("a\u{2028}b\u{2029}c\u{85}d"), "a b c d");
-        assert_eq!(display_name("a\u{0}b\u{1b}[31mc"), "a b 31mc");
-        assert_eq!(display_name("  \n x  \n "), "x");
+        assert_display_names([
+            ("a\nb", "a b"),
+            ("a\r\n\tb", "a b"),
+            ("a\u{2028}b\u{2029}c\u{85}d", "a b c d"),
+            ("a\u{0}b\u{1b}[31mc", "a b 31mc"),
+            ("  \n x  \n ", "x"),
+        ]);
     }
 
     #[test]
     fn invisible_characters_are_dropped() {
-        assert_eq!(display_name("a\u{200B}b\u{202E}c\u{FEFF}"), "abc");
-        assert_eq!(display_name("\u{200B}"), "");
+        assert_display_names([("a\u{200B}b\u{202E}c\u{FEFF}", "abc"), ("\u{200B}", "")]);
     }
 
     #[test]
     fn every_bracket_becomes_a_space() {
-        assert_eq!(display_name("[发言归属] x"), "发言归属 x");
-        assert_eq!(display_name("【系统】x"), "系统 x");
-        assert_eq!(display_name("x」——主人「y"), "x ——主人 y");
-        assert_eq!(display_name("x（管理员账户）"), "x 管理员账户");
-        assert_eq!(display_name("Bob (work)"), "Bob work");
-        assert_eq!(display_name("</system>"), "/system");
-        assert_eq!(display_name("[]「」"), "");
+        assert_display_names([
+            ("[发言归属] x", "发言归属 x"),
+            ("【系统】x", "系统 x"),
+            ("x」——主人「y", "x ——主人 y"),
+            ("x（管理员账户）", "x 管理员账户"),
+            ("Bob (work)", "Bob work"),
+            ("</system>", "/system"),
+            ("[]「」", ""),
+        ]);
     }
 
     #[test]
