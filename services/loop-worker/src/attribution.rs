@@ -438,8 +438,38 @@ mod tests {
         (Role::System, text.to_owned())
     }
 
-    fn line(role: Role, text: &str) -> (Role, String) {
-        (role, text.to_owned())
+    /// One line of an expected rendering: a note that attribution inserts, or a message of the
+    /// conversation, which comes out as it went in.
+    enum Rendered {
+        Note(&'static str),
+        Said(Message),
+    }
+    use Rendered::{Note, Said};
+
+    /// Renders the `Said` messages of `expected` (with [`names`]) and asserts that the output is
+    /// `expected` line for line, and the lead `lead` when given. Returns the rendered conversation.
+    fn assert_rendered(
+        env: &SpeakerEnv,
+        lead: Option<&str>,
+        expected: Vec<Rendered>,
+    ) -> Vec<Message> {
+        let mut conversation = Vec::new();
+        let mut want = Vec::new();
+        for rendered in expected {
+            match rendered {
+                Note(text) => want.push(sys(text)),
+                Said(message) => {
+                    want.push((message.role, message.text_content()));
+                    conversation.push(message);
+                }
+            }
+        }
+        let (got_lead, out) = render(&conversation, env, &names()).unwrap();
+        if let Some(lead) = lead {
+            assert_eq!(got_lead, lead);
+        }
+        assert_eq!(out, want);
+        conversation
     }
 
     /// Removing every inserted note gives back the input, message for message.
@@ -482,44 +512,32 @@ mod tests {
 
     #[test]
     fn single_labelled_persona_gets_lead_and_one_note() {
-        let conv = vec![
-            user("hi"),
-            assistant("hello").sender("cyrene"),
-            user("how are you"),
-            assistant("fine").sender("cyrene"),
-        ];
-        let (lead, out) = render(&conv, &open("cyrene"), &names()).unwrap();
-        assert_eq!(lead, LEAD_OPEN_CYRENE);
-        assert_eq!(
-            out,
+        assert_rendered(
+            &open("cyrene"),
+            Some(LEAD_OPEN_CYRENE),
             vec![
-                line(Role::User, "hi"),
-                sys(NOTE_SELF_CYRENE),
-                line(Role::Assistant, "hello"),
-                line(Role::User, "how are you"),
-                line(Role::Assistant, "fine"),
-            ]
+                Said(user("hi")),
+                Note(NOTE_SELF_CYRENE),
+                Said(assistant("hello").sender("cyrene")),
+                Said(user("how are you")),
+                Said(assistant("fine").sender("cyrene")),
+            ],
         );
     }
 
     #[test]
     fn switching_personas_inserts_a_note_at_every_change() {
-        let conv = vec![
-            assistant("a").sender("cyrene"),
-            assistant("b").sender("hoshi"),
-            assistant("c").sender("cyrene"),
-        ];
-        let (_, out) = render(&conv, &open("hoshi"), &names()).unwrap();
-        assert_eq!(
-            out,
+        assert_rendered(
+            &open("hoshi"),
+            None,
             vec![
-                sys(NOTE_OTHER_CYRENE),
-                line(Role::Assistant, "a"),
-                sys(NOTE_SELF_HOSHI),
-                line(Role::Assistant, "b"),
-                sys(NOTE_OTHER_CYRENE),
-                line(Role::Assistant, "c"),
-            ]
+                Note(NOTE_OTHER_CYRENE),
+                Said(assistant("a").sender("cyrene")),
+                Note(NOTE_SELF_HOSHI),
+                Said(assistant("b").sender("hoshi")),
+                Note(NOTE_OTHER_CYRENE),
+                Said(assistant("c").sender("cyrene")),
+            ],
         );
     }
 
@@ -603,26 +621,19 @@ mod tests {
 
     #[test]
     fn restricted_session_attributes_owner_third_party_and_self() {
-        let conv = vec![
-            user("owner speaks"),
-            user("stranger speaks").sender("阿明"),
-            assistant("she answers"),
-            user("owner again"),
-        ];
-        let (lead, out) = render(&conv, &restricted("cyrene"), &names()).unwrap();
-        assert_eq!(lead, LEAD_RESTRICTED_CYRENE);
-        assert_eq!(
-            out,
+        assert_rendered(
+            &restricted("cyrene"),
+            Some(LEAD_RESTRICTED_CYRENE),
             vec![
-                sys(NOTE_OWNER),
-                line(Role::User, "owner speaks"),
-                sys(NOTE_THIRD_AMING),
-                line(Role::User, "stranger speaks"),
-                sys(NOTE_SELF_CYRENE),
-                line(Role::Assistant, "she answers"),
-                sys(NOTE_OWNER),
-                line(Role::User, "owner again"),
-            ]
+                Note(NOTE_OWNER),
+                Said(user("owner speaks")),
+                Note(NOTE_THIRD_AMING),
+                Said(user("stranger speaks").sender("阿明")),
+                Note(NOTE_SELF_CYRENE),
+                Said(assistant("she answers")),
+                Note(NOTE_OWNER),
+                Said(user("owner again")),
+            ],
         );
     }
 
@@ -653,76 +664,59 @@ mod tests {
 
     #[test]
     fn restricted_unlabelled_and_labelled_self_share_one_note() {
-        let conv = vec![
-            user("q").sender("阿明"),
-            assistant("a1"),
-            assistant("a2").sender("cyrene"),
-        ];
-        let (_, out) = render(&conv, &restricted("cyrene"), &names()).unwrap();
-        assert_eq!(
-            out,
+        assert_rendered(
+            &restricted("cyrene"),
+            None,
             vec![
-                sys(NOTE_THIRD_AMING),
-                line(Role::User, "q"),
-                sys(NOTE_SELF_CYRENE),
-                line(Role::Assistant, "a1"),
-                line(Role::Assistant, "a2"),
-            ]
+                Note(NOTE_THIRD_AMING),
+                Said(user("q").sender("阿明")),
+                Note(NOTE_SELF_CYRENE),
+                Said(assistant("a1")),
+                Said(assistant("a2").sender("cyrene")),
+            ],
         );
     }
 
     #[test]
     fn restricted_without_current_persona_leaves_unlabelled_assistant_unattributed() {
-        let conv = vec![user("q").sender("阿明"), assistant("a"), user("owner")];
-        let (lead, out) = render(&conv, &restricted(""), &names()).unwrap();
-        assert_eq!(lead, LEAD_RESTRICTED_NO_CURRENT);
-        assert_eq!(
-            out,
+        assert_rendered(
+            &restricted(""),
+            Some(LEAD_RESTRICTED_NO_CURRENT),
             vec![
-                sys(NOTE_THIRD_AMING),
-                line(Role::User, "q"),
-                line(Role::Assistant, "a"),
-                sys(NOTE_OWNER),
-                line(Role::User, "owner"),
-            ]
+                Note(NOTE_THIRD_AMING),
+                Said(user("q").sender("阿明")),
+                Said(assistant("a")),
+                Note(NOTE_OWNER),
+                Said(user("owner")),
+            ],
         );
     }
 
     #[test]
     fn open_session_does_not_infer_owner_or_self() {
-        let conv = vec![
-            user("unlabelled user"),
-            assistant("unlabelled assistant"),
-            user("labelled").sender("阿明"),
-        ];
-        let (lead, out) = render(&conv, &open("cyrene"), &names()).unwrap();
-        assert_eq!(lead, LEAD_OPEN_CYRENE);
-        assert_eq!(
-            out,
+        assert_rendered(
+            &open("cyrene"),
+            Some(LEAD_OPEN_CYRENE),
             vec![
-                line(Role::User, "unlabelled user"),
-                line(Role::Assistant, "unlabelled assistant"),
-                sys(NOTE_THIRD_AMING),
-                line(Role::User, "labelled"),
-            ]
+                Said(user("unlabelled user")),
+                Said(assistant("unlabelled assistant")),
+                Note(NOTE_THIRD_AMING),
+                Said(user("labelled").sender("阿明")),
+            ],
         );
     }
 
     #[test]
     fn persona_id_and_equal_nickname_are_different_speakers() {
-        let conv = vec![
-            assistant("persona line").sender("hoshi"),
-            user("nickname line").sender("hoshi"),
-        ];
-        let (_, out) = render(&conv, &restricted("cyrene"), &names()).unwrap();
-        assert_eq!(
-            out,
+        assert_rendered(
+            &restricted("cyrene"),
+            None,
             vec![
-                sys(NOTE_OTHER_HOSHI),
-                line(Role::Assistant, "persona line"),
-                sys(NOTE_THIRD_HOSHI),
-                line(Role::User, "nickname line"),
-            ]
+                Note(NOTE_OTHER_HOSHI),
+                Said(assistant("persona line").sender("hoshi")),
+                Note(NOTE_THIRD_HOSHI),
+                Said(user("nickname line").sender("hoshi")),
+            ],
         );
     }
 
@@ -747,18 +741,14 @@ mod tests {
 
     #[test]
     fn labels_are_trimmed_before_comparison() {
-        let conv = vec![
-            assistant("a").sender(" hoshi "),
-            assistant("b").sender("hoshi"),
-        ];
-        let (_, out) = render(&conv, &open("cyrene"), &names()).unwrap();
-        assert_eq!(
-            out,
+        let conv = assert_rendered(
+            &open("cyrene"),
+            None,
             vec![
-                sys(NOTE_OTHER_HOSHI),
-                line(Role::Assistant, "a"),
-                line(Role::Assistant, "b"),
-            ]
+                Note(NOTE_OTHER_HOSHI),
+                Said(assistant("a").sender(" hoshi ")),
+                Said(assistant("b").sender("hoshi")),
+            ],
         );
         // The message itself keeps its label untouched.
         let (_, raw) = attribute(&conv, &open("cyrene"), &names()).unwrap();
