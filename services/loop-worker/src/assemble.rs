@@ -256,7 +256,7 @@ mod tests {
     use crate::attribution::{ROLE_CONTEXT_MARKER, SPEAKER_SWITCH_MARKER};
     use crate::notice::PARALLEL_NOTICE_HEADER;
 
-    use crate::fixtures::{assistant, user};
+    use crate::fixtures::{assistant, user, user_parts};
 
     fn document(name: &str) -> Part {
         crate::fixtures::pdf(name, 2048)
@@ -530,7 +530,7 @@ mod tests {
     #[test]
     fn window_is_unchanged_by_assembly() {
         let mut fx = Fixture::new(vec![
-            Message::with_parts(Role::User, vec![Part::text("read"), document("d-1")]),
+            user_parts(vec![Part::text("read"), document("d-1")]),
             assistant("a").sender("hoshi"),
         ]);
         fx.steered = vec![steered("m1", 1, "steer")];
@@ -547,10 +547,11 @@ mod tests {
     #[test]
     fn documents_are_replaced_by_extracted_text_in_place() {
         let fx = Fixture::new(vec![
-            Message::with_parts(
-                Role::User,
-                vec![Part::text("before "), document("d-1"), Part::text(" after")],
-            )
+            user_parts(vec![
+                Part::text("before "),
+                document("d-1"),
+                Part::text(" after"),
+            ])
             .sender("阿明"),
         ]);
         let extractor = |doc: DocumentRef<'_>| Some(format!("text of {}", doc.name));
@@ -569,7 +570,7 @@ mod tests {
 
     #[test]
     fn documents_without_text_become_a_manifest_line() {
-        let fx = Fixture::new(vec![Message::with_parts(Role::User, vec![document("d-9")])]);
+        let fx = Fixture::new(vec![user_parts(vec![document("d-9")])]);
         let view = fx.view();
         assert_eq!(
             view.last().unwrap().content,
@@ -587,7 +588,7 @@ mod tests {
             url: "cyrene-doc://d-1",
             size: 3,
         };
-        let message = Message::with_parts(Role::User, vec![document("d-1")]);
+        let message = user_parts(vec![document("d-1")]);
         let blank = |_: DocumentRef<'_>| Some("  \n".to_owned());
         let out = replace_documents(&message, &blank);
         assert_eq!(out.content.len(), 1);
@@ -604,7 +605,7 @@ mod tests {
         fx.steered = vec![SteeredMessage {
             id: "m1".into(),
             seq: 1,
-            message: Message::with_parts(Role::User, vec![document("d-2")]),
+            message: user_parts(vec![document("d-2")]),
         }];
         let view = fx.view();
         assert!(

@@ -37,6 +37,11 @@ pub(crate) mod fixtures {
         Message::text(Role::User, text)
     }
 
+    /// A user message of several parts (text, images, documents, ...).
+    pub fn user_parts(parts: Vec<Part>) -> Message {
+        Message::with_parts(Role::User, parts)
+    }
+
     pub fn assistant(text: &str) -> Message {
         Message::text(Role::Assistant, text)
     }

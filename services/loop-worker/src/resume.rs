@@ -180,7 +180,7 @@ mod tests {
     use cyrene_protocol::message::ToolCall;
     use serde_json::{Map, json};
 
-    use crate::fixtures::{assistant, user};
+    use crate::fixtures::{assistant, user, user_parts};
 
     fn document(name: &str) -> Part {
         crate::fixtures::pdf(name, 10)
@@ -231,6 +231,21 @@ mod tests {
         )
     }
 
+    /// Asserts that the snapshot a crash left after step `step` is resumed, with its window, at
+    /// `next_step` when the job is seeded with `seeded`. Returns the decision.
+    fn assert_crash_left_resumes(step: u32, seeded: &[Message], next_step: u32) -> ResumeDecision {
+        let (cp, window) = crash_left(step);
+        let decision = decide(Some(cp), seeded);
+        assert_eq!(
+            decision,
+            ResumeDecision::Resume {
+                messages: window,
+                next_step
+            }
+        );
+        decision
+    }
+
     // ---- user-message key ----
 
     #[test]
@@ -240,17 +255,14 @@ mod tests {
 
     #[test]
     fn key_concatenates_parts_in_order() {
-        let m = Message::with_parts(
-            Role::User,
-            vec![
-                Part::text("look "),
-                Part::ImageUrl {
-                    image_url: "https://x/a.png".into(),
-                },
-                Part::text("and read"),
-                document("d-1"),
-            ],
-        );
+        let m = user_parts(vec![
+            Part::text("look "),
+            Part::ImageUrl {
+                image_url: "https://x/a.png".into(),
+            },
+            Part::text("and read"),
+            document("d-1"),
+        ]);
         assert_eq!(
             user_message_key(&m),
             "look \0img:https://x/a.pngand read\0doc:d-1"
@@ -261,7 +273,7 @@ mod tests {
     fn image_only_and_document_only_messages_have_keys() {
         let img = Message::image(Role::User, "", "data:image/png;base64,AAAA");
         assert_eq!(user_message_key(&img), "\0img:data:image/png;base64,AAAA");
-        let doc = Message::with_parts(Role::User, vec![document("d-2")]);
+        let doc = user_parts(vec![document("d-2")]);
         assert_eq!(user_message_key(&doc), "\0doc:d-2");
     }
 
@@ -274,15 +286,12 @@ mod tests {
 
     #[test]
     fn document_key_uses_the_name_not_the_url() {
-        let a = Message::with_parts(
-            Role::User,
-            vec![Part::Document {
-                name: "d-1".into(),
-                mime: "text/plain".into(),
-                url: "cyrene-doc://elsewhere".into(),
-                size: 1,
-            }],
-        );
+        let a = user_parts(vec![Part::Document {
+            name: "d-1".into(),
+            mime: "text/plain".into(),
+            url: "cyrene-doc://elsewhere".into(),
+            size: 1,
+        }]);
         assert_eq!(user_message_key(&a), "\0doc:d-1");
     }
 
@@ -296,30 +305,27 @@ mod tests {
 
     #[test]
     fn tool_result_text_is_in_the_key_and_tool_calls_and_reasoning_are_not() {
-        let m = Message::with_parts(
-            Role::User,
-            vec![
-                Part::text("a"),
-                Part::ToolResult {
-                    tool_call_id: "c".into(),
-                    text: "result".into(),
-                    is_error: false,
-                },
-                Part::Reasoning {
-                    family: cyrene_protocol::message::ReasoningFamily::Openai,
-                    text: "thought".into(),
-                    signature: None,
-                    redacted: None,
-                },
-                Part::ToolCall {
-                    id: "c".into(),
-                    name: "n".into(),
-                    args: Map::new(),
-                    args_error: None,
-                },
-                Part::text("b"),
-            ],
-        );
+        let m = user_parts(vec![
+            Part::text("a"),
+            Part::ToolResult {
+                tool_call_id: "c".into(),
+                text: "result".into(),
+                is_error: false,
+            },
+            Part::Reasoning {
+                family: cyrene_protocol::message::ReasoningFamily::Openai,
+                text: "thought".into(),
+                signature: None,
+                redacted: None,
+            },
+            Part::ToolCall {
+                id: "c".into(),
+                name: "n".into(),
+                args: Map::new(),
+                args_error: None,
+            },
+            Part::text("b"),
+        ]);
         // Seed 003 writes `part.Text` for every part but images and documents: a tool result's
         // text is its body; a tool call has none; the seed has no reasoning part.
         assert_eq!(user_message_key(&m), "aresultb");
@@ -328,14 +334,11 @@ mod tests {
     #[test]
     fn messages_differing_only_in_tool_result_text_are_different_inputs() {
         let with = |text: &str| {
-            Message::with_parts(
-                Role::User,
-                vec![Part::ToolResult {
-                    tool_call_id: "c".into(),
-                    text: text.into(),
-                    is_error: false,
-                }],
-            )
+            user_parts(vec![Part::ToolResult {
+                tool_call_id: "c".into(),
+                text: text.into(),
+                is_error: false,
+            }])
         };
         assert_ne!(
             user_message_key(&with("old")),
@@ -436,7 +439,7 @@ mod tests {
 
     #[test]
     fn newer_document_supersedes_and_same_document_does_not() {
-        let doc = |name: &str| Message::with_parts(Role::User, vec![document(name)]);
+        let doc = |name: &str| user_parts(vec![document(name)]);
         let window = vec![doc("d-1")];
         assert!(superseded_window(&window, &[doc("d-1"), doc("d-2")]));
         assert!(!superseded_window(&window, &[doc("d-1")]));
@@ -513,54 +516,24 @@ mod tests {
 
     #[test]
     fn crash_left_checkpoint_resumes_at_the_next_step_with_its_window() {
-        let (cp, window) = crash_left(2);
-        let decision = decide(Some(cp), &[user("q1")]);
-        assert_eq!(
-            decision,
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 3
-            }
-        );
+        let decision = assert_crash_left_resumes(2, &[user("q1")], 3);
         assert_eq!(decision.next_step(), 3);
     }
 
     #[test]
     fn crash_left_checkpoint_resumes_without_any_overlap() {
-        let (cp, window) = crash_left(1);
-        let decision = decide(Some(cp), &[user("sent after the restart")]);
-        assert_eq!(
-            decision,
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 2
-            }
-        );
+        assert_crash_left_resumes(1, &[user("sent after the restart")], 2);
     }
 
     #[test]
     fn crash_left_checkpoint_resumes_when_the_same_message_is_reseeded() {
-        let (cp, window) = crash_left(4);
         let seeded = vec![user("q0"), assistant("a0"), user("q1")];
-        assert_eq!(
-            decide(Some(cp), &seeded),
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 5
-            }
-        );
+        assert_crash_left_resumes(4, &seeded, 5);
     }
 
     #[test]
     fn crash_left_checkpoint_with_empty_seed_resumes() {
-        let (cp, window) = crash_left(1);
-        assert_eq!(
-            decide(Some(cp), &[]),
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 2
-            }
-        );
+        assert_crash_left_resumes(1, &[], 2);
     }
 
     #[test]

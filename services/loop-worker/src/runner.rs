@@ -898,6 +898,14 @@ pub(crate) mod tests {
         fake.saved.lock().unwrap().clone()
     }
 
+    /// The row of step 1 that attempt `attempt` of `job()` saves when that step calls tool `c1`:
+    /// what a crash after the step leaves in the store.
+    async fn tool_step_left_by(attempt: u32) -> Checkpoint {
+        rows_left_by([reply_tools(&["c1"]), reply_text("x")], attempt)
+            .await
+            .swap_remove(0)
+    }
+
     /// A plain text answer of the scripted model (also used by `crate::images`' tests).
     pub(crate) fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
         Ok(ModelResponse {
@@ -1151,9 +1159,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn a_crash_left_checkpoint_resumes_without_rerunning_tools() {
-        let crash_left = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 1)
-            .await
-            .swap_remove(0);
+        let crash_left = tool_step_left_by(1).await;
 
         let second = Fake::scripted([reply_text("It is noon.")]);
         *second.latest.lock().unwrap() = Some(crash_left);
@@ -1208,9 +1214,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn another_turns_checkpoint_is_never_resumed_or_reported() {
-        let other_turn = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 1)
-            .await
-            .swap_remove(0);
+        let other_turn = tool_step_left_by(1).await;
 
         let fake = Fake::scripted([reply_text("fresh")]);
         *fake.latest.lock().unwrap() = Some(other_turn);
@@ -1265,9 +1269,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn an_attempt_older_than_the_latest_writer_stops_at_once() {
-        let written_by_3 = rows_left_by([reply_tools(&["c1"]), reply_text("x")], 3)
-            .await
-            .swap_remove(0);
+        let written_by_3 = tool_step_left_by(3).await;
 
         let zombie = Fake::resuming(Some(written_by_3));
         assert_eq!(run_turn(&zombie, &job(), 2, &CFG).await, TurnEnd::Stale);
