@@ -477,50 +477,54 @@ mod tests {
         }
     }
 
+    /// A request's persona, model and whether it carries an image; the chain it goes along, as
+    /// (provider, model) steps.
+    type RouteCase<'a> = (&'a str, &'a str, bool, &'a [(&'a str, &'a str)]);
+
+    /// [`router`] routes each case's request along the case's chain.
+    fn assert_routes(cases: &[RouteCase<'_>]) {
+        let r = router();
+        for &(persona, model, image, chain) in cases {
+            let want: Vec<Step> = chain.iter().map(|&(p, m)| Step::new(p, m)).collect();
+            assert_eq!(
+                r.route(&req(persona, model, image)).unwrap(),
+                want,
+                "persona {persona:?}, model {model:?}, image {image}"
+            );
+        }
+    }
+
     #[test]
     fn chains_follow_model_persona_and_group() {
+        assert_routes(&[
+            ("", "", false, &[("a", "text"), ("b", "eyes")]),
+            ("hoshi", "", false, &[("b", "text")]),
+            ("", "text", false, &[("a", "text"), ("b", "text")]),
+        ]);
         let r = router();
-        assert_eq!(
-            r.route(&req("", "", false)).unwrap(),
-            vec![Step::new("a", "text"), Step::new("b", "eyes")]
-        );
-        assert_eq!(
-            r.route(&req("hoshi", "", false)).unwrap(),
-            vec![Step::new("b", "text")]
-        );
         assert_eq!(r.route(&req("nobody", "", false)).unwrap().len(), 2);
-        assert_eq!(
-            r.route(&req("", "text", false)).unwrap(),
-            vec![Step::new("a", "text"), Step::new("b", "text")]
-        );
         let err = r.route(&req("", "gpt-9", false)).unwrap_err();
         assert_eq!(err.code, ErrorCode::BadRequest);
     }
 
     #[test]
     fn images_go_to_vision_steps_then_the_vision_chain() {
-        let r = router();
-        assert_eq!(
-            r.route(&req("", "", true)).unwrap(),
-            vec![Step::new("b", "eyes"), Step::new("c", "big-eyes")]
-        );
-        assert_eq!(
-            r.route(&req("hoshi", "", true)).unwrap(),
-            vec![Step::new("c", "big-eyes")]
-        );
-        assert_eq!(
-            r.route(&req("", "text", true)).unwrap_err().code,
-            ErrorCode::BadRequest
-        );
+        assert_routes(&[
+            ("", "", true, &[("b", "eyes"), ("c", "big-eyes")]),
+            ("hoshi", "", true, &[("c", "big-eyes")]),
+        ]);
+        let err = router().route(&req("", "text", true)).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
     }
 
     #[test]
     fn requests_that_no_provider_could_take_are_refused() {
+        let refused = |request: &ModelRequest| check_request(request).unwrap_err();
         let ok = req("", "", false);
         assert!(check_request(&ok).is_ok());
         let mut empty = ok.clone();
         empty.messages.clear();
-        assert!(check_request(&empty).unwrap_err().message.contains("empty"));
+        assert!(refused(&empty).message.contains("empty"));
         let mut doc = ok.clone();
         doc.messages[0].content.push(Part::Document {
             name: "d".into(),
@@ -528,18 +532,10 @@ mod tests {
             url: "cyrene-doc://d".into(),
             size: 1,
         });
-        assert!(
-            check_request(&doc)
-                .unwrap_err()
-                .message
-                .contains("document")
-        );
+        assert!(refused(&doc).message.contains("document"));
         let mut bad_uri = ok.clone();
         bad_uri.messages[0] = Message::image(Role::User, "", "data:image/png,xx");
-        assert_eq!(
-            check_request(&bad_uri).unwrap_err().code,
-            ErrorCode::BadRequest
-        );
+        assert_eq!(refused(&bad_uri).code, ErrorCode::BadRequest);
         let mut result_on_user = ok.clone();
         result_on_user.messages[0].content.push(Part::ToolResult {
             tool_call_id: "c".into(),
@@ -547,8 +543,7 @@ mod tests {
             is_error: false,
         });
         assert!(
-            check_request(&result_on_user)
-                .unwrap_err()
+            refused(&result_on_user)
                 .message
                 .contains("tool_result part cannot appear on a user message")
         );
