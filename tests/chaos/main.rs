@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
-use world::{LocalPostgres, Options, PostgresGuard, World, env_or, send_request};
+use world::{LocalPostgres, Options, PostgresGuard, Service, World, env_or, send_request};
 
 /// The seed of a run: `CHAOS_SEED`, else the clock (printed, so a schedule can be replayed).
 fn seed() -> u64 {
@@ -189,19 +189,14 @@ async fn chaos_loop(
     }
 }
 
-/// Kills a service process (`kill`), leaves it down for `down`, then starts it again (`start`),
-/// noting both in the timeline under `name`.
-async fn kill_and_restart(
-    world: &World,
-    name: &str,
-    down: Duration,
-    kill: impl Future<Output = ()>,
-    start: impl Future<Output = ()>,
-) {
-    kill.await;
+/// Kills `service`'s process, leaves it down for `down`, then starts it again, noting both in
+/// the timeline.
+async fn kill_and_restart(world: &World, service: Service, down: Duration) {
+    let name = service.name();
+    world.kill_service(service).await;
     world.note(format!("SIGKILL {name}"));
     tokio::time::sleep(down).await;
-    start.await;
+    world.start_service(service).await;
     world.note(format!("{name} started again"));
 }
 
@@ -221,20 +216,9 @@ async fn sent_from_the_phone(world: &World, session: &str, marker: &str, key: &s
 async fn inject(world: &World, fault: Fault, pg: Option<&LocalPostgres>) {
     match fault {
         Fault::Orchestrator => {
-            let (kill, start) = (world.kill_orchestrator(), world.start_orchestrator());
-            kill_and_restart(world, "orchestrator", Duration::from_secs(1), kill, start).await;
+            kill_and_restart(world, Service::Orchestrator, Duration::from_secs(1)).await;
         }
-        Fault::Store => {
-            let (kill, start) = (world.kill_store(), world.start_store());
-            kill_and_restart(
-                world,
-                "checkpoint store",
-                Duration::from_secs(2),
-                kill,
-                start,
-            )
-            .await;
-        }
+        Fault::Store => kill_and_restart(world, Service::Store, Duration::from_secs(2)).await,
         Fault::Nats => {
             world.note("SIGKILL nats-server (2 s outage, same store dir)");
             world.restart_nats(Duration::from_secs(2)).await;

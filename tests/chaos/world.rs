@@ -22,7 +22,7 @@ use cyrene_protocol::session::{
 };
 use cyrene_protocol::subjects;
 use cyrene_test_support::{NatsCluster, NatsServer};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -79,11 +79,46 @@ pub struct WorkerKill {
     pub also: Vec<String>,
 }
 
+/// A service the world runs as one process (loop workers are many: [`World::spawn_worker`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Service {
+    Gateway,
+    Store,
+    Orchestrator,
+}
+
+impl Service {
+    /// Its binary, which is also its micro service name.
+    fn binary(self) -> &'static str {
+        match self {
+            Service::Gateway => "cyrene-model-gateway",
+            Service::Store => "cyrene-checkpoint-store",
+            Service::Orchestrator => "cyrene-orchestrator",
+        }
+    }
+
+    /// Its log file under the run's log directory, without `.log`.
+    fn log(self) -> &'static str {
+        match self {
+            Service::Gateway => "gateway",
+            Service::Store => "checkpoint-store",
+            Service::Orchestrator => "orchestrator",
+        }
+    }
+
+    /// What the timeline calls it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Gateway => "model gateway",
+            Service::Store => "checkpoint store",
+            Service::Orchestrator => "orchestrator",
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Procs {
-    gateway: Option<Child>,
-    store: Option<Child>,
-    orchestrator: Option<Child>,
+    services: BTreeMap<Service, Child>,
     workers: Vec<WorkerProc>,
     next_worker: usize,
 }
@@ -190,9 +225,9 @@ impl World {
             faults: Mutex::new(Vec::new()),
             known_inboxes: Mutex::new(BTreeSet::new()),
         });
-        world.start_gateway().await;
-        world.start_store().await;
-        world.start_orchestrator().await;
+        for service in [Service::Gateway, Service::Store, Service::Orchestrator] {
+            world.start_service(service).await;
+        }
         for _ in 0..workers {
             world.spawn_worker().await;
         }
@@ -240,39 +275,20 @@ impl World {
         cmd
     }
 
-    async fn start_gateway(&self) {
-        let mut cmd = self.command("cyrene-model-gateway", "gateway");
-        cmd.env("CYRENE_GATEWAY_MODELS", &self.models);
-        self.procs.lock().await.gateway = Some(cmd.spawn().unwrap());
-        self.wait_for_service("cyrene-model-gateway").await;
-    }
-
-    pub async fn start_store(&self) {
-        let child = self
-            .command("cyrene-checkpoint-store", "checkpoint-store")
-            .spawn()
-            .unwrap();
-        self.procs.lock().await.store = Some(child);
-        self.wait_for_service("cyrene-checkpoint-store").await;
-    }
-
-    pub async fn kill_store(&self) {
-        if let Some(mut child) = self.procs.lock().await.store.take() {
-            let _ = child.kill().await;
+    /// Starts `service`'s process and waits until it answers on the bus.
+    pub async fn start_service(&self, service: Service) {
+        let mut cmd = self.command(service.binary(), service.log());
+        if service == Service::Gateway {
+            cmd.env("CYRENE_GATEWAY_MODELS", &self.models);
         }
+        let child = cmd.spawn().unwrap();
+        self.procs.lock().await.services.insert(service, child);
+        self.wait_for_service(service.binary()).await;
     }
 
-    pub async fn start_orchestrator(&self) {
-        let child = self
-            .command("cyrene-orchestrator", "orchestrator")
-            .spawn()
-            .unwrap();
-        self.procs.lock().await.orchestrator = Some(child);
-        self.wait_for_service("cyrene-orchestrator").await;
-    }
-
-    pub async fn kill_orchestrator(&self) {
-        if let Some(mut child) = self.procs.lock().await.orchestrator.take() {
+    /// SIGKILLs `service`'s process, if it runs.
+    pub async fn kill_service(&self, service: Service) {
+        if let Some(mut child) = self.procs.lock().await.services.remove(&service) {
             let _ = child.kill().await;
         }
     }
