@@ -329,6 +329,19 @@ async fn pg_commit(url: &str) -> f64 {
     .await
 }
 
+/// How long a request on `subject` takes until its `R` reply is decoded (at most 10 s).
+async fn timed_request<R: serde::de::DeserializeOwned>(
+    client: &async_nats::Client,
+    subject: &str,
+    body: &impl serde::Serialize,
+) -> Duration {
+    let start = Instant::now();
+    let _: R = request_json(client, subject, body, Duration::from_secs(10))
+        .await
+        .unwrap();
+    start.elapsed()
+}
+
 /// Beside each per-step figure, its two parts measured alone through the same real services:
 /// a step's fenced checkpoint save (NATS + store + database) and a step's model call with a view
 /// of the window's size (NATS + gateway, scripted provider), plain and streamed. The save and the
@@ -354,17 +367,14 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
             created_at: None,
             updated_at: None,
         };
-        let start = Instant::now();
-        let _: cyrene_protocol::checkpoint::Checkpoint = request_json(
+        let save = timed_request::<cyrene_protocol::checkpoint::Checkpoint>(
             &real.client,
             subjects::CHECKPOINT_SAVE,
             &checkpoint,
-            Duration::from_secs(10),
         )
-        .await
-        .unwrap();
+        .await;
         if step > 50 {
-            saves.push(start.elapsed());
+            saves.push(save);
         }
     }
     let messages: Vec<Message> = (0..window)
@@ -386,23 +396,20 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
     let inbox = cyrene_bus::model_stream::StreamInbox::new(real.client.clone());
     let (mut plain, mut streamed) = (Vec::new(), Vec::new());
     for i in 0..400 {
-        let start = Instant::now();
-        let _: cyrene_protocol::model::ModelResponse = request_json(
+        let call = timed_request::<cyrene_protocol::model::ModelResponse>(
             &real.client,
             subjects::MODEL_COMPLETE,
             &request,
-            Duration::from_secs(10),
         )
-        .await
-        .unwrap();
-        let middle = Instant::now();
+        .await;
+        let start = Instant::now();
         inbox
             .complete_stream(&request, Duration::from_secs(10), |_, _| {})
             .await
             .unwrap();
         if i >= 50 {
-            plain.push(middle - start);
-            streamed.push(middle.elapsed());
+            plain.push(call);
+            streamed.push(start.elapsed());
         }
     }
     for times in [&mut saves, &mut plain, &mut streamed] {
