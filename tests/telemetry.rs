@@ -7,9 +7,9 @@ mod common;
 
 use common::{service, wait_for_service};
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::otlp;
 use std::time::Duration;
-use wiremock::matchers::{method, path};
-use wiremock::{Mock, MockServer, ResponseTemplate};
+use wiremock::MockServer;
 
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 
@@ -18,17 +18,6 @@ fn hex_bytes(hex: &str) -> Vec<u8> {
         .step_by(2)
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
         .collect()
-}
-
-/// An OTLP/HTTP collector that accepts every export and keeps it.
-async fn collector() -> MockServer {
-    let collector = MockServer::start().await;
-    Mock::given(method("POST"))
-        .and(path("/v1/traces"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&collector)
-        .await;
-    collector
 }
 
 /// Whether one export holds both the trace id and the service name.
@@ -45,7 +34,7 @@ async fn exported(collector: &MockServer, trace_id: &str, service_name: &str) ->
 
 #[tokio::test]
 async fn a_service_exports_its_spans_in_the_callers_trace() {
-    let collector = collector().await;
+    let collector = otlp::collector().await;
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
     let mut store = service(
@@ -93,7 +82,7 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_turn_is_one_trace_across_the_four_services() {
     const TURN_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
-    let collector = collector().await;
+    let collector = otlp::collector().await;
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
     let models = data.path().join("models.json");

@@ -143,8 +143,6 @@ pub fn init_with(service: &'static str, default_filter: &str) -> Telemetry {
 mod tests {
     use super::*;
     use opentelemetry::trace::Tracer as _;
-    use wiremock::matchers::{method, path};
-    use wiremock::{Mock, MockServer, ResponseTemplate};
 
     #[test]
     fn the_endpoint_comes_from_the_standard_variables() {
@@ -163,15 +161,7 @@ mod tests {
     #[test]
     fn spans_reach_an_otlp_collector_with_the_service_name() {
         let runtime = tokio::runtime::Runtime::new().unwrap();
-        let collector = runtime.block_on(async {
-            let server = MockServer::start().await;
-            Mock::given(method("POST"))
-                .and(path("/v1/traces"))
-                .respond_with(ResponseTemplate::new(200))
-                .mount(&server)
-                .await;
-            server
-        });
+        let collector = runtime.block_on(cyrene_test_support::otlp::collector());
         let url = format!("{}/v1/traces", collector.uri());
         let (provider, problem) = tracer_provider("cyrene-telemetry-test", Some(&url));
         assert_eq!(problem, None);

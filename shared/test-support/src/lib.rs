@@ -14,7 +14,8 @@
 //! - [`NatsCluster`]: several JetStream nodes routed into one cluster, each
 //!   node a [`NatsServer`] that can be killed and restarted on its own;
 //! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests;
-//! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from.
+//! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from;
+//! - [`otlp::collector`]: an OTLP/HTTP trace collector that keeps every export.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -80,6 +81,7 @@ mod cluster;
 pub mod echo;
 pub mod fixtures;
 pub mod micro;
+pub mod otlp;
 pub mod pdf;
 mod probe;
 pub mod raw;
