@@ -12,7 +12,6 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use common::{service, wait_for_service};
 use cyrene_bus::{RequestError, request_json};
-use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::document::{
     DOCUMENT_READ, DOCUMENT_UPLOAD, DocumentInfo, ReadRequest, ReadResponse, UploadAck,
     UploadRequest,
@@ -20,37 +19,26 @@ use cyrene_protocol::document::{
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::pdf::tiny_pdf;
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::process::Child;
-use tokio_util::sync::CancellationToken;
 
 /// The document limit the orchestrator runs with here.
 const LIMIT: usize = 100 * 1024;
 const WAIT: Duration = Duration::from_secs(10);
 
 struct World {
-    _server: NatsServer,
-    client: async_nats::Client,
-    log: RequestLog,
+    bus: common::Bus,
     _data: tempfile::TempDir,
     _children: Vec<Child>,
-    shutdown: CancellationToken,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
 }
 
 impl World {
     async fn start() -> World {
-        let (server, client, shutdown, log) = common::bus_with_gateway(json!([])).await;
+        let bus = common::Bus::with_gateway(json!([])).await;
         let data = tempfile::tempdir().unwrap();
         let dir = data.path().display().to_string();
         let limit = LIMIT.to_string();
@@ -59,25 +47,22 @@ impl World {
             ("CYRENE_ORCHESTRATOR_MAX_DOCUMENT_BYTES", limit.as_str()),
         ];
         let children = vec![
-            service("cyrene-checkpoint-store", &server.url(), &envs),
-            service("cyrene-orchestrator", &server.url(), &envs),
-            service("cyrene-loop-worker", &server.url(), &envs),
+            service("cyrene-checkpoint-store", &bus.server.url(), &envs),
+            service("cyrene-orchestrator", &bus.server.url(), &envs),
+            service("cyrene-loop-worker", &bus.server.url(), &envs),
         ];
-        wait_for_service(&client, "cyrene-checkpoint-store").await;
-        wait_for_service(&client, "cyrene-orchestrator").await;
-        wait_for_service(&client, "cyrene-loop-worker").await;
+        wait_for_service(&bus.client, "cyrene-checkpoint-store").await;
+        wait_for_service(&bus.client, "cyrene-orchestrator").await;
+        wait_for_service(&bus.client, "cyrene-loop-worker").await;
         World {
-            _server: server,
-            client,
-            log,
+            bus,
             _data: data,
             _children: children,
-            shutdown,
         }
     }
 
     async fn chunk(&self, request: &UploadRequest) -> Result<UploadAck, ErrorBody> {
-        request_json(&self.client, DOCUMENT_UPLOAD, request, WAIT)
+        request_json(&self.bus.client, DOCUMENT_UPLOAD, request, WAIT)
             .await
             .map_err(remote)
     }
@@ -121,7 +106,7 @@ impl World {
         let mut bytes = Vec::new();
         loop {
             let chunk: ReadResponse = request_json(
-                &self.client,
+                &self.bus.client,
                 DOCUMENT_READ,
                 &ReadRequest {
                     session_id: session.into(),
@@ -153,7 +138,7 @@ impl World {
             parallel: false,
             when_busy: None,
         };
-        request_json(&self.client, subjects::SESSION_SEND, &request, WAIT)
+        request_json(&self.bus.client, subjects::SESSION_SEND, &request, WAIT)
             .await
             .map_err(remote)
     }
@@ -164,7 +149,7 @@ impl World {
             limit: None,
             before_seq: None,
         };
-        request_json(&self.client, subjects::SESSION_HISTORY, &request, WAIT)
+        request_json(&self.bus.client, subjects::SESSION_HISTORY, &request, WAIT)
             .await
             .unwrap()
     }
@@ -366,6 +351,7 @@ async fn hostile_uploads_get_structured_errors() {
     };
     assert_eq!(code(world.chunk(&bad_session).await), ErrorCode::BadRequest);
     let reply = world
+        .bus
         .client
         .request(DOCUMENT_UPLOAD, "\u{0}{not json".into())
         .await
@@ -419,7 +405,7 @@ async fn a_client_supplied_url_is_never_fetched() {
         ErrorCode::NotFound
     );
     // Give any stray fetch time to arrive, then check there was none.
-    world.client.flush().await.unwrap();
+    world.bus.client.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
@@ -466,7 +452,7 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
     world.send("s1", content).await.unwrap();
     let seen = tokio::time::timeout(Duration::from_secs(30), async {
         loop {
-            let asked = world.log.snapshot().into_iter().find_map(|r| {
+            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
                 r.messages
                     .into_iter()
                     .find(|m| m.role == Role::User && m.text_content().contains("please summarise"))
@@ -522,7 +508,7 @@ async fn the_cli_uploads_files_with_send_and_chat() {
     std::fs::write(&tea, "kind,grams\noolong,5\n").unwrap();
     let cyrene = || {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"));
-        cmd.env("NATS_URL", world._server.url())
+        cmd.env("NATS_URL", world.bus.server.url())
             .env_remove("RUST_LOG")
             .kill_on_drop(true);
         cmd
@@ -573,6 +559,7 @@ async fn the_cli_uploads_files_with_send_and_chat() {
     // Both turns reach the model (each in its own time).
     let user_texts = || -> Vec<String> {
         world
+            .bus
             .log
             .snapshot()
             .iter()

@@ -7,7 +7,6 @@ mod common;
 
 use common::{fresh_postgres, service, wait_for_service};
 use cyrene_bus::{RequestError, request_json};
-use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent, SessionEventType,
@@ -21,7 +20,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::process::Child;
-use tokio_util::sync::CancellationToken;
 
 const SESSIONS: usize = 20;
 const PER_SESSION: usize = 10;
@@ -34,20 +32,11 @@ struct Consumption {
 }
 
 struct World {
-    server: NatsServer,
-    client: async_nats::Client,
-    log: RequestLog,
+    bus: common::Bus,
     consumption: Arc<Mutex<Consumption>>,
     database_url: Option<String>,
     data: tempfile::TempDir,
     children: Vec<Child>,
-    shutdown: CancellationToken,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
 }
 
 impl World {
@@ -57,7 +46,8 @@ impl World {
 
     /// A world whose scripted model follows `rules` (docs/model-gateway.md).
     async fn scripted(database_url: Option<String>, rules: serde_json::Value) -> World {
-        let (server, client, shutdown, log) = common::bus_with_gateway(rules).await;
+        let bus = common::Bus::with_gateway(rules).await;
+        let client = &bus.client;
 
         // Watch the wire: every job's message ids, every steer ack's.
         let consumption = Arc::new(Mutex::new(Consumption::default()));
@@ -94,22 +84,19 @@ impl World {
 
         let data = tempfile::tempdir().unwrap();
         let mut world = World {
-            server,
-            client,
-            log,
+            bus,
             consumption,
             database_url,
             data,
             children: vec![],
-            shutdown,
         };
         let store = world.service("cyrene-checkpoint-store");
         world.children.push(store);
-        wait_for_service(&world.client, "cyrene-checkpoint-store").await;
+        wait_for_service(&world.bus.client, "cyrene-checkpoint-store").await;
         for _ in 0..2 {
             let worker = service(
                 "cyrene-loop-worker",
-                &world.server.url(),
+                &world.bus.server.url(),
                 &[("CYRENE_WORKER_ACK_WAIT", "2s")],
             );
             world.children.push(worker);
@@ -127,13 +114,13 @@ impl World {
         if let Some(url) = &self.database_url {
             envs.push(("DATABASE_URL", url.as_str()));
         }
-        service(name, &self.server.url(), &envs)
+        service(name, &self.bus.server.url(), &envs)
     }
 
     /// An orchestrator process, once it answers `$SRV.PING`.
     async fn orchestrator(&self) -> Child {
         let child = self.service("cyrene-orchestrator");
-        wait_for_service(&self.client, "cyrene-orchestrator").await;
+        wait_for_service(&self.bus.client, "cyrene-orchestrator").await;
         child
     }
 
@@ -151,7 +138,7 @@ impl World {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             let sent: Result<SendAck, RequestError> = request_json(
-                &self.client,
+                &self.bus.client,
                 subjects::SESSION_SEND,
                 &request,
                 Duration::from_secs(5),
@@ -177,7 +164,7 @@ impl World {
             before_seq: None,
         };
         request_json(
-            &self.client,
+            &self.bus.client,
             subjects::SESSION_HISTORY,
             &request,
             Duration::from_secs(5),
@@ -265,7 +252,7 @@ impl World {
         histories: &HashMap<String, HistoryResponse>,
     ) {
         let consumption = self.consumption.lock().unwrap();
-        let requests = self.log.snapshot();
+        let requests = self.bus.log.snapshot();
         for (session, ack, text) in sent {
             // Consumed by exactly one turn (a job's new message or a steer claim) …
             let turns = consumption
@@ -330,7 +317,7 @@ async fn two_orchestrator_replicas_on_one_postgres_keep_exactly_once_and_the_fen
     // Both replicas took part.
     // Both replicas answer; a reply slowed by load still counts (bounded wait for the second).
     let served: Vec<u64> = cyrene_bus::discovery::gather(
-        &world.client,
+        &world.bus.client,
         cyrene_bus::discovery::Verb::Stats,
         Some("cyrene-orchestrator"),
         Duration::from_secs(5),
@@ -376,7 +363,7 @@ async fn an_orchestrator_killed_under_load_loses_nothing() {
     common::eventually(
         "some messages acknowledged",
         Duration::from_secs(30),
-        || world.log.len() >= 10,
+        || world.bus.log.len() >= 10,
     )
     .await;
     victim.start_kill().unwrap(); // SIGKILL mid-load
@@ -403,7 +390,7 @@ async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
             "30s",
             "are you there?",
         ])
-        .env("NATS_URL", world.server.url())
+        .env("NATS_URL", world.bus.server.url())
         .output()
         .await
         .unwrap();
@@ -414,6 +401,7 @@ async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
     );
     // The orchestrator lists its service; the persona is reachable as an agent.
     let info = world
+        .bus
         .client
         .request("$SRV.INFO.cyrene-orchestrator", "".into())
         .await
@@ -427,8 +415,8 @@ async fn a_persona_answers_an_ask_sent_by_cyrene_ask() {
 async fn askers_of_one_persona_do_not_see_each_other() {
     let world = World::start(None).await;
     let _orchestrator = world.orchestrator().await;
-    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
-    let bob = cyrene_comm::Probe::new(world.client.clone(), "bob");
+    let alice = cyrene_comm::Probe::new(world.bus.client.clone(), "alice");
+    let bob = cyrene_comm::Probe::new(world.bus.client.clone(), "bob");
     let secret = "alice's secret: the door code is 4711";
     let asked = |probe: &cyrene_comm::Probe, question: &str| {
         let (probe, question) = (probe.clone(), question.to_owned());
@@ -444,7 +432,7 @@ async fn askers_of_one_persona_do_not_see_each_other() {
     asked(&bob, "what did the person before me say?").await;
     asked(&alice, "and what was my code?").await;
 
-    let requests = world.log.snapshot();
+    let requests = world.bus.log.snapshot();
     let holding = |text: &str| -> Vec<String> {
         requests
             .iter()
@@ -559,7 +547,7 @@ async fn ask_when_ready(
 async fn an_asks_data_reaches_the_model_request() {
     let world = World::start(None).await;
     let _orchestrator = world.orchestrator().await;
-    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
+    let alice = cyrene_comm::Probe::new(world.bus.client.clone(), "alice");
     let options = cyrene_comm::AskOptions {
         timeout: Some(Duration::from_secs(30)),
         data: json!({"order": 4711, "items": ["oolong"]}),
@@ -567,7 +555,7 @@ async fn an_asks_data_reaches_the_model_request() {
     };
     let reply = ask_when_ready(&alice, "what did I order?", options).await;
     assert!(reply.text.contains("what did I order?"), "{}", reply.text);
-    let requests = world.log.snapshot();
+    let requests = world.bus.log.snapshot();
     let asked: Vec<_> = requests
         .iter()
         .filter_map(|r| {
@@ -596,7 +584,7 @@ async fn an_ask_back_along_its_chain_is_an_error_result_not_a_stall() {
         "after_tools": "the tool said: {tool_results}"}]);
     let world = World::scripted(None, rules).await;
     let _orchestrator = world.orchestrator().await;
-    let alice = cyrene_comm::Probe::new(world.client.clone(), "alice");
+    let alice = cyrene_comm::Probe::new(world.bus.client.clone(), "alice");
     let options = cyrene_comm::AskOptions {
         timeout: Some(Duration::from_secs(30)),
         ..Default::default()
@@ -610,7 +598,7 @@ async fn an_ask_back_along_its_chain_is_an_error_result_not_a_stall() {
         started.elapsed()
     );
     // The nested ask never reached the model.
-    let requests = world.log.snapshot();
+    let requests = world.bus.log.snapshot();
     assert!(requests.iter().all(|r| {
         r.messages
             .iter()

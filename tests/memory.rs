@@ -42,7 +42,8 @@ fn system_messages(view: &[Message]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
-    let (server, client, shutdown, log) = common::bus_with_gateway(json!([])).await;
+    let bus = common::Bus::with_gateway(json!([])).await;
+    let (server, client, log) = (&bus.server, bus.client.clone(), bus.log.clone());
     let data = tempfile::tempdir().unwrap();
     let dir = data.path().display().to_string();
     let envs = [("CYRENE_DATA_DIR", dir.as_str())];
@@ -189,5 +190,5 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
         !system.iter().any(|s| s.starts_with("[记忆]")),
         "a forgotten entry leaves no memory block: {system:#?}"
     );
-    shutdown.cancel();
+    bus.shutdown.cancel();
 }

@@ -50,21 +50,37 @@ pub fn models(rules: Value) -> ModelsConfig {
     .unwrap()
 }
 
-/// A nats-server, a client of it, a shutdown token, and [`spawn_scripted_gateway`] (`rules`)
-/// serving on that client; the gateway's request log last.
-pub async fn bus_with_gateway(
-    rules: Value,
-) -> (
-    NatsServer,
-    async_nats::Client,
-    CancellationToken,
-    RequestLog,
-) {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let shutdown = CancellationToken::new();
-    let log = spawn_scripted_gateway(rules, client.clone(), &shutdown);
-    (server, client, shutdown, log)
+/// A nats-server, a client of it, and [`spawn_scripted_gateway`] serving on that client until
+/// the bus is dropped.
+pub struct Bus {
+    pub server: NatsServer,
+    pub client: async_nats::Client,
+    /// The gateway's request log.
+    pub log: RequestLog,
+    /// Cancelled on drop: stops the gateway and whatever else was started with it.
+    pub shutdown: CancellationToken,
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Bus {
+    /// Starts the server and the gateway over the scripted model config `rules` ([`models`]).
+    pub async fn with_gateway(rules: Value) -> Bus {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let shutdown = CancellationToken::new();
+        let log = spawn_scripted_gateway(rules, client.clone(), &shutdown);
+        Bus {
+            server,
+            client,
+            log,
+            shutdown,
+        }
+    }
 }
 
 /// Serves `endpoint` with `handler` (default options) until `shutdown`, on a task of its own.
