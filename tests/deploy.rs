@@ -349,12 +349,7 @@ fn validate_rendered(validator: &str, copy: &tempfile::TempDir, root: &Path, lea
         .env("PYTHONPATH", validator)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_success(&out);
     let kinds = String::from_utf8_lossy(&rendered.stdout)
         .lines()
         .filter(|l| l.starts_with("kind: "))

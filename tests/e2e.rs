@@ -14,6 +14,7 @@ use cyrene_protocol::session::{
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::TurnJob;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::process::success_stdout;
 use futures::StreamExt;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -485,12 +486,7 @@ async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints()
     .await
     .unwrap()
     .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = success_stdout(&out, "cyrene demo");
     assert!(text.contains("⚙ search_notes"), "{text}");
     assert!(
         text.contains("↪ steered 1 message(s) into step 2"),

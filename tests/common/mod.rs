@@ -145,13 +145,9 @@ pub fn traceparent(trace_id: &str, span_id: &str) -> async_nats::HeaderMap {
     headers
 }
 
-/// Asserts that a finished process exited successfully, showing its stderr otherwise.
+/// Asserts that a finished process exited successfully, showing its output otherwise.
 pub fn assert_success(out: &std::process::Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    cyrene_test_support::process::success_stdout(out, "the process");
 }
 
 /// The real gateway over the scripted model config `rules` ([`models`]), with no secrets.

@@ -12,6 +12,7 @@ use common::{call_records, openai_upstream, shared_gateway};
 use cyrene_model_gateway::http::{ClientKeys, HttpConfig};
 use cyrene_protocol::model::CallRecord;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::process::success_stdout;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
@@ -93,12 +94,8 @@ fn openai_python_path() -> PathBuf {
         .arg(OPENAI_SPEC)
         .output()
         .expect("scripts/py-tool.sh runs");
-    assert!(
-        out.status.success(),
-        "installing {OPENAI_SPEC} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    let path = success_stdout(&out, &format!("installing {OPENAI_SPEC}"));
+    PathBuf::from(path.trim())
 }
 
 #[tokio::test]
@@ -116,12 +113,7 @@ async fn the_official_openai_sdk_works_against_the_front_door() {
         .output()
         .await
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the SDK script failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = success_stdout(&out, "the SDK script");
     for case in [
         "models",
         "non_stream",

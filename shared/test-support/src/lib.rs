@@ -15,7 +15,8 @@
 //!   node a [`NatsServer`] that can be killed and restarted on its own;
 //! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests;
 //! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from;
-//! - [`otlp::collector`]: an OTLP/HTTP trace collector that keeps every export.
+//! - [`otlp::collector`]: an OTLP/HTTP trace collector that keeps every export;
+//! - [`process::success_stdout`]: the output of a child process that must have succeeded.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -84,6 +85,7 @@ pub mod micro;
 pub mod otlp;
 pub mod pdf;
 mod probe;
+pub mod process;
 pub mod raw;
 pub mod rng;
 mod server;
