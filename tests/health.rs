@@ -11,7 +11,7 @@ use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::subjects;
-use cyrene_test_support::NatsServer;
+use cyrene_test_support::{NatsServer, micro};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -248,11 +248,7 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         reply.headers.is_some(),
         "an error reply carries the error headers"
     );
-    let stats = client
-        .request("$SRV.STATS.cyrene-orchestrator", "".into())
-        .await
-        .unwrap();
-    let stats: serde_json::Value = serde_json::from_slice(&stats.payload).unwrap();
+    let stats = micro::answer(&client, "STATS", "cyrene-orchestrator").await;
     let errors: u64 = stats["endpoints"]
         .as_array()
         .unwrap()

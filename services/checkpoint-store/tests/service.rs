@@ -11,7 +11,7 @@ use cyrene_checkpoint_client::{CheckpointClient, Error as ClientError};
 use cyrene_checkpoint_store::Config;
 use cyrene_protocol::checkpoint::RetainRequest;
 use cyrene_protocol::{ErrorCode, ErrorEnvelope, subjects};
-use cyrene_test_support::NatsServer;
+use cyrene_test_support::{NatsServer, micro};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -293,11 +293,7 @@ async fn fenced_saves_over_nats_answer_conflict() {
 async fn the_micro_service_lists_its_named_endpoints() {
     let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
-    let reply = c
-        .request("$SRV.INFO.cyrene-checkpoint-store", "".into())
-        .await
-        .unwrap();
-    let info: Value = serde_json::from_slice(&reply.payload).unwrap();
+    let info = micro::answer(&c, "INFO", "cyrene-checkpoint-store").await;
     assert_eq!(info["name"], "cyrene-checkpoint-store");
     let mut endpoints: Vec<(String, String)> = info["endpoints"]
         .as_array()

@@ -6,7 +6,7 @@ use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
-use cyrene_test_support::micro::{add_endpoint, start_service};
+use cyrene_test_support::micro::{self, add_endpoint, start_service};
 use opentelemetry::trace::TraceContextExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -245,11 +245,7 @@ async fn errors_are_counted_in_srv_stats_and_keep_their_envelope() {
     let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
     assert_eq!(body["error"]["code"], "bad_request");
 
-    let stats = client
-        .request("$SRV.STATS.greeter", "".into())
-        .await
-        .unwrap();
-    let stats: serde_json::Value = serde_json::from_slice(&stats.payload).unwrap();
+    let stats = micro::answer(&client, "STATS", "greeter").await;
     let greet = &stats["endpoints"][0];
     assert_eq!(greet["name"], "greet", "{stats}");
     assert_eq!(greet["num_requests"], 3, "{stats}");

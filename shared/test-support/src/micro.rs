@@ -26,6 +26,16 @@ pub async fn start_described_service(
         .unwrap()
 }
 
+/// What the micro service `name` answers to `$SRV.<verb>.<name>` (`verb`: `PING`, `INFO` or
+/// `STATS`), as JSON.
+pub async fn answer(client: &async_nats::Client, verb: &str, name: &str) -> serde_json::Value {
+    let reply = client
+        .request(format!("$SRV.{verb}.{name}"), "".into())
+        .await
+        .unwrap();
+    serde_json::from_slice(&reply.payload).unwrap()
+}
+
 /// Adds the endpoint `name` on `subject` to `service`.
 pub async fn add_endpoint(service: &Service, name: &str, subject: &str) -> Endpoint {
     service
