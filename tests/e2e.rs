@@ -6,7 +6,7 @@
 mod common;
 
 use common::{fresh_postgres, service, wait_for_service};
-use cyrene_bus::{RequestError, request_json};
+use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent, SessionEventType,
@@ -136,26 +136,9 @@ impl World {
             parallel: false,
             when_busy: None,
         };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            let sent: Result<SendAck, RequestError> = request_json(
-                &self.bus.client,
-                subjects::SESSION_SEND,
-                &request,
-                Duration::from_secs(5),
-            )
-            .await;
-            match sent {
-                Ok(ack) => return ack,
-                Err(err) => {
-                    assert!(
-                        tokio::time::Instant::now() < deadline,
-                        "send {key} never acknowledged: {err}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+        common::send_until_acked(&self.bus.client, &request, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|err| panic!("send {key} never acknowledged: {err}"))
     }
 
     async fn history(&self, session: &str) -> HistoryResponse {

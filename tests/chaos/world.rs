@@ -468,23 +468,9 @@ impl World {
     /// Sends until acknowledged or `give_up` passes (idempotent by key: a resend after a lost
     /// ack gets the first ack back).
     pub async fn send(&self, request: &SendRequest, give_up: Duration) -> Option<SendAck> {
-        let deadline = Instant::now() + give_up;
-        loop {
-            let sent: Result<SendAck, _> = request_json(
-                &self.client,
-                subjects::SESSION_SEND,
-                request,
-                Duration::from_secs(5),
-            )
-            .await;
-            match sent {
-                Ok(ack) => return Some(ack),
-                Err(_) if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(_) => return None,
-            }
-        }
+        crate::common::send_until_acked(&self.client, request, give_up)
+            .await
+            .ok()
     }
 
     /// A session's transcript (bounded retries; `None` when it cannot be read).

@@ -5,9 +5,11 @@
 
 use async_nats::jetstream;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
+use cyrene_bus::{RequestError, request_json};
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::scripted::RequestLog;
+use cyrene_protocol::session::{SendAck, SendRequest};
 use cyrene_protocol::turn::{
     SteerRequest, SteerResponse, SteeredMessage, TurnComplete, TurnCompleteAck, TurnJob,
 };
@@ -309,6 +311,32 @@ pub fn worker_config() -> cyrene_loop_worker::Config {
 /// A job for session `session` answering `text`.
 pub fn job(turn_id: &str, session: &str, text: &str) -> TurnJob {
     cyrene_test_support::fixtures::turn_job(turn_id, session, text)
+}
+
+/// Sends `request` on `cyrene.session.send` (5 s a try), again every 200 ms until acknowledged
+/// or `give_up` has passed: the last error then. Idempotent by key: a resend after a lost ack
+/// gets the first ack back.
+pub async fn send_until_acked(
+    client: &async_nats::Client,
+    request: &SendRequest,
+    give_up: Duration,
+) -> Result<SendAck, RequestError> {
+    let deadline = tokio::time::Instant::now() + give_up;
+    loop {
+        let sent = request_json(
+            client,
+            subjects::SESSION_SEND,
+            request,
+            Duration::from_secs(5),
+        )
+        .await;
+        match sent {
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            sent => return sent,
+        }
+    }
 }
 
 /// Waits (bounded) until a micro service named `name` answers `$SRV.PING`.
