@@ -1,8 +1,8 @@
 //! The `cyrene` binary against a real nats-server: ask, emit, agent, probe.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::micro::{add_endpoint, start_described_service};
+use cyrene_test_support::{NatsServer, subscribed};
 use std::process::{Output, Stdio};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
@@ -137,8 +137,7 @@ async fn ask_failures_name_their_cause_and_exit_non_zero() {
 
     // Somebody listens but never answers.
     let client = server.connect().await;
-    let _silent = client.subscribe("cyrene.agent.*.silent.ask").await.unwrap();
-    client.flush().await.unwrap();
+    let _silent = subscribed(&client, "cyrene.agent.*.silent.ask").await;
     let out = run(
         &server,
         &[

@@ -13,8 +13,8 @@ use cyrene_protocol::session::{
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::TurnJob;
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::process::success_stdout;
+use cyrene_test_support::{NatsServer, subscribed};
 use futures::StreamExt;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -53,11 +53,7 @@ impl World {
         // Watch the wire: every job's message ids, every steer ack's.
         let consumption = Arc::new(Mutex::new(Consumption::default()));
         let mut jobs = client.subscribe(subjects::TURN_RUN).await.unwrap();
-        let mut events = client
-            .subscribe(subjects::SESSION_EVENTS_ALL)
-            .await
-            .unwrap();
-        client.flush().await.unwrap();
+        let mut events = subscribed(client, subjects::SESSION_EVENTS_ALL).await;
         let c = consumption.clone();
         tokio::spawn(async move {
             loop {

@@ -18,7 +18,7 @@ use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, Upl
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
 use cyrene_protocol::subjects;
-use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection};
+use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection, subscribed};
 use futures::StreamExt;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
@@ -583,8 +583,7 @@ async fn subscribe_refused(
     subject: &str,
     what: &str,
 ) -> async_nats::Subscriber {
-    let subscription = client.subscribe(subject.to_owned()).await.unwrap();
-    client.flush().await.unwrap();
+    let subscription = subscribed(client, subject.to_owned()).await;
     refused(violations, what).await;
     subscription
 }
@@ -595,8 +594,7 @@ async fn forged_ask_is_forbidden(client: &async_nats::Client, me: &str, forged: 
     let ask = format!("cyrene.agent.{me}.cyrene.ask");
     let reply = format!("cyrene.agent.cyrene.{me}.reply.q9");
     let forged = json!({"id":"q9","from":forged,"to":"cyrene","question":"what time is it?"});
-    let mut replies = client.subscribe(reply.clone()).await.unwrap();
-    client.flush().await.unwrap();
+    let mut replies = subscribed(client, reply.clone()).await;
     let payload = serde_json::to_vec(&forged).unwrap().into();
     client
         .publish_with_reply(ask, reply.clone(), payload)

@@ -25,7 +25,7 @@ mod common;
 use async_nats::Message;
 use cases::{Case, Endpoint, Kind};
 use cyrene_protocol::ErrorCode;
-use cyrene_test_support::{NatsServer, RawConnection};
+use cyrene_test_support::{NatsServer, RawConnection, subscribed};
 use futures::StreamExt;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -211,8 +211,7 @@ async fn run(seed: u64, count: usize) -> Figures {
     let mut stack = Stack::start().await;
     let connections = stack.server.connection_ids();
     let max_payload = stack.client.server_info().max_payload;
-    let mut replies = stack.client.subscribe("fuzz.reply.>").await.unwrap();
-    stack.client.flush().await.unwrap();
+    let mut replies = subscribed(&stack.client, "fuzz.reply.>").await;
     let mut raw = RawConnection::connect(stack.server.port(), None).await;
 
     let started = Instant::now();

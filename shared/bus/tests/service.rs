@@ -5,8 +5,8 @@
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::{ErrorBody, ErrorCode};
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::micro::{self, add_endpoint, start_service};
+use cyrene_test_support::{NatsServer, subscribed};
 use opentelemetry::trace::TraceContextExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -166,8 +166,7 @@ async fn no_responders_timeout_and_oversize_are_distinct_request_errors() {
     assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
     assert_eq!(err.code(), ErrorCode::Unavailable);
 
-    let _silent = client.subscribe("test.silent").await.unwrap();
-    client.flush().await.unwrap();
+    let _silent = subscribed(&client, "test.silent").await;
     let short = Duration::from_millis(100);
     let err = request_json::<_, Greeting>(&client, "test.silent", &json!({}), short)
         .await

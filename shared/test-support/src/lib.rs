@@ -16,7 +16,8 @@
 //! - [`pdf::tiny_pdf`]: a one-page PDF with a known text, for document tests;
 //! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from;
 //! - [`otlp::collector`]: an OTLP/HTTP trace collector that keeps every export;
-//! - [`process::success_stdout`]: the output of a child process that must have succeeded.
+//! - [`process::success_stdout`]: the output of a child process that must have succeeded;
+//! - [`subscribed`]: a subscription the server already has when the test goes on.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -89,9 +90,11 @@ pub mod process;
 pub mod raw;
 pub mod rng;
 mod server;
+mod subscribe;
 
 pub use binary::nats_server_binary;
 pub use cluster::NatsCluster;
 pub use echo::EchoProcess;
 pub use raw::{MALFORMED_HEADER_BLOCKS, RawConnection};
 pub use server::{NatsServer, NatsServerBuilder};
+pub use subscribe::subscribed;

@@ -5,6 +5,7 @@
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::subjects::MODEL_CALLS;
+use cyrene_test_support::subscribed;
 use serde_json::Value;
 use std::sync::Arc;
 use wiremock::matchers::{method, path};
@@ -46,7 +47,5 @@ pub fn shared_gateway(models: Value) -> Arc<Gateway> {
 
 /// Call records on `cyrene.model.calls`, subscribed to before the test's first call.
 pub async fn call_records(client: &async_nats::Client) -> async_nats::Subscriber {
-    let records = client.subscribe(MODEL_CALLS).await.unwrap();
-    client.flush().await.unwrap();
-    records
+    subscribed(client, MODEL_CALLS).await
 }

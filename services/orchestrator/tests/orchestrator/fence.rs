@@ -4,6 +4,7 @@ use crate::harness::*;
 use cyrene_protocol::ErrorCode;
 use cyrene_protocol::message::Role;
 use cyrene_protocol::session::{Disposition, SessionEventType};
+use cyrene_test_support::subscribed;
 use futures::StreamExt;
 
 async fn dispositions_follow_the_fence(backend: Backend) {
@@ -62,11 +63,8 @@ async fn dispositions_follow_the_fence(backend: Backend) {
 
     // Still one turn in flight: the next message is claimed for it and pushed to it at once
     // (the turn takes it in at its next boundary without asking).
-    let mut input = c
-        .subscribe(cyrene_protocol::subjects::turn_input(&job2.turn_id).unwrap())
-        .await
-        .unwrap();
-    c.flush().await.unwrap();
+    let turn_input = cyrene_protocol::subjects::turn_input(&job2.turn_id).unwrap();
+    let mut input = subscribed(c, turn_input).await;
     let m4 = send_ok(c, "s1", "fourth").await;
     assert_eq!(m4.disposition, Disposition::Pending);
     let pushed = tokio::time::timeout(std::time::Duration::from_secs(10), input.next())

@@ -16,7 +16,7 @@ use cyrene_protocol::turn::{
     SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnJob, TurnOutcome,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
-use cyrene_test_support::NatsServer;
+use cyrene_test_support::{NatsServer, subscribed};
 use futures::StreamExt;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -74,11 +74,7 @@ impl World {
             Backend::Postgres => Some(PgDb::create("cyrene_orch").await),
         };
         let events = Arc::new(Mutex::new(Vec::new()));
-        let mut sub = client
-            .subscribe(subjects::SESSION_EVENTS_ALL)
-            .await
-            .unwrap();
-        client.flush().await.unwrap();
+        let mut sub = subscribed(&client, subjects::SESSION_EVENTS_ALL).await;
         let sink = events.clone();
         let task = tokio::spawn(async move {
             while let Some(m) = sub.next().await {
