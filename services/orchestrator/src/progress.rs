@@ -143,6 +143,13 @@ mod tests {
         e
     }
 
+    /// A `step` event of turn `t1` at step `at`.
+    fn step_of_t1(at: u32) -> SessionEvent {
+        let mut step = event(SessionEventType::Step, "t1");
+        step.at_step = Some(at);
+        step
+    }
+
     fn call(name: &str) -> ToolCall {
         ToolCall {
             id: format!("c-{name}"),
@@ -155,9 +162,7 @@ mod tests {
     #[test]
     fn tracks_step_and_deduplicated_tools_in_call_order() {
         let p = Progress::new();
-        let mut step = event(SessionEventType::Step, "t1");
-        step.at_step = Some(2);
-        p.observe(&step);
+        p.observe(&step_of_t1(2));
         let mut tools = event(SessionEventType::ToolCall, "t1");
         tools.message = Some(Message::assistant_tool_calls(&[
             call("search"),
@@ -166,8 +171,7 @@ mod tests {
         p.observe(&tools);
         tools.message = Some(Message::assistant_tool_calls(&[call("search")]));
         p.observe(&tools);
-        step.at_step = Some(1);
-        p.observe(&step);
+        p.observe(&step_of_t1(1));
         assert_eq!(
             p.snapshot("t1"),
             (2, vec!["search".to_string(), "read".to_string()])
@@ -180,9 +184,7 @@ mod tests {
     #[test]
     fn prune_drops_stale_entries() {
         let p = Progress::new();
-        let mut step = event(SessionEventType::Step, "t1");
-        step.at_step = Some(1);
-        p.observe(&step);
+        p.observe(&step_of_t1(1));
         p.prune(Duration::ZERO);
         assert_eq!(p.snapshot("t1"), (0, vec![]));
     }

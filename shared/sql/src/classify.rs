@@ -7,33 +7,32 @@ use cyrene_protocol::ErrorCode;
 use sqlx::postgres::PgDatabaseError;
 use sqlx::sqlite::SqliteError;
 
-/// A failed query as a store reports it: `Unavailable` when the database is down, busy or going
-/// away ([`is_unavailable`]; answered `unavailable`, retryable), else `Internal`.
+/// A failed query as a store reports it, with the wire code it is answered with: `unavailable`
+/// when the database is down, busy or going away ([`is_unavailable`]; retryable), else
+/// `internal`.
 #[derive(Debug, thiserror::Error)]
-pub enum QueryError {
-    #[error("database unavailable: {0}")]
-    Unavailable(#[source] sqlx::Error),
-    #[error("database error: {0}")]
-    Internal(#[source] sqlx::Error),
+#[error("{}: {source}", if *.code == ErrorCode::Unavailable { "database unavailable" } else { "database error" })]
+pub struct QueryError {
+    code: ErrorCode,
+    #[source]
+    source: sqlx::Error,
 }
 
 impl From<sqlx::Error> for QueryError {
-    fn from(err: sqlx::Error) -> Self {
-        if is_unavailable(&err) {
-            QueryError::Unavailable(err)
+    fn from(source: sqlx::Error) -> Self {
+        let code = if is_unavailable(&source) {
+            ErrorCode::Unavailable
         } else {
-            QueryError::Internal(err)
-        }
+            ErrorCode::Internal
+        };
+        QueryError { code, source }
     }
 }
 
 impl QueryError {
-    /// The wire code the caller is answered with.
+    /// The wire code the caller is answered with: `unavailable` or `internal`.
     pub fn code(&self) -> ErrorCode {
-        match self {
-            QueryError::Unavailable(_) => ErrorCode::Unavailable,
-            QueryError::Internal(_) => ErrorCode::Internal,
-        }
+        self.code
     }
 }
 
@@ -100,9 +99,11 @@ mod tests {
         for code in ["19", "2067", "1"] {
             assert!(!sqlite_unavailable(code), "{code}");
         }
-        assert_eq!(
-            QueryError::from(sqlx::Error::PoolTimedOut).code(),
-            ErrorCode::Unavailable
+        let down = QueryError::from(sqlx::Error::PoolTimedOut);
+        assert_eq!(down.code(), ErrorCode::Unavailable);
+        assert!(
+            down.to_string().starts_with("database unavailable: "),
+            "{down}"
         );
         let bug = QueryError::from(sqlx::Error::RowNotFound);
         assert_eq!(bug.code(), ErrorCode::Internal);
