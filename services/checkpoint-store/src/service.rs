@@ -29,7 +29,7 @@ use cyrene_protocol::checkpoint::{
     Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
 };
 use cyrene_protocol::error::{ErrorBody, ErrorCode};
-use cyrene_protocol::subjects;
+use cyrene_protocol::subjects::{self, Trespass};
 use cyrene_sql::bounded;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -169,29 +169,22 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
 /// sessions'; the shared `get` and `list` only sessions of nobody in particular; the shared
 /// `latest` (the loop worker's) any. `forbidden` otherwise; ids are checked by the store.
 fn may_read(subject: &str, owner_or_id: &str) -> Result<(), ErrorBody> {
-    let owner = owner_person(owner_or_id);
-    match subjects::person_of(subject) {
-        Some(caller) if owner == Some(caller) => Ok(()),
-        Some(caller) => Err(ErrorBody::new(
-            ErrorCode::Forbidden,
-            format!(
+    if subject == subjects::CHECKPOINT_LATEST {
+        return Ok(());
+    }
+    subjects::may_reach(subject, owner_person(owner_or_id)).map_err(|trespass| {
+        let message = match trespass {
+            Trespass::NotTheirs { caller } => format!(
                 "{:?} is not a checkpoint of {caller:?}'s sessions ({caller}.<name>)",
                 cut(owner_or_id)
             ),
-        )),
-        None if subject == subjects::CHECKPOINT_LATEST => Ok(()),
-        None => match owner {
-            None => Ok(()),
-            Some(owner) => Err(ErrorBody::new(
-                ErrorCode::Forbidden,
-                format!(
-                    "{:?} is {owner:?}'s: only they read it, on \
-                     cyrene.person.{owner}.checkpoint.*",
-                    cut(owner_or_id)
-                ),
-            )),
-        },
-    }
+            Trespass::OwnersOnly { owner } => format!(
+                "{:?} is {owner:?}'s: only they read it, on cyrene.person.{owner}.checkpoint.*",
+                cut(owner_or_id)
+            ),
+        };
+        ErrorBody::new(ErrorCode::Forbidden, message)
+    })
 }
 
 /// At most 160 characters of a caller's value in an error message.

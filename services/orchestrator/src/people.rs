@@ -11,34 +11,26 @@
 
 use cyrene_protocol::error::{ErrorBody, ErrorCode};
 use cyrene_protocol::ids::{self, IdKind};
-use cyrene_protocol::subjects;
+use cyrene_protocol::subjects::{self, Trespass};
 
 /// Checks that the caller of a request on `subject` may touch `session_id`: `bad_request` for
 /// an invalid id, `forbidden` for somebody else's session.
 pub fn may_touch(subject: &str, session_id: &str) -> Result<(), ErrorBody> {
     ids::validate(IdKind::Session, session_id)
         .map_err(|e| ErrorBody::new(ErrorCode::BadRequest, format!("session_id: {e}")))?;
-    match (
-        subjects::person_of(subject),
-        ids::session_person(session_id),
-    ) {
-        (None, None) => Ok(()),
-        (Some(caller), Some(owner)) if caller == owner => Ok(()),
-        (Some(caller), _) => Err(ErrorBody::new(
-            ErrorCode::Forbidden,
-            format!(
+    subjects::may_reach(subject, ids::session_person(session_id)).map_err(|trespass| {
+        let message = match trespass {
+            Trespass::NotTheirs { caller } => format!(
                 "session {session_id:?} is not one of {caller:?}'s: their sessions are named \
                  {caller}.<name>"
             ),
-        )),
-        (None, Some(owner)) => Err(ErrorBody::new(
-            ErrorCode::Forbidden,
-            format!(
+            Trespass::OwnersOnly { owner } => format!(
                 "session {session_id:?} is {owner:?}'s: only they reach it, on \
                  cyrene.person.{owner}.…"
             ),
-        )),
-    }
+        };
+        ErrorBody::new(ErrorCode::Forbidden, message)
+    })
 }
 
 #[cfg(test)]

@@ -64,6 +64,27 @@ pub fn person_of(subject: &str) -> Option<&str> {
     (!person.is_empty() && !tail.is_empty()).then_some(person)
 }
 
+/// Why a request may not touch what it names (docs/security.md, "People").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trespass<'a> {
+    /// A person asked about something that is not theirs.
+    NotTheirs { caller: &'a str },
+    /// A shared subject asked about a person's thing: only that person reaches it.
+    OwnersOnly { owner: &'a str },
+}
+
+/// The one ownership rule of every service that answers people: a request on a person's subject
+/// (`cyrene.person.<person>.…`) reaches only what `owner` says is that person's; a request on a
+/// shared subject only what belongs to nobody in particular (`owner` `None`).
+pub fn may_reach<'a>(subject: &'a str, owner: Option<&'a str>) -> Result<(), Trespass<'a>> {
+    match (person_of(subject), owner) {
+        (None, None) => Ok(()),
+        (Some(caller), Some(owner)) if caller == owner => Ok(()),
+        (Some(caller), _) => Err(Trespass::NotTheirs { caller }),
+        (None, Some(owner)) => Err(Trespass::OwnersOnly { owner }),
+    }
+}
+
 /// `cyrene.session.<person>.*.events`: the events of every session of `person`.
 pub fn person_session_events(person: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Person, person)?;
@@ -191,6 +212,26 @@ mod tests {
                 "cyrene.agent.*.event".to_string(),
                 "cyrene.agent.*._.event".to_string()
             ]
+        );
+    }
+
+    #[test]
+    fn a_person_reaches_only_their_own_and_a_shared_subject_only_nobodys() {
+        let alice = "cyrene.person.alice.session.send";
+        let shared = SESSION_SEND;
+        assert_eq!(may_reach(alice, Some("alice")), Ok(()));
+        assert_eq!(may_reach(shared, None), Ok(()));
+        assert_eq!(
+            may_reach(alice, Some("bob")),
+            Err(Trespass::NotTheirs { caller: "alice" })
+        );
+        assert_eq!(
+            may_reach(alice, None),
+            Err(Trespass::NotTheirs { caller: "alice" })
+        );
+        assert_eq!(
+            may_reach(shared, Some("bob")),
+            Err(Trespass::OwnersOnly { owner: "bob" })
         );
     }
 
