@@ -136,9 +136,7 @@ macro_rules! on_every_dialect {
 
 /// A non-NULL timestamp column as text.
 fn ts<D: Dialect>(row: &D::Row, column: &str) -> Result<String, StoreError> {
-    D::ts_text(row, column)
-        .map_err(StoreError::from)?
-        .ok_or_else(|| StoreError::Internal(format!("{column} is NULL")))
+    D::ts_text(row, column)?.ok_or_else(|| StoreError::Internal(format!("{column} is NULL")))
 }
 
 on_every_dialect! {
@@ -150,8 +148,7 @@ on_every_dialect! {
     ) -> Result<(String, String), StoreError> {
         let stored = Self::bind_row(sqlx::query(D::UPSERT), row)
             .fetch_one(conn)
-            .await
-            .map_err(StoreError::from)?;
+            .await?;
         Ok((
             ts::<D>(&stored, "created_at")?,
             ts::<D>(&stored, "updated_at")?,
@@ -184,10 +181,8 @@ on_every_dialect! {
             .bind(fence.attempt);
         let recorded: i64 = D::bind_ts(query, now)
             .fetch_one(conn)
-            .await
-            .map_err(StoreError::from)?
-            .try_get(0usize)
-            .map_err(StoreError::from)?;
+            .await?
+            .try_get(0usize)?;
         if recorded > fence.attempt {
             return Err(fenced(fence, recorded));
         }
@@ -207,11 +202,10 @@ on_every_dialect! {
         };
         let stored = Self::bind_row(sqlx::query(sql), row)
             .fetch_one(conn)
-            .await
-            .map_err(StoreError::from)?;
-        let recorded: i64 = stored.try_get("max_attempt").map_err(StoreError::from)?;
-        let created = D::ts_text(&stored, "created_at").map_err(StoreError::from)?;
-        let updated = D::ts_text(&stored, "updated_at").map_err(StoreError::from)?;
+            .await?;
+        let recorded: i64 = stored.try_get("max_attempt")?;
+        let created = D::ts_text(&stored, "created_at")?;
+        let updated = D::ts_text(&stored, "updated_at")?;
         match (created, updated) {
             (Some(created), Some(updated)) if recorded <= fence.attempt => Ok((created, updated)),
             _ => Err(fenced(fence, recorded)),
@@ -221,17 +215,17 @@ on_every_dialect! {
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
         let (created, updated) = match (&row.fence, &row.checkpoint.base) {
             (None, _) => {
-                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
+                let mut conn = self.pool.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
             // One statement: atomic without a transaction, one round trip.
             (Some(fence), None) if D::FENCED_UPSERT.is_some() => {
-                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
+                let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }
             (Some(fence), base) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
+                let mut tx = D::begin_write(&self.pool).await?;
                 let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;
                 if let Some(base) = base {
                     // A turn (re)starting from its base: the rows of any earlier start are no
@@ -243,17 +237,15 @@ on_every_dialect! {
                         .bind(fence.attempt);
                     D::bind_ts(query, row.now)
                         .execute(&mut *tx)
-                        .await
-                        .map_err(StoreError::from)?;
+                        .await?;
                     sqlx::query(D::DROP_EARLIER_START)
                         .bind(row.checkpoint.agent_id.as_str())
                         .bind(fence.turn_id.as_str())
                         .bind(row.checkpoint.id.as_str())
                         .execute(&mut *tx)
-                        .await
-                        .map_err(StoreError::from)?;
+                        .await?;
                 }
-                tx.commit().await.map_err(StoreError::from)?;
+                tx.commit().await?;
                 stored
             }
         };
@@ -267,15 +259,13 @@ on_every_dialect! {
                 .bind(agent_id.as_str())
                 .bind(turn_id.as_str())
                 .fetch_optional(&self.pool)
-                .await
-                .map_err(StoreError::from)?;
+                .await?;
             let chain: Vec<String> = sqlx::query_scalar(D::CHAIN)
                 .bind(agent_id.as_str())
                 .bind(turn_id.as_str())
                 .bind(step)
                 .fetch_all(&self.pool)
-                .await
-                .map_err(StoreError::from)?;
+                .await?;
             Ok((base, chain))
         })
         .await
@@ -284,13 +274,13 @@ on_every_dialect! {
     /// The columns of a read row.
     fn raw(row: &D::Row) -> Result<RawRow, StoreError> {
         Ok(RawRow {
-            id: row.try_get("id").map_err(StoreError::from)?,
-            agent_id: row.try_get("agent_id").map_err(StoreError::from)?,
-            step: row.try_get("step").map_err(StoreError::from)?,
-            state: row.try_get("state").map_err(StoreError::from)?,
-            turn_id: row.try_get("turn_id").map_err(StoreError::from)?,
-            attempt: row.try_get("attempt").map_err(StoreError::from)?,
-            delta_from: row.try_get("delta_from").map_err(StoreError::from)?,
+            id: row.try_get("id")?,
+            agent_id: row.try_get("agent_id")?,
+            step: row.try_get("step")?,
+            state: row.try_get("state")?,
+            turn_id: row.try_get("turn_id")?,
+            attempt: row.try_get("attempt")?,
+            delta_from: row.try_get("delta_from")?,
             created_at: ts::<D>(row, "created_at")?,
             updated_at: ts::<D>(row, "updated_at")?,
         })
@@ -322,8 +312,7 @@ on_every_dialect! {
         let row = sqlx::query(D::LATEST)
             .bind(agent_id)
             .fetch_optional(&self.pool)
-            .await
-            .map_err(StoreError::from)?;
+            .await?;
         self.found(row, &format!("agent_id {agent_id}")).await
     }
 
@@ -343,19 +332,18 @@ on_every_dialect! {
         let row = match fence {
             None => read().fetch_optional(&self.pool).await,
             Some(fence) if D::RAISE_COMMITS_FIRST => {
-                let mut conn = self.pool.acquire().await.map_err(StoreError::from)?;
+                let mut conn = self.pool.acquire().await?;
                 Self::raise(&mut conn, &fence, now).await?;
                 read().fetch_optional(&mut *conn).await
             }
             Some(fence) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
+                let mut tx = D::begin_write(&self.pool).await?;
                 Self::raise(&mut tx, &fence, now).await?;
-                let row = read().fetch_optional(&mut *tx).await.map_err(StoreError::from)?;
+                let row = read().fetch_optional(&mut *tx).await?;
                 tx.commit().await.map(|()| row)
             }
-        }
-        .map_err(StoreError::from)?;
+        }?;
         self.found(row, &format!("agent_id {agent_id} turn {turn_id}"))
             .await
     }
@@ -365,8 +353,7 @@ on_every_dialect! {
         let row = sqlx::query(D::BY_ID)
             .bind(id)
             .fetch_optional(&self.pool)
-            .await
-            .map_err(StoreError::from)?;
+            .await?;
         self.found(row, &format!("id {id}")).await
     }
 
@@ -382,8 +369,7 @@ on_every_dialect! {
             Some(id) => sqlx::query_scalar(D::WRITE_SEQ_OF)
                 .bind(id)
                 .fetch_optional(&self.pool)
-                .await
-                .map_err(StoreError::from)?
+                .await?
                 .ok_or_else(|| cursor_gone(id))?,
         };
         let rows = sqlx::query(D::PAGE)
@@ -391,8 +377,7 @@ on_every_dialect! {
             .bind(below)
             .bind(i64::from(count))
             .fetch_all(&self.pool)
-            .await
-            .map_err(StoreError::from)?;
+            .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
             out.push(self.full(row).await?);
@@ -401,7 +386,7 @@ on_every_dialect! {
     }
 
     async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await.map_err(StoreError::from)?;
+        let mut tx = D::begin_write(&self.pool).await?;
         let done = match retain_mode(request)? {
             RetainMode::KeepLast {
                 agent_id,
@@ -410,26 +395,22 @@ on_every_dialect! {
                 .bind(agent_id.as_str())
                 .bind(i64::from(keep_last))
                 .execute(&mut *tx)
-                .await
-                .map_err(StoreError::from)?,
+                .await?,
             RetainMode::OlderThan { secs } => {
                 let cut = cutoff(now, secs)?;
                 let done = D::bind_ts(sqlx::query(D::DROP_IDLE_OWNERS), cut)
                     .execute(&mut *tx)
-                    .await
-                    .map_err(StoreError::from)?;
+                    .await?;
                 D::bind_ts(sqlx::query(D::DROP_OLD_ATTEMPTS), cut)
                     .execute(&mut *tx)
-                    .await
-                    .map_err(StoreError::from)?;
+                    .await?;
                 done
             }
         };
         sqlx::query(D::DROP_ORPHAN_BASES)
             .execute(&mut *tx)
-            .await
-            .map_err(StoreError::from)?;
-        tx.commit().await.map_err(StoreError::from)?;
+            .await?;
+        tx.commit().await?;
         Ok(D::rows_affected(&done))
     }
 
