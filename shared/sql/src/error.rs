@@ -21,7 +21,7 @@ pub enum StoreError {
     /// Fenced off (a newer attempt already wrote) or too late (the turn already completed).
     #[error("{0}")]
     Conflict(String),
-    /// A value is over the configured limit.
+    /// A state is over the configured limit (the checkpoint store's `max_state_bytes`).
     #[error("state is {size} bytes; the limit is {max}")]
     TooLarge { size: usize, max: usize },
     /// A query failed: `unavailable` when the database cannot be reached or is busy (retrying
