@@ -25,6 +25,7 @@ pub mod http;
 pub mod providers;
 pub mod router;
 pub mod stream;
+pub mod views;
 
 use crate::config::{ModelsConfig, Protocol, Secrets};
 use crate::providers::Provider;
@@ -181,6 +182,8 @@ pub fn http_client() -> Result<reqwest::Client, Error> {
 pub struct Gateway {
     router: Router,
     logs: BTreeMap<String, RequestLog>,
+    /// The messages decoded recently (streamed calls decode only what is new; views.rs).
+    pub views: views::Views,
 }
 
 impl Gateway {
@@ -209,6 +212,7 @@ impl Gateway {
         Ok(Gateway {
             router: Router::new(models, providers),
             logs,
+            views: views::Views::default(),
         })
     }
 

@@ -20,7 +20,7 @@ use crate::Gateway;
 use crate::providers::DeltaSink;
 use async_nats::service::Request;
 use bytes::Bytes;
-use cyrene_bus::service::{count_request, decode, respond_error_with};
+use cyrene_bus::service::{count_request, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::StreamChunk;
 use cyrene_protocol::{ErrorBody, ErrorCode};
@@ -43,7 +43,7 @@ pub async fn handle(
             tracing::debug!("streamed request without a reply subject ignored");
             return;
         };
-        let (seq, result) = match decode::<ModelRequest>(&request.message.payload, max_payload) {
+        let (seq, result) = match gateway.views.decode(&request.message.payload, max_payload) {
             Err(err) => (0, Err(err)),
             Ok(req) => forward(&gateway, &client, req, &inbox).await,
         };
