@@ -13,8 +13,9 @@
 //! # Invariants
 //! - Same request in, same response out: ids are `call_<n>_<i>` with `n` the number of assistant
 //!   turns so far plus one, `i` the call's position from 1; token counts are word counts.
-//! - Every request received is appended to the [`RequestLog`] (bounded; the oldest entries go
-//!   first), which tests read.
+//! - Every request received is appended to the [`RequestLog`], which tests read. It is bounded
+//!   by requests and by the messages they hold together (the oldest go first, the newest always
+//!   stays), so a long conversation run offline does not keep a thousand copies of its view.
 
 use super::ProviderError;
 use crate::config::{Rule, Script, ScriptedCall, Step};
@@ -29,39 +30,52 @@ use tokio::time::Instant;
 /// How many requests a [`RequestLog`] keeps.
 pub const LOG_CAPACITY: usize = 1000;
 
+/// How many messages the requests a [`RequestLog`] keeps may hold together.
+pub const LOG_MESSAGES: usize = 10_000;
+
 /// What the default reply says when the script gives none.
 pub const FALLBACK_REPLY: &str = "(offline scripted reply) You said: {input}";
 
 /// The requests a scripted provider received, oldest first. Cheap to clone (shared).
 #[derive(Debug, Clone, Default)]
-pub struct RequestLog(Arc<Mutex<VecDeque<ModelRequest>>>);
+pub struct RequestLog(Arc<Mutex<Logged>>);
+
+#[derive(Debug, Default)]
+struct Logged {
+    requests: VecDeque<ModelRequest>,
+    messages: usize,
+}
 
 impl RequestLog {
     /// A copy of every logged request.
     pub fn snapshot(&self) -> Vec<ModelRequest> {
-        match self.0.lock() {
-            Ok(log) => log.iter().cloned().collect(),
-            Err(poisoned) => poisoned.into_inner().iter().cloned().collect(),
-        }
+        self.logged().requests.iter().cloned().collect()
     }
 
     pub fn len(&self) -> usize {
-        self.0.lock().map(|l| l.len()).unwrap_or_default()
+        self.logged().requests.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    fn logged(&self) -> std::sync::MutexGuard<'_, Logged> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     fn push(&self, request: &ModelRequest) {
-        let mut log = match self.0.lock() {
-            Ok(log) => log,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        if log.len() == LOG_CAPACITY {
-            log.pop_front();
+        let request = request.clone();
+        let mut log = self.logged();
+        log.messages += request.messages.len();
+        log.requests.push_back(request);
+        while log.requests.len() > LOG_CAPACITY
+            || (log.messages > LOG_MESSAGES && log.requests.len() > 1)
+        {
+            if let Some(oldest) = log.requests.pop_front() {
+                log.messages -= oldest.messages.len();
+            }
         }
-        log.push_back(request.clone());
     }
 }
 
@@ -269,6 +283,29 @@ mod tests {
     use super::*;
     use crate::config::ScriptedCall;
     use serde_json::json;
+
+    #[test]
+    fn the_log_keeps_at_most_so_many_messages_but_always_the_newest_request() {
+        let log = RequestLog::default();
+        let request = |n: usize| ModelRequest {
+            messages: vec![Message::text(Role::User, "m"); n],
+            ..Default::default()
+        };
+        let third = LOG_MESSAGES * 2 / 5;
+        for _ in 0..3 {
+            log.push(&request(third));
+        }
+        let sizes = |log: &RequestLog| -> Vec<usize> {
+            log.snapshot().iter().map(|r| r.messages.len()).collect()
+        };
+        assert_eq!(sizes(&log), [third, third]);
+        log.push(&request(LOG_MESSAGES + 1));
+        assert_eq!(sizes(&log), [LOG_MESSAGES + 1]);
+        for _ in 0..LOG_CAPACITY + 5 {
+            log.push(&request(0));
+        }
+        assert_eq!(log.len(), LOG_CAPACITY);
+    }
 
     fn provider() -> ScriptedProvider {
         ScriptedProvider::new(Script {
