@@ -16,6 +16,7 @@ mod common;
 use common::{wait_for_service, worker_config};
 use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
+use cyrene_protocol::model::{ModelRequest, ViewRef};
 use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
@@ -344,9 +345,11 @@ async fn timed_request<R: serde::de::DeserializeOwned>(
 
 /// Beside each per-step figure, its two parts measured alone through the same real services:
 /// a step's fenced checkpoint save (NATS + store + database) and a step's model call with a view
-/// of the window's size (NATS + gateway, scripted provider), plain and streamed. The save and the
+/// of the window's size (NATS + gateway, scripted provider), plain, streamed, and streamed
+/// continuing a view the gateway holds (two new messages a call, as a step adds; the view is sent
+/// whole again, untimed, every 20 calls so it stays near the window's size). The save and the
 /// call run side by side in a step, so a step costs about the larger of the two.
-async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
+async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64, f64) {
     let owner = format!("parts-{window}");
     let turn = format!("t-parts-{window}");
     let delta = json!({"step": 1, "from": window, "stop_reason": "tool_calls", "turn_id": turn,
@@ -387,7 +390,7 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
         })
         .chain(std::iter::once(Message::text(Role::User, "hello")))
         .collect();
-    let request = cyrene_protocol::model::ModelRequest {
+    let request = ModelRequest {
         messages,
         purpose: "chat".to_owned(),
         ..Default::default()
@@ -412,10 +415,63 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64) {
             streamed.push(start.elapsed());
         }
     }
-    for times in [&mut saves, &mut plain, &mut streamed] {
+    let id = cyrene_protocol::ids::new_id();
+    let view = |base: usize| {
+        Some(ViewRef {
+            id: id.clone(),
+            base: base as u32,
+        })
+    };
+    let (mut continued, mut held) = (Vec::new(), (String::new(), 0));
+    for i in 0..400 {
+        if i % 20 == 0 {
+            let whole = ModelRequest {
+                view: view(0),
+                ..request.clone()
+            };
+            let (_, replica) = inbox
+                .complete_stream_at(
+                    subjects::MODEL_COMPLETE_STREAM,
+                    &whole,
+                    Duration::from_secs(10),
+                    |_, _| {},
+                )
+                .await
+                .unwrap();
+            held = (
+                subjects::model_complete_stream_at(&replica.unwrap()),
+                whole.messages.len(),
+            );
+            continue;
+        }
+        let step = ModelRequest {
+            messages: vec![
+                Message::text(Role::Assistant, "a default reply of a few words"),
+                Message::text(Role::User, "hello"),
+            ],
+            purpose: "chat".to_owned(),
+            view: view(held.1),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        inbox
+            .complete_stream_at(&held.0, &step, Duration::from_secs(10), |_, _| {})
+            .await
+            .unwrap();
+        if i >= 50 {
+            continued.push(start.elapsed());
+        }
+        held.1 += 2;
+    }
+    for times in [&mut saves, &mut plain, &mut streamed, &mut continued] {
         times.sort();
     }
-    (pct(&saves, 0.5), pct(&plain, 0.5), pct(&streamed, 0.5))
+    (
+        pct(&saves, 0.5),
+        pct(&plain, 0.5),
+        pct(&streamed, 0.5),
+        pct(&continued, 0.5),
+    )
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -480,14 +536,15 @@ async fn main() {
             if window == 10 {
                 at_ten = Some(p50);
             }
-            let (save, plain, streamed) = step_parts(&real, window).await;
+            let (save, plain, streamed, continued) = step_parts(&real, window).await;
             println!(
                 "  {name:<8} window {window:>4}: p50 {p50:.3} ms  p99 {p99:.3} ms  ({n} steps); \
                  {row:.0} B per step row, base {base:.0} B once per turn ({rows} rows){target}"
             );
             println!(
                 "  {:<8} {:>11}  its parts alone: checkpoint save p50 {save:.3} ms, model call \
-                 p50 {plain:.3} ms plain / {streamed:.3} ms streamed",
+                 p50 {plain:.3} ms plain / {streamed:.3} ms streamed / {continued:.3} ms \
+                 continuing a held view",
                 "", ""
             );
         }

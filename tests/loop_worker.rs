@@ -120,6 +120,35 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
     assert_eq!(checkpoints[0].turn_id.as_deref(), Some("t1"));
     assert_eq!(stack.tools.runs.lock().unwrap().len(), 2);
 
+    // The model saw the whole view every step. Step 3 sent only what step 2 added, to the
+    // gateway replica holding the rest (docs/model-gateway.md, "Held views"); step 2 went whole,
+    // as its view is no continuation of step 1's: the persona's first message of the session
+    // brings the session-roles block, placed before the user's message.
+    let views: Vec<usize> = stack
+        .log
+        .snapshot()
+        .iter()
+        .map(|r| r.messages.len())
+        .collect();
+    assert_eq!(views.len(), 3);
+    assert!(views.windows(2).all(|w| w[1] > w[0]), "{views:?}");
+    let stats = stack
+        .client
+        .request("$SRV.STATS.cyrene-model-gateway", "".into())
+        .await
+        .unwrap();
+    let stats: Value = serde_json::from_slice(&stats.payload).unwrap();
+    let served = |name: &str| {
+        stats["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["num_requests"].as_u64().unwrap())
+    };
+    assert_eq!(served("complete_stream"), Some(2), "{stats}");
+    assert_eq!(served("complete_stream_replica"), Some(1), "{stats}");
+
     let mut kinds = Vec::new();
     while kinds.last() != Some(&SessionEventType::Final) {
         let event = next_event(&mut events).await;
@@ -313,6 +342,61 @@ async fn a_wait_five_times_the_ack_wait_is_no_failover() {
         "the job was redelivered while its worker was alive"
     );
     assert_eq!(stack.tools.runs_of("call_2_1"), 1);
+}
+
+/// A held view whose replica is gone costs one more call, not the turn: the step sends its view
+/// whole to another replica (docs/model-gateway.md, "Held views").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_view_replica_is_gone_sends_the_view_whole_to_another() {
+    let stack = Stack::start_with(rules(), None, false).await;
+    let first = tokio_util::sync::CancellationToken::new();
+    let gateway = common::scripted_gateway(rules());
+    let first_log = gateway.request_log("offline").unwrap();
+    let serving = tokio::spawn(cyrene_model_gateway::serve(
+        Arc::new(gateway),
+        stack.server.connect().await,
+        cyrene_bus::service::ServeOptions::default(),
+        first.clone(),
+    ));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *stack.tools.gate.lock().unwrap() = Some(gate.clone());
+    stack.spawn_worker(worker_config()).await;
+    // Step 1 runs `count`, step 2 `hold`: the first gateway holds step 2's view.
+    stack.dispatch(&job("tg", "sg", "crash test")).await;
+    stack.hold_started("step 2's tool started").await;
+    assert_eq!(first_log.len(), 2);
+    // That gateway stops (nothing on the bus answers for it any more); another one starts.
+    first.cancel();
+    serving.await.unwrap().unwrap();
+    loop {
+        let ping = stack
+            .client
+            .request("$SRV.PING.cyrene-model-gateway", "".into());
+        match tokio::time::timeout(Duration::from_millis(200), ping).await {
+            Ok(Err(err)) if err.kind() == async_nats::RequestErrorKind::NoResponders => break,
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let second = tokio_util::sync::CancellationToken::new();
+    let second_log = common::spawn_scripted_gateway(rules(), stack.server.connect().await, &second);
+    *stack.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+
+    let done = stack.orchestrator.wait_completed("tg").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(
+        done.attempt, 1,
+        "the step went on, the turn was not redelivered"
+    );
+    assert_eq!(done.steps, 3);
+    // The second gateway got step 3's view whole: step 2's view and what step 2 added.
+    let seen = second_log.snapshot();
+    assert_eq!(seen.len(), 1);
+    let held = first_log.snapshot().pop().unwrap().messages;
+    assert_eq!(seen[0].messages[..held.len()], held[..]);
+    assert_eq!(seen[0].messages.len(), held.len() + 2);
+    assert_eq!(stack.tools.runs_of("call_2_1"), 1, "step 2's tool ran once");
+    second.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -211,6 +211,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [S, N, N, P, N, N, N, N, N, N],
         ),
         (
+            "cyrene.model.complete.stream.r1",
+            "a held view continues on its replica",
+            [S, N, N, P, N, N, N, N, N, N],
+        ),
+        (
             "cyrene.model.route",
             "a route is explained",
             [S, N, N, P, N, N, N, N, N, N],

@@ -1,6 +1,6 @@
 //! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
 
-use crate::deltas::DeltaTag;
+use crate::deltas::{DeltaTag, SentView};
 use crate::documents::{FetchedDocument, MAX_FETCH_BYTES};
 use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
@@ -64,6 +64,17 @@ impl NatsPorts {
         request_json(&self.client, subject, request, self.timeouts.steer)
             .await
             .map_err(|e| e.to_body())
+    }
+}
+
+/// A failed model call as the turn sees it: no gateway on the bus (`internal` from the bus) is a
+/// passing outage, `unavailable` (retried), not a bad request.
+fn model_error(err: cyrene_bus::RequestError) -> ErrorBody {
+    let body = err.to_body();
+    if body.code == ErrorCode::Internal {
+        ErrorBody::new(ErrorCode::Unavailable, body.message)
+    } else {
+        body
     }
 }
 
@@ -154,21 +165,14 @@ impl TurnPorts for NatsPorts {
         let wait = timeout + Duration::from_secs(1);
         request_json(&self.client, subjects::MODEL_COMPLETE, &request, wait)
             .await
-            .map_err(|e| {
-                let body = e.to_body();
-                // No gateway on the bus is a passing outage, not a bad request.
-                if body.code == ErrorCode::Internal {
-                    ErrorBody::new(ErrorCode::Unavailable, body.message)
-                } else {
-                    body
-                }
-            })
+            .map_err(model_error)
     }
 
     async fn complete_streamed(
         &self,
         mut request: ModelRequest,
         tag: DeltaTag,
+        view: &mut SentView,
     ) -> Result<ModelResponse, ErrorBody> {
         let timeout = self.timeouts.model;
         request
@@ -179,27 +183,62 @@ impl TurnPorts for NatsPorts {
         // a slow publish never holds up reading the stream.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let call = async move {
-            let result = self
-                .streams
-                .complete_stream(&request, wait, move |_, delta| {
+            let on_delta = |tx: &tokio::sync::mpsc::UnboundedSender<String>| {
+                let tx = tx.clone();
+                move |_, delta| {
                     if let Delta::Text { text } = delta {
                         let _ = tx.send(text);
                     }
-                })
-                .await;
-            // A gateway from before streaming (a rolling upgrade) has no stream endpoint: the
-            // plain call still answers, without deltas.
-            if let Err(cyrene_bus::RequestError::NoResponders { .. }) = result {
-                return self.complete(request).await;
-            }
-            result.map_err(|e| {
-                let body = e.to_body();
-                if body.code == ErrorCode::Internal {
-                    ErrorBody::new(ErrorCode::Unavailable, body.message)
-                } else {
-                    body
                 }
-            })
+            };
+            // What the step added, to the replica holding the rest of the view.
+            if let Some((subject, continued)) = view.continued(&mut request) {
+                let sent = self
+                    .streams
+                    .complete_stream_at(&subject, &continued, wait, on_delta(&tx))
+                    .await;
+                match sent {
+                    Ok((response, replica)) => {
+                        metrics::counter!("cyrene_model_views_total", "sent" => "continued")
+                            .increment(1);
+                        view.answered(request.messages, replica);
+                        return Ok(response);
+                    }
+                    // The replica is gone, or holds the view no longer: send it whole.
+                    Err(cyrene_bus::RequestError::NoResponders { .. }) => {}
+                    Err(cyrene_bus::RequestError::Remote(body))
+                        if body.code == ErrorCode::NotFound => {}
+                    Err(err) => {
+                        view.forget();
+                        return Err(model_error(err));
+                    }
+                }
+            }
+            metrics::counter!("cyrene_model_views_total", "sent" => "whole").increment(1);
+            request.view = Some(view.whole());
+            let subject = subjects::MODEL_COMPLETE_STREAM;
+            let sent = self
+                .streams
+                .complete_stream_at(subject, &request, wait, on_delta(&tx))
+                .await;
+            drop(tx);
+            match sent {
+                Ok((response, replica)) => {
+                    view.answered(std::mem::take(&mut request.messages), replica);
+                    Ok(response)
+                }
+                // A gateway from before streaming (a rolling upgrade) has no stream endpoint:
+                // the plain call still answers, without deltas.
+                Err(cyrene_bus::RequestError::NoResponders { .. }) => {
+                    view.forget();
+                    request.view = None;
+                    self.complete(request).await
+                }
+                Err(err) => {
+                    view.forget();
+                    Err(model_error(err))
+                }
+            }
         };
         let publish = async {
             let mut seq = 0u64;

@@ -147,14 +147,16 @@ pub trait TurnPorts: Send + Sync {
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send;
 
     /// One model call whose answer text is published as `delta` events tagged `tag` while it is
-    /// produced (docs/loop-worker.md, "Deltas"); the response is the one [`TurnPorts::complete`]
-    /// gives. The default publishes nothing.
+    /// produced (docs/loop-worker.md, "Deltas"), continuing the turn's held `view` where a
+    /// replica holds it (crate::deltas); the response is the one [`TurnPorts::complete`] gives.
+    /// The default publishes nothing and sends every view whole.
     fn complete_streamed(
         &self,
         request: ModelRequest,
         tag: crate::deltas::DeltaTag,
+        view: &mut crate::deltas::SentView,
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send {
-        let _ = tag;
+        let _ = (tag, view);
         self.complete(request)
     }
 

@@ -128,6 +128,8 @@ struct Turn<'a, P> {
     images: ImageResolver,
     /// Document URL → its text in the view, so each document is read once per turn.
     documents: DocumentTexts,
+    /// The view the steps' model calls sent, held by a gateway replica (crate::deltas).
+    view: crate::deltas::SentView,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -205,6 +207,7 @@ pub async fn run_turn<P: TurnPorts>(
         names,
         images: ImageResolver::default(),
         documents: DocumentTexts::default(),
+        view: crate::deltas::SentView::default(),
     };
     turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, config).await;
@@ -294,7 +297,11 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         }
         self.resolve_documents().await;
         let request = self.resolve_images(self.request(config)).await;
-        match self.model_call(request, Some(step)).await? {
+        // The held view is lent to the call (taken out of the turn, put back after it).
+        let mut view = std::mem::take(&mut self.view);
+        let result = self.model_call(request, Some((step, &mut view))).await;
+        self.view = view;
+        match result? {
             Ok(response) => Ok(response),
             Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
             Err(err) => Err(Exit::Failed(err)),
@@ -302,14 +309,20 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     /// One model call, abandoned (`Exit::Aborted`) when the turn's deadline passes first.
-    /// A step's call (`step` given) streams its answer text as `delta` events (crate::deltas).
+    /// A step's call (`step` given) streams its answer text as `delta` events and continues
+    /// the turn's held view (crate::deltas).
     async fn model_call(
         &self,
         request: ModelRequest,
-        step: Option<u32>,
+        step: Option<(u32, &mut crate::deltas::SentView)>,
     ) -> Result<Result<ModelResponse, ErrorBody>, Exit> {
-        let tag = step.map(|s| crate::deltas::DeltaTag::new(self.job, self.attempt, s));
-        let call = crate::deltas::complete(self.ports, request, tag);
+        let step = step.map(|(s, view)| {
+            (
+                crate::deltas::DeltaTag::new(self.job, self.attempt, s),
+                view,
+            )
+        });
+        let call = crate::deltas::complete(self.ports, request, step);
         let Some(deadline) = self.job.deadline_unix_ms else {
             return Ok(call.await);
         };

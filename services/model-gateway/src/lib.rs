@@ -38,7 +38,7 @@ use cyrene_bus::service::{RequestContext, ServeOptions};
 use cyrene_protocol::model::{
     CallRecord, ModelRequest, ModelResponse, RouteRequest, RouteResponse, RouteStep,
 };
-use cyrene_protocol::{ErrorBody, subjects};
+use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +53,9 @@ pub const SERVICE_NAME: &str = "cyrene-model-gateway";
 pub const ENDPOINT_NAME: &str = "complete";
 /// The endpoint name of `cyrene.model.complete.stream`.
 pub const STREAM_ENDPOINT_NAME: &str = "complete_stream";
+/// The micro endpoint of this replica's own streamed calls (`cyrene.model.complete.stream.<replica>`:
+/// held views continue there).
+pub const REPLICA_STREAM_ENDPOINT_NAME: &str = "complete_stream_replica";
 /// The endpoint name of `cyrene.model.route`.
 pub const ROUTE_ENDPOINT_NAME: &str = "route";
 
@@ -182,8 +185,11 @@ pub fn http_client() -> Result<reqwest::Client, Error> {
 pub struct Gateway {
     router: Router,
     logs: BTreeMap<String, RequestLog>,
-    /// The messages decoded recently (streamed calls decode only what is new; views.rs).
+    /// The views held and the messages decoded recently (views.rs).
     pub views: views::Views,
+    /// This replica's name (random, letters and digits): its own streamed-call subject is
+    /// `cyrene.model.complete.stream.<replica>`, where held views are continued.
+    pub replica: String,
 }
 
 impl Gateway {
@@ -213,6 +219,7 @@ impl Gateway {
             router: Router::new(models, providers),
             logs,
             views: views::Views::default(),
+            replica: cyrene_protocol::ids::new_id(),
         })
     }
 
@@ -374,7 +381,15 @@ pub async fn serve(
         let (gateway, client) = (gateway.clone(), client.clone());
         move |req: ModelRequest, _: RequestContext| {
             let (gateway, client) = (gateway.clone(), client.clone());
-            async move { gateway.call(&client, &req, None).await }
+            async move {
+                if req.view.is_some() {
+                    return Err(ErrorBody::new(
+                        ErrorCode::BadRequest,
+                        "a view is held only for streamed calls (cyrene.model.complete.stream)",
+                    ));
+                }
+                gateway.call(&client, &req, None).await
+            }
         }
     };
     let streamed = {
@@ -391,6 +406,11 @@ pub async fn serve(
         Endpoint::raw(
             STREAM_ENDPOINT_NAME,
             subjects::MODEL_COMPLETE_STREAM,
+            streamed.clone(),
+        ),
+        Endpoint::raw(
+            REPLICA_STREAM_ENDPOINT_NAME,
+            subjects::model_complete_stream_at(&gateway.replica),
             streamed,
         ),
         Endpoint::json(ROUTE_ENDPOINT_NAME, subjects::MODEL_ROUTE, route),

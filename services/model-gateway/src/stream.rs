@@ -43,12 +43,26 @@ pub async fn handle(
             tracing::debug!("streamed request without a reply subject ignored");
             return;
         };
-        let (seq, result) = match gateway.views.decode(&request.message.payload, max_payload) {
-            Err(err) => (0, Err(err)),
-            Ok(req) => forward(&gateway, &client, req, &inbox).await,
+        let payload = &request.message.payload;
+        let (seq, result, replica) = match gateway.views.decode(payload, max_payload) {
+            Err(err) => (0, Err(err), None),
+            Ok(mut req) => match gateway.views.resolve(&mut req, payload.len()) {
+                Err(err) => (0, Err(err), None),
+                Ok(held) => {
+                    let (seq, result, req) = forward(&gateway, &client, req, &inbox).await;
+                    let replica = match (held, req) {
+                        (Some(held), Some(req)) => {
+                            gateway.views.hold(held, req.messages);
+                            Some(gateway.replica.clone())
+                        }
+                        _ => None,
+                    };
+                    (seq, result, replica)
+                }
+            },
         };
         let code = result.as_ref().err().map(|err| err.code);
-        end(&request, seq, result).await;
+        end(&request, seq, result, replica).await;
         count_request(&request, code, started);
     }
     .instrument(span)
@@ -56,7 +70,8 @@ pub async fn handle(
 }
 
 /// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
-/// of provider events never holds up the first delta); the next `seq` and the outcome.
+/// of provider events never holds up the first delta); the next `seq`, the outcome and the
+/// request back (`None` if the task failed).
 async fn forward(
     gateway: &Arc<Gateway>,
     client: &async_nats::Client,
@@ -65,11 +80,15 @@ async fn forward(
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
+    Option<ModelRequest>,
 ) {
     let (sink, mut deltas) = DeltaSink::new();
     let call = tokio::spawn({
         let (gateway, client) = (gateway.clone(), client.clone());
-        async move { gateway.call(&client, &req, Some(&sink)).await }
+        async move {
+            let result = gateway.call(&client, &req, Some(&sink)).await;
+            (result, req)
+        }
     });
     let mut seq = 0u64;
     // Ends when the call is over and its sink dropped.
@@ -77,13 +96,13 @@ async fn forward(
         publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
         seq += 1;
     }
-    let result = call.await.unwrap_or_else(|e| {
-        Err(ErrorBody::new(
-            ErrorCode::Internal,
-            format!("the call task failed: {e}"),
-        ))
-    });
-    (seq, result)
+    match call.await {
+        Ok((result, req)) => (seq, result, Some(req)),
+        Err(e) => {
+            let err = ErrorBody::new(ErrorCode::Internal, format!("the call task failed: {e}"));
+            (seq, Err(err), None)
+        }
+    }
 }
 
 async fn publish(client: &async_nats::Client, inbox: &async_nats::Subject, chunk: &StreamChunk) {
@@ -99,15 +118,19 @@ async fn publish(client: &async_nats::Client, inbox: &async_nats::Subject, chunk
     }
 }
 
-/// The end marker as the micro reply: `done`, or `error` with the service-error headers.
+/// The end marker as the micro reply: `done` (with the replica holding the call's view, if it
+/// named one), or `error` with the service-error headers.
 async fn end(
     request: &Request,
     seq: u64,
     result: Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
+    replica: Option<String>,
 ) {
     let err = match result {
         Ok(response) => {
-            let bytes = serde_json::to_vec(&StreamChunk::done(seq, response)).unwrap_or_default();
+            let mut done = StreamChunk::done(seq, response);
+            done.replica = replica;
+            let bytes = serde_json::to_vec(&done).unwrap_or_default();
             let size = bytes.len();
             match request.respond(Ok(Bytes::from(bytes))).await {
                 Ok(()) => return,

@@ -1,82 +1,137 @@
-//! Decoding a [`ModelRequest`] without decoding again the messages it shares with earlier ones
-//! (docs/model-gateway.md, "Decoding a view once").
+//! What the gateway keeps between calls so a turn's steps need not send, nor the gateway decode,
+//! the same conversation again and again (docs/model-gateway.md, "Held views" and "Decoding a
+//! view once").
 //!
-//! A turn sends the model its whole view every step: the same messages as the step before, plus
-//! what that step added. Decoding the view's JSON was the one part of a step's model call that
-//! grew with the conversation, so the gateway keeps the messages it decoded recently, keyed by
-//! their exact JSON text, and decodes only the ones it has not seen.
+//! - **Held views.** A streamed request may name a view ([`ViewRef`]). Its first call sends the
+//!   whole view (`base` 0); the gateway holds it afterwards, and the view's later calls send only
+//!   the messages after the `base` the gateway holds, to the replica that holds it
+//!   (`cyrene.model.complete.stream.<replica>`, told in the end marker). A view the replica does
+//!   not hold (restarted, evicted, never sent) is `not_found`, and the caller sends it whole.
+//! - **Decoded messages.** Every streamed request decodes only the messages whose exact JSON text
+//!   it has not decoded recently (a turn's first call repeats its session's history).
 //!
 //! # Invariants
-//! - **Same bytes, same message.** A message is reused only for a byte-identical JSON text, and
-//!   decoding JSON text is deterministic, so a request decodes to exactly what the plain decoder
-//!   gives. Nothing is trusted from the caller: no header, no id, no claim about what it sent
-//!   before. Whose message it was does not matter either: a caller gets back only the text it sent.
-//! - **Errors are the plain decoder's.** Whenever this path cannot decode a request (malformed
-//!   JSON, a wrong type, an unknown field, anything), the request is decoded again by
-//!   [`cyrene_bus::service::decode`], so the error a caller sees is word for word the same.
-//! - **Bounded memory.** Two generations of at most [`GENERATION_BYTES`] of JSON text each: new
-//!   and reused messages go to the current one; when it is full it becomes the old one and the
-//!   one before is dropped. A message over [`LARGEST_KEPT`] is decoded every time, not kept.
+//! - **A view is the caller's.** Its id is the caller's unguessable name for it; the gateway
+//!   never lists views, and a call only extends what was held under the id it names, with
+//!   exactly `base` messages — anything else is `not_found` and nothing is assembled.
+//! - **Same bytes, same message.** A decoded message is reused only for byte-identical JSON text,
+//!   and decoding is deterministic, so a request decodes to exactly what the plain decoder gives.
+//!   Whenever this path cannot decode a request, it is decoded again by
+//!   [`cyrene_bus::service::decode`], so every error is word for word the plain decoder's.
+//! - **Bounded memory.** Each kind is kept in two generations of at most [`GENERATION_BYTES`] of
+//!   JSON text (as it came on the bus): new and used entries go to the current one; when it is
+//!   full it becomes the old one and the one before is dropped. A message over [`LARGEST_KEPT`]
+//!   is decoded every time, not kept.
 //!
 //! # Pitfalls
-//! - Replicas do not share what they decoded: behind a queue group of N gateways a step reaches
-//!   the replica that decoded the step before about once in N, and the others decode in full.
+//! - A held view is taken out while its call runs and put back after, so two calls naming one
+//!   view at once: the second is `not_found` (a turn makes one call at a time).
 
 use cyrene_bus::service::decode;
-use cyrene_protocol::ErrorBody;
 use cyrene_protocol::message::Message;
-use cyrene_protocol::model::ModelRequest;
+use cyrene_protocol::model::{ModelRequest, ViewRef};
+use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-/// JSON text kept per generation (the decoded messages take about as much again).
+/// JSON text kept per generation, of each kind (decoded, they take about as much again).
 pub const GENERATION_BYTES: usize = 16 << 20;
 
 /// A message whose JSON text is longer than this is decoded every time (an inlined image, say).
 pub const LARGEST_KEPT: usize = 64 << 10;
 
-type Map = HashMap<Box<str>, Message, foldhash::fast::RandomState>;
-
-/// The messages decoded recently, by their JSON text.
-#[derive(Default)]
+/// The messages decoded recently (by their JSON text) and the views held (by id).
 pub struct Views {
-    generations: Mutex<Generations>,
+    decoded: Mutex<Generations<Box<str>, Message>>,
+    held: Mutex<Generations<String, Vec<Message>>>,
 }
 
-/// Says how many messages are kept, not what they say.
+impl Default for Views {
+    fn default() -> Views {
+        Views {
+            decoded: Mutex::new(Generations::new(GENERATION_BYTES)),
+            held: Mutex::new(Generations::new(GENERATION_BYTES)),
+        }
+    }
+}
+
+/// Says how much is kept, not what it says.
 impl std::fmt::Debug for Views {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Views").field("kept", &self.kept()).finish()
+        f.debug_struct("Views")
+            .field("decoded", &self.kept())
+            .field("held", &self.held())
+            .finish()
     }
 }
 
-#[derive(Default)]
-struct Generations {
-    current: Map,
+/// A view taken out for one call: put it back with [`Views::hold`] once the call is over.
+#[derive(Debug)]
+pub struct Held {
+    id: String,
+    bytes: usize,
+}
+
+/// Two generations of entries, each entry with the bytes it counts for.
+struct Generations<K, V> {
+    current: HashMap<K, (V, usize), foldhash::fast::RandomState>,
     current_bytes: usize,
-    old: Map,
+    old: HashMap<K, (V, usize), foldhash::fast::RandomState>,
+    budget: usize,
 }
 
-impl Generations {
-    fn get(&mut self, text: &str) -> Option<Message> {
-        if let Some(message) = self.current.get(text) {
-            return Some(message.clone());
+impl<K: std::hash::Hash + Eq, V> Generations<K, V> {
+    fn new(budget: usize) -> Generations<K, V> {
+        Generations {
+            current: HashMap::default(),
+            current_bytes: 0,
+            old: HashMap::default(),
+            budget,
         }
-        let (key, message) = self.old.remove_entry(text)?;
-        let found = message.clone();
-        self.keep(key, message);
-        Some(found)
     }
 
-    fn keep(&mut self, text: Box<str>, message: Message) {
-        if self.current_bytes + text.len() > GENERATION_BYTES {
+    fn insert(&mut self, key: K, value: V, bytes: usize) {
+        if self.current_bytes + bytes > self.budget {
             self.old = std::mem::take(&mut self.current);
             self.current_bytes = 0;
         }
-        self.current_bytes += text.len();
-        self.current.insert(text, message);
+        self.current_bytes += bytes;
+        if let Some((_, replaced)) = self.current.insert(key, (value, bytes)) {
+            self.current_bytes -= replaced;
+        }
+    }
+
+    /// The entry out of whichever generation holds it.
+    fn take<Q>(&mut self, key: &Q) -> Option<(K, V, usize)>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        if let Some((key, (value, bytes))) = self.current.remove_entry(key) {
+            self.current_bytes -= bytes;
+            return Some((key, value, bytes));
+        }
+        let (key, (value, bytes)) = self.old.remove_entry(key)?;
+        Some((key, value, bytes))
+    }
+
+    fn len(&self) -> usize {
+        self.current.len() + self.old.len()
+    }
+}
+
+impl Generations<Box<str>, Message> {
+    /// A copy of the message decoded from `text`, moved to the current generation.
+    fn get(&mut self, text: &str) -> Option<Message> {
+        if let Some((message, _)) = self.current.get(text) {
+            return Some(message.clone());
+        }
+        let (key, message, bytes) = self.take(text)?;
+        let found = message.clone();
+        self.insert(key, message, bytes);
+        Some(found)
     }
 }
 
@@ -115,7 +170,7 @@ impl Views {
         let mut request: ModelRequest = serde_json::from_str(&rest).ok()?;
 
         let mut found: Vec<Option<Message>> = {
-            let mut kept = self.generations.lock().ok()?;
+            let mut kept = self.decoded.lock().ok()?;
             items.iter().map(|item| kept.get(item.get())).collect()
         };
         let mut decoded = Vec::new();
@@ -129,21 +184,74 @@ impl Views {
             }
         }
         if !decoded.is_empty() {
-            let mut kept = self.generations.lock().ok()?;
+            let mut kept = self.decoded.lock().ok()?;
             for (text, message) in decoded {
-                kept.keep(text, message);
+                let bytes = text.len();
+                kept.insert(text, message, bytes);
             }
         }
         request.messages = found.into_iter().collect::<Option<Vec<_>>>()?;
         Some(request)
     }
 
-    /// How many messages are kept now (both generations).
+    /// How many decoded messages are kept now.
     pub fn kept(&self) -> usize {
-        self.generations
-            .lock()
-            .map(|g| g.current.len() + g.old.len())
-            .unwrap_or(0)
+        self.decoded.lock().map(|g| g.len()).unwrap_or(0)
+    }
+
+    /// How many views are held now.
+    pub fn held(&self) -> usize {
+        self.held.lock().map(|g| g.len()).unwrap_or(0)
+    }
+
+    /// Puts the view `request` names in front of its messages (a `base` above 0), taking it out
+    /// until [`Views::hold`] puts it back; `None` when the request names no view. `payload_len`
+    /// is what the request's JSON counts for.
+    pub fn resolve(
+        &self,
+        request: &mut ModelRequest,
+        payload_len: usize,
+    ) -> Result<Option<Held>, ErrorBody> {
+        let Some(view) = request.view.take() else {
+            return Ok(None);
+        };
+        if !ViewRef::valid_id(&view.id) {
+            return Err(ErrorBody::new(
+                ErrorCode::BadRequest,
+                "view.id must be 8 to 64 of A-Z a-z 0-9 _ -",
+            ));
+        }
+        if view.base == 0 {
+            return Ok(Some(Held {
+                id: view.id,
+                bytes: payload_len,
+            }));
+        }
+        let taken = self.held.lock().ok().and_then(|mut g| g.take(&view.id));
+        match taken {
+            Some((id, mut messages, bytes)) if messages.len() == view.base as usize => {
+                messages.append(&mut request.messages);
+                request.messages = messages;
+                Ok(Some(Held {
+                    id,
+                    bytes: bytes + payload_len,
+                }))
+            }
+            _ => Err(ErrorBody::new(
+                ErrorCode::NotFound,
+                format!(
+                    "this gateway holds no view {} of {} messages; send the whole view (base 0)",
+                    view.id, view.base
+                ),
+            )),
+        }
+    }
+
+    /// Holds `messages` (the whole view of a call) as `held`'s view.
+    pub fn hold(&self, held: Held, messages: Vec<Message>) {
+        if let Ok(mut g) = self.held.lock() {
+            g.insert(held.id, messages, held.bytes);
+        }
     }
 }
 
@@ -235,15 +343,107 @@ mod tests {
 
     #[test]
     fn a_full_generation_turns_old_and_what_is_used_again_comes_back() {
-        let mut generations = Generations::default();
+        let mut generations = Generations::new(10);
         let first = Message::text(Role::User, "first");
-        generations.keep("first".into(), first.clone());
-        generations.current_bytes = GENERATION_BYTES; // as if full
-        generations.keep("second".into(), Message::text(Role::User, "second"));
+        generations.insert("first".into(), first.clone(), 6);
+        generations.insert("second".into(), Message::text(Role::User, "second"), 6);
         assert!(generations.current.contains_key("second"));
         assert!(generations.old.contains_key("first"));
         assert_eq!(generations.get("first"), Some(first));
+        // Moving it back filled the current generation again: it turned old in its turn.
         assert!(generations.current.contains_key("first"));
-        assert!(!generations.old.contains_key("first"));
+        assert!(generations.old.contains_key("second"));
+        assert_eq!(generations.len(), 2);
+        assert_eq!(generations.current_bytes, 6);
+    }
+
+    fn turn(
+        views: &Views,
+        id: &str,
+        base: u32,
+        messages: &[&str],
+    ) -> Result<ModelRequest, ErrorBody> {
+        let mut request = ModelRequest {
+            messages: messages
+                .iter()
+                .map(|m| Message::text(Role::User, *m))
+                .collect(),
+            view: Some(ViewRef {
+                id: id.into(),
+                base,
+            }),
+            ..Default::default()
+        };
+        let held = views.resolve(&mut request, 100)?.expect("a view was named");
+        assert_eq!(
+            request.view, None,
+            "the gateway's providers never see the view"
+        );
+        views.hold(held, request.messages.clone());
+        Ok(request)
+    }
+
+    fn texts(request: &ModelRequest) -> Vec<String> {
+        request.messages.iter().map(Message::text_content).collect()
+    }
+
+    #[test]
+    fn a_held_view_grows_by_what_each_call_adds() {
+        let views = Views::default();
+        let id = "0123456789abcdef";
+        assert_eq!(
+            texts(&turn(&views, id, 0, &["a", "b"]).unwrap()),
+            ["a", "b"]
+        );
+        assert_eq!(
+            texts(&turn(&views, id, 2, &["c"]).unwrap()),
+            ["a", "b", "c"]
+        );
+        assert_eq!(texts(&turn(&views, id, 3, &[]).unwrap()), ["a", "b", "c"]);
+        // base 0 starts the view again.
+        assert_eq!(texts(&turn(&views, id, 0, &["x"]).unwrap()), ["x"]);
+        assert_eq!(texts(&turn(&views, id, 1, &["y"]).unwrap()), ["x", "y"]);
+        assert_eq!(views.held(), 1);
+    }
+
+    #[test]
+    fn a_view_not_held_with_exactly_base_messages_is_not_found_and_nothing_is_assembled() {
+        let views = Views::default();
+        let id = "0123456789abcdef";
+        turn(&views, id, 0, &["a", "b"]).unwrap();
+        for (id, base) in [("fedcba9876543210", 2), (id, 1), (id, 3)] {
+            let err = turn(&views, id, base, &["c"]).unwrap_err();
+            assert_eq!(err.code, ErrorCode::NotFound, "{id} {base}");
+            assert!(
+                err.message.contains("send the whole view"),
+                "{}",
+                err.message
+            );
+        }
+        // A miss on the right id with the wrong base dropped what was held: the caller sends the
+        // whole view again, so nothing can be extended from a view the caller no longer means.
+        assert_eq!(views.held(), 0);
+    }
+
+    #[test]
+    fn a_view_id_is_checked() {
+        let views = Views::default();
+        for id in [
+            "short",
+            "has space inside",
+            "dots.are.not.ok",
+            &"x".repeat(65),
+        ] {
+            let err = turn(&views, id, 0, &["a"]).unwrap_err();
+            assert_eq!(err.code, ErrorCode::BadRequest, "{id}");
+        }
+    }
+
+    #[test]
+    fn no_view_named_nothing_held() {
+        let views = Views::default();
+        let mut request = ModelRequest::default();
+        assert!(views.resolve(&mut request, 10).unwrap().is_none());
+        assert_eq!(views.held(), 0);
     }
 }

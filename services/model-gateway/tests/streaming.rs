@@ -14,9 +14,9 @@ use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::DeltaSink;
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role};
-use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse};
+use cyrene_protocol::model::{CallRecord, ModelRequest, ModelResponse, ViewRef};
 use cyrene_protocol::stream::{Delta, StreamChunk};
-use cyrene_protocol::subjects::MODEL_COMPLETE_STREAM;
+use cyrene_protocol::subjects::{self, MODEL_COMPLETE_STREAM};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
@@ -384,6 +384,7 @@ async fn a_server_that_ignores_stream_true_is_read_as_a_whole_reply() {
 // ------------------------------------------------------------------------ over a real nats-server
 
 struct Running {
+    log: cyrene_model_gateway::providers::scripted::RequestLog,
     _server: NatsServer,
     _upstream: MockServer,
     client: async_nats::Client,
@@ -406,6 +407,7 @@ async fn start_bus() -> Running {
           "http":{"protocol":"openai","base_url":upstream.uri(),"models":{"m":{}}}},
         "groups":{"g":[{"provider":"offline","model":"scripted"}]},
         "active_group":"g"})));
+    let log = gw.request_log("offline").unwrap();
     let server = NatsServer::start();
     let client = server.connect().await;
     let shutdown = CancellationToken::new();
@@ -432,6 +434,7 @@ async fn start_bus() -> Running {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Running {
+        log,
         _server: server,
         _upstream: upstream,
         client,
@@ -532,6 +535,76 @@ async fn hostile_streamed_requests_get_one_error_end_marker() {
     assert_eq!(err.code(), ErrorCode::BadRequest);
     bus.shutdown.cancel();
     tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_held_view_continues_on_its_replica_with_only_what_was_added() {
+    let bus = start_bus().await;
+    let inbox = cyrene_bus::model_stream::StreamInbox::new(bus.client.clone());
+    let id = "0123456789abcdef0123";
+    let view = |base| {
+        Some(ViewRef {
+            id: id.into(),
+            base,
+        })
+    };
+    let texts = |r: &ModelRequest| -> Vec<String> {
+        r.messages.iter().map(Message::text_content).collect()
+    };
+
+    let mut first = ask("hello there");
+    first
+        .messages
+        .insert(0, Message::text(Role::System, "be brief"));
+    first.view = view(0);
+    let (_, replica) = inbox
+        .complete_stream_at(MODEL_COMPLETE_STREAM, &first, WAIT, |_, _| {})
+        .await
+        .unwrap();
+    let replica = replica.expect("the end marker names the replica holding the view");
+    let at = subjects::model_complete_stream_at(&replica);
+
+    // The next call sends only its new message, to the replica: the model sees the whole view.
+    let mut next = ask("and then");
+    next.view = view(2);
+    let (response, again) = inbox
+        .complete_stream_at(&at, &next, WAIT, |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(again.as_deref(), Some(replica.as_str()));
+    assert!(
+        response.content.ends_with("and then"),
+        "{}",
+        response.content
+    );
+    let seen = bus.log.snapshot().pop().unwrap();
+    assert_eq!(texts(&seen), ["be brief", "hello there", "and then"]);
+    assert_eq!(seen.view, None, "a provider never sees the view's name");
+
+    // A base the replica does not hold: not_found, and no model is called.
+    let calls = bus.log.len();
+    let err = inbox
+        .complete_stream_at(&at, &next, WAIT, |_, _| panic!("no delta"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NotFound);
+    assert_eq!(bus.log.len(), calls);
+    // The plain endpoint holds no views, and a request naming none is answered as ever.
+    let err = cyrene_bus::request_json::<_, ModelResponse>(
+        &bus.client,
+        subjects::MODEL_COMPLETE,
+        &next,
+        WAIT,
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::BadRequest);
+    let (_, none) = inbox
+        .complete_stream_at(MODEL_COMPLETE_STREAM, &ask("plain"), WAIT, |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(none, None);
+    bus.shutdown.cancel();
 }
 
 #[tokio::test]

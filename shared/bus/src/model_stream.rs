@@ -40,7 +40,10 @@ pub async fn complete_stream(
         .subscribe(inbox.clone())
         .await
         .map_err(|e| transport(&e))?;
-    exchange(client, payload, inbox, replies, timeout, on_delta).await
+    let subject = subjects::MODEL_COMPLETE_STREAM;
+    let (response, _) =
+        exchange(client, subject, payload, inbox, replies, timeout, on_delta).await?;
+    Ok(response)
 }
 
 /// One wildcard reply subscription shared by every streamed call of a client: calls are told
@@ -133,6 +136,23 @@ impl StreamInbox {
         timeout: Duration,
         on_delta: impl FnMut(u64, Delta),
     ) -> Result<ModelResponse, RequestError> {
+        let subject = subjects::MODEL_COMPLETE_STREAM;
+        let (response, _) = self
+            .complete_stream_at(subject, request, timeout, on_delta)
+            .await?;
+        Ok(response)
+    }
+
+    /// [`StreamInbox::complete_stream`] sent to `subject` (the gateways' queue subject, or one
+    /// replica's), also giving back the replica the end marker names as holding the request's
+    /// view (docs/model-gateway.md, "Held views").
+    pub async fn complete_stream_at(
+        &self,
+        subject: &str,
+        request: &ModelRequest,
+        timeout: Duration,
+        on_delta: impl FnMut(u64, Delta),
+    ) -> Result<(ModelResponse, Option<String>), RequestError> {
         let payload = encode(&self.client, request)?;
         self.router.get_or_try_init(|| self.start()).await?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
@@ -149,7 +169,16 @@ impl StreamInbox {
             rx.recv().await.map(|message| (message, rx))
         });
         let inbox = format!("{}.{token}", self.prefix);
-        exchange(&self.client, payload, inbox, replies, timeout, on_delta).await
+        exchange(
+            &self.client,
+            subject,
+            payload,
+            inbox,
+            replies,
+            timeout,
+            on_delta,
+        )
+        .await
     }
 }
 
@@ -166,20 +195,26 @@ fn transport(e: &dyn std::fmt::Display) -> RequestError {
     }
 }
 
-/// Publishes the request with `inbox` as its reply subject and reads `replies` to the end marker.
+/// Publishes the request to `subject` with `inbox` as its reply subject and reads `replies` to
+/// the end marker: the response and the replica holding the request's view, if any.
 async fn exchange(
     client: &Client,
+    subject: &str,
     payload: Vec<u8>,
     inbox: String,
     replies: impl Stream<Item = async_nats::Message>,
     timeout: Duration,
     mut on_delta: impl FnMut(u64, Delta),
-) -> Result<ModelResponse, RequestError> {
-    let subject = subjects::MODEL_COMPLETE_STREAM;
+) -> Result<(ModelResponse, Option<String>), RequestError> {
     let mut replies = std::pin::pin!(replies);
     let deadline = Instant::now() + timeout;
     client
-        .publish_with_reply_and_headers(subject, inbox, trace::current_headers(), payload.into())
+        .publish_with_reply_and_headers(
+            subject.to_owned(),
+            inbox,
+            trace::current_headers(),
+            payload.into(),
+        )
         .await
         .map_err(|e| transport(&e))?;
     let mut expected = 0u64;
@@ -223,7 +258,7 @@ async fn exchange(
             return Err(RequestError::Remote(error));
         }
         if let Some(done) = chunk.done {
-            return Ok(*done);
+            return Ok((*done, chunk.replica));
         }
         if let Some(delta) = chunk.delta {
             on_delta(chunk.seq, delta);

@@ -72,6 +72,32 @@ pub struct ModelRequest {
     /// Bounds the whole request, every fallback attempt included (the caller's deadline); absent
     /// or 0 = the gateway's `default_timeout_ms`.
     pub total_timeout_ms: Option<u64>,
+    /// The view this request continues, held by one gateway replica between calls: streamed
+    /// calls only (docs/model-gateway.md, "Held views").
+    pub view: Option<ViewRef>,
+}
+
+/// A view the gateway holds between the steps of a turn, so a step sends only what it added.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ViewRef {
+    /// The caller's name for the view: unguessable (the loop worker uses 32 random hex digits),
+    /// 8 to 64 of `A-Z a-z 0-9 _ -`.
+    pub id: String,
+    /// How many messages of the view the gateway holds and `messages` follow; 0: `messages` is
+    /// the whole view (and replaces whatever was held under `id`).
+    #[serde(default)]
+    pub base: u32,
+}
+
+impl ViewRef {
+    /// Whether `id` is a view id the gateway accepts.
+    pub fn valid_id(id: &str) -> bool {
+        (8..=64).contains(&id.len())
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    }
 }
 
 /// A normalised completion.

@@ -59,6 +59,10 @@ pub struct StreamChunk {
     pub done: Option<Box<ModelResponse>>,
     /// End marker of a failed call.
     pub error: Option<ErrorBody>,
+    /// On the end marker of a call that named a view: the gateway replica now holding it; the
+    /// view's next call goes to `cyrene.model.complete.stream.<replica>` (docs/model-gateway.md,
+    /// "Held views").
+    pub replica: Option<String>,
 }
 
 impl StreamChunk {
@@ -68,6 +72,7 @@ impl StreamChunk {
             delta: Some(delta),
             done: None,
             error: None,
+            replica: None,
         }
     }
 
@@ -77,6 +82,7 @@ impl StreamChunk {
             delta: None,
             done: Some(Box::new(response)),
             error: None,
+            replica: None,
         }
     }
 
@@ -86,6 +92,7 @@ impl StreamChunk {
             delta: None,
             done: None,
             error: Some(error),
+            replica: None,
         }
     }
 

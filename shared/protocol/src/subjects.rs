@@ -12,6 +12,13 @@ pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
 /// Streamed model completions (micro endpoint `complete_stream`): deltas and an end marker on the
 /// caller's reply inbox (docs/model-gateway.md, "Streaming").
 pub const MODEL_COMPLETE_STREAM: &str = "cyrene.model.complete.stream";
+
+/// The streamed completions of one gateway replica (`cyrene.model.complete.stream.<replica>`):
+/// where a held view's next call goes (docs/model-gateway.md, "Held views"). `replica` is the
+/// gateway's own: letters and digits only.
+pub fn model_complete_stream_at(replica: &str) -> String {
+    format!("{MODEL_COMPLETE_STREAM}.{replica}")
+}
 /// Which chain (and main model) serves a persona (micro endpoint `route`).
 pub const MODEL_ROUTE: &str = "cyrene.model.route";
 /// Call records, one per successful model call.

@@ -61,7 +61,9 @@ impl RequestLog {
     }
 
     fn logged(&self) -> std::sync::MutexGuard<'_, Logged> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn push(&self, request: &ModelRequest) {
