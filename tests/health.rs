@@ -291,6 +291,7 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
                 "cyrene_tool_call_duration_seconds_bucket",
                 "cyrene_turns_ack_pending",
                 "cyrene_steer_claims_total",
+                "cyrene_model_views_total",
             ],
         ),
     ];
