@@ -136,7 +136,7 @@ impl SentView {
     /// A call with the view `messages` was answered, by `replica` holding it (`None`: nobody).
     pub fn answered(&mut self, messages: Vec<Message>, replica: Option<String>) {
         let replica = replica.filter(|r| {
-            (1..=64).contains(&r.len()) && r.bytes().all(|b| b.is_ascii_alphanumeric())
+            (1..=64).contains(&r.len()) && r.chars().all(cyrene_protocol::ids::is_token_char)
         });
         self.sent = if replica.is_some() {
             messages

@@ -81,8 +81,8 @@ pub struct ModelRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ViewRef {
-    /// The caller's name for the view: unguessable (the loop worker uses 32 random hex digits),
-    /// 8 to 64 of `A-Z a-z 0-9 _ -`.
+    /// The caller's name for the view: unguessable (the loop worker's are new UUIDv7 ids, 74
+    /// random bits), 8 to 64 of `A-Z a-z 0-9 _ -`.
     pub id: String,
     /// How many messages of the view the gateway holds and `messages` follow; 0: `messages` is
     /// the whole view (and replaces whatever was held under `id`).
@@ -93,10 +93,7 @@ pub struct ViewRef {
 impl ViewRef {
     /// Whether `id` is a view id the gateway accepts.
     pub fn valid_id(id: &str) -> bool {
-        (8..=64).contains(&id.len())
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        (8..=64).contains(&id.len()) && id.chars().all(crate::ids::is_token_char)
     }
 }
 
