@@ -21,7 +21,7 @@
 //! - **Bounded memory.** Each kind is kept in two generations of at most [`GENERATION_BYTES`] of
 //!   JSON text (as it came on the bus): new and used entries go to the current one; when it is
 //!   full it becomes the old one and the one before is dropped. A message over [`LARGEST_KEPT`]
-//!   is decoded every time, not kept.
+//!   is decoded every time, not kept; a view is not continued past [`LARGEST_VIEW`].
 //!
 //! # Pitfalls
 //! - A held view is taken out while its call runs and put back after, so two calls naming one
@@ -38,6 +38,10 @@ use std::sync::Mutex;
 
 /// JSON text kept per generation, of each kind (decoded, they take about as much again).
 pub const GENERATION_BYTES: usize = 16 << 20;
+
+/// The most request JSON one held view may grow to over its calls: continuing it further is
+/// `not_found`, and the caller sends it whole (which must fit the bus's max payload).
+pub const LARGEST_VIEW: usize = 4 << 20;
 
 /// A message whose JSON text is longer than this is decoded every time (an inlined image, say).
 pub const LARGEST_KEPT: usize = 64 << 10;
@@ -229,6 +233,14 @@ impl Views {
         }
         let taken = self.held.lock().ok().and_then(|mut g| g.take(&view.id));
         match taken {
+            Some((_, _, bytes)) if bytes + payload_len > LARGEST_VIEW => Err(ErrorBody::new(
+                ErrorCode::NotFound,
+                format!(
+                    "view {} would grow past {LARGEST_VIEW} bytes, more than a view is held for; \
+                     send the whole view (base 0)",
+                    view.id
+                ),
+            )),
             Some((id, mut messages, bytes)) if messages.len() == view.base as usize => {
                 messages.append(&mut request.messages);
                 request.messages = messages;
@@ -423,6 +435,41 @@ mod tests {
         // A miss on the right id with the wrong base dropped what was held: the caller sends the
         // whole view again, so nothing can be extended from a view the caller no longer means.
         assert_eq!(views.held(), 0);
+    }
+
+    #[test]
+    fn a_view_is_not_continued_past_its_largest_size() {
+        let views = Views::default();
+        let id = "0123456789abcdef";
+        let mut first = ModelRequest {
+            messages: vec![Message::text(Role::User, "a")],
+            view: Some(ViewRef {
+                id: id.into(),
+                base: 0,
+            }),
+            ..Default::default()
+        };
+        let held = views
+            .resolve(&mut first, LARGEST_VIEW - 10)
+            .unwrap()
+            .unwrap();
+        views.hold(held, first.messages);
+        let mut next = ModelRequest {
+            messages: vec![Message::text(Role::User, "b")],
+            view: Some(ViewRef {
+                id: id.into(),
+                base: 1,
+            }),
+            ..Default::default()
+        };
+        let err = views.resolve(&mut next, 11).unwrap_err();
+        assert_eq!(err.code, ErrorCode::NotFound);
+        assert!(
+            err.message.contains("send the whole view"),
+            "{}",
+            err.message
+        );
+        assert_eq!(views.held(), 0, "nothing is held past the limit");
     }
 
     #[test]
