@@ -223,9 +223,10 @@ impl Gateway {
         })
     }
 
-    /// The request log of the scripted provider `name`.
+    /// The request log of the scripted provider `name`, recording every request from now on
+    /// (a log nobody took records nothing).
     pub fn request_log(&self, name: &str) -> Option<RequestLog> {
-        self.logs.get(name).cloned()
+        self.logs.get(name).map(RequestLog::watch)
     }
 
     pub fn config(&self) -> &ModelsConfig {

@@ -1109,9 +1109,10 @@ async fn api_keys_never_show_in_debug_output() {
 #[tokio::test]
 async fn scripted_responses_are_marked_offline() {
     let gw = gateway(serde_json::to_value(ModelsConfig::offline()).unwrap());
+    let log = gw.request_log("offline").unwrap();
     let resp: ModelResponse = gw.complete(&ask(vec![user("ping")])).await.unwrap();
     assert!(resp.offline);
     assert_eq!(resp.provider, "offline");
     assert_eq!(resp.content, "(offline scripted reply) You said: ping");
-    assert_eq!(gw.request_log("offline").unwrap().len(), 1);
+    assert_eq!(log.len(), 1);
 }

@@ -142,6 +142,7 @@ async fn raw_error(client: &async_nats::Client, payload: Vec<u8>) -> (String, Er
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scripted_call_answers_offline_and_publishes_its_call_record() {
     let gw = start().await;
+    let log = gw.gateway.request_log("offline").unwrap();
     let mut calls = call_records(&gw.client).await;
     let resp = complete(&gw.client, &ask("hello there")).await;
     assert!(resp.offline);
@@ -155,8 +156,7 @@ async fn a_scripted_call_answers_offline_and_publishes_its_call_record() {
     assert_eq!(record.purpose, "chat");
     assert_eq!(record.provider, "offline");
     assert_eq!(record.tokens, resp.total_tokens);
-    let log = gw.gateway.request_log("offline").unwrap().snapshot();
-    assert_eq!(log.last().unwrap(), &ask("hello there"));
+    assert_eq!(log.snapshot().last().unwrap(), &ask("hello there"));
     gw.stop().await;
 }
 

@@ -13,9 +13,12 @@
 //! # Invariants
 //! - Same request in, same response out: ids are `call_<n>_<i>` with `n` the number of assistant
 //!   turns so far plus one, `i` the call's position from 1; token counts are word counts.
-//! - Every request received is appended to the [`RequestLog`], which tests read. It is bounded
-//!   by requests and by the messages they hold together (the oldest go first, the newest always
-//!   stays), so a long conversation run offline does not keep a thousand copies of its view.
+//! - Every request received is appended to the [`RequestLog`], which tests read, once someone
+//!   watches it ([`RequestLog::watch`], what [`crate::Gateway::request_log`] hands out): before
+//!   that nothing is copied, so a provider nobody reads (`make run`, a benchmark) does not copy
+//!   every view it answers. It is bounded by requests and by the messages they hold together
+//!   (the oldest go first, the newest always stays), so a long conversation run offline does not
+//!   keep a thousand copies of its view.
 
 use super::ProviderError;
 use crate::config::{Rule, Script, ScriptedCall, Step};
@@ -36,17 +39,25 @@ pub const LOG_MESSAGES: usize = 10_000;
 /// What the default reply says when the script gives none.
 pub const FALLBACK_REPLY: &str = "(offline scripted reply) You said: {input}";
 
-/// The requests a scripted provider received, oldest first. Cheap to clone (shared).
+/// The requests a scripted provider received since the log was first watched, oldest first.
+/// Cheap to clone (shared).
 #[derive(Debug, Clone, Default)]
 pub struct RequestLog(Arc<Mutex<Logged>>);
 
 #[derive(Debug, Default)]
 struct Logged {
+    watched: bool,
     requests: VecDeque<ModelRequest>,
     messages: usize,
 }
 
 impl RequestLog {
+    /// This log, recording every request from now on.
+    pub fn watch(&self) -> RequestLog {
+        self.logged().watched = true;
+        self.clone()
+    }
+
     /// A copy of every logged request.
     pub fn snapshot(&self) -> Vec<ModelRequest> {
         self.logged().requests.iter().cloned().collect()
@@ -67,8 +78,11 @@ impl RequestLog {
     }
 
     fn push(&self, request: &ModelRequest) {
-        let request = request.clone();
         let mut log = self.logged();
+        if !log.watched {
+            return;
+        }
+        let request = request.clone();
         log.messages += request.messages.len();
         log.requests.push_back(request);
         while log.requests.len() > LOG_CAPACITY
@@ -207,7 +221,7 @@ impl ScriptedProvider {
                 Vec::new(),
             ),
         };
-        let prompt: u64 = req.messages.iter().map(|m| words(&m.text_content())).sum();
+        let prompt: u64 = req.messages.iter().map(message_words).sum();
         let completion = words(&text) + calls.len() as u64;
         let (message, stop) = if calls.is_empty() {
             (Message::text(Role::Assistant, text.clone()), "stop")
@@ -241,6 +255,22 @@ fn matches(rule: &Rule, input: &str) -> bool {
 
 fn words(text: &str) -> u64 {
     text.split_whitespace().count() as u64
+}
+
+/// `words(&message.text_content())` without building the text: a word may run on from one text
+/// part into the next.
+fn message_words(message: &Message) -> u64 {
+    let (mut count, mut in_word) = (0, false);
+    for part in &message.content {
+        if let Part::Text { text } = part {
+            for c in text.chars() {
+                let starts = !c.is_whitespace() && !in_word;
+                count += u64::from(starts);
+                in_word = !c.is_whitespace();
+            }
+        }
+    }
+    count
 }
 
 impl super::Provider for ScriptedProvider {
@@ -287,8 +317,35 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn the_log_keeps_at_most_so_many_messages_but_always_the_newest_request() {
+    fn the_log_keeps_nothing_until_watched() {
         let log = RequestLog::default();
+        log.push(&ModelRequest::default());
+        assert!(log.is_empty());
+        let watched = log.watch();
+        log.push(&ModelRequest::default());
+        assert_eq!((log.len(), watched.len()), (1, 1));
+    }
+
+    #[test]
+    fn words_are_counted_across_text_parts_as_in_the_joined_text() {
+        let text = |t: &str| Part::Text { text: t.into() };
+        for parts in [
+            vec![text("two words"), text("on"), text(" and  on ")],
+            vec![text(""), text(" "), text("a"), text("b c")],
+            vec![text("\u{3000}全角 space\n"), text("x")],
+            vec![],
+        ] {
+            let message = Message {
+                content: parts,
+                ..Message::text(Role::User, "")
+            };
+            assert_eq!(message_words(&message), words(&message.text_content()));
+        }
+    }
+
+    #[test]
+    fn the_log_keeps_at_most_so_many_messages_but_always_the_newest_request() {
+        let log = RequestLog::default().watch();
         let request = |n: usize| ModelRequest {
             messages: vec![Message::text(Role::User, "m"); n],
             ..Default::default()
@@ -449,10 +506,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn every_request_is_logged() {
+    async fn every_request_is_logged_once_watched() {
         use super::super::Provider;
         let p = provider();
-        let log = p.log();
+        let log = p.log().watch();
         let req = ask(vec![Message::text(Role::User, "hi")]);
         p.complete(&req, &Step::new("offline", "s"), Instant::now())
             .await
