@@ -18,7 +18,8 @@
 //! # Invariants
 //! - The **window** is only borrowed: steered messages, the notice, attribution notes and
 //!   document replacements exist only in the returned **view**, so they never reach a checkpoint
-//!   or memory extraction. The view is rebuilt from scratch at every step.
+//!   or memory extraction. A step's view is assembled whole, or — when it only appends to the
+//!   last one ([`extend_view`]) — just what it appends; both give the same view.
 //! - No `document` part survives into the view (providers never see one).
 //! - Untrusted text stays where it came from: extracted document text replaces the part inside
 //!   the same user message, never a system message.
@@ -224,12 +225,31 @@ pub struct ViewInputs<'a> {
 
 /// Builds one step's view in the order of the module docs. The window is left untouched.
 pub fn assemble_view(inputs: &ViewInputs<'_>, documents: &dyn DocumentExtractor) -> Vec<Message> {
+    assemble_shaped(inputs, documents).0
+}
+
+/// How a view was assembled: what [`extend_view`] needs to tell whether the next step's view
+/// only appends to it, and to build what it appends.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ViewShape {
+    blocks: ContextBlocks,
+    window: usize,
+    steered: usize,
+    noticed: bool,
+    attribution: attribution::PlanEnd,
+}
+
+/// [`assemble_view`], and the view's [`ViewShape`].
+pub fn assemble_shaped(
+    inputs: &ViewInputs<'_>,
+    documents: &dyn DocumentExtractor,
+) -> (Vec<Message>, ViewShape) {
     // The window and the steered messages are one conversation for attribution.
     let conversation = inputs
         .window
         .iter()
         .chain(inputs.steered.iter().map(|s| &s.message));
-    let plan = attribution::plan(conversation.clone(), inputs.speakers, inputs.names);
+    let (plan, end) = attribution::plan_to_end(conversation.clone(), inputs.speakers, inputs.names);
     let notes = plan.as_ref().map_or(0, |p| p.notes.len() + 1);
     let mut view = Vec::with_capacity(
         4 + notes
@@ -242,12 +262,64 @@ pub fn assemble_view(inputs: &ViewInputs<'_>, documents: &dyn DocumentExtractor)
     match plan {
         Some(plan) => {
             view.push(plan.lead);
-            view.extend(attribution::interleave(conversation, &plan.notes, replace));
+            view.extend(attribution::interleave(
+                conversation,
+                0,
+                &plan.notes,
+                replace,
+            ));
         }
         None => view.extend(conversation.map(replace)),
     }
     notice::append_notice(&mut view, inputs.notice);
-    view
+    let shape = ViewShape {
+        blocks: inputs.blocks.clone(),
+        window: inputs.window.len(),
+        steered: inputs.steered.len(),
+        noticed: inputs.notice.is_some(),
+        attribution: end,
+    };
+    (view, shape)
+}
+
+/// What the view of `inputs` appends to the view assembled as `shape`, and its own shape; `None`
+/// when it is no such extension and must be assembled whole ([`assemble_shaped`]).
+///
+/// It is one when the blocks are the same, no parallel notice closes the old view, the
+/// conversation only grew at its end (new window messages while nothing was steered in yet, or
+/// new steered messages), and attribution did not start to render with what was added. Then
+/// every message already in the view is built from the same inputs as before (a note depends
+/// only on the messages before it, a document's text and the lead are fixed for the turn), so
+/// the whole view is exactly the old one followed by what this returns — a test checks it
+/// against [`assemble_view`].
+pub fn extend_view(
+    inputs: &ViewInputs<'_>,
+    documents: &dyn DocumentExtractor,
+    shape: &ViewShape,
+) -> Option<(Vec<Message>, ViewShape)> {
+    let grows_at_end = inputs.window.len() >= shape.window
+        && inputs.steered.len() >= shape.steered
+        && (shape.steered == 0 || inputs.window.len() == shape.window);
+    if !grows_at_end || shape.noticed || *inputs.blocks != shape.blocks {
+        return None;
+    }
+    let added = inputs.window[shape.window..]
+        .iter()
+        .chain(inputs.steered[shape.steered..].iter().map(|s| &s.message));
+    let len = shape.window + shape.steered;
+    let mut end = shape.attribution.clone();
+    let notes = end.plan_more(added.clone(), len, inputs.speakers, inputs.names)?;
+    let replace = |m: &Message| replace_documents(m, documents);
+    let mut messages = attribution::interleave(added, len, &notes, replace);
+    notice::append_notice(&mut messages, inputs.notice);
+    let shape = ViewShape {
+        blocks: shape.blocks.clone(),
+        window: inputs.window.len(),
+        steered: inputs.steered.len(),
+        noticed: inputs.notice.is_some(),
+        attribution: end,
+    };
+    Some((messages, shape))
 }
 
 #[cfg(test)]
@@ -671,5 +743,82 @@ mod tests {
     fn last_seq_is_the_highest_seen() {
         assert_eq!(last_seq(&[]), 0);
         assert_eq!(last_seq(&[steered("m1", 7, "a"), steered("m2", 9, "b")]), 9);
+    }
+
+    /// A random conversation growing step by step: whenever [`extend_view`] says the new view
+    /// extends the last one, the last one followed by what it returns is exactly the view
+    /// assembled whole, with the same shape.
+    #[test]
+    fn an_extended_view_is_the_view_assembled_whole() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let documents =
+            |d: DocumentRef<'_>| (d.name != "unread").then(|| format!("text of {}", d.name));
+        let (mut extended, mut whole) = (0, 0);
+        for run in 0..200 {
+            let message = |next: &mut dyn FnMut(u64) -> u64| -> Message {
+                let mut m = match next(6) {
+                    0 => user("a user line"),
+                    1 => user_parts(vec![
+                        Part::text("see"),
+                        document(["a", "unread"][next(2) as usize]),
+                    ]),
+                    2 => Message {
+                        tool_call_id: "c1".into(),
+                        ..Message::text(Role::Tool, "a result")
+                    },
+                    _ => assistant("an answer"),
+                };
+                if next(8) == 0 {
+                    m.sender_name = ["hoshi", "cyrene", "小王", " "][next(4) as usize].into();
+                }
+                if next(12) == 0 {
+                    m.sender_kind = cyrene_protocol::message::SenderKind::Agent;
+                }
+                m
+            };
+            let mut fx = Fixture::new((0..next(6)).map(|_| message(&mut next)).collect());
+            fx.speakers = SpeakerEnv::new(run % 3 == 0, "cyrene");
+            if run % 2 == 0 {
+                fx.blocks = ContextBlocks::default();
+            }
+            let (mut view, mut shape) = assemble_shaped(&fx.inputs(), &documents);
+            for step in 0..12u64 {
+                match next(10) {
+                    0 => fx
+                        .steered
+                        .push(steered(&format!("m{step}"), step, "steered in")),
+                    1 => fx.notice = Some(ParallelNotice::default()),
+                    2 => fx.blocks.memory.push_str(" more"),
+                    _ => {}
+                }
+                if fx.notice.is_some() && next(2) == 0 {
+                    fx.notice = None;
+                }
+                for _ in 0..next(3) {
+                    fx.window.push(message(&mut next));
+                }
+                let (all, all_shape) = assemble_shaped(&fx.inputs(), &documents);
+                match extend_view(&fx.inputs(), &documents, &shape) {
+                    Some((added, added_shape)) => {
+                        extended += 1;
+                        view.extend(added);
+                        assert_eq!(view, all, "run {run} step {step}");
+                        assert_eq!(added_shape, all_shape, "run {run} step {step}");
+                    }
+                    None => whole += 1,
+                }
+                (view, shape) = (all, all_shape);
+            }
+        }
+        assert!(
+            extended > 1000 && whole > 100,
+            "{extended} extended, {whole} whole"
+        );
     }
 }

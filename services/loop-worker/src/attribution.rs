@@ -270,20 +270,22 @@ pub struct Attribution {
 impl Attribution {
     /// The conversation with every note inserted before the message it announces.
     pub fn apply(&self, conversation: &[Message]) -> Vec<Message> {
-        interleave(conversation, &self.notes, Message::clone)
+        interleave(conversation, 0, &self.notes, Message::clone)
     }
 }
 
-/// Copies `conversation` through `map`, inserting each note before its message.
+/// Copies `conversation` through `map`, inserting each note before its message; the first
+/// message is number `first` of the conversation the notes were planned for.
 pub(crate) fn interleave<'m>(
     conversation: impl IntoIterator<Item = &'m Message>,
+    first: usize,
     notes: &[SwitchNote],
     mut map: impl FnMut(&Message) -> Message,
 ) -> Vec<Message> {
     let conversation = conversation.into_iter();
     let mut out = Vec::with_capacity(conversation.size_hint().0 + notes.len());
     let mut pending = notes.iter().peekable();
-    for (index, message) in conversation.enumerate() {
+    for (index, message) in (first..).zip(conversation) {
         while let Some(note) = pending.next_if(|n| n.before <= index) {
             out.push(note.message.clone());
         }
@@ -303,28 +305,87 @@ where
     I: IntoIterator<Item = &'m Message>,
     I::IntoIter: Clone,
 {
+    plan_to_end(conversation, env, names).0
+}
+
+/// [`plan`], and where it stood at the conversation's end (for [`plan_more`]).
+pub fn plan_to_end<'m, I>(
+    conversation: I,
+    env: &SpeakerEnv,
+    names: &PersonaNames,
+) -> (Option<Attribution>, PlanEnd)
+where
+    I: IntoIterator<Item = &'m Message>,
+    I::IntoIter: Clone,
+{
     let conversation = conversation.into_iter();
     if !conversation.clone().any(|m| explicit_speaker(m).is_some()) {
-        return None;
+        return (None, PlanEnd::default());
     }
-    let mut notes = Vec::new();
-    let mut previous: Option<String> = None;
-    for (index, message) in conversation.enumerate() {
-        let Some(speaker) = speaker_of(message, env) else {
-            continue;
-        };
-        if previous.as_deref() != Some(speaker.key.as_str()) {
-            notes.push(SwitchNote {
-                before: index,
-                message: Message::text(Role::System, switch_note_text(&speaker, env, names)),
-            });
-            previous = Some(speaker.key);
-        }
-    }
-    Some(Attribution {
+    let mut end = PlanEnd {
+        rendered: true,
+        previous: None,
+    };
+    let notes = end.notes(conversation, 0, env, names);
+    let attribution = Attribution {
         lead: Message::text(Role::System, role_context_text(env, names)),
         notes,
-    })
+    };
+    (Some(attribution), end)
+}
+
+/// Where [`plan`] stood at the end of a conversation: whether attribution rendered, and the key
+/// of the last attributed speaker. A note before a message depends only on the messages before
+/// it, so this is all that planning messages appended to the conversation needs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanEnd {
+    rendered: bool,
+    previous: Option<String>,
+}
+
+impl PlanEnd {
+    /// The notes `added` gets when appended to the conversation this end closes (`len`
+    /// messages), numbered as in the whole conversation, and moves to the new end; `None` when
+    /// the whole must be planned again: attribution starts to render with `added` (the lead and
+    /// the earlier messages' notes appear).
+    pub fn plan_more<'m>(
+        &mut self,
+        added: impl Iterator<Item = &'m Message> + Clone,
+        len: usize,
+        env: &SpeakerEnv,
+        names: &PersonaNames,
+    ) -> Option<Vec<SwitchNote>> {
+        if !self.rendered {
+            if added.clone().any(|m| explicit_speaker(m).is_some()) {
+                return None;
+            }
+            return Some(Vec::new());
+        }
+        Some(self.notes(added, len, env, names))
+    }
+
+    fn notes<'m>(
+        &mut self,
+        conversation: impl Iterator<Item = &'m Message>,
+        first: usize,
+        env: &SpeakerEnv,
+        names: &PersonaNames,
+    ) -> Vec<SwitchNote> {
+        let mut notes = Vec::new();
+        for (index, message) in conversation.enumerate() {
+            let Some(speaker) = speaker_of(message, env) else {
+                continue;
+            };
+            if self.previous.as_deref() != Some(speaker.key.as_str()) {
+                notes.push(SwitchNote {
+                    before: first + index,
+                    message: Message::text(Role::System, switch_note_text(&speaker, env, names)),
+                });
+                self.previous = Some(speaker.key);
+            }
+        }
+        notes
+    }
 }
 
 /// Renders attribution: `None` when nothing is to be rendered, else the lead message and the

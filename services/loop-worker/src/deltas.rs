@@ -15,12 +15,13 @@
 //!
 //! A turn's step calls also continue one **held view** ([`SentView`], docs/model-gateway.md,
 //! "Held views"): after its first call the gateway replica that answered holds the view, and the
-//! next step sends only the messages after what it holds, to that replica. The request the runner
-//! builds is always the whole view; whether it goes whole or continued is decided here, by
-//! comparing it with what was sent, so the model sees exactly the view the runner built. A
-//! replica that is gone or no longer holds the view (`no responders`, `not_found`) costs one more
-//! call: the whole view, to any replica.
+//! next step sends only the messages after what it holds, to that replica. The runner builds
+//! only those messages when its view provably appends to the held one (crate::assemble,
+//! `extend_view`, checked against whole assembly by a test), else the whole view, which goes
+//! whole. A replica that is gone or no longer holds the view (`no responders`, `not_found`) costs
+//! one more call: the whole view (the held one followed by what was added), to any replica.
 
+use crate::assemble::ViewShape;
 use crate::ports::TurnPorts;
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::message::Message;
@@ -83,13 +84,23 @@ pub fn complete<'a, P: TurnPorts>(
 }
 
 /// What a turn's step calls sent of its view, and which gateway replica holds it.
+///
+/// The runner asks [`SentView::shape`] how the held view was assembled; when the next view
+/// only appends to it (crate::assemble::extend_view), the request it builds holds just the
+/// appended messages, and says so with [`SentView::stage`]. Nothing then assembles, copies or
+/// compares the whole view: it goes whole only on a fallback ([`SentView::whole`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SentView {
     /// A new id (74 random bits): the view's name is what makes it the turn's
     /// (docs/model-gateway.md).
     id: String,
     replica: Option<String>,
+    /// The whole view `replica` holds (empty when none), and how it was assembled.
     sent: Vec<Message>,
+    shape: Option<ViewShape>,
+    /// How the next call's request was built: its view's shape, and whether its messages are
+    /// only what follows `sent`.
+    staged: Option<(ViewShape, bool)>,
 }
 
 impl Default for SentView {
@@ -98,58 +109,97 @@ impl Default for SentView {
             id: cyrene_protocol::ids::new_id(),
             replica: None,
             sent: Vec::new(),
+            shape: None,
+            staged: None,
         }
     }
 }
 
 impl SentView {
-    /// `request` cut to what follows the view its replica holds, and that replica's subject;
-    /// `None` when no replica holds a view that `request`'s messages start with.
+    /// How the view a replica holds was assembled; `None` when no replica holds one.
+    pub fn shape(&self) -> Option<&ViewShape> {
+        self.shape.as_ref()
+    }
+
+    /// The next call's request holds the view of `shape`: only what follows the held view
+    /// (`added`, possible only while [`SentView::shape`] is `Some`), or the whole view.
+    pub fn stage(&mut self, shape: ViewShape, added: bool) {
+        self.staged = Some((shape, added && self.shape.is_some()));
+    }
+
+    fn added(&self) -> bool {
+        self.staged.as_ref().is_some_and(|(_, added)| *added)
+    }
+
+    /// `request` (staged as only what it adds) as a call continuing the view its replica
+    /// holds, and that replica's subject; its messages move to the call. `None` when the request
+    /// is a whole view, or no replica holds one.
     pub fn continued(&self, request: &mut ModelRequest) -> Option<(String, ModelRequest)> {
         let replica = self.replica.as_deref()?;
-        if !request.messages.starts_with(&self.sent) {
+        if !self.added() {
             return None;
         }
         let base = u32::try_from(self.sent.len()).ok()?;
-        let whole = std::mem::take(&mut request.messages);
-        let mut continued = request.clone();
-        continued.messages = whole[self.sent.len()..].to_vec();
+        let mut continued = ModelRequest {
+            messages: std::mem::take(&mut request.messages),
+            ..request.clone()
+        };
         continued.view = Some(ViewRef {
             id: self.id.clone(),
             base,
         });
-        request.messages = whole;
         Some((
             cyrene_protocol::subjects::model_complete_stream_at(replica),
             continued,
         ))
     }
 
-    /// The view named whole (`base` 0), for any replica.
-    pub fn whole(&self) -> ViewRef {
+    /// Makes `request` the whole view (the held one is moved in front of what it adds) and
+    /// names the view whole (`base` 0), for any replica.
+    pub fn whole(&mut self, request: &mut ModelRequest) -> ViewRef {
+        if let Some((_, added)) = self.staged.as_mut()
+            && *added
+        {
+            let mut whole = std::mem::take(&mut self.sent);
+            whole.append(&mut request.messages);
+            request.messages = whole;
+            *added = false;
+        }
+        self.replica = None;
+        self.shape = None;
         ViewRef {
             id: self.id.clone(),
             base: 0,
         }
     }
 
-    /// A call with the view `messages` was answered, by `replica` holding it (`None`: nobody).
-    pub fn answered(&mut self, messages: Vec<Message>, replica: Option<String>) {
+    /// The staged call was answered, by `replica` holding its view (`None`: nobody); `messages`
+    /// are the request's, as it was staged.
+    pub fn answered(&mut self, mut messages: Vec<Message>, replica: Option<String>) {
         let replica = replica.filter(|r| {
             (1..=64).contains(&r.len()) && r.chars().all(cyrene_protocol::ids::is_token_char)
         });
-        self.sent = if replica.is_some() {
-            messages
-        } else {
-            Vec::new()
-        };
-        self.replica = replica;
+        let staged = self.staged.take();
+        match (replica, staged) {
+            (Some(replica), Some((shape, added))) => {
+                if added {
+                    self.sent.append(&mut messages);
+                } else {
+                    self.sent = messages;
+                }
+                self.shape = Some(shape);
+                self.replica = Some(replica);
+            }
+            _ => self.forget(),
+        }
     }
 
     /// No replica holds the view any more (a failed call): the next call sends it whole.
     pub fn forget(&mut self) {
         self.replica = None;
         self.sent.clear();
+        self.shape = None;
+        self.staged = None;
     }
 }
 
@@ -169,13 +219,27 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_view_held_by_a_replica_continues_with_only_what_follows_it() {
+    fn held(texts: &[&str], replica: &str) -> SentView {
         let mut view = SentView::default();
-        let mut whole = request(&["a", "b", "c"]);
-        assert_eq!(view.continued(&mut whole), None, "nothing held yet");
-        view.answered(request(&["a", "b"]).messages, Some("r1".into()));
-        let (subject, continued) = view.continued(&mut whole).unwrap();
+        view.stage(ViewShape::default(), false);
+        view.answered(request(texts).messages, Some(replica.into()));
+        view
+    }
+
+    #[test]
+    fn what_a_step_adds_continues_the_view_its_replica_holds() {
+        let mut view = SentView::default();
+        view.stage(ViewShape::default(), true);
+        assert_eq!(
+            view.continued(&mut request(&["c"])),
+            None,
+            "nothing held yet: no extension can be staged"
+        );
+        let mut view = held(&["a", "b"], "r1");
+        assert!(view.shape().is_some());
+        view.stage(ViewShape::default(), true);
+        let mut added = request(&["c"]);
+        let (subject, continued) = view.continued(&mut added).unwrap();
         assert_eq!(subject, "cyrene.model.complete.stream.r1");
         assert_eq!(continued.messages, request(&["c"]).messages);
         assert_eq!(continued.persona_id, "cyrene");
@@ -186,31 +250,47 @@ mod tests {
                 base: 2
             })
         );
-        assert_eq!(
-            whole,
-            request(&["a", "b", "c"]),
-            "the whole view is left as built"
-        );
+        assert!(added.messages.is_empty(), "the messages moved to the call");
+        view.answered(continued.messages, Some("r2".into()));
+        assert_eq!(view.sent, request(&["a", "b", "c"]).messages);
+        assert_eq!(view.replica.as_deref(), Some("r2"));
     }
 
     #[test]
-    fn a_view_goes_whole_when_no_replica_holds_what_it_starts_with() {
-        let mut view = SentView::default();
-        view.answered(request(&["a", "b"]).messages, Some("r1".into()));
-        // An earlier message changed (a document read since, say): the held view is no prefix.
-        assert_eq!(view.continued(&mut request(&["a", "B", "c"])), None);
+    fn a_whole_view_goes_whole_and_a_fallback_puts_the_held_view_first() {
+        let mut view = held(&["a", "b"], "r1");
+        view.stage(ViewShape::default(), false);
+        let mut whole = request(&["a", "B", "c"]);
+        assert_eq!(view.continued(&mut whole), None);
+        assert_eq!(view.whole(&mut whole).base, 0);
+        assert_eq!(whole, request(&["a", "B", "c"]), "left as built");
+
+        // The replica is gone: what was added goes again, after the view it continued.
+        let mut view = held(&["a", "b"], "r1");
+        view.stage(ViewShape::default(), true);
+        let mut added = request(&["c"]);
+        let (_, continued) = view.continued(&mut added).unwrap();
+        added.messages = continued.messages;
+        assert_eq!(view.whole(&mut added).base, 0);
+        assert_eq!(added, request(&["a", "b", "c"]));
+        view.answered(added.messages, Some("r2".into()));
+        assert_eq!(view.sent, request(&["a", "b", "c"]).messages);
+    }
+
+    #[test]
+    fn a_view_nobody_holds_is_forgotten() {
         for replica in [None, Some("not.a.token".to_owned()), Some(String::new())] {
-            let mut view = SentView::default();
-            view.answered(request(&["a"]).messages, replica.clone());
-            assert_eq!(
-                view.continued(&mut request(&["a", "b"])),
-                None,
-                "{replica:?}"
-            );
+            let mut view = held(&["a"], "r1");
+            view.stage(ViewShape::default(), true);
+            view.answered(request(&["b"]).messages, replica.clone());
+            assert_eq!(view.shape(), None, "{replica:?}");
+            view.stage(ViewShape::default(), true);
+            assert_eq!(view.continued(&mut request(&["c"])), None, "{replica:?}");
         }
+        let mut view = held(&["a"], "r1");
         view.forget();
-        assert_eq!(view.continued(&mut request(&["a", "b", "c"])), None);
-        assert_eq!(view.whole().base, 0);
+        assert_eq!(view.shape(), None);
+        assert!(view.sent.is_empty());
     }
 
     #[test]

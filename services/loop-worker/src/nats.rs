@@ -201,7 +201,7 @@ impl TurnPorts for NatsPorts {
                     Ok((response, replica)) => {
                         metrics::counter!("cyrene_model_views_total", "sent" => "continued")
                             .increment(1);
-                        view.answered(request.messages, replica);
+                        view.answered(continued.messages, replica);
                         return Ok(response);
                     }
                     // The replica is gone, or holds the view no longer: send it whole.
@@ -213,9 +213,10 @@ impl TurnPorts for NatsPorts {
                         return Err(model_error(err));
                     }
                 }
+                request.messages = continued.messages;
             }
             metrics::counter!("cyrene_model_views_total", "sent" => "whole").increment(1);
-            request.view = Some(view.whole());
+            request.view = Some(view.whole(&mut request));
             let subject = subjects::MODEL_COMPLETE_STREAM;
             let sent = self
                 .streams

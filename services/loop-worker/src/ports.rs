@@ -152,11 +152,12 @@ pub trait TurnPorts: Send + Sync {
     /// The default publishes nothing and sends every view whole.
     fn complete_streamed(
         &self,
-        request: ModelRequest,
+        mut request: ModelRequest,
         tag: crate::deltas::DeltaTag,
         view: &mut crate::deltas::SentView,
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send {
-        let _ = (tag, view);
+        let _ = tag;
+        view.whole(&mut request);
         self.complete(request)
     }
 

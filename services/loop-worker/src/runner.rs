@@ -296,7 +296,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             return Err(Exit::Deadline);
         }
         self.resolve_documents().await;
-        let request = self.resolve_images(self.request(config)).await;
+        let request = self.step_request(config);
+        let request = self.resolve_images(request).await;
         // The held view is lent to the call (taken out of the turn, put back after it).
         let mut view = std::mem::take(&mut self.view);
         let result = self.model_call(request, Some((step, &mut view))).await;
@@ -442,20 +443,45 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         }))
     }
 
+    fn view_inputs(&self) -> ViewInputs<'_> {
+        ViewInputs {
+            blocks: &self.blocks,
+            window: &self.window,
+            speakers: &self.speakers,
+            names: &self.names,
+            steered: &self.steered,
+            notice: self.job.notice.as_ref(),
+        }
+    }
+
+    /// The request of the whole view.
     fn request(&self, config: &RunnerConfig) -> ModelRequest {
-        let view = assemble::assemble_view(
-            &ViewInputs {
-                blocks: &self.blocks,
-                window: &self.window,
-                speakers: &self.speakers,
-                names: &self.names,
-                steered: &self.steered,
-                notice: self.job.notice.as_ref(),
-            },
-            &self.documents,
-        );
+        let view = assemble::assemble_view(&self.view_inputs(), &self.documents);
+        self.request_of(view, config)
+    }
+
+    /// A step's request: only what its view appends to the view a gateway replica holds when it
+    /// is such an extension, else the whole view; staged on the held view (crate::deltas).
+    fn step_request(&mut self, config: &RunnerConfig) -> ModelRequest {
+        let inputs = self.view_inputs();
+        let extended = self
+            .view
+            .shape()
+            .and_then(|shape| assemble::extend_view(&inputs, &self.documents, shape));
+        let (messages, shape, added) = match extended {
+            Some((added, shape)) => (added, shape, true),
+            None => {
+                let (whole, shape) = assemble::assemble_shaped(&inputs, &self.documents);
+                (whole, shape, false)
+            }
+        };
+        self.view.stage(shape, added);
+        self.request_of(messages, config)
+    }
+
+    fn request_of(&self, messages: Vec<Message>, config: &RunnerConfig) -> ModelRequest {
         ModelRequest {
-            messages: view,
+            messages,
             purpose: config.purpose.clone(),
             persona_id: self.job.env.persona.clone(),
             tools: self.ports.tool_specs(self.job.tools.as_deref()),
