@@ -7,7 +7,9 @@
 //! orchestrator (the first by `cyrene.turn.steer`, the later ones pushed) and every step is
 //! checkpointed. Per step = the time between two consecutive `step` events of one turn (five tool
 //! rounds, then the answer). The window is the session's transcript, filled beforehand to the size
-//! of the case (docs/loop-worker.md, "Where a step's time goes").
+//! of the case; each case has its own services and database, and the cases take turns one turn
+//! at a time, so the windows are measured side by side (docs/loop-worker.md, "Where a step's time
+//! goes").
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench that cannot run should stop loudly
 
 #[path = "../tests/common/mod.rs"]
@@ -171,17 +173,54 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
 }
 
-/// Per-step p50/p99 over `TURNS_PER_CASE` five-round turns of one session whose window holds
-/// `window` messages.
-async fn per_step(real: &Real, session: &str, window: usize) -> (f64, f64, usize) {
-    real.fill(session, window).await;
-    let mut deltas = Vec::new();
-    for _ in 0..TURNS_PER_CASE {
-        let steps = real.turn(session, "run the steps").await;
-        deltas.extend(steps.windows(2).map(|w| w[1] - w[0]));
+/// One window's case: its own services and database, and one session filled to the window.
+struct Case {
+    window: usize,
+    real: Real,
+    session: String,
+    /// The PostgreSQL database of this case (dropped with it); `None` on SQLite.
+    database: Option<cyrene_sql::testing::TestDatabase>,
+    deltas: Vec<Duration>,
+}
+
+impl Case {
+    async fn start(backend: &str, postgres: bool, window: usize) -> Case {
+        // A database per case, so no two cases' services share tables.
+        let database = match postgres {
+            true => Some(
+                common::fresh_postgres(&format!("cyrene_bench_{window}"))
+                    .await
+                    .expect("PostgreSQL is reachable"),
+            ),
+            false => None,
+        };
+        let real = Real::start(database.as_ref().map(|d| d.url.clone()), window, true).await;
+        let session = format!("bench-{backend}-{window}");
+        real.fill(&session, window).await;
+        Case {
+            window,
+            real,
+            session,
+            database,
+            deltas: Vec::new(),
+        }
     }
-    deltas.sort();
-    (pct(&deltas, 0.5), pct(&deltas, 0.99), deltas.len())
+
+    /// One five-round turn; its steps' times are kept.
+    async fn turn(&mut self) {
+        let steps = self.real.turn(&self.session, "run the steps").await;
+        self.deltas.extend(steps.windows(2).map(|w| w[1] - w[0]));
+    }
+
+    /// p50 and p99 per step, and how many steps.
+    fn per_step(&mut self) -> (f64, f64, usize) {
+        self.deltas.sort();
+        (
+            pct(&self.deltas, 0.5),
+            pct(&self.deltas, 0.99),
+            self.deltas.len(),
+        )
+    }
 }
 
 /// What the store wrote for `owner`: (average bytes of a step's row, average bytes of a turn's
@@ -525,16 +564,26 @@ async fn main() {
     };
     let parts = |part: &str| !any_picked(&["steps", "throughput"]) || picked(part);
     for (name, url) in backends.iter().filter(|_| parts("steps")) {
-        let mut at_ten = None;
+        let mut cases = Vec::new();
         for &window in &windows {
-            let real = Real::start(url.clone(), window, true).await;
-            let session = format!("bench-{name}-{window}");
-            let (p50, p99, n) = per_step(&real, &session, window).await;
-            let database = match url {
-                Some(url) => Database::Postgres(url.clone()),
-                None => Database::Sqlite(real.data.path().join("checkpoints.db")),
+            cases.push(Case::start(name, url.is_some(), window).await);
+        }
+        // The cases take turns, one turn each, so a change in the machine's speed during the
+        // run (its floors have doubled from one hour to the next) weighs on every window alike.
+        for _ in 0..TURNS_PER_CASE {
+            for case in &mut cases {
+                case.turn().await;
+            }
+        }
+        let mut at_ten = None;
+        for case in &mut cases {
+            let window = case.window;
+            let (p50, p99, n) = case.per_step();
+            let database = match &case.database {
+                Some(db) => Database::Postgres(db.url.clone()),
+                None => Database::Sqlite(case.real.data.path().join("checkpoints.db")),
             };
-            let (row, base, rows) = bytes_written(&database, &session).await;
+            let (row, base, rows) = bytes_written(&database, &case.session).await;
             let target = match (*name, window) {
                 ("postgres", 10) => format!("  target ≤ 0.75 ms: {}", met(p50 <= 0.75)),
                 ("sqlite", 10) => format!("  target ≤ 0.6 ms: {}", met(p50 <= 0.6)),
@@ -550,7 +599,7 @@ async fn main() {
             if window == 10 {
                 at_ten = Some(p50);
             }
-            let (save, plain, streamed, continued) = step_parts(&real, window).await;
+            let (save, plain, streamed, continued) = step_parts(&case.real, window).await;
             println!(
                 "  {name:<8} window {window:>4}: p50 {p50:.3} ms  p99 {p99:.3} ms  ({n} steps); \
                  {row:.0} B per step row, base {base:.0} B once per turn ({rows} rows){target}"
