@@ -261,12 +261,18 @@ fn words(text: &str) -> u64 {
 /// part into the next.
 fn message_words(message: &Message) -> u64 {
     let (mut count, mut in_word) = (0, false);
+    let mut step = |space: bool| {
+        count += u64::from(!space && !in_word);
+        in_word = !space;
+    };
     for part in &message.content {
         if let Part::Text { text } = part {
-            for c in text.chars() {
-                let starts = !c.is_whitespace() && !in_word;
-                count += u64::from(starts);
-                in_word = !c.is_whitespace();
+            if text.is_ascii() {
+                // The ASCII characters `char::is_whitespace` takes: tab to carriage return, space.
+                text.bytes()
+                    .for_each(|b| step(matches!(b, b'\t'..=b'\r' | b' ')));
+            } else {
+                text.chars().for_each(|c| step(c.is_whitespace()));
             }
         }
     }
@@ -333,6 +339,7 @@ mod tests {
             vec![text("two words"), text("on"), text(" and  on ")],
             vec![text(""), text(" "), text("a"), text("b c")],
             vec![text("\u{3000}全角 space\n"), text("x")],
+            vec![text("a\x0bb\x0cc\rd\x1fe"), text("\x0b")],
             vec![],
         ] {
             let message = Message {
