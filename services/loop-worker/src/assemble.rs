@@ -272,14 +272,20 @@ pub fn assemble_shaped(
         None => view.extend(conversation.map(replace)),
     }
     notice::append_notice(&mut view, inputs.notice);
-    let shape = ViewShape {
-        blocks: inputs.blocks.clone(),
-        window: inputs.window.len(),
-        steered: inputs.steered.len(),
-        noticed: inputs.notice.is_some(),
-        attribution: end,
-    };
-    (view, shape)
+    (view, ViewShape::of(inputs, end))
+}
+
+impl ViewShape {
+    /// The shape of the view of `inputs`, attribution standing at `attribution` at its end.
+    fn of(inputs: &ViewInputs<'_>, attribution: attribution::PlanEnd) -> ViewShape {
+        ViewShape {
+            blocks: inputs.blocks.clone(),
+            window: inputs.window.len(),
+            steered: inputs.steered.len(),
+            noticed: inputs.notice.is_some(),
+            attribution,
+        }
+    }
 }
 
 /// What the view of `inputs` appends to the view assembled as `shape`, and its own shape; `None`
@@ -312,14 +318,7 @@ pub fn extend_view(
     let replace = |m: &Message| replace_documents(m, documents);
     let mut messages = attribution::interleave(added, len, &notes, replace);
     notice::append_notice(&mut messages, inputs.notice);
-    let shape = ViewShape {
-        blocks: shape.blocks.clone(),
-        window: inputs.window.len(),
-        steered: inputs.steered.len(),
-        noticed: inputs.notice.is_some(),
-        attribution: end,
-    };
-    Some((messages, shape))
+    Some((messages, ViewShape::of(inputs, end)))
 }
 
 #[cfg(test)]
