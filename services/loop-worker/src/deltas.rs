@@ -155,14 +155,14 @@ impl SentView {
     }
 
     /// Makes `request` the whole view (the held one is moved in front of what it adds) and
-    /// names the view whole (`base` 0), for any replica.
+    /// names the view whole (`base` 0), for any replica. The held view is let go either way.
     pub fn whole(&mut self, request: &mut ModelRequest) -> ViewRef {
+        let mut held = std::mem::take(&mut self.sent);
         if let Some((_, added)) = self.staged.as_mut()
             && *added
         {
-            let mut whole = std::mem::take(&mut self.sent);
-            whole.append(&mut request.messages);
-            request.messages = whole;
+            held.append(&mut request.messages);
+            request.messages = held;
             *added = false;
         }
         self.replica = None;
