@@ -95,6 +95,8 @@ impl Dialect for Postgres {
          SELECT fence.max_attempt, saved.created_at, saved.updated_at \
          FROM fence LEFT JOIN saved ON true",
     );
+    /// Not needed: [`Self::FENCED_UPSERT`] is one statement.
+    const CHECKED_UPSERT: Option<&'static str> = None;
     const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
          VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
          state = EXCLUDED.state, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at";

@@ -8,6 +8,11 @@
 //!   [`Dialect::begin_write`] (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front):
 //!   a fenced save's raise → check → upsert (or the dialect's one-statement
 //!   [`Dialect::FENCED_UPSERT`]), a base save's row, base and clean-up, and each retention.
+//! - A fenced save without a base may instead be two statements, each atomic on its own
+//!   ([`Dialect::CHECKED_UPSERT`]): the raise, then an upsert that re-checks the record. Raises
+//!   only ever go up, so a newer attempt that raised in between makes the upsert write nothing;
+//!   one that raises after it finds the row, as a fenced read would. A crash between the two
+//!   leaves only this attempt's own raise.
 //! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write.
@@ -52,6 +57,11 @@ pub trait Dialect: Database {
     /// [`Self::RAISE_ATTEMPT`] and [`Self::UPSERT`] in one statement (bound as `UPSERT`), when the
     /// dialect has one: returns `max_attempt` and, when written, `created_at`, `updated_at`.
     const FENCED_UPSERT: Option<&'static str>;
+    /// [`Self::UPSERT`] (bound as it) that writes only while turn `$5`'s recorded attempt is not
+    /// above `$6`, when the dialect has one and no [`Self::FENCED_UPSERT`]: a fenced save is then
+    /// the [`Self::RAISE_ATTEMPT`] statement and this one, each atomic on its own, instead of a
+    /// transaction around both. Returns `created_at`, `updated_at`; no row when refused.
+    const CHECKED_UPSERT: Option<&'static str>;
     /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`.
     const UPSERT_BASE: &'static str;
     /// Deletes the rows of owner `$1`'s turn `$2` but the row `$3`.
@@ -198,7 +208,26 @@ on_every_dialect! {
     ) -> Result<(String, String), StoreError> {
         let Some(sql) = D::FENCED_UPSERT else {
             Self::raise(&mut *conn, fence, row.now).await?;
-            return Self::upsert(conn, row).await;
+            let Some(sql) = D::CHECKED_UPSERT else {
+                return Self::upsert(conn, row).await;
+            };
+            let stored = Self::bind_row(sqlx::query(sql), row)
+                .fetch_optional(&mut *conn)
+                .await?;
+            return match stored {
+                Some(stored) => Ok((
+                    ts::<D>(&stored, "created_at")?,
+                    ts::<D>(&stored, "updated_at")?,
+                )),
+                // A newer attempt raised the record between the two statements: raising again
+                // (a no-op now) reads it for the refusal.
+                None => match Self::raise(conn, fence, row.now).await {
+                    Err(refused) => Err(refused),
+                    Ok(()) => Err(StoreError::Internal(
+                        "a checked upsert wrote nothing under a current attempt".to_owned(),
+                    )),
+                },
+            };
         };
         let stored = Self::bind_row(sqlx::query(sql), row)
             .fetch_one(conn)
@@ -218,8 +247,9 @@ on_every_dialect! {
                 let mut conn = self.pool.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
-            // One statement: atomic without a transaction, one round trip.
-            (Some(fence), None) if D::FENCED_UPSERT.is_some() => {
+            // One statement (or two, each atomic on its own): no transaction around them, and
+            // no write lock held between round trips.
+            (Some(fence), None) if D::FENCED_UPSERT.is_some() || D::CHECKED_UPSERT.is_some() => {
                 let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }

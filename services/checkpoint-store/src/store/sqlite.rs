@@ -6,10 +6,12 @@
 //! # Invariants
 //! - `write_seq` is the rowid (migration 0002): a new row gets max + 1, an overwrite moves its row
 //!   to max + 1, so the most recent write has the highest.
-//! - A fenced save runs `turn_attempts` upsert → check → checkpoint upsert in one
-//!   `BEGIN IMMEDIATE` transaction: it takes SQLite's write lock up front, so concurrent saves of
-//!   one turn serialise (no read-then-upgrade `SQLITE_BUSY_SNAPSHOT`). A fenced read raises the
-//!   record and reads in one such transaction.
+//! - A step's fenced save is two autocommit statements: the `turn_attempts` raise, then the
+//!   checkpoint upsert that re-checks it (`CHECKED_UPSERT`). A write statement takes SQLite's
+//!   write lock as it starts, so each is atomic and concurrent saves of one turn serialise (no
+//!   read-then-upgrade `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a
+//!   fenced read (raise, then read), run in one `BEGIN IMMEDIATE` transaction, which takes the
+//!   lock up front.
 //!
 //! # Pitfalls
 //! - WAL mode lets readers run beside the single writer; writers queue on the lock for up to
@@ -68,8 +70,23 @@ impl Dialect for Sqlite {
          max_attempt = MAX(turn_attempts.max_attempt, excluded.max_attempt), \
          updated_at = excluded.updated_at \
          RETURNING max_attempt";
-    /// None: raise, check and upsert in one `BEGIN IMMEDIATE` transaction.
+    /// None: no data-modifying CTEs in SQLite; see [`Self::CHECKED_UPSERT`].
     const FENCED_UPSERT: Option<&'static str> = None;
+    /// A step's fenced save is the raise, then this upsert, each its own autocommit statement: a
+    /// write statement takes the write lock when it starts, so each is atomic, and no lock is held
+    /// between the two round trips to the connection's thread (four, with the lock held across
+    /// them, as `BEGIN IMMEDIATE` … `COMMIT`). The `WHERE` (which also tells the parser that
+    /// `ON CONFLICT` is the upsert's) re-checks the record the raise left.
+    const CHECKED_UPSERT: Option<&'static str> = Some(
+        "INSERT INTO checkpoints \
+         (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
+         SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8 \
+         WHERE COALESCE((SELECT max_attempt FROM turn_attempts WHERE turn_id = ?5), 0) <= ?6 \
+         ON CONFLICT (id) DO UPDATE SET write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
+         state = excluded.state, turn_id = excluded.turn_id, delta_from = excluded.delta_from, \
+         attempt = excluded.attempt, updated_at = excluded.updated_at \
+         RETURNING created_at, updated_at",
+    );
     const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
          VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
          state = excluded.state, attempt = excluded.attempt, updated_at = excluded.updated_at";
@@ -133,5 +150,60 @@ impl SqliteStore {
             pool,
             max_state_bytes: options.max_state_bytes,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The race the two statements of a fenced save leave open: a newer attempt raises the
+    /// record after this attempt's raise and before its upsert. The upsert must write nothing.
+    #[tokio::test]
+    async fn the_checked_upsert_writes_nothing_once_a_newer_attempt_raised() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("c.db").display());
+        let store = SqliteStore::open(&url, &StoreOptions::default())
+            .await
+            .unwrap();
+        let checked = <Sqlite as Dialect>::CHECKED_UPSERT.unwrap();
+        let now = format_ts(Utc::now());
+        let raise = |attempt: i64| {
+            sqlx::query(<Sqlite as Dialect>::RAISE_ATTEMPT)
+                .bind("turn1")
+                .bind(attempt)
+                .bind(now.clone())
+                .execute(&store.pool)
+        };
+        let upsert = |attempt: i64| {
+            sqlx::query(checked)
+                .bind("s1:turn1:1")
+                .bind("s1")
+                .bind(1_i64)
+                .bind(format!("{{\"attempt\":{attempt}}}"))
+                .bind("turn1")
+                .bind(attempt)
+                .bind(now.clone())
+                .bind(None::<i64>)
+                .fetch_optional(&store.pool)
+        };
+        raise(1).await.unwrap();
+        raise(2).await.unwrap();
+        assert!(
+            upsert(1).await.unwrap().is_none(),
+            "attempt 1 wrote after 2 raised"
+        );
+        let state = || {
+            sqlx::query_scalar::<_, String>("SELECT state FROM checkpoints WHERE id = 's1:turn1:1'")
+                .fetch_optional(&store.pool)
+        };
+        assert_eq!(state().await.unwrap(), None);
+        assert!(upsert(2).await.unwrap().is_some());
+        assert!(
+            upsert(3).await.unwrap().is_some(),
+            "a newer attempt than recorded writes"
+        );
+        assert!(upsert(1).await.unwrap().is_none());
+        assert_eq!(state().await.unwrap().as_deref(), Some("{\"attempt\":3}"));
     }
 }
