@@ -7,6 +7,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use std::str::FromStr;
 use std::time::Duration;
 
+/// How long after sqlx's check of a released connection it is handed out again unchecked
+/// ([`PoolSettings::options`]).
+pub const RECENTLY_CHECKED: Duration = Duration::from_secs(1);
+
 /// The connection pool of a service: its size and how long a request waits for a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolSettings {
@@ -38,10 +42,29 @@ impl PoolSettings {
     }
 
     /// The pool options for any sqlx driver (a zero size is taken as 1).
+    ///
+    /// A connection is checked (a ping) before a request gets it only when it sat idle for
+    /// [`RECENTLY_CHECKED`] or longer. sqlx pings every connection as it goes back to the pool,
+    /// off the request's path, and drops it when that fails; a connection taken again right
+    /// after has just passed that check, and a second ping would put one more round trip on
+    /// every query (on the loop worker's per-step save, a PostgreSQL round trip or a hop to
+    /// SQLite's connection thread). A database lost within that moment fails one request with
+    /// an I/O error (`unavailable`, retryable), as a loss during the query would.
     pub fn options<DB: sqlx::Database>(&self) -> sqlx::pool::PoolOptions<DB> {
         sqlx::pool::PoolOptions::new()
             .max_connections(self.max_connections.max(1))
             .acquire_timeout(self.acquire_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for < RECENTLY_CHECKED {
+                        return Ok(true);
+                    }
+                    <DB::Connection as sqlx::Connection>::ping(conn)
+                        .await
+                        .map(|()| true)
+                })
+            })
     }
 }
 
