@@ -6,7 +6,7 @@
 //! # Invariants
 //! - `write_seq` comes from the sequence `checkpoints_write_seq` (migration 0003): the column
 //!   default on insert, `nextval` again on overwrite, so the most recent write has the highest.
-//! - A fenced save is **one statement** (`FENCED_UPSERT`): the `turn_attempts` upsert, the
+//! - A fenced save is **one statement** (`FENCED_SAVE`): the `turn_attempts` upsert, the
 //!   check and the checkpoint upsert in data-modifying CTEs — atomic, and one round trip instead
 //!   of four (BEGIN, raise, upsert, COMMIT) on the loop worker's per-step path. The
 //!   `ON CONFLICT DO UPDATE` on `turn_attempts` row-locks the turn, so concurrent saves of one
@@ -22,7 +22,7 @@
 //! - An `older_than_secs` retention racing a save of the same long-idle owner may delete that
 //!   fresh row; retention is meant for owners idle far longer than any turn.
 
-use super::sql::{Dialect, SqlStore};
+use super::sql::{Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
 use sqlx::migrate::Migrator;
@@ -76,7 +76,7 @@ impl Dialect for Postgres {
     /// Raise the turn's attempt record, then upsert the checkpoint only if this attempt is not
     /// older than the record; one row back: the recorded attempt and, when written, the
     /// timestamps.
-    const FENCED_UPSERT: Option<&'static str> = Some(
+    const FENCED_SAVE: FencedSave = FencedSave::OneStatement(
         "WITH fence AS ( \
            INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) VALUES ($5, $6, $7) \
            ON CONFLICT (turn_id) DO UPDATE SET \
@@ -95,8 +95,6 @@ impl Dialect for Postgres {
          SELECT fence.max_attempt, saved.created_at, saved.updated_at \
          FROM fence LEFT JOIN saved ON true",
     );
-    /// Not needed: [`Self::FENCED_UPSERT`] is one statement.
-    const CHECKED_UPSERT: Option<&'static str> = None;
     const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
          VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
          state = EXCLUDED.state, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at";

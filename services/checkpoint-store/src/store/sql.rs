@@ -6,10 +6,9 @@
 //! # Invariants
 //! - Every step that must be atomic runs in one transaction opened by
 //!   [`Dialect::begin_write`] (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front):
-//!   a fenced save's raise → check → upsert (or the dialect's one-statement
-//!   [`Dialect::FENCED_UPSERT`]), a base save's row, base and clean-up, and each retention.
-//! - A fenced save without a base may instead be two statements, each atomic on its own
-//!   ([`Dialect::CHECKED_UPSERT`]): the raise, then an upsert that re-checks the record. Raises
+//!   a base save's raise → check → upsert, base and clean-up, and each retention.
+//! - A fenced save without a base needs no transaction ([`Dialect::FENCED_SAVE`]): one statement,
+//!   or two, each atomic on its own: the raise, then an upsert that re-checks the record. Raises
 //!   only ever go up, so a newer attempt that raised in between makes the upsert write nothing;
 //!   one that raises after it finds the row, as a fenced read would. A crash between the two
 //!   leaves only this attempt's own raise.
@@ -28,6 +27,19 @@ use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
 use std::future::Future;
+
+/// How a dialect runs a fenced save's raise → check → upsert. Both forms are bound as
+/// [`Dialect::UPSERT`].
+#[derive(Debug, Clone, Copy)]
+pub enum FencedSave {
+    /// [`Dialect::RAISE_ATTEMPT`] and [`Dialect::UPSERT`] in one statement: returns `max_attempt`
+    /// and, when written, `created_at`, `updated_at`.
+    OneStatement(&'static str),
+    /// [`Dialect::RAISE_ATTEMPT`], then this upsert, each atomic on its own: it writes only while
+    /// turn `$5`'s recorded attempt is not above `$6`; returns `created_at`, `updated_at`, no row
+    /// when refused.
+    RaiseThenChecked(&'static str),
+}
 
 /// What differs between the SQL backends. Placeholders are numbered (`$1`, `?1`), so one value
 /// may be used twice in a statement; every statement binds its values in the documented order.
@@ -54,14 +66,8 @@ pub trait Dialect: Database {
     const UPSERT: &'static str;
     /// Records attempt `$2` of turn `$1` at `$3` unless a newer one is; returns `max_attempt`.
     const RAISE_ATTEMPT: &'static str;
-    /// [`Self::RAISE_ATTEMPT`] and [`Self::UPSERT`] in one statement (bound as `UPSERT`), when the
-    /// dialect has one: returns `max_attempt` and, when written, `created_at`, `updated_at`.
-    const FENCED_UPSERT: Option<&'static str>;
-    /// [`Self::UPSERT`] (bound as it) that writes only while turn `$5`'s recorded attempt is not
-    /// above `$6`, when the dialect has one and no [`Self::FENCED_UPSERT`]: a fenced save is then
-    /// the [`Self::RAISE_ATTEMPT`] statement and this one, each atomic on its own, instead of a
-    /// transaction around both. Returns `created_at`, `updated_at`; no row when refused.
-    const CHECKED_UPSERT: Option<&'static str>;
+    /// How a fenced save writes its row (see [`FencedSave`]).
+    const FENCED_SAVE: FencedSave;
     /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`.
     const UPSERT_BASE: &'static str;
     /// Deletes the rows of owner `$1`'s turn `$2` but the row `$3`.
@@ -206,28 +212,26 @@ on_every_dialect! {
         row: &SaveRow,
         fence: &Fence,
     ) -> Result<(String, String), StoreError> {
-        let Some(sql) = D::FENCED_UPSERT else {
-            Self::raise(&mut *conn, fence, row.now).await?;
-            let Some(sql) = D::CHECKED_UPSERT else {
-                return Self::upsert(conn, row).await;
-            };
-            let stored = Self::bind_row(sqlx::query(sql), row)
-                .fetch_optional(&mut *conn)
-                .await?;
-            return match stored {
-                Some(stored) => Ok((
+        let sql = match D::FENCED_SAVE {
+            FencedSave::OneStatement(sql) => sql,
+            FencedSave::RaiseThenChecked(sql) => {
+                Self::raise(&mut *conn, fence, row.now).await?;
+                let stored = Self::bind_row(sqlx::query(sql), row)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                let Some(stored) = stored else {
+                    // A newer attempt raised the record between the two statements: raising
+                    // again (a no-op now) reads it for the refusal.
+                    Self::raise(conn, fence, row.now).await?;
+                    return Err(StoreError::Internal(
+                        "a checked upsert wrote nothing under a current attempt".to_owned(),
+                    ));
+                };
+                return Ok((
                     ts::<D>(&stored, "created_at")?,
                     ts::<D>(&stored, "updated_at")?,
-                )),
-                // A newer attempt raised the record between the two statements: raising again
-                // (a no-op now) reads it for the refusal.
-                None => match Self::raise(conn, fence, row.now).await {
-                    Err(refused) => Err(refused),
-                    Ok(()) => Err(StoreError::Internal(
-                        "a checked upsert wrote nothing under a current attempt".to_owned(),
-                    )),
-                },
-            };
+                ));
+            }
         };
         let stored = Self::bind_row(sqlx::query(sql), row)
             .fetch_one(conn)
@@ -249,7 +253,7 @@ on_every_dialect! {
             }
             // One statement (or two, each atomic on its own): no transaction around them, and
             // no write lock held between round trips.
-            (Some(fence), None) if D::FENCED_UPSERT.is_some() || D::CHECKED_UPSERT.is_some() => {
+            (Some(fence), None) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }

@@ -7,7 +7,7 @@
 //! - `write_seq` is the rowid (migration 0002): a new row gets max + 1, an overwrite moves its row
 //!   to max + 1, so the most recent write has the highest.
 //! - A step's fenced save is two autocommit statements: the `turn_attempts` raise, then the
-//!   checkpoint upsert that re-checks it (`CHECKED_UPSERT`). A write statement takes SQLite's
+//!   checkpoint upsert that re-checks it (`FENCED_SAVE`). A write statement takes SQLite's
 //!   write lock as it starts, so each is atomic and concurrent saves of one turn serialise (no
 //!   read-then-upgrade `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a
 //!   fenced read (raise, then read), run in one `BEGIN IMMEDIATE` transaction, which takes the
@@ -18,7 +18,7 @@
 //!   `busy_timeout`, after which the save fails with `unavailable` (SQLITE_BUSY).
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
-use super::sql::{Dialect, SqlStore};
+use super::sql::{Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
 use cyrene_sql::SqliteSettings;
@@ -44,6 +44,23 @@ macro_rules! select {
     };
 }
 
+/// The upsert of a checkpoint row from `$source` (the values `?1`…`?8` in
+/// [`Dialect::UPSERT`]'s order) as one static string; returns `created_at`, `updated_at`.
+macro_rules! upsert {
+    ($source:literal) => {
+        concat!(
+            "INSERT INTO checkpoints \
+             (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) ",
+            $source,
+            " ON CONFLICT (id) DO UPDATE SET \
+             write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
+             state = excluded.state, turn_id = excluded.turn_id, delta_from = excluded.delta_from, \
+             attempt = excluded.attempt, updated_at = excluded.updated_at \
+             RETURNING created_at, updated_at"
+        )
+    };
+}
+
 impl Dialect for Sqlite {
     const BACKEND: &'static str = "sqlite";
     const LATEST: &'static str = select!("WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
@@ -57,36 +74,22 @@ impl Dialect for Sqlite {
         "SELECT state FROM checkpoint_bases WHERE agent_id = ?1 AND turn_id = ?2";
     const CHAIN: &'static str = "SELECT state FROM checkpoints WHERE agent_id = ?1 \
          AND turn_id = ?2 AND step <= ?3 ORDER BY step";
-    const UPSERT: &'static str = "INSERT INTO checkpoints \
-         (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8) \
-         ON CONFLICT (id) DO UPDATE SET write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
-         state = excluded.state, turn_id = excluded.turn_id, delta_from = excluded.delta_from, \
-         attempt = excluded.attempt, updated_at = excluded.updated_at \
-         RETURNING created_at, updated_at";
+    const UPSERT: &'static str = upsert!("VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)");
     const RAISE_ATTEMPT: &'static str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
          VALUES (?1, ?2, ?3) \
          ON CONFLICT (turn_id) DO UPDATE SET \
          max_attempt = MAX(turn_attempts.max_attempt, excluded.max_attempt), \
          updated_at = excluded.updated_at \
          RETURNING max_attempt";
-    /// None: no data-modifying CTEs in SQLite; see [`Self::CHECKED_UPSERT`].
-    const FENCED_UPSERT: Option<&'static str> = None;
-    /// A step's fenced save is the raise, then this upsert, each its own autocommit statement: a
-    /// write statement takes the write lock when it starts, so each is atomic, and no lock is held
-    /// between the two round trips to the connection's thread (four, with the lock held across
-    /// them, as `BEGIN IMMEDIATE` … `COMMIT`). The `WHERE` (which also tells the parser that
-    /// `ON CONFLICT` is the upsert's) re-checks the record the raise left.
-    const CHECKED_UPSERT: Option<&'static str> = Some(
-        "INSERT INTO checkpoints \
-         (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
-         SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8 \
-         WHERE COALESCE((SELECT max_attempt FROM turn_attempts WHERE turn_id = ?5), 0) <= ?6 \
-         ON CONFLICT (id) DO UPDATE SET write_seq = (SELECT MAX(write_seq) + 1 FROM checkpoints), \
-         state = excluded.state, turn_id = excluded.turn_id, delta_from = excluded.delta_from, \
-         attempt = excluded.attempt, updated_at = excluded.updated_at \
-         RETURNING created_at, updated_at",
-    );
+    /// No data-modifying CTEs in SQLite: the raise, then this upsert, each its own autocommit
+    /// statement. A write statement takes the write lock when it starts, so each is atomic, and
+    /// no lock is held between the two round trips to the connection's thread (four, with the lock
+    /// held across them, as `BEGIN IMMEDIATE` … `COMMIT`). The `WHERE` (which also tells the
+    /// parser that `ON CONFLICT` is the upsert's) re-checks the record the raise left.
+    const FENCED_SAVE: FencedSave = FencedSave::RaiseThenChecked(upsert!(
+        "SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8 \
+         WHERE COALESCE((SELECT max_attempt FROM turn_attempts WHERE turn_id = ?5), 0) <= ?6"
+    ));
     const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
          VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
          state = excluded.state, attempt = excluded.attempt, updated_at = excluded.updated_at";
@@ -166,7 +169,9 @@ mod tests {
         let store = SqliteStore::open(&url, &StoreOptions::default())
             .await
             .unwrap();
-        let checked = <Sqlite as Dialect>::CHECKED_UPSERT.unwrap();
+        let FencedSave::RaiseThenChecked(checked) = <Sqlite as Dialect>::FENCED_SAVE else {
+            panic!("SQLite saves with a checked upsert");
+        };
         let now = format_ts(Utc::now());
         let raise = |attempt: i64| {
             sqlx::query(<Sqlite as Dialect>::RAISE_ATTEMPT)
