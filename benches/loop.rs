@@ -276,8 +276,9 @@ enum Database {
     Sqlite(std::path::PathBuf),
 }
 
-/// Five-round turns per second on fresh sessions, `workers` worker processes (PostgreSQL).
-async fn throughput(url: Option<String>, workers: usize) -> f64 {
+/// Five-round turns per second on fresh sessions, `workers` worker processes, and where the CPU
+/// of the measured turns went.
+async fn throughput(url: Option<String>, workers: usize) -> (f64, TurnCost) {
     let real = Real::start(url, 10, false).await;
     let mut children = Vec::new();
     for _ in 0..workers {
@@ -303,15 +304,144 @@ async fn throughput(url: Option<String>, workers: usize) -> f64 {
         }
     };
     run("warm", workers * 16).await;
+    let worker_pids: Vec<u32> = children.iter().filter_map(|c| c.id()).collect();
+    let nats_pid = real.server.pid();
+    let sample = || Usage::now(nats_pid, &worker_pids, &real.server);
+    let before = sample();
     let start = Instant::now();
     run("tp", THROUGHPUT_TURNS).await;
     let rate = THROUGHPUT_TURNS as f64 / start.elapsed().as_secs_f64();
+    let cost = sample().since(&before, THROUGHPUT_TURNS);
     drop(children);
-    rate
+    (rate, cost)
+}
+
+/// CPU time used so far (clock ticks, 100 a second), split by who used it, and the bus's message
+/// counters. Linux only (`/proc`); elsewhere every figure stays 0.
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    /// Every `postgres` process (the backends of both services' pools, the WAL writer, …).
+    postgres: u64,
+    /// This case's nats-server.
+    nats: u64,
+    /// The loop worker processes.
+    workers: u64,
+    /// This process: the gateway, the checkpoint store, the orchestrator and the bench's clients.
+    this: u64,
+    /// The whole machine: every tick that was not idle.
+    machine: u64,
+    /// Messages into and out of the bus (`/varz`).
+    bus_in: u64,
+    bus_out: u64,
+}
+
+/// A turn's share of a [`Usage`] difference, in ms of CPU (messages for the bus).
+#[derive(Debug, Default, Clone, Copy)]
+struct TurnCost {
+    postgres: f64,
+    nats: f64,
+    workers: f64,
+    this: f64,
+    machine: f64,
+    bus_in: f64,
+    bus_out: f64,
+}
+
+impl Usage {
+    fn now(nats: Option<u32>, workers: &[u32], server: &NatsServer) -> Usage {
+        let me = std::process::id();
+        let mut usage = Usage::default();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Some((comm, ticks)) = process_ticks(pid) else {
+                continue;
+            };
+            if pid == me {
+                usage.this += ticks;
+            } else if Some(pid) == nats {
+                usage.nats += ticks;
+            } else if workers.contains(&pid) {
+                usage.workers += ticks;
+            } else if comm == "postgres" {
+                usage.postgres += ticks;
+            }
+        }
+        usage.machine = machine_busy_ticks();
+        if let Some(varz) = server.monitor_json("/varz") {
+            usage.bus_in = varz["in_msgs"].as_u64().unwrap_or(0);
+            usage.bus_out = varz["out_msgs"].as_u64().unwrap_or(0);
+        }
+        usage
+    }
+
+    fn since(&self, before: &Usage, turns: usize) -> TurnCost {
+        let ms =
+            |after: u64, before: u64| after.saturating_sub(before) as f64 * 10.0 / turns as f64;
+        let n = |after: u64, before: u64| after.saturating_sub(before) as f64 / turns as f64;
+        TurnCost {
+            postgres: ms(self.postgres, before.postgres),
+            nats: ms(self.nats, before.nats),
+            workers: ms(self.workers, before.workers),
+            this: ms(self.this, before.this),
+            machine: ms(self.machine, before.machine),
+            bus_in: n(self.bus_in, before.bus_in),
+            bus_out: n(self.bus_out, before.bus_out),
+        }
+    }
+}
+
+/// A process's name and its user + system ticks so far (`/proc/<pid>/stat`, every thread).
+fn process_ticks(pid: u32) -> Option<(String, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let comm = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_owned();
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((comm, utime + stime))
+}
+
+/// The machine's busy ticks so far, over all cores (`/proc/stat`: all but idle and iowait).
+fn machine_busy_ticks() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    let Some(line) = stat.lines().next() else {
+        return 0;
+    };
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    ticks.iter().sum::<u64>().saturating_sub(idle)
+}
+
+/// The bus's own CPU cost: the machine's CPU per echo request/reply (requester, nats-server and
+/// responder together) with 64 in flight, in ms.
+async fn nats_echo_cpu(client: &async_nats::Client) -> f64 {
+    const N: usize = 20_000;
+    let before = machine_busy_ticks();
+    futures::stream::iter(0..N)
+        .for_each_concurrent(64, |_| async {
+            client
+                .request("bench.echo", vec![b'x'; 200].into())
+                .await
+                .unwrap();
+        })
+        .await;
+    machine_busy_ticks().saturating_sub(before) as f64 * 10.0 / N as f64
 }
 
 /// The floor: a NATS request/reply round trip with an echo responder.
-async fn nats_echo() -> f64 {
+async fn nats_echo() -> (f64, f64) {
     let server = NatsServer::start();
     let client = server.connect().await;
     let responder = server.connect().await;
@@ -332,13 +462,14 @@ async fn nats_echo() -> f64 {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    median_of_3000(|_| async {
+    let p50 = median_of_3000(|_| async {
         client
             .request("bench.echo", vec![b'x'; 200].into())
             .await
             .unwrap();
     })
-    .await
+    .await;
+    (p50, nats_echo_cpu(&client).await)
 }
 
 /// The median time of `op`, run 3000 times (given the run's number), the first 500 a warm-up.
@@ -533,13 +664,17 @@ async fn main() {
         "loop worker: per durable step, all four real services (scripted model through the real \
          gateway, no-op tool, real orchestrator steer, checkpoint every step)"
     );
-    let echo = nats_echo().await;
+    let (echo, echo_cpu) = nats_echo().await;
     let pg = common::fresh_postgres("cyrene_bench").await;
     let commit = match &pg {
         Some(db) => Some(pg_commit(&db.url).await),
         None => None,
     };
-    println!("  floor: NATS request/reply echo p50 {echo:.3} ms");
+    println!(
+        "  floor: NATS request/reply echo p50 {echo:.3} ms; its CPU, 64 in flight: {:.0} µs a \
+         request/reply (requester, nats-server and responder together)",
+        echo_cpu * 1000.0
+    );
     if let Some(commit) = commit {
         println!("  floor: one PostgreSQL upsert commit p50 {commit:.3} ms");
     }
@@ -622,8 +757,8 @@ async fn main() {
          all four real services, worker processes)"
     );
     for (name, url) in backends.iter().filter(|_| parts("throughput")) {
-        let one = throughput(url.clone(), 1).await;
-        let two = throughput(url.clone(), 2).await;
+        let (one, cost_one) = throughput(url.clone(), 1).await;
+        let (two, cost_two) = throughput(url.clone(), 2).await;
         let target = if *name == "postgres" {
             format!("  target ≥ 1000 turns/s: {}", met(one.max(two) >= 1000.0))
         } else {
@@ -634,6 +769,33 @@ async fn main() {
              turns/s ({:.2}× one; 2 cores shared by every process){target}",
             two / one
         );
+        for (workers, cost) in [(1, cost_one), (2, cost_two)] {
+            if cost.machine <= 0.0 {
+                continue;
+            }
+            // An echo request/reply is two messages in and two out; a turn's messages alone, at
+            // that cost, are the bus's floor under the turn.
+            let bus_floor = cost.bus_in * echo_cpu / 2.0;
+            println!(
+                "  {:<8} {workers} worker process{}: CPU per turn {:.1} ms (database {:.1}, \
+                 nats-server {:.1}, workers {:.1}, gateway + store + orchestrator + bench clients \
+                 {:.1}, rest of the machine {:.1}); 2 cores allow ≤ {:.0} turns/s at that cost. \
+                 Bus: {:.0} messages in, {:.0} out per turn, {bus_floor:.1} ms of CPU at the \
+                 echo's cost (≤ {:.0} turns/s from the bus alone)",
+                "",
+                if workers == 1 { "" } else { "es" },
+                cost.machine,
+                cost.postgres,
+                cost.nats,
+                cost.workers,
+                cost.this,
+                (cost.machine - cost.postgres - cost.nats - cost.workers - cost.this).max(0.0),
+                2000.0 / cost.machine,
+                cost.bus_in,
+                cost.bus_out,
+                2000.0 / bus_floor,
+            );
+        }
     }
 }
 
