@@ -6,6 +6,7 @@
 //!   back, and the next turn (or the claims for the one leg left) commit together.
 //! - A second completion of a turn changes nothing and reports `first = false`.
 
+use super::steer::TurnRef;
 use super::{Completed, Store, StoreError, encode, now_ms};
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::message::Role;
@@ -29,9 +30,14 @@ impl Store {
         let outcome = encode(&req.outcome)?;
         let outcome = outcome.trim_matches('"').to_owned();
         let mut tx = self.begin().await?;
-        let (env, turn) = self
-            .lock_turn(&mut tx, &req.session_id, &req.turn_id, req.attempt)
-            .await?;
+        let fence = TurnRef {
+            session_id: &req.session_id,
+            turn_id: &req.turn_id,
+            attempt: req.attempt,
+            // Raised below, by the statement that completes the turn.
+            raise_later: true,
+        };
+        let (env, turn, seq) = self.lock_turn(&mut tx, fence, answer.is_some()).await?;
         if turn.completed {
             tx.rollback().await?;
             return Ok(Completed {
@@ -44,17 +50,18 @@ impl Store {
             });
         }
         let now = now_ms();
+        // The fence has checked that this attempt is not older than the recorded one.
         sqlx::query(
-            "UPDATE orch_turns SET status = 'completed', outcome = $1, updated_at = $2 \
-             WHERE turn_id = $3",
+            "UPDATE orch_turns SET status = 'completed', outcome = $1, updated_at = $2, \
+             attempt = $4 WHERE turn_id = $3",
         )
         .bind(&outcome)
         .bind(now)
         .bind(&req.turn_id)
+        .bind(i64::from(req.attempt))
         .execute(&mut *tx)
         .await?;
-        if let Some(answer) = answer {
-            let seq = Self::next_seq(&mut tx, &req.session_id).await?;
+        if let (Some(answer), Some(seq)) = (answer, seq) {
             sqlx::query(
                 "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, \
                  role, message, claimed_by_turn, steered, solo, reply_to, ack, created_at) \
@@ -69,18 +76,25 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        Self::release_unsteered(&mut tx, req).await?;
-        let rows = sqlx::query(
-            "SELECT reply_to FROM orch_messages \
-             WHERE claimed_by_turn = $1 AND reply_to IS NOT NULL ORDER BY seq",
+        // One read of what the turn claimed: the messages claimed at a boundary that the turn
+        // never took in go back to pending; the others' `reply_to` are the asks answered.
+        let claimed = sqlx::query(
+            "SELECT id, steered, reply_to FROM orch_messages WHERE claimed_by_turn = $1 \
+             ORDER BY seq",
         )
         .bind(&req.turn_id)
         .fetch_all(&mut *tx)
         .await?;
-        let reply_to = rows
-            .iter()
-            .map(|r| r.try_get::<String, _>(0))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut reply_to = Vec::new();
+        for row in &claimed {
+            let id: String = row.try_get(0)?;
+            let steered: i64 = row.try_get(1)?;
+            if steered == 1 && !req.steered_ids.contains(&id) {
+                Self::release_unsteered(&mut tx, &req.turn_id, &id).await?;
+            } else if let Some(to) = row.try_get::<Option<String>, _>(2)? {
+                reply_to.push(to);
+            }
+        }
         let running = Self::running_turns(&mut tx, &req.session_id).await?;
         let (next, pushed) = match running.as_slice() {
             [] => {

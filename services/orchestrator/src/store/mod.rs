@@ -227,6 +227,11 @@ fn to_i64(v: u64) -> Result<i64, StoreError> {
     i64::try_from(v).map_err(|_| StoreError::BadRequest(format!("{v} is out of range")))
 }
 
+fn decode_env(text: &str) -> Result<SessionEnv, StoreError> {
+    serde_json::from_str(text)
+        .map_err(|e| StoreError::Internal(format!("corrupt session env: {e}")))
+}
+
 fn decode_message(text: &str) -> Result<Message, StoreError> {
     Ok(crate::job::decode_message(text)?)
 }
@@ -323,42 +328,58 @@ impl Store {
         })
     }
 
-    /// Locks the session row; `None` when the session does not exist.
+    /// What a send starts with, in one statement: creates the session with `env_json` unless it
+    /// exists, locks its row (PostgreSQL: the upsert's row lock; SQLite: the write lock the
+    /// transaction already holds) and takes its next seq. Returns the session's env and that
+    /// seq; a send that then stores nothing rolls back, and the seq with it.
+    async fn open_session(
+        tx: &mut Transaction<'static, Any>,
+        session_id: &str,
+        env_json: &str,
+        now: i64,
+    ) -> Result<(SessionEnv, i64), StoreError> {
+        let row = sqlx::query(
+            "INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ($1, $2, 1, $3) \
+             ON CONFLICT (id) DO UPDATE SET last_seq = orch_sessions.last_seq + 1 \
+             RETURNING env, last_seq",
+        )
+        .bind(session_id)
+        .bind(env_json)
+        .bind(now)
+        .fetch_one(&mut **tx)
+        .await?;
+        Ok((decode_env(&row.try_get::<String, _>(0)?)?, row.try_get(1)?))
+    }
+
+    /// Locks the session row and, with `take_seq`, takes its next seq in the same statement;
+    /// `None` when the session does not exist.
     async fn lock_session(
         &self,
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
-    ) -> Result<Option<SessionEnv>, StoreError> {
-        let sql = match self.backend {
-            Backend::Postgres => "SELECT env FROM orch_sessions WHERE id = $1 FOR UPDATE",
-            Backend::Sqlite => "SELECT env FROM orch_sessions WHERE id = $1",
+        take_seq: bool,
+    ) -> Result<Option<(SessionEnv, Option<i64>)>, StoreError> {
+        let sql = match (take_seq, self.backend) {
+            (true, _) => {
+                "UPDATE orch_sessions SET last_seq = last_seq + 1 WHERE id = $1 \
+                 RETURNING env, last_seq"
+            }
+            (false, Backend::Postgres) => "SELECT env FROM orch_sessions WHERE id = $1 FOR UPDATE",
+            (false, Backend::Sqlite) => "SELECT env FROM orch_sessions WHERE id = $1",
         };
         let row = sqlx::query(sql)
             .bind(session_id)
             .fetch_optional(&mut **tx)
             .await?;
-        match row {
-            None => Ok(None),
-            Some(row) => {
-                let env: String = row.try_get(0)?;
-                serde_json::from_str(&env)
-                    .map(Some)
-                    .map_err(|e| StoreError::Internal(format!("corrupt session env: {e}")))
-            }
-        }
-    }
-
-    async fn next_seq(
-        tx: &mut Transaction<'static, Any>,
-        session_id: &str,
-    ) -> Result<i64, StoreError> {
-        let row = sqlx::query(
-            "UPDATE orch_sessions SET last_seq = last_seq + 1 WHERE id = $1 RETURNING last_seq",
-        )
-        .bind(session_id)
-        .fetch_one(&mut **tx)
-        .await?;
-        Ok(row.try_get(0)?)
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let env = decode_env(&row.try_get::<String, _>(0)?)?;
+        let seq = match take_seq {
+            true => Some(row.try_get(1)?),
+            false => None,
+        };
+        Ok(Some((env, seq)))
     }
 
     async fn running_turns(

@@ -30,19 +30,8 @@ impl Store {
         let env_json = encode(&input.env)?;
         let now = now_ms();
         let mut tx = self.begin().await?;
-        sqlx::query(
-            "INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ($1, $2, 0, $3) \
-             ON CONFLICT (id) DO NOTHING",
-        )
-        .bind(&input.session_id)
-        .bind(&env_json)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        let env = self
-            .lock_session(&mut tx, &input.session_id)
-            .await?
-            .ok_or_else(|| StoreError::Internal("session vanished".into()))?;
+        // Created if new, locked, and this message's seq taken: one round trip.
+        let (env, seq) = Self::open_session(&mut tx, &input.session_id, &env_json, now).await?;
 
         if let Some(key) = &input.idempotency_key {
             let row = sqlx::query(
@@ -83,7 +72,6 @@ impl Store {
         } else {
             Some(encode(&input.ask_chain)?)
         };
-        let seq = Self::next_seq(&mut tx, &input.session_id).await?;
         let message_id = new_id();
         // A steerable message arriving while a turn runs is claimed for that turn right here,
         // in the transaction that stores it, and pushed to it after the commit: the turn takes

@@ -18,7 +18,7 @@
 
 use super::{Pushed, RunningTurn, Store, StoreError, decode_message, now_ms, to_i64, to_u64};
 use cyrene_protocol::session::SessionEnv;
-use cyrene_protocol::turn::{SteerRequest, SteeredMessage, TurnComplete};
+use cyrene_protocol::turn::{SteerRequest, SteeredMessage};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 
@@ -31,9 +31,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let mut tx = self.begin().await?;
-        let (_, turn) = self
-            .lock_turn(&mut tx, &req.session_id, &req.turn_id, req.attempt)
-            .await?;
+        let (_, turn, _) = self.lock_turn(&mut tx, TurnRef::of(req), false).await?;
         if turn.completed {
             return Err(StoreError::Conflict(format!(
                 "turn {} has already completed",
@@ -125,29 +123,37 @@ impl Store {
     }
 
     /// Locks the session of a worker's call (`not_found` when there is none), then checks its
-    /// turn's fence ([`Store::fence`]): what `steer` and `complete` start with.
+    /// turn's fence ([`Store::fence`]): what `steer` and `complete` start with. With `take_seq`
+    /// (a completion with an answer) the session's next seq is taken in the locking statement.
     pub(super) async fn lock_turn(
         &self,
         tx: &mut Transaction<'static, Any>,
-        session_id: &str,
-        turn_id: &str,
-        attempt: u32,
-    ) -> Result<(SessionEnv, TurnRow), StoreError> {
-        let Some(env) = self.lock_session(tx, session_id).await? else {
-            return Err(StoreError::NotFound(format!("no session {session_id:?}")));
+        req: TurnRef<'_>,
+        take_seq: bool,
+    ) -> Result<(SessionEnv, TurnRow, Option<i64>), StoreError> {
+        let Some((env, seq)) = self.lock_session(tx, req.session_id, take_seq).await? else {
+            return Err(StoreError::NotFound(format!(
+                "no session {:?}",
+                req.session_id
+            )));
         };
-        let turn = self.fence(tx, turn_id, session_id, attempt).await?;
-        Ok((env, turn))
+        let turn = self.fence(tx, req).await?;
+        Ok((env, turn, seq))
     }
 
-    /// Checks the `{turn_id, attempt}` fence and raises the recorded attempt.
+    /// Checks the `{turn_id, attempt}` fence and, unless `req.raise_later`, raises the recorded
+    /// attempt (a completion raises it in the statement that completes the turn instead).
     async fn fence(
         &self,
         tx: &mut Transaction<'static, Any>,
-        turn_id: &str,
-        session_id: &str,
-        attempt: u32,
+        req: TurnRef<'_>,
     ) -> Result<TurnRow, StoreError> {
+        let TurnRef {
+            session_id,
+            turn_id,
+            attempt,
+            raise_later,
+        } = req;
         let row = sqlx::query(
             "SELECT session_id, client_id, status, attempt, base_seq, leg_id FROM orch_turns \
              WHERE turn_id = $1",
@@ -169,7 +175,7 @@ impl Store {
                 turn.attempt
             )));
         }
-        if attempt > turn.attempt {
+        if attempt > turn.attempt && !raise_later {
             sqlx::query("UPDATE orch_turns SET attempt = $1, updated_at = $2 WHERE turn_id = $3")
                 .bind(attempt)
                 .bind(now_ms())
@@ -242,33 +248,46 @@ impl Store {
     /// (absent from `steered_ids`): a steer whose reply was lost, or that the worker gave up on,
     /// after the claim committed, with no later boundary to hand it back. Pending again, it is
     /// answered as its own turn (I2: never lost).
+    /// Hands message `id`, claimed by `turn_id` at a boundary the turn never took it in at,
+    /// back to pending (at the turn's completion).
     pub(super) async fn release_unsteered(
         tx: &mut Transaction<'static, Any>,
-        req: &TurnComplete,
+        turn_id: &str,
+        id: &str,
     ) -> Result<(), StoreError> {
-        let rows =
-            sqlx::query("SELECT id FROM orch_messages WHERE claimed_by_turn = $1 AND steered = 1")
-                .bind(&req.turn_id)
-                .fetch_all(&mut **tx)
-                .await?;
-        for row in &rows {
-            let id: String = row.try_get(0)?;
-            if req.steered_ids.contains(&id) {
-                continue;
-            }
-            // Routine when a message was pushed after the turn's last boundary.
-            tracing::info!(turn = %req.turn_id, message = %id,
-                "a message claimed for the turn never reached it; it is pending again");
-            sqlx::query(
-                "UPDATE orch_messages SET claimed_by_turn = NULL, steered = 0 \
-                 WHERE id = $1 AND claimed_by_turn = $2",
-            )
-            .bind(&id)
-            .bind(&req.turn_id)
-            .execute(&mut **tx)
-            .await?;
-        }
+        // Routine when a message was pushed after the turn's last boundary.
+        tracing::info!(turn = %turn_id, message = %id,
+            "a message claimed for the turn never reached it; it is pending again");
+        sqlx::query(
+            "UPDATE orch_messages SET claimed_by_turn = NULL, steered = 0 \
+             WHERE id = $1 AND claimed_by_turn = $2",
+        )
+        .bind(id)
+        .bind(turn_id)
+        .execute(&mut **tx)
+        .await?;
         Ok(())
+    }
+}
+
+/// Which turn attempt a worker's call speaks for: what the fence checks.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TurnRef<'a> {
+    pub session_id: &'a str,
+    pub turn_id: &'a str,
+    pub attempt: u32,
+    /// The caller raises the turn's recorded attempt itself, in a statement it runs anyway.
+    pub raise_later: bool,
+}
+
+impl<'a> TurnRef<'a> {
+    pub fn of(req: &'a SteerRequest) -> TurnRef<'a> {
+        TurnRef {
+            session_id: &req.session_id,
+            turn_id: &req.turn_id,
+            attempt: req.attempt,
+            raise_later: false,
+        }
     }
 }
 
