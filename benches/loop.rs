@@ -776,8 +776,13 @@ async fn main() {
             // An echo request/reply is two messages in and two out; a turn's messages alone, at
             // that cost, are the bus's floor under the turn.
             let bus_floor = cost.bus_in * echo_cpu / 2.0;
+            // SQLite runs inside the store and the orchestrator, so in this process.
+            let database = match url {
+                Some(_) => format!("PostgreSQL {:.1}, ", cost.postgres),
+                None => String::new(),
+            };
             println!(
-                "  {:<8} {workers} worker process{}: CPU per turn {:.1} ms (database {:.1}, \
+                "  {:<8} {workers} worker process{}: CPU per turn {:.1} ms ({database}\
                  nats-server {:.1}, workers {:.1}, gateway + store + orchestrator + bench clients \
                  {:.1}, rest of the machine {:.1}); 2 cores allow ≤ {:.0} turns/s at that cost. \
                  Bus: {:.0} messages in, {:.0} out per turn, {bus_floor:.1} ms of CPU at the \
@@ -785,7 +790,6 @@ async fn main() {
                 "",
                 if workers == 1 { "" } else { "es" },
                 cost.machine,
-                cost.postgres,
                 cost.nats,
                 cost.workers,
                 cost.this,

@@ -76,6 +76,7 @@ async fn bench() {
                 .unwrap();
             run_backend(&nats, direct).await;
             drop(service);
+            step_saves(&db.url).await;
         }
         Err(err) => println!("\npostgres: skipped — {err}"),
     }
@@ -242,6 +243,59 @@ async fn run_backend<S: CheckpointStore>(nats: &NatsServer, direct: S) {
         ms(sn.saturating_sub(sd + rw))
     );
     println!("saves/s at {IN_FLIGHT} in flight: {nats_rate:.0} via NATS, {direct_rate:.0} direct");
+}
+
+/// A step's save as the loop worker sends it: fenced by its turn (one turn per flight lane).
+fn step_body(lane: u32, step: u32) -> Checkpoint {
+    Checkpoint {
+        id: cyrene_protocol::checkpoint::checkpoint_id(
+            "bench-steps",
+            Some(&format!("t{lane}")),
+            step,
+        ),
+        turn_id: Some(format!("t{lane}")),
+        attempt: Some(1),
+        ..body("bench-steps", step)
+    }
+}
+
+/// PostgreSQL's group commit side by side: steps' fenced saves at `IN_FLIGHT` at once, direct,
+/// on a store that writes those arriving together in one statement and on one that writes each
+/// alone; alternated twice, so both see the same machine.
+async fn step_saves(url: &str) {
+    let open = |group_commit| async move {
+        let options = StoreOptions {
+            group_commit,
+            ..StoreOptions::default()
+        };
+        Arc::new(PgStore::connect(url, &options).await.unwrap())
+    };
+    let (grouped, alone) = (open(true).await, open(false).await);
+    let rate = |store: Arc<PgStore>| {
+        burst(move |i| {
+            let store = store.clone();
+            async move {
+                let cp = step_body(i % IN_FLIGHT, i / IN_FLIGHT % ROWS);
+                store.save(cp, chrono::Utc::now()).await.unwrap();
+            }
+        })
+    };
+    let mut figures = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        figures.0.push(rate(grouped.clone()).await);
+        figures.1.push(rate(alone.clone()).await);
+    }
+    let (batches, saves) = grouped.grouped_saves();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (g, a) = (mean(&figures.0), mean(&figures.1));
+    println!(
+        "step saves/s at {IN_FLIGHT} in flight, direct (fenced, one turn per lane): {g:.0} \
+         grouped, {a:.0} one by one ({:.2}×); {:.1} saves a batch where two or more were grouped",
+        g / a,
+        saves as f64 / batches.max(1) as f64
+    );
+    grouped.close().await;
+    alone.close().await;
 }
 
 /// Runs `BURST` operations with `IN_FLIGHT` at once; returns operations per second.

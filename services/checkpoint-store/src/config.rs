@@ -82,6 +82,7 @@ impl Config {
             max_state_bytes: self.max_state_bytes,
             acquire_timeout: self.pool.acquire_timeout,
             max_connections: self.pool.max_connections,
+            group_commit: true,
         }
     }
 }

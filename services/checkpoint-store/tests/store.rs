@@ -20,6 +20,7 @@ fn options() -> StoreOptions {
         max_state_bytes: MAX_STATE,
         acquire_timeout: Duration::from_secs(5),
         max_connections: 8,
+        group_commit: true,
     }
 }
 
@@ -67,6 +68,7 @@ for_both_backends!(
     fencing_refuses_older_attempts_of_a_turn,
     fencing_is_per_turn_and_optional,
     concurrent_attempts_leave_the_newest_attempts_row,
+    many_turns_saving_at_once_each_get_their_own_answer,
     bad_input_is_refused_with_its_code_and_the_store_keeps_working,
     retain_keep_last_keeps_the_newest_steps_of_one_owner,
     retain_older_than_drops_only_idle_owners,
@@ -508,6 +510,48 @@ async fn concurrent_attempts_leave_the_newest_attempts_row<S: CheckpointStore>(s
     let row = store.get("s1:turn1:1").await.unwrap();
     assert_eq!(row.attempt, Some(8));
     assert_eq!(note(&row), "attempt 8");
+}
+
+/// On PostgreSQL these are written in batches (group commit): each save still gets its own
+/// answer — its own timestamps, or its own refusal.
+async fn many_turns_saving_at_once_each_get_their_own_answer<S: CheckpointStore>(store: &S) {
+    put(store, fenced("s0", 1, "live", "stale", 2), t(1)).await;
+    let at = |i: i64| DateTime::from_timestamp(1_800_000_000 + i, 0).unwrap();
+    let mut saves = Vec::new();
+    for i in 0..40 {
+        let owner = format!("s{}", i % 5 + 1);
+        let cp = fenced(&owner, 1, &format!("turn {i}"), &format!("turn{i}"), 1);
+        saves.push(store.save(cp, at(i)));
+    }
+    // An older attempt of a live turn, in the middle of them.
+    saves.insert(
+        20,
+        store.save(fenced("s0", 2, "zombie", "stale", 1), at(99)),
+    );
+    let mut results = futures::future::join_all(saves).await;
+    assert_eq!(code(results.remove(20)), ErrorCode::Conflict);
+    assert_eq!(code(store.get("s0:stale:2").await), ErrorCode::NotFound);
+    for (i, result) in results.into_iter().enumerate() {
+        let saved = result.unwrap();
+        assert_eq!(note(&saved), format!("turn {i}"));
+        let read = store.get(&saved.id).await.unwrap();
+        assert_eq!(note(&read), format!("turn {i}"));
+        // Every save had its own time: a mixed-up answer would carry another save's.
+        assert_eq!(saved.updated_at, read.updated_at, "save {i}");
+        assert_eq!(saved.created_at, read.created_at, "save {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_writes_concurrent_steps_saves_in_batches() {
+    let (store, _db) = pg_store(&options()).await;
+    many_turns_saving_at_once_each_get_their_own_answer(&store).await;
+    let (batches, saves) = store.grouped_saves();
+    assert!(
+        batches >= 1 && saves >= 2 * batches,
+        "{batches} batches, {saves} saves"
+    );
+    store.close().await;
 }
 
 async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: CheckpointStore>(

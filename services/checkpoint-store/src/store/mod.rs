@@ -32,6 +32,7 @@
 //!   and the backends' "server is going away / busy" codes are answered `unavailable`
 //!   (retryable), every other query failure `internal` ([`cyrene_sql::QueryError`]).
 
+mod group;
 pub mod postgres;
 pub mod sql;
 pub mod sqlite;
@@ -63,6 +64,9 @@ pub struct StoreOptions {
     pub acquire_timeout: Duration,
     /// Pool size.
     pub max_connections: u32,
+    /// PostgreSQL: write the steps' fenced saves that arrive together in one statement and one
+    /// commit (`group.rs`). Off only to measure it.
+    pub group_commit: bool,
 }
 
 impl StoreOptions {
@@ -81,6 +85,7 @@ impl Default for StoreOptions {
             max_state_bytes: DEFAULT_MAX_STATE_BYTES,
             acquire_timeout: Duration::from_secs(2),
             max_connections: 8,
+            group_commit: true,
         }
     }
 }

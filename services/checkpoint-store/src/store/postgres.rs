@@ -12,6 +12,9 @@
 //!   `ON CONFLICT DO UPDATE` on `turn_attempts` row-locks the turn, so concurrent saves of one
 //!   turn serialise: once attempt N has committed, attempt N-1 sees `max_attempt >= N` and writes
 //!   no checkpoint.
+//! - A step's fenced save (no base) goes through the group commit ([`super::group`]): the saves
+//!   waiting together are that same statement over arrays, one commit for all, each answered on
+//!   its own.
 //! - A fenced read is two statements on purpose: the `turn_attempts` raise commits (waiting on the
 //!   row lock of any save of the turn still running), and only then the read takes its snapshot,
 //!   so it sees every row an older attempt managed to write — none can be written after it.
@@ -136,6 +139,12 @@ impl Dialect for Postgres {
 }
 
 impl PgStore {
+    /// The group commit's figures so far: batches of more than one step's save, and the saves
+    /// they held.
+    pub fn grouped_saves(&self) -> (u64, u64) {
+        self.group.as_ref().map_or((0, 0), |g| g.grouped())
+    }
+
     /// Connects to `url` (`postgres://…`), then applies the migrations.
     pub async fn connect(url: &str, options: &StoreOptions) -> Result<PgStore, StoreError> {
         let connect: PgConnectOptions = url
@@ -152,6 +161,9 @@ impl PgStore {
             .await
             .map_err(|e| StoreError::Open(format!("postgres migrations: {e}")))?;
         Ok(SqlStore {
+            group: options
+                .group_commit
+                .then(|| super::group::SaveGroup::new(pool.clone(), options.max_connections)),
             pool,
             max_state_bytes: options.max_state_bytes,
         })

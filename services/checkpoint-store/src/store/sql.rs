@@ -16,6 +16,7 @@
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write.
 
+use super::group::SaveGroup;
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
     cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save, retain_mode,
@@ -27,6 +28,7 @@ use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
 };
 use std::future::Future;
+use std::sync::Arc;
 
 /// How a dialect runs a fenced save's raise → check → upsert. Both forms are bound as
 /// [`Dialect::UPSERT`].
@@ -108,6 +110,8 @@ pub trait Dialect: Database {
 pub struct SqlStore<D: Database> {
     pub(super) pool: Pool<D>,
     pub(super) max_state_bytes: usize,
+    /// PostgreSQL: the group commit a step's fenced save goes through ([`super::group`]).
+    pub(super) group: Option<Arc<SaveGroup>>,
 }
 
 impl<D: Database> Clone for SqlStore<D> {
@@ -115,6 +119,7 @@ impl<D: Database> Clone for SqlStore<D> {
         SqlStore {
             pool: self.pool.clone(),
             max_state_bytes: self.max_state_bytes,
+            group: self.group.clone(),
         }
     }
 }
@@ -207,7 +212,7 @@ on_every_dialect! {
 
     /// The fenced upsert of `row`: its timestamps, or the refusal when a newer attempt has
     /// written.
-    async fn fenced_upsert(
+    pub(super) async fn fenced_upsert(
         conn: &mut D::Connection,
         row: &SaveRow,
         fence: &Fence,
@@ -246,18 +251,20 @@ on_every_dialect! {
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
-        let (created, updated) = match (&row.fence, &row.checkpoint.base) {
-            (None, _) => {
+        let (created, updated) = match (&row.fence, &row.checkpoint.base, &self.group) {
+            (None, _, _) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
+            // With whatever other steps' saves are waiting (PostgreSQL's group commit).
+            (Some(_), None, Some(group)) => group.save(row.clone()).await?,
             // One statement (or two, each atomic on its own): no transaction around them, and
             // no write lock held between round trips.
-            (Some(fence), None) => {
+            (Some(fence), None, None) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }
-            (Some(fence), base) => {
+            (Some(fence), base, _) => {
                 // Refused: the transaction rolls back when dropped.
                 let mut tx = D::begin_write(&self.pool).await?;
                 let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;

@@ -150,6 +150,7 @@ impl SqliteStore {
             .await
             .map_err(|e| StoreError::Open(format!("sqlite migrations: {e}")))?;
         Ok(SqlStore {
+            group: None,
             pool,
             max_state_bytes: options.max_state_bytes,
         })
