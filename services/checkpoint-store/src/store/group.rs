@@ -1,6 +1,6 @@
 //! Group commit of a step's fenced saves on PostgreSQL: the saves that arrive while earlier ones
 //! are being written go to the database together, as one statement and one commit, instead of
-//! one round trip and one WAL flush each (docs/checkpoint-store.md, "Performance").
+//! a round trip and a commit each (docs/checkpoint-store.md, "Group commit").
 //!
 //! # Invariants
 //! - Only fenced saves without a base come here (a step's save); a save with a base keeps its
