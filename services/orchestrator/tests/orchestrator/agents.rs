@@ -5,7 +5,9 @@ use cyrene_comm::{AskError, AskOptions, Probe};
 use cyrene_orchestrator::agents::ask_session_id;
 use cyrene_orchestrator::{Persona, Personas};
 use cyrene_protocol::message::{Message, Role, SenderKind, ToolCall};
-use cyrene_protocol::session::{Disposition, SendAck, SessionEvent, SessionEventType};
+use cyrene_protocol::session::{
+    BusyPolicy, Disposition, SendAck, SendRequest, SessionEvent, SessionEventType,
+};
 use cyrene_protocol::subjects;
 use std::time::Duration;
 
@@ -331,6 +333,38 @@ async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
     assert_eq!(next.disposition, Disposition::TurnStarted);
     let (job, _) = jobs.next().await;
     assert!(job.leg_id.is_empty() && job.notice.is_none());
+}
+
+/// A new leg's notice counts the messages waiting besides its own (an enqueued one here).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parallel_legs_notice_counts_the_messages_waiting() {
+    let (world, _orch, mut jobs) = one_replica_with(Backend::Postgres, |config| {
+        config.busy.clients.parallel = vec!["phone".into()];
+    })
+    .await;
+    let c = &world.client;
+    let first = send_req("s1", "write about the sea", "k1", "desk");
+    let (m1, _) = start_turn(c, &mut jobs, &first).await;
+    for (i, text) in ["after that, the sky", "and the stars"].iter().enumerate() {
+        let later = SendRequest {
+            when_busy: Some(BusyPolicy::Enqueue),
+            ..send_req("s1", text, &format!("q{i}"), "desk")
+        };
+        let ack = send(c, &later).await.unwrap();
+        assert_eq!(ack.disposition, Disposition::Pending);
+    }
+    let m = send(c, &send_req("s1", "what's the weather", "k2", "phone"))
+        .await
+        .unwrap();
+    assert_eq!(m.disposition, Disposition::ParallelLeg);
+    let (leg, _) = jobs.next().await;
+    let notice = leg.notice.expect("a parallel notice");
+    assert_eq!(notice.other_message_id, m1.message_id);
+    assert_eq!(
+        notice.queued, 2,
+        "the two enqueued messages, not the leg's own"
+    );
+    assert_eq!(leg.message_ids, vec![m.message_id]);
 }
 
 /// The turn of an ask may complete on the other replica: the answer still reaches the asker.
