@@ -177,7 +177,8 @@ impl World {
         all
     }
 
-    /// Waits until every session's transcript holds each of its messages answered.
+    /// Waits until every session's transcript holds each of its messages, each answered by the
+    /// turn that took it in.
     async fn settle(&self, sent: &[(String, SendAck, String)]) -> HashMap<String, HistoryResponse> {
         let sessions: BTreeSet<&String> = sent.iter().map(|(s, _, _)| s).collect();
         let mut histories = HashMap::new();
@@ -195,11 +196,22 @@ impl World {
                         .iter()
                         .filter(|e| e.message.role == Role::User && !e.turn_id.is_empty())
                         .count();
-                    let last_is_answer = h
+                    // Every turn that took a message in has answered. (The last entry being an
+                    // answer is not enough: a message claimed for a turn that ended before
+                    // taking it in is handed to a new turn, which may still be running when
+                    // the earlier turn's answer is the newest entry.)
+                    let answered: BTreeSet<&str> = h
                         .messages
-                        .last()
-                        .is_some_and(|e| e.message.role == Role::Assistant);
-                    if users == PER_SESSION && consumed == users && last_is_answer {
+                        .iter()
+                        .filter(|e| e.message.role == Role::Assistant)
+                        .map(|e| e.turn_id.as_str())
+                        .collect();
+                    let every_turn_answered = h
+                        .messages
+                        .iter()
+                        .filter(|e| e.message.role == Role::User)
+                        .all(|e| answered.contains(e.turn_id.as_str()));
+                    if users == PER_SESSION && consumed == users && every_turn_answered {
                         histories.insert(session.clone(), h);
                         break;
                     }
