@@ -43,6 +43,9 @@ pub struct Pending {
     pub client_id: String,
     /// JSON list: the ask chain of an ask's message.
     pub ask_chain: Option<String>,
+    /// False for the message of the send that starts the turn: its row is written after the
+    /// turn, already claimed, so there is no row to claim yet.
+    pub stored: bool,
 }
 
 /// Why a job could not be built: a corrupt row or no persona at all (never the caller's fault).
@@ -200,6 +203,7 @@ mod tests {
             solo,
             client_id: format!("client-{id}"),
             ask_chain: None,
+            stored: true,
         }
     }
 

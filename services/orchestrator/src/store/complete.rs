@@ -98,7 +98,7 @@ impl Store {
         let running = Self::running_turns(&mut tx, &req.session_id).await?;
         let (next, pushed) = match running.as_slice() {
             [] => {
-                let batch = self.pending_batch(&mut tx, &req.session_id).await?;
+                let batch = self.pending_batch(&mut tx, &req.session_id, None).await?;
                 if batch.is_empty() {
                     (None, None)
                 } else {

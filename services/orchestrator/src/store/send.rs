@@ -84,27 +84,17 @@ impl Store {
             true => None,
             false => RunningTurn::taker(&running, &input.client_id),
         };
-        sqlx::query(
-            "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
-             message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
-             ask_chain) \
-             VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, NULL, $9, $10, $11)",
-        )
-        .bind(&message_id)
-        .bind(&input.session_id)
-        .bind(seq)
-        .bind(&input.client_id)
-        .bind(input.idempotency_key.clone())
-        .bind(&message_json)
-        .bind(i64::from(input.solo))
-        .bind(input.reply_to.clone())
-        .bind(now)
-        .bind(i64::from(input.policy == BusyPolicy::Enqueue))
-        .bind(ask_chain)
-        .bind(taker.map(|t| t.turn_id.clone()))
-        .bind(i64::from(taker.is_some()))
-        .execute(&mut *tx)
-        .await?;
+        // This message as the job of a turn it starts would carry it. Its row is written last,
+        // with its claim and its ack: one statement instead of an insert and two updates.
+        let this = Pending {
+            id: message_id.clone(),
+            seq,
+            message: message_json.clone(),
+            solo: input.solo,
+            client_id: input.client_id.clone(),
+            ask_chain: ask_chain.clone(),
+            stored: false,
+        };
         let pushed = taker.map(|t| Pushed {
             turn_id: t.turn_id.clone(),
             messages: vec![SteeredMessage {
@@ -117,7 +107,9 @@ impl Store {
         let (disposition, started) = if running.is_empty() {
             // No turn in flight: start one from the pending queue (normally just this message).
             // (An older solo message goes first, alone; this one then waits its turn.)
-            let batch = self.pending_batch(&mut tx, &input.session_id).await?;
+            let batch = self
+                .pending_batch(&mut tx, &input.session_id, Some(this))
+                .await?;
             let mine = batch.iter().any(|m| m.id == message_id);
             let turn = if batch.is_empty() {
                 None
@@ -137,7 +129,8 @@ impl Store {
             // Parallel policy: a leg of its own, told what the newest live leg is doing.
             let other = running.last();
             let (step, tool_names) = other.map(|t| progress(&t.turn_id)).unwrap_or_default();
-            let queued = Self::count_pending(&mut tx, &input.session_id).await? - 1;
+            // The messages waiting besides this one (not stored yet).
+            let queued = Self::count_pending(&mut tx, &input.session_id).await?;
             let notice = ParallelNotice {
                 other_message_id: other
                     .map(|t| t.first_message_id.clone())
@@ -147,12 +140,9 @@ impl Store {
                 queued: u32::try_from(queued.max(0)).unwrap_or(u32::MAX),
             };
             let row = Pending {
-                id: message_id.clone(),
-                seq,
-                message: message_json.clone(),
                 solo: false,
-                client_id: input.client_id.clone(),
                 ask_chain: None,
+                ..this
             };
             let turn = self
                 .start_turn(
@@ -179,11 +169,35 @@ impl Store {
             disposition,
             turn_id,
         };
-        sqlx::query("UPDATE orch_messages SET ack = $1 WHERE id = $2")
-            .bind(encode(&ack)?)
-            .bind(&message_id)
-            .execute(&mut *tx)
-            .await?;
+        // Claimed by the running turn that takes it in (steered), by the turn it starts, or by
+        // no one (pending).
+        let claimed_by = match (taker, ack.turn_id.is_empty()) {
+            (Some(t), _) => Some(t.turn_id.clone()),
+            (None, false) => Some(ack.turn_id.clone()),
+            (None, true) => None,
+        };
+        sqlx::query(
+            "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
+             message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
+             ask_chain) \
+             VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, $14, $9, $10, $11)",
+        )
+        .bind(&message_id)
+        .bind(&input.session_id)
+        .bind(seq)
+        .bind(&input.client_id)
+        .bind(input.idempotency_key.clone())
+        .bind(&message_json)
+        .bind(i64::from(input.solo))
+        .bind(input.reply_to.clone())
+        .bind(now)
+        .bind(i64::from(input.policy == BusyPolicy::Enqueue))
+        .bind(ask_chain)
+        .bind(claimed_by)
+        .bind(i64::from(taker.is_some()))
+        .bind(encode(&ack)?)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(Sent {
             ack,

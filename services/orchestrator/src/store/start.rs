@@ -3,7 +3,8 @@
 //!
 //! # Invariants
 //! - Every message of the batch goes from unclaimed to this turn (`steered = 0`) or the whole
-//!   transaction fails (I2: a message is claimed once).
+//!   transaction fails (I2: a message is claimed once). The one message not stored yet (the
+//!   send's own, [`Pending::stored`]) is written afterwards by that send, claimed in its row.
 //! - The job is decided by [`crate::job`] from what is read here; the stored JSON is exactly what
 //!   is published, and republished by the sweeper.
 
@@ -15,11 +16,13 @@ use cyrene_protocol::turn::ParallelNotice;
 use sqlx::{Any, Row, Transaction};
 
 impl Store {
-    /// The next batch of pending messages to start a turn with (see [`job::batch`]).
+    /// The next batch of pending messages to start a turn with (see [`job::batch`]); `unstored`
+    /// is the message of the send asking, newer than every stored one and not written yet.
     pub(super) async fn pending_batch(
         &self,
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
+        unstored: Option<Pending>,
     ) -> Result<Vec<Pending>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, seq, message, solo, client_id, ask_chain FROM orch_messages \
@@ -29,7 +32,7 @@ impl Store {
         .bind(super::MAX_BATCH)
         .fetch_all(&mut **tx)
         .await?;
-        let pending = rows
+        let mut pending = rows
             .iter()
             .map(|r| {
                 Ok(Pending {
@@ -39,9 +42,16 @@ impl Store {
                     solo: r.try_get::<i64, _>(3)? != 0,
                     client_id: r.try_get(4)?,
                     ask_chain: r.try_get(5)?,
+                    stored: true,
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
+        // As if stored: last by seq, and only while the batch read was not cut by its limit.
+        if let Some(unstored) = unstored
+            && i64::try_from(pending.len()).is_ok_and(|n| n < super::MAX_BATCH)
+        {
+            pending.push(unstored);
+        }
         Ok(job::batch(pending, self.settings.max_job_bytes))
     }
 
@@ -57,7 +67,7 @@ impl Store {
     ) -> Result<NewTurn, StoreError> {
         let turn_id = new_id();
         let now = now_ms();
-        for m in &batch {
+        for m in batch.iter().filter(|m| m.stored) {
             let claimed = sqlx::query(
                 "UPDATE orch_messages SET claimed_by_turn = $1, steered = 0 \
                  WHERE id = $2 AND claimed_by_turn IS NULL",
