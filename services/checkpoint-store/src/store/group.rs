@@ -24,9 +24,10 @@
 //! # Pitfalls
 //! - A save whose request is dropped (its caller went away) is still written: the batch owns it.
 
-use super::sql::{FencedSave, SqlStore};
+use super::sql::SqlStore;
 use super::{SaveRow, StoreError, fenced, format_ts};
 use chrono::{DateTime, Utc};
+use cyrene_protocol::checkpoint::Checkpoint;
 use sqlx::{Pool, Postgres, Row};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,12 +65,20 @@ const FENCED_SAVE_MANY: &str = "WITH input AS ( \
      SELECT i.n, f.max_attempt, s.created_at, s.updated_at \
      FROM input i JOIN fence f ON f.turn_id = i.turn_id LEFT JOIN saved s ON s.id = i.id";
 
-/// What a waiting save is told: its timestamps, or why it was not written.
+/// A save's timestamps, or why it was not written.
 type Answer = Result<(String, String), StoreError>;
 
 struct Waiting {
     row: SaveRow,
-    done: oneshot::Sender<Answer>,
+    /// Told the row as stored, or why it was not.
+    done: oneshot::Sender<Result<Checkpoint, StoreError>>,
+}
+
+impl Waiting {
+    fn answer(self, answer: Answer) {
+        let stored = answer.map(|(created, updated)| self.row.stored(created, updated));
+        let _ = self.done.send(stored);
+    }
 }
 
 #[derive(Default)]
@@ -110,9 +119,9 @@ impl SaveGroup {
         })
     }
 
-    /// Writes `row` (fenced, no base) with whatever else is waiting; its timestamps, or the
+    /// Writes `row` (fenced, no base) with whatever else is waiting; the row as stored, or the
     /// refusal.
-    pub async fn save(self: &Arc<Self>, row: SaveRow) -> Answer {
+    pub async fn save(self: &Arc<Self>, row: SaveRow) -> Result<Checkpoint, StoreError> {
         let (done, answer) = oneshot::channel();
         let start = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
@@ -190,7 +199,7 @@ impl SaveGroup {
             match self.write_many(&batch).await {
                 Ok(answers) => {
                     for (waiting, answer) in batch.into_iter().zip(answers) {
-                        let _ = waiting.done.send(answer);
+                        waiting.answer(answer);
                     }
                     return;
                 }
@@ -201,7 +210,8 @@ impl SaveGroup {
             }
         }
         for waiting in batch {
-            let _ = waiting.done.send(self.write_one(&waiting.row).await);
+            let answer = self.write_one(&waiting.row).await;
+            waiting.answer(answer);
         }
     }
 
@@ -212,10 +222,6 @@ impl SaveGroup {
                 "an unfenced save in the group".to_owned(),
             ));
         };
-        debug_assert!(matches!(
-            <Postgres as super::sql::Dialect>::FENCED_SAVE,
-            FencedSave::OneStatement(_)
-        ));
         let mut conn = self.pool.acquire().await?;
         SqlStore::<Postgres>::fenced_upsert(&mut conn, row, fence).await
     }
@@ -230,6 +236,7 @@ impl SaveGroup {
         let mut attempts = Vec::with_capacity(batch.len());
         let mut times: Vec<DateTime<Utc>> = Vec::with_capacity(batch.len());
         let mut froms = Vec::with_capacity(batch.len());
+        let mut fences = Vec::with_capacity(batch.len());
         for Waiting { row, .. } in batch {
             let Some(fence) = &row.fence else {
                 return Err(StoreError::Internal(
@@ -244,6 +251,7 @@ impl SaveGroup {
             attempts.push(fence.attempt);
             times.push(row.now);
             froms.push(row.delta_from);
+            fences.push(fence);
         }
         let rows = sqlx::query(FENCED_SAVE_MANY)
             .bind(&ids)
@@ -266,14 +274,11 @@ impl SaveGroup {
                 .ok()
                 .filter(|at| *at < batch.len())
                 .ok_or_else(|| StoreError::Internal(format!("a grouped save's row {n}?")))?;
-            let Some(fence) = &batch[at].row.fence else {
-                continue;
-            };
             answers[at] = Some(match (created, updated) {
-                (Some(created), Some(updated)) if recorded <= fence.attempt => {
+                (Some(created), Some(updated)) if recorded <= fences[at].attempt => {
                     Ok((format_ts(created), format_ts(updated)))
                 }
-                _ => Err(fenced(fence, recorded)),
+                _ => Err(fenced(fences[at], recorded)),
             });
         }
         answers

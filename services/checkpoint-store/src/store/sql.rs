@@ -251,20 +251,22 @@ on_every_dialect! {
     }
 
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
-        let (created, updated) = match (&row.fence, &row.checkpoint.base, &self.group) {
-            (None, _, _) => {
+        // With whatever other steps' saves are waiting (PostgreSQL's group commit).
+        if let (Some(_), None, Some(group)) = (&row.fence, &row.checkpoint.base, &self.group) {
+            return group.save(row).await;
+        }
+        let (created, updated) = match (&row.fence, &row.checkpoint.base) {
+            (None, _) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
-            // With whatever other steps' saves are waiting (PostgreSQL's group commit).
-            (Some(_), None, Some(group)) => group.save(row.clone()).await?,
             // One statement (or two, each atomic on its own): no transaction around them, and
             // no write lock held between round trips.
-            (Some(fence), None, None) => {
+            (Some(fence), None) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }
-            (Some(fence), base, _) => {
+            (Some(fence), base) => {
                 // Refused: the transaction rolls back when dropped.
                 let mut tx = D::begin_write(&self.pool).await?;
                 let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;
