@@ -20,7 +20,8 @@
 //! - Steer claims only messages with a seq above everything the turn already holds (its
 //!   `base_seq` and earlier claims): what a worker has seen is always a prefix, so an `after_seq`
 //!   cursor never skips a claimed message.
-//! - `attempt` of a turn only grows; steer and complete from an older attempt get `conflict`.
+//! - `attempt` of a turn starts at 1 (the first delivery) and only grows; steer and complete
+//!   from an older attempt get `conflict`.
 //! - **Double-texting.** A message sent under `enqueue` is stored `queued = 1`: steer claims
 //!   never take it, so it stays pending until the job of the next turn claims it (I2 holds: it
 //!   is claimed once, by that job). Under `reject` the decision is read under the session lock

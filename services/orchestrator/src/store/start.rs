@@ -122,10 +122,13 @@ impl Store {
             .unwrap_or_default();
         let message_ids = built.job.message_ids;
         let first_message_id = message_ids.first().cloned().unwrap_or_default();
+        // Recorded at attempt 1, the first delivery's count (JetStream counts from 1): the first
+        // attempt's steers match the record, so a boundary with nothing new takes the unlocked
+        // read (`nothing_to_steer`) instead of raising the record under the session's lock.
         sqlx::query(
             "INSERT INTO orch_turns (turn_id, session_id, leg_id, client_id, status, attempt, \
              base_seq, first_message_id, job, dispatched, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, 'running', 0, $5, $6, $7, 0, $8, $8)",
+             VALUES ($1, $2, $3, $4, 'running', 1, $5, $6, $7, 0, $8, $8)",
         )
         .bind(&turn_id)
         .bind(session_id)

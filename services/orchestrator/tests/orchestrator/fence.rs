@@ -355,3 +355,37 @@ async fn a_history_page_never_outgrows_the_bus() {
     assert!(newest.messages.len() < 5 && newest.next_before_seq.is_some());
     assert_eq!(newest.messages.last().map(|e| e.seq), Some(5));
 }
+
+/// A turn is recorded at attempt 1, its first delivery's count: that attempt's boundary with
+/// nothing new is one unlocked read, answered while another transaction holds the session's row
+/// lock (the locked path would wait for it). Attempt 0, which no delivery has, is refused.
+#[tokio::test]
+async fn a_first_attempts_empty_boundary_takes_no_lock() {
+    use sqlx::{Connection, PgConnection};
+    let (world, _orch, mut jobs) = one_replica(Backend::Postgres).await;
+    let c = &world.client;
+    send_ok(c, "s1", "start").await;
+    let (job, attempt) = jobs.next().await;
+    assert_eq!(attempt, 1);
+
+    let url = &world.pg.as_ref().expect("a PostgreSQL world").url;
+    let mut conn = PgConnection::connect(url).await.unwrap();
+    let mut lock = conn.begin().await.unwrap();
+    let locked = sqlx::query("SELECT id FROM orch_sessions WHERE id = 's1' FOR UPDATE")
+        .fetch_all(&mut *lock)
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1);
+    // `steer` gives up after the harness's request timeout: waiting on the lock fails here.
+    let reply = steer(c, &job, 1, job.base_seq).await;
+    lock.rollback().await.unwrap();
+    assert!(reply.expect("answered under the lock").messages.is_empty());
+
+    assert_eq!(
+        code(&steer(c, &job, 0, job.base_seq).await.unwrap_err()),
+        ErrorCode::Conflict
+    );
+    // The first attempt completes as usual.
+    let done = complete(c, &completion(&job, 1, "answer")).await.unwrap();
+    assert!(done.first);
+}
