@@ -94,47 +94,43 @@ impl SqlMemory {
         SqlMemory { pool, timeout }
     }
 
-    async fn entries(
-        &self,
-        persona_id: &str,
-        session_id: &str,
-    ) -> Result<Vec<MemoryEntry>, StoreError> {
+    /// The session's working memory (none for an empty `session_id`) and the persona's
+    /// long-term memory, each its newest [`MAX_READ_ENTRIES`] oldest first, in one statement:
+    /// a turn reads its memory once as it starts.
+    async fn read_both(&self, req: &MemoryReadRequest) -> Result<MemoryReadResponse, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, text, created_at FROM orch_memory \
-             WHERE persona_id = $1 AND session_id = $2 \
-             ORDER BY created_at DESC, id DESC LIMIT $3",
+            "SELECT id, text, created_at, session_id FROM (SELECT id, text, created_at, session_id \
+               FROM orch_memory WHERE persona_id = $1 AND session_id = $2 AND $2 <> '' \
+               ORDER BY created_at DESC, id DESC LIMIT $3) working \
+             UNION ALL \
+             SELECT id, text, created_at, session_id FROM (SELECT id, text, created_at, session_id \
+               FROM orch_memory WHERE persona_id = $1 AND session_id = '' \
+               ORDER BY created_at DESC, id DESC LIMIT $3) long_term",
         )
-        .bind(persona_id)
-        .bind(session_id)
+        .bind(&req.persona_id)
+        .bind(&req.session_id)
         .bind(MAX_READ_ENTRIES as i64)
         .fetch_all(&self.pool)
         .await?;
-        let mut entries = rows
-            .iter()
-            .map(|r| {
-                let created: i64 = r.try_get(2)?;
-                Ok(MemoryEntry {
-                    id: r.try_get(0)?,
-                    text: r.try_get(1)?,
-                    created_unix_ms: u64::try_from(created).unwrap_or(0),
-                })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        entries.reverse();
-        Ok(entries)
-    }
-
-    async fn read_both(&self, req: &MemoryReadRequest) -> Result<MemoryReadResponse, StoreError> {
-        let working_memory = if req.session_id.is_empty() {
-            Vec::new()
-        } else {
-            self.entries(&req.persona_id, &req.session_id).await?
-        };
-        let memory = self.entries(&req.persona_id, "").await?;
-        Ok(MemoryReadResponse {
-            working_memory,
-            memory,
-        })
+        let mut out = MemoryReadResponse::default();
+        for r in &rows {
+            let created: i64 = r.try_get(2)?;
+            let session: String = r.try_get(3)?;
+            let entry = MemoryEntry {
+                id: r.try_get(0)?,
+                text: r.try_get(1)?,
+                created_unix_ms: u64::try_from(created).unwrap_or(0),
+            };
+            match session.is_empty() {
+                true => out.memory.push(entry),
+                false => out.working_memory.push(entry),
+            }
+        }
+        // Oldest first; the order a union hands rows back in is not promised.
+        for entries in [&mut out.working_memory, &mut out.memory] {
+            entries.sort_by(|a, b| (a.created_unix_ms, &a.id).cmp(&(b.created_unix_ms, &b.id)));
+        }
+        Ok(out)
     }
 
     async fn insert(&self, req: &MemoryWriteRequest, id: &str) -> Result<(), StoreError> {
@@ -254,6 +250,7 @@ mod tests {
         }
         let s3 = memory.read(read("cyrene", "s3")).await.unwrap();
         assert_eq!(s3.working_memory.len(), MAX_READ_ENTRIES);
+        assert_eq!(texts(&s3.memory), ["likes oolong"], "each kind has its own limit");
         assert_eq!(s3.working_memory[0].text, "note 005");
         assert_eq!(
             s3.working_memory.last().unwrap().text,
