@@ -98,11 +98,12 @@ impl Dialect for Postgres {
          SELECT fence.max_attempt, saved.created_at, saved.updated_at \
          FROM fence LEFT JOIN saved ON true",
     );
-    const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
-         VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
-         state = EXCLUDED.state, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at";
-    const DROP_EARLIER_START: &'static str =
-        "DELETE FROM checkpoints WHERE agent_id = $1 AND turn_id = $2 AND id <> $3";
+    const UPSERT_BASE: &'static str = "WITH base AS ( \
+           INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
+           VALUES ($1, $2, $3::json, $4, $5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
+           state = EXCLUDED.state, attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at) \
+         DELETE FROM checkpoints WHERE agent_id = $1 AND turn_id = $2 AND id <> $6";
+    const DROP_EARLIER_START: Option<&'static str> = None;
     const KEEP_LAST: &'static str = "WITH kept AS (SELECT turn_id, step, write_seq, delta_from \
            FROM checkpoints WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT $2) \
          DELETE FROM checkpoints c WHERE c.agent_id = $1 \

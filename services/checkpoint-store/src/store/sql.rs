@@ -70,10 +70,13 @@ pub trait Dialect: Database {
     const RAISE_ATTEMPT: &'static str;
     /// How a fenced save writes its row (see [`FencedSave`]).
     const FENCED_SAVE: FencedSave;
-    /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`.
+    /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`; where
+    /// [`Dialect::DROP_EARLIER_START`] is `None`, it also deletes, in the same statement, the
+    /// rows of that turn but the row `$6`.
     const UPSERT_BASE: &'static str;
-    /// Deletes the rows of owner `$1`'s turn `$2` but the row `$3`.
-    const DROP_EARLIER_START: &'static str;
+    /// Deletes the rows of owner `$1`'s turn `$2` but the row `$3` (`None`: done by
+    /// [`Dialect::UPSERT_BASE`]).
+    const DROP_EARLIER_START: Option<&'static str>;
     /// Keeps the `$2` most recently written rows of owner `$1` and the earlier rows of their
     /// turns that they are rebuilt from; deletes the rest.
     const KEEP_LAST: &'static str;
@@ -278,15 +281,26 @@ on_every_dialect! {
                         .bind(fence.turn_id.as_str())
                         .bind(base.as_str())
                         .bind(fence.attempt);
-                    D::bind_ts(query, row.now)
-                        .execute(&mut *tx)
-                        .await?;
-                    sqlx::query(D::DROP_EARLIER_START)
-                        .bind(row.checkpoint.agent_id.as_str())
-                        .bind(fence.turn_id.as_str())
-                        .bind(row.checkpoint.id.as_str())
-                        .execute(&mut *tx)
-                        .await?;
+                    let query = D::bind_ts(query, row.now);
+                    match D::DROP_EARLIER_START {
+                        // One statement: it runs after the raise above took the turn's lock, so
+                        // its snapshot holds every row an older attempt wrote.
+                        None => {
+                            query
+                                .bind(row.checkpoint.id.as_str())
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        Some(drop_earlier) => {
+                            query.execute(&mut *tx).await?;
+                            sqlx::query(drop_earlier)
+                                .bind(row.checkpoint.agent_id.as_str())
+                                .bind(fence.turn_id.as_str())
+                                .bind(row.checkpoint.id.as_str())
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                    }
                 }
                 tx.commit().await?;
                 stored

@@ -93,8 +93,8 @@ impl Dialect for Sqlite {
     const UPSERT_BASE: &'static str = "INSERT INTO checkpoint_bases (agent_id, turn_id, state, attempt, updated_at) \
          VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (agent_id, turn_id) DO UPDATE SET \
          state = excluded.state, attempt = excluded.attempt, updated_at = excluded.updated_at";
-    const DROP_EARLIER_START: &'static str =
-        "DELETE FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2 AND id <> ?3";
+    const DROP_EARLIER_START: Option<&'static str> =
+        Some("DELETE FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2 AND id <> ?3");
     const KEEP_LAST: &'static str = "DELETE FROM checkpoints WHERE agent_id = ?1 \
          AND write_seq NOT IN \
          (SELECT write_seq FROM checkpoints WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT ?2) \
