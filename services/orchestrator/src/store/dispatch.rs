@@ -4,17 +4,97 @@
 //! # Invariants
 //! - `dispatched` only goes from 0 to 1; republishing is safe because JetStream drops a
 //!   duplicate by its `Nats-Msg-Id` (the turn id).
+//! - Marks are written in groups: one writer at a time takes every mark waiting (at most
+//!   [`MOST_MARKS`]) and writes them in one statement; each caller is answered after the commit
+//!   that holds its mark. A mark that is never written (a crash, an outage) only lets the
+//!   sweeper publish that job once more.
 
 use super::{Store, StoreError, Undispatched, now_ms};
+use std::sync::Mutex;
 use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// The most marks one statement writes.
+const MOST_MARKS: usize = 64;
+
+/// Marks waiting for the writer, and whether one is running.
+#[derive(Debug, Default)]
+pub(super) struct Marks {
+    state: Mutex<MarkState>,
+}
+
+#[derive(Debug, Default)]
+struct MarkState {
+    waiting: Vec<(String, oneshot::Sender<bool>)>,
+    writing: bool,
+    /// Statements written so far (for the tests).
+    statements: u64,
+}
 
 impl Store {
-    /// Marks a turn's job as published (JetStream acknowledged it).
+    /// Marks a turn's job as published (JetStream acknowledged it), with whatever other marks
+    /// are waiting; returns once the mark is committed.
     pub async fn mark_dispatched(&self, turn_id: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE orch_turns SET dispatched = 1 WHERE turn_id = $1")
-            .bind(turn_id)
-            .execute(&self.pool)
-            .await?;
+        let (done, written) = oneshot::channel();
+        let start_writer = {
+            let mut state = self.marks.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.waiting.push((turn_id.to_owned(), done));
+            !std::mem::replace(&mut state.writing, true)
+        };
+        if start_writer {
+            // A task of its own: no caller waits for marks beyond its own batch.
+            let store = self.clone();
+            tokio::spawn(async move { store.write_marks().await });
+        }
+        match written.await {
+            Ok(true) => Ok(()),
+            // The writer logged why.
+            _ => Err(StoreError::Internal(
+                "the dispatch mark was not written".to_owned(),
+            )),
+        }
+    }
+
+    /// Writes the waiting marks, batch after batch, until none waits.
+    async fn write_marks(&self) {
+        loop {
+            let batch = {
+                let mut state = self.marks.state.lock().unwrap_or_else(|e| e.into_inner());
+                if state.waiting.is_empty() {
+                    state.writing = false;
+                    return;
+                }
+                let n = state.waiting.len().min(MOST_MARKS);
+                state.statements += 1;
+                state.waiting.drain(..n).collect::<Vec<_>>()
+            };
+            let ids: Vec<&str> = batch.iter().map(|(id, _)| id.as_str()).collect();
+            let ok = match self.mark_many(&ids).await {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!(error = %err, marks = ids.len(), "dispatch marks not written");
+                    false
+                }
+            };
+            for (_, done) in batch {
+                let _ = done.send(ok);
+            }
+        }
+    }
+
+    /// `dispatched = 1` for every turn in `ids`, one statement.
+    async fn mark_many(&self, ids: &[&str]) -> Result<(), StoreError> {
+        let list = (1..=ids.len())
+            .map(|i| format!("${i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let sql = format!("UPDATE orch_turns SET dispatched = 1 WHERE turn_id IN ({list})");
+        // Only numbered placeholders are formatted in; the ids are bound.
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for id in ids {
+            query = query.bind(*id);
+        }
+        query.execute(&self.pool).await?;
         Ok(())
     }
 
@@ -32,5 +112,74 @@ impl Store {
         .bind(cutoff)
         .fetch_all(&self.pool)
         .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{JobSettings, StoreOptions};
+
+    async fn store_on(url: &str) -> Store {
+        let settings = JobSettings {
+            personas: crate::Personas::builtin(),
+            window: 40,
+            max_steps: 8,
+            max_job_bytes: 768 * 1024,
+        };
+        Store::open(url, &StoreOptions::default(), settings)
+            .await
+            .unwrap()
+    }
+
+    /// Marks asked for together are written in fewer statements than marks, and every one of
+    /// them is committed by the time its caller hears back: none is left for the sweeper.
+    async fn marks_asked_for_together_are_written_together(store: &Store) {
+        sqlx::query("INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ('s', '{}', 0, 0)")
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        let turns: Vec<String> = (0..40).map(|i| format!("turn-{i}")).collect();
+        for turn in &turns {
+            sqlx::query(
+                "INSERT INTO orch_turns (turn_id, session_id, status, base_seq, first_message_id, \
+                 job, created_at, updated_at) VALUES ($1, 's', 'running', 0, 'm', '{}', 0, 0)",
+            )
+            .bind(turn)
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        }
+        assert_eq!(store.undispatched(Duration::ZERO).await.unwrap().len(), 40);
+        let marks = turns.iter().map(|t| store.mark_dispatched(t));
+        for marked in futures::future::join_all(marks).await {
+            marked.unwrap();
+        }
+        assert!(store.undispatched(Duration::ZERO).await.unwrap().is_empty());
+        let statements = store.marks.state.lock().unwrap().statements;
+        assert!(
+            (1..40).contains(&statements),
+            "40 marks in {statements} statements"
+        );
+        // The writer is done: a later mark starts another and is written too.
+        assert!(!store.marks.state.lock().unwrap().writing);
+        store.mark_dispatched("turn-0").await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn sqlite_marks_asked_for_together_are_written_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/orch.db", dir.path().display());
+        let store = store_on(&url).await;
+        marks_asked_for_together_are_written_together(&store).await;
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn postgres_marks_asked_for_together_are_written_together() {
+        let db = cyrene_sql::testing::TestDatabase::create("orch_marks").await;
+        let store = store_on(&db.url).await;
+        marks_asked_for_together_are_written_together(&store).await;
+        store.close().await;
     }
 }

@@ -190,6 +190,8 @@ pub struct Store {
     pool: AnyPool,
     backend: Backend,
     settings: std::sync::Arc<JobSettings>,
+    /// Dispatch marks waiting to be written together (`dispatch.rs`).
+    marks: std::sync::Arc<dispatch::Marks>,
 }
 
 /// A running turn of a session (a row of `orch_turns`).
@@ -300,6 +302,7 @@ impl Store {
             pool,
             backend,
             settings: std::sync::Arc::new(settings),
+            marks: Default::default(),
         })
     }
 
