@@ -250,7 +250,11 @@ mod tests {
         }
         let s3 = memory.read(read("cyrene", "s3")).await.unwrap();
         assert_eq!(s3.working_memory.len(), MAX_READ_ENTRIES);
-        assert_eq!(texts(&s3.memory), ["likes oolong"], "each kind has its own limit");
+        assert_eq!(
+            texts(&s3.memory),
+            ["likes oolong"],
+            "each kind has its own limit"
+        );
         assert_eq!(s3.working_memory[0].text, "note 005");
         assert_eq!(
             s3.working_memory.last().unwrap().text,

@@ -135,10 +135,12 @@ mod tests {
     /// Marks asked for together are written in fewer statements than marks, and every one of
     /// them is committed by the time its caller hears back: none is left for the sweeper.
     async fn marks_asked_for_together_are_written_together(store: &Store) {
-        sqlx::query("INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ('s', '{}', 0, 0)")
-            .execute(&store.pool)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ('s', '{}', 0, 0)",
+        )
+        .execute(&store.pool)
+        .await
+        .unwrap();
         let turns: Vec<String> = (0..40).map(|i| format!("turn-{i}")).collect();
         for turn in &turns {
             sqlx::query(
