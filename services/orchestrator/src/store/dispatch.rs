@@ -31,6 +31,21 @@ struct MarkState {
     statements: u64,
 }
 
+/// Should the writer panic, the next mark starts another (its batch's callers hear `false`).
+struct StopWriting<'a>(&'a Marks);
+
+impl Drop for StopWriting<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .writing = false;
+        }
+    }
+}
+
 impl Store {
     /// Marks a turn's job as published (JetStream acknowledged it), with whatever other marks
     /// are waiting; returns once the mark is committed.
@@ -57,6 +72,7 @@ impl Store {
 
     /// Writes the waiting marks, batch after batch, until none waits.
     async fn write_marks(&self) {
+        let _unwinding = StopWriting(&self.marks);
         loop {
             let batch = {
                 let mut state = self.marks.state.lock().unwrap_or_else(|e| e.into_inner());
