@@ -5,6 +5,9 @@
 //! - One transaction under the session lock: the turn's status, its answer, the messages handed
 //!   back, and the next turn (or the claims for the one leg left) commit together.
 //! - A second completion of a turn changes nothing and reports `first = false`.
+//! - The common completion checks the fence and completes the turn in one conditional UPDATE;
+//!   only when it matches nothing does the fence's read say why (`not_found`, `bad_request`,
+//!   `conflict`) or that the turn was already completed.
 
 use super::steer::TurnRef;
 use super::{Completed, Store, StoreError, encode, now_ms};
@@ -30,37 +33,60 @@ impl Store {
         let outcome = encode(&req.outcome)?;
         let outcome = outcome.trim_matches('"').to_owned();
         let mut tx = self.begin().await?;
-        let fence = TurnRef {
-            session_id: &req.session_id,
-            turn_id: &req.turn_id,
-            attempt: req.attempt,
-            // Raised below, by the statement that completes the turn.
-            raise_later: true,
+        let Some((env, seq)) = self
+            .lock_session(&mut tx, &req.session_id, answer.is_some())
+            .await?
+        else {
+            return Err(StoreError::NotFound(format!(
+                "no session {:?}",
+                req.session_id
+            )));
         };
-        let (env, turn, seq) = self.lock_turn(&mut tx, fence, answer.is_some()).await?;
-        if turn.completed {
-            tx.rollback().await?;
-            return Ok(Completed {
-                first: false,
-                session_id: req.session_id.clone(),
-                leg_id: turn.leg_id,
-                reply_to: Vec::new(),
-                next: None,
-                pushed: None,
-            });
-        }
         let now = now_ms();
-        // The fence has checked that this attempt is not older than the recorded one.
-        sqlx::query(
+        // The common case in one statement: the turn is this session's, still running, and this
+        // attempt is not older than the recorded one (which it raises). Under the session lock
+        // no other call changes the turn's status or attempt (steer and complete both take it
+        // first), so this is the fence's check and the completion together.
+        let completed = sqlx::query(
             "UPDATE orch_turns SET status = 'completed', outcome = $1, updated_at = $2, \
-             attempt = $4 WHERE turn_id = $3",
+             attempt = $4 WHERE turn_id = $3 AND session_id = $5 AND status = 'running' \
+             AND attempt <= $4 RETURNING leg_id",
         )
         .bind(&outcome)
         .bind(now)
         .bind(&req.turn_id)
         .bind(i64::from(req.attempt))
-        .execute(&mut *tx)
+        .bind(&req.session_id)
+        .fetch_optional(&mut *tx)
         .await?;
+        let leg_id: String = match completed {
+            Some(row) => row.try_get(0)?,
+            None => {
+                // Why not: the fence's refusal (no such turn, another session's, an older
+                // attempt) or a second completion, which changes nothing (rolled back).
+                let fence = TurnRef {
+                    session_id: &req.session_id,
+                    turn_id: &req.turn_id,
+                    attempt: req.attempt,
+                };
+                let turn = self.fence(&mut tx, fence).await?;
+                tx.rollback().await?;
+                if !turn.completed {
+                    return Err(StoreError::Internal(format!(
+                        "turn {} passed its fence but could not be completed",
+                        req.turn_id
+                    )));
+                }
+                return Ok(Completed {
+                    first: false,
+                    session_id: req.session_id.clone(),
+                    leg_id: turn.leg_id,
+                    reply_to: Vec::new(),
+                    next: None,
+                    pushed: None,
+                });
+            }
+        };
         if let (Some(answer), Some(seq)) = (answer, seq) {
             sqlx::query(
                 "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, \
@@ -120,7 +146,7 @@ impl Store {
         Ok(Completed {
             first: true,
             session_id: req.session_id.clone(),
-            leg_id: turn.leg_id,
+            leg_id,
             reply_to,
             next,
             pushed,

@@ -17,7 +17,6 @@
 //!   doubt takes the locked path, which also produces the errors.
 
 use super::{Pushed, RunningTurn, Store, StoreError, decode_message, now_ms, to_i64, to_u64};
-use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::{SteerRequest, SteeredMessage};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
@@ -31,7 +30,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let mut tx = self.begin().await?;
-        let (_, turn, _) = self.lock_turn(&mut tx, TurnRef::of(req), false).await?;
+        let turn = self.lock_turn(&mut tx, TurnRef::of(req)).await?;
         if turn.completed {
             return Err(StoreError::Conflict(format!(
                 "turn {} has already completed",
@@ -123,27 +122,27 @@ impl Store {
     }
 
     /// Locks the session of a worker's call (`not_found` when there is none), then checks its
-    /// turn's fence ([`Store::fence`]): what `steer` and `complete` start with. With `take_seq`
-    /// (a completion with an answer) the session's next seq is taken in the locking statement.
-    pub(super) async fn lock_turn(
+    /// turn's fence ([`Store::fence`]): what a locked `steer` starts with.
+    async fn lock_turn(
         &self,
         tx: &mut Transaction<'static, Any>,
         req: TurnRef<'_>,
-        take_seq: bool,
-    ) -> Result<(SessionEnv, TurnRow, Option<i64>), StoreError> {
-        let Some((env, seq)) = self.lock_session(tx, req.session_id, take_seq).await? else {
+    ) -> Result<TurnRow, StoreError> {
+        if self
+            .lock_session(tx, req.session_id, false)
+            .await?
+            .is_none()
+        {
             return Err(StoreError::NotFound(format!(
                 "no session {:?}",
                 req.session_id
             )));
-        };
-        let turn = self.fence(tx, req).await?;
-        Ok((env, turn, seq))
+        }
+        self.fence(tx, req).await
     }
 
-    /// Checks the `{turn_id, attempt}` fence and, unless `req.raise_later`, raises the recorded
-    /// attempt (a completion raises it in the statement that completes the turn instead).
-    async fn fence(
+    /// Checks the `{turn_id, attempt}` fence and raises the recorded attempt to a newer one.
+    pub(super) async fn fence(
         &self,
         tx: &mut Transaction<'static, Any>,
         req: TurnRef<'_>,
@@ -152,7 +151,6 @@ impl Store {
             session_id,
             turn_id,
             attempt,
-            raise_later,
         } = req;
         let row = sqlx::query(
             "SELECT session_id, client_id, status, attempt, base_seq, leg_id FROM orch_turns \
@@ -175,7 +173,7 @@ impl Store {
                 turn.attempt
             )));
         }
-        if attempt > turn.attempt && !raise_later {
+        if attempt > turn.attempt {
             sqlx::query("UPDATE orch_turns SET attempt = $1, updated_at = $2 WHERE turn_id = $3")
                 .bind(attempt)
                 .bind(now_ms())
@@ -276,8 +274,6 @@ pub(super) struct TurnRef<'a> {
     pub session_id: &'a str,
     pub turn_id: &'a str,
     pub attempt: u32,
-    /// The caller raises the turn's recorded attempt itself, in a statement it runs anyway.
-    pub raise_later: bool,
 }
 
 impl<'a> TurnRef<'a> {
@@ -286,7 +282,6 @@ impl<'a> TurnRef<'a> {
             session_id: &req.session_id,
             turn_id: &req.turn_id,
             attempt: req.attempt,
-            raise_later: false,
         }
     }
 }

@@ -389,3 +389,42 @@ async fn a_first_attempts_empty_boundary_takes_no_lock() {
     let done = complete(c, &completion(&job, 1, "answer")).await.unwrap();
     assert!(done.first);
 }
+
+/// A completion names its turn's session: one naming another session is refused and changes
+/// nothing there or in the turn's own session, which its real completion then ends.
+async fn a_completion_naming_another_session_is_refused(backend: Backend) {
+    let (world, _orch, mut jobs) = one_replica(backend).await;
+    let c = &world.client;
+    send_ok(c, "s1", "mine").await;
+    let (job, attempt) = jobs.next().await;
+    send_ok(c, "s2", "theirs").await;
+    let (other, _) = jobs.next().await;
+
+    let mut wrong = completion(&job, attempt, "spoken into s2");
+    wrong.session_id = other.session_id.clone();
+    assert_eq!(
+        code(&complete(c, &wrong).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
+    let s2: Vec<String> = history(c, "s2")
+        .await
+        .iter()
+        .map(|e| e.message.text_content())
+        .collect();
+    assert_eq!(s2, ["theirs"], "nothing was written into s2");
+    // The turn is still running: its own completion is the first.
+    let done = complete(c, &completion(&job, attempt, "answer"))
+        .await
+        .unwrap();
+    assert!(done.first);
+    let again = complete(c, &completion(&job, attempt, "answer"))
+        .await
+        .unwrap();
+    assert!(!again.first);
+}
+
+on_both_backends!(
+    a_completion_naming_another_session_is_refused:
+    a_completion_naming_another_session_is_refused_on_sqlite,
+    a_completion_naming_another_session_is_refused_on_postgres
+);
