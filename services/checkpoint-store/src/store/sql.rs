@@ -7,11 +7,10 @@
 //! - Every step that must be atomic runs in one transaction opened by
 //!   [`Dialect::begin_write`] (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front):
 //!   a base save's raise → check → upsert, base and clean-up, and each retention.
-//! - A fenced save without a base needs no transaction ([`Dialect::FENCED_SAVE`]): one statement,
-//!   or two, each atomic on its own: the raise, then an upsert that re-checks the record. Raises
-//!   only ever go up, so a newer attempt that raised in between makes the upsert write nothing;
-//!   one that raises after it finds the row, as a fenced read would. A crash between the two
-//!   leaves only this attempt's own raise.
+//! - A fenced save without a base needs no transaction ([`Dialect::FENCED_SAVE`]): one statement
+//!   that raises the turn's attempt record and upserts the row, or one checked upsert whose write
+//!   raises the record itself. Raises only ever go up, so once a newer attempt has raised, an
+//!   older one writes nothing; one that raises later finds the row, as a fenced read would.
 //! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write.
@@ -37,10 +36,10 @@ pub enum FencedSave {
     /// [`Dialect::RAISE_ATTEMPT`] and [`Dialect::UPSERT`] in one statement: returns `max_attempt`
     /// and, when written, `created_at`, `updated_at`.
     OneStatement(&'static str),
-    /// [`Dialect::RAISE_ATTEMPT`], then this upsert, each atomic on its own: it writes only while
-    /// turn `$5`'s recorded attempt is not above `$6`; returns `created_at`, `updated_at`, no row
-    /// when refused.
-    RaiseThenChecked(&'static str),
+    /// An upsert that writes only while turn `$5`'s recorded attempt is not above `$6`, and whose
+    /// write raises the record to `$6` in the same statement (SQLite: the triggers of migration
+    /// 0004); returns `created_at`, `updated_at`, no row when refused.
+    CheckedRaising(&'static str),
 }
 
 /// What differs between the SQL backends. Placeholders are numbered (`$1`, `?1`), so one value
@@ -222,14 +221,13 @@ on_every_dialect! {
     ) -> Result<(String, String), StoreError> {
         let sql = match D::FENCED_SAVE {
             FencedSave::OneStatement(sql) => sql,
-            FencedSave::RaiseThenChecked(sql) => {
-                Self::raise(&mut *conn, fence, row.now).await?;
+            FencedSave::CheckedRaising(sql) => {
                 let stored = Self::bind_row(sqlx::query(sql), row)
                     .fetch_optional(&mut *conn)
                     .await?;
                 let Some(stored) = stored else {
-                    // A newer attempt raised the record between the two statements: raising
-                    // again (a no-op now) reads it for the refusal.
+                    // A newer attempt is recorded: raising (a no-op now, only on this refusal's
+                    // path) reads it for the refusal.
                     Self::raise(conn, fence, row.now).await?;
                     return Err(StoreError::Internal(
                         "a checked upsert wrote nothing under a current attempt".to_owned(),
@@ -263,8 +261,8 @@ on_every_dialect! {
                 let mut conn = self.pool.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
-            // One statement (or two, each atomic on its own): no transaction around them, and
-            // no write lock held between round trips.
+            // One statement: no transaction around it, and no write lock held between round
+            // trips.
             (Some(fence), None) => {
                 let mut conn = self.pool.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?

@@ -6,12 +6,15 @@
 //! # Invariants
 //! - `write_seq` is the rowid (migration 0002): a new row gets max + 1, an overwrite moves its row
 //!   to max + 1, so the most recent write has the highest.
-//! - A step's fenced save is two autocommit statements: the `turn_attempts` raise, then the
-//!   checkpoint upsert that re-checks it (`FENCED_SAVE`). A write statement takes SQLite's
-//!   write lock as it starts, so each is atomic and concurrent saves of one turn serialise (no
-//!   read-then-upgrade `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a
-//!   fenced read (raise, then read), run in one `BEGIN IMMEDIATE` transaction, which takes the
-//!   lock up front.
+//! - A step's fenced save is one autocommit statement (`FENCED_SAVE`): the checkpoint upsert,
+//!   which writes only while the turn's recorded attempt is not above its own, and whose write
+//!   raises the record (`turn_attempts`) through the triggers of migration 0004. A write
+//!   statement takes SQLite's write lock as it starts, so the check, the write and the raise are
+//!   atomic and concurrent saves of one turn serialise (no read-then-upgrade
+//!   `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a fenced read (raise,
+//!   then read), run in one `BEGIN IMMEDIATE` transaction, which takes the lock up front.
+//! - Every write of a row with a turn and an attempt raises that turn's record (the triggers), so
+//!   no statement here may write such a row for an attempt that is not allowed to fence the turn.
 //!
 //! # Pitfalls
 //! - WAL mode lets readers run beside the single writer; writers queue on the lock for up to
@@ -81,12 +84,12 @@ impl Dialect for Sqlite {
          max_attempt = MAX(turn_attempts.max_attempt, excluded.max_attempt), \
          updated_at = excluded.updated_at \
          RETURNING max_attempt";
-    /// No data-modifying CTEs in SQLite: the raise, then this upsert, each its own autocommit
-    /// statement. A write statement takes the write lock when it starts, so each is atomic, and
-    /// no lock is held between the two round trips to the connection's thread (four, with the lock
-    /// held across them, as `BEGIN IMMEDIATE` … `COMMIT`). The `WHERE` (which also tells the
-    /// parser that `ON CONFLICT` is the upsert's) re-checks the record the raise left.
-    const FENCED_SAVE: FencedSave = FencedSave::RaiseThenChecked(upsert!(
+    /// No data-modifying CTEs in SQLite: this upsert checks the record in its `WHERE` (which
+    /// also tells the parser that `ON CONFLICT` is the upsert's), and its write raises the record
+    /// (migration 0004's triggers). One statement, one commit and one round trip to the
+    /// connection's thread (two commits as the raise and then the upsert; four round trips with
+    /// the lock held across them as `BEGIN IMMEDIATE` … `COMMIT`).
+    const FENCED_SAVE: FencedSave = FencedSave::CheckedRaising(upsert!(
         "SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8 \
          WHERE COALESCE((SELECT max_attempt FROM turn_attempts WHERE turn_id = ?5), 0) <= ?6"
     ));
@@ -161,16 +164,17 @@ impl SqliteStore {
 mod tests {
     use super::*;
 
-    /// The race the two statements of a fenced save leave open: a newer attempt raises the
-    /// record after this attempt's raise and before its upsert. The upsert must write nothing.
+    /// The fenced save is the checked upsert alone: it writes nothing once a newer attempt
+    /// raised the record (a fenced read), and its own write raises the record, so an older
+    /// attempt is refused after it without any separate raise.
     #[tokio::test]
-    async fn the_checked_upsert_writes_nothing_once_a_newer_attempt_raised() {
+    async fn the_checked_upsert_is_fenced_and_its_write_raises_the_record() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("c.db").display());
         let store = SqliteStore::open(&url, &StoreOptions::default())
             .await
             .unwrap();
-        let FencedSave::RaiseThenChecked(checked) = <Sqlite as Dialect>::FENCED_SAVE else {
+        let FencedSave::CheckedRaising(checked) = <Sqlite as Dialect>::FENCED_SAVE else {
             panic!("SQLite saves with a checked upsert");
         };
         let now = format_ts(Utc::now());
@@ -193,23 +197,42 @@ mod tests {
                 .bind(None::<i64>)
                 .fetch_optional(&store.pool)
         };
-        raise(1).await.unwrap();
+        let recorded = || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT max_attempt FROM turn_attempts WHERE turn_id = 'turn1'",
+            )
+            .fetch_optional(&store.pool)
+        };
+        let state = || {
+            sqlx::query_scalar::<_, String>("SELECT state FROM checkpoints WHERE id = 's1:turn1:1'")
+                .fetch_optional(&store.pool)
+        };
+        assert!(upsert(1).await.unwrap().is_some(), "the first write");
+        assert_eq!(
+            recorded().await.unwrap(),
+            Some(1),
+            "the write raised the record"
+        );
         raise(2).await.unwrap();
         assert!(
             upsert(1).await.unwrap().is_none(),
             "attempt 1 wrote after 2 raised"
         );
-        let state = || {
-            sqlx::query_scalar::<_, String>("SELECT state FROM checkpoints WHERE id = 's1:turn1:1'")
-                .fetch_optional(&store.pool)
-        };
-        assert_eq!(state().await.unwrap(), None);
+        assert_eq!(state().await.unwrap().as_deref(), Some("{\"attempt\":1}"));
         assert!(upsert(2).await.unwrap().is_some());
         assert!(
             upsert(3).await.unwrap().is_some(),
             "a newer attempt than recorded writes"
         );
-        assert!(upsert(1).await.unwrap().is_none());
+        assert_eq!(
+            recorded().await.unwrap(),
+            Some(3),
+            "and raises the record as it writes"
+        );
+        assert!(
+            upsert(2).await.unwrap().is_none(),
+            "attempt 2 wrote after 3 wrote, with no raise in between"
+        );
         assert_eq!(state().await.unwrap().as_deref(), Some("{\"attempt\":3}"));
     }
 }
