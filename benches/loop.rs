@@ -440,107 +440,146 @@ async fn nats_echo_cpu(client: &async_nats::Client) -> f64 {
     machine_busy_ticks().saturating_sub(before) as f64 * 10.0 / N as f64
 }
 
-/// The floor: a NATS request/reply round trip with an echo responder.
-async fn nats_echo() -> (f64, f64) {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let responder = server.connect().await;
-    let mut sub = responder.subscribe("bench.echo").await.unwrap();
-    responder.flush().await.unwrap();
-    tokio::spawn(async move {
-        while let Some(m) = sub.next().await {
-            if let Some(reply) = m.reply {
-                let _ = responder.publish(reply, m.payload).await;
+/// The floors under a durable step: a NATS request/reply round trip with an echo responder, one
+/// small upsert committed on PostgreSQL, and one on SQLite opened as the checkpoint store opens
+/// its file (WAL, `synchronous = NORMAL`: a commit is written, not synced). Sampled once at the
+/// start, and again between the steps cases' turns, so a step is compared with the floors of the
+/// same minutes (this machine's speed drifts by 2× within them).
+struct Floors {
+    _server: NatsServer,
+    client: async_nats::Client,
+    pg: Option<sqlx::PgPool>,
+    sqlite: sqlx::SqlitePool,
+    _dir: tempfile::TempDir,
+    runs: usize,
+    echo: Vec<Duration>,
+    pg_commit: Vec<Duration>,
+    sqlite_commit: Vec<Duration>,
+}
+
+/// The p50s of the floors sampled since the last [`Floors::take`], in ms.
+struct FloorFigures {
+    echo: f64,
+    pg_commit: Option<f64>,
+    sqlite_commit: f64,
+}
+
+impl FloorFigures {
+    /// A durable step contains its checkpoint save, a request/reply to the store and a commit:
+    /// no step is faster than the two floors together.
+    fn step(&self, backend: &str) -> f64 {
+        self.echo
+            + match backend {
+                "postgres" => self.pg_commit.unwrap_or_default(),
+                _ => self.sqlite_commit,
             }
-        }
-    });
-    // The responder's interest can reach the client's side of the server a moment after its
-    // flush (once seen: `no responders` on the very first request); wait for it.
-    for _ in 0..100 {
-        if client.request("bench.echo", "x".into()).await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let p50 = median_of_3000(|_| async {
-        client
-            .request("bench.echo", vec![b'x'; 200].into())
-            .await
-            .unwrap();
-    })
-    .await;
-    (p50, nats_echo_cpu(&client).await)
 }
 
-/// The median time of `op`, run 3000 times (given the run's number), the first 500 a warm-up.
-async fn median_of_3000<F, Fut>(mut op: F) -> f64
-where
-    F: FnMut(usize) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let mut times = Vec::new();
-    for i in 0..3000 {
-        let start = Instant::now();
-        op(i).await;
-        if i >= 500 {
-            times.push(start.elapsed());
+const FLOOR_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS bench_floor (id TEXT PRIMARY KEY, state TEXT)";
+
+impl Floors {
+    async fn start(pg_url: Option<&str>) -> Floors {
+        let server = NatsServer::start();
+        let client = server.connect().await;
+        let responder = server.connect().await;
+        let mut sub = responder.subscribe("bench.echo").await.unwrap();
+        responder.flush().await.unwrap();
+        tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                if let Some(reply) = m.reply {
+                    let _ = responder.publish(reply, m.payload).await;
+                }
+            }
+        });
+        // The responder's interest can reach the client's side of the server a moment after its
+        // flush (once seen: `no responders` on the very first request); wait for it.
+        for _ in 0..100 {
+            if client.request("bench.echo", "x".into()).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let pg = match pg_url {
+            Some(url) => Some(sqlx::PgPool::connect(url).await.unwrap()),
+            None => None,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("floor.db").display());
+        let options = cyrene_sql::SqliteSettings::CHECKPOINTS
+            .connect_options(&url)
+            .unwrap();
+        let sqlite = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        sqlx::query(FLOOR_TABLE).execute(&sqlite).await.unwrap();
+        if let Some(pg) = &pg {
+            sqlx::query(FLOOR_TABLE).execute(pg).await.unwrap();
+        }
+        Floors {
+            _server: server,
+            client,
+            pg,
+            sqlite,
+            _dir: dir,
+            runs: 0,
+            echo: Vec::new(),
+            pg_commit: Vec::new(),
+            sqlite_commit: Vec::new(),
         }
     }
-    times.sort();
-    pct(&times, 0.5)
-}
 
-/// The floor: one small upsert committed on PostgreSQL.
-async fn pg_commit(url: &str) -> f64 {
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    sqlx::query("CREATE TABLE IF NOT EXISTS bench_floor (id TEXT PRIMARY KEY, state TEXT)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    median_of_3000(|i| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query(
-                "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
-                 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
-            )
-            .bind(format!("row-{}", i % 50))
-            .bind("{\"step\":1}")
-            .execute(&pool)
-            .await
-            .unwrap();
-        }
-    })
-    .await
-}
-
-/// The floor: one small upsert committed on SQLite, opened as the checkpoint store opens its
-/// file (WAL, `synchronous = NORMAL`: a commit is written, not synced).
-async fn sqlite_commit(dir: &std::path::Path) -> f64 {
-    let url = format!("sqlite://{}", dir.join("floor.db").display());
-    let options = cyrene_sql::SqliteSettings::CHECKPOINTS
-        .connect_options(&url)
-        .unwrap();
-    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    sqlx::query("CREATE TABLE IF NOT EXISTS bench_floor (id TEXT PRIMARY KEY, state TEXT)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    median_of_3000(|i| {
-        let pool = pool.clone();
-        async move {
+    /// `n` of each floor, kept for the next [`Floors::take`].
+    async fn sample(&mut self, n: usize) {
+        for _ in 0..n {
+            self.runs += 1;
+            let row = format!("row-{}", self.runs % 50);
+            let start = Instant::now();
+            self.client
+                .request("bench.echo", vec![b'x'; 200].into())
+                .await
+                .unwrap();
+            self.echo.push(start.elapsed());
+            if let Some(pg) = &self.pg {
+                let start = Instant::now();
+                sqlx::query(
+                    "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
+                     ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
+                )
+                .bind(&row)
+                .bind("{\"step\":1}")
+                .execute(pg)
+                .await
+                .unwrap();
+                self.pg_commit.push(start.elapsed());
+            }
+            let start = Instant::now();
             sqlx::query(
                 "INSERT INTO bench_floor (id, state) VALUES (?1, ?2) \
                  ON CONFLICT (id) DO UPDATE SET state = excluded.state",
             )
-            .bind(format!("row-{}", i % 50))
+            .bind(&row)
             .bind("{\"step\":1}")
-            .execute(&pool)
+            .execute(&self.sqlite)
             .await
             .unwrap();
+            self.sqlite_commit.push(start.elapsed());
         }
-    })
-    .await
+    }
+
+    /// The p50s of what was sampled since the last call; starts afresh.
+    fn take(&mut self) -> FloorFigures {
+        let p50 = |samples: &mut Vec<Duration>| {
+            samples.sort();
+            let p50 = pct(samples, 0.5);
+            samples.clear();
+            p50
+        };
+        FloorFigures {
+            echo: p50(&mut self.echo),
+            pg_commit: self.pg.is_some().then(|| p50(&mut self.pg_commit)),
+            sqlite_commit: p50(&mut self.sqlite_commit),
+        }
+    }
 }
 
 /// How long a request on `subject` takes until its `R` reply is decoded (at most 10 s).
@@ -693,34 +732,27 @@ async fn main() {
         "loop worker: per durable step, all four real services (scripted model through the real \
          gateway, no-op tool, real orchestrator steer, checkpoint every step)"
     );
-    let (echo, echo_cpu) = nats_echo().await;
     let pg = common::fresh_postgres("cyrene_bench").await;
-    let commit = match &pg {
-        Some(db) => Some(pg_commit(&db.url).await),
-        None => None,
-    };
+    let mut floors = Floors::start(pg.as_ref().map(|db| db.url.as_str())).await;
+    floors.sample(500).await; // warm-up
+    floors.take();
+    floors.sample(3000).await;
+    let at_start = floors.take();
+    let echo_cpu = nats_echo_cpu(&floors.client).await;
     println!(
-        "  floor: NATS request/reply echo p50 {echo:.3} ms; its CPU, 64 in flight: {:.0} µs a \
+        "  floor: NATS request/reply echo p50 {:.3} ms; its CPU, 64 in flight: {:.0} µs a \
          request/reply (requester, nats-server and responder together)",
+        at_start.echo,
         echo_cpu * 1000.0
     );
-    if let Some(commit) = commit {
+    if let Some(commit) = at_start.pg_commit {
         println!("  floor: one PostgreSQL upsert commit p50 {commit:.3} ms");
     }
-    let floor_dir = tempfile::tempdir().unwrap();
-    let sqlite_commit = sqlite_commit(floor_dir.path()).await;
     println!(
-        "  floor: one SQLite upsert commit p50 {sqlite_commit:.3} ms (WAL, synchronous = NORMAL, \
-         as the checkpoint store opens its file)"
+        "  floor: one SQLite upsert commit p50 {:.3} ms (WAL, synchronous = NORMAL, as the \
+         checkpoint store opens its file)",
+        at_start.sqlite_commit
     );
-    // A durable step contains its checkpoint save, a request/reply to the store and a commit:
-    // no step is faster than the two floors together.
-    let step_floor = |backend: &str| {
-        echo + match backend {
-            "postgres" => commit.unwrap_or_default(),
-            _ => sqlite_commit,
-        }
-    };
     let mut backends: Vec<(&str, Option<String>)> = vec![("sqlite", None)];
     match &pg {
         Some(db) => backends.insert(0, ("postgres", Some(db.url.clone()))),
@@ -752,7 +784,9 @@ async fn main() {
             for case in &mut cases {
                 case.turn().await;
             }
+            floors.sample(20).await;
         }
+        let beside = floors.take();
         let mut at_ten = None;
         for case in &mut cases {
             let window = case.window;
@@ -763,15 +797,15 @@ async fn main() {
             };
             let (row, base, rows) = bytes_written(&database, &case.session).await;
             let below_floor = |target: f64| {
-                let floor = step_floor(name);
+                let floor = beside.step(name);
                 let under = if target < floor {
                     ", the target under it"
                 } else {
                     ""
                 };
                 format!(
-                    "  target ≤ {target} ms: {} (this run's floor for a durable step, echo + \
-                     commit: {floor:.3} ms{under})",
+                    "  target ≤ {target} ms: {} (floor for a durable step, echo + commit, \
+                     sampled between these turns: {floor:.3} ms{under})",
                     met(p50 <= target)
                 )
             };
