@@ -33,15 +33,9 @@ impl Store {
         let outcome = encode(&req.outcome)?;
         let outcome = outcome.trim_matches('"').to_owned();
         let mut tx = self.begin().await?;
-        let Some((env, seq)) = self
+        let (env, seq) = self
             .lock_session(&mut tx, &req.session_id, answer.is_some())
-            .await?
-        else {
-            return Err(StoreError::NotFound(format!(
-                "no session {:?}",
-                req.session_id
-            )));
-        };
+            .await?;
         let now = now_ms();
         // The common case in one statement: the turn is this session's, still running, and this
         // attempt is not older than the recorded one (which it raises). Under the session lock

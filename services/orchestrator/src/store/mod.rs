@@ -356,13 +356,13 @@ impl Store {
     }
 
     /// Locks the session row and, with `take_seq`, takes its next seq in the same statement;
-    /// `None` when the session does not exist.
+    /// `not_found` when the session does not exist.
     async fn lock_session(
         &self,
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
         take_seq: bool,
-    ) -> Result<Option<(SessionEnv, Option<i64>)>, StoreError> {
+    ) -> Result<(SessionEnv, Option<i64>), StoreError> {
         let sql = match (take_seq, self.backend) {
             (true, _) => {
                 "UPDATE orch_sessions SET last_seq = last_seq + 1 WHERE id = $1 \
@@ -376,14 +376,14 @@ impl Store {
             .fetch_optional(&mut **tx)
             .await?;
         let Some(row) = row else {
-            return Ok(None);
+            return Err(StoreError::NotFound(format!("no session {session_id:?}")));
         };
         let env = decode_env(&row.try_get::<String, _>(0)?)?;
         let seq = match take_seq {
             true => Some(row.try_get(1)?),
             false => None,
         };
-        Ok(Some((env, seq)))
+        Ok((env, seq))
     }
 
     async fn running_turns(

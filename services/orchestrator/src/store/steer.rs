@@ -128,16 +128,7 @@ impl Store {
         tx: &mut Transaction<'static, Any>,
         req: TurnRef<'_>,
     ) -> Result<TurnRow, StoreError> {
-        if self
-            .lock_session(tx, req.session_id, false)
-            .await?
-            .is_none()
-        {
-            return Err(StoreError::NotFound(format!(
-                "no session {:?}",
-                req.session_id
-            )));
-        }
+        self.lock_session(tx, req.session_id, false).await?;
         self.fence(tx, req).await
     }
 
