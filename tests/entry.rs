@@ -277,8 +277,13 @@ fn docs_list_every_setting_of_every_service() {
     ];
     let mut table = String::from("| binary | flag | env | default |\n|---|---|---|---|\n");
     let mut row = |binary: &str, arg: &clap::Arg| {
-        let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+        let id = arg.get_id().as_str();
+        if matches!(id, "help" | "version") {
             return;
+        }
+        // Every setting is a flag with an env var (docs/operations.md, "Settings").
+        let (Some(long), Some(env)) = (arg.get_long(), arg.get_env()) else {
+            panic!("{binary}: setting {id:?} must have both a --flag and an env var");
         };
         let default: Vec<_> = arg
             .get_default_values()
@@ -319,4 +324,241 @@ fn docs_list_every_setting_of_every_service() {
         docs.contains(&table),
         "docs/operations.md (\"Settings\") must hold this table:\n{table}"
     );
+}
+
+/// An unparsable `NATS_URL` is a bad setting like any other: exit 2 before any connection, the
+/// URL named (its password hidden). It used to exit 1, as a failure to connect.
+#[tokio::test]
+async fn an_unparsable_nats_url_exits_2_and_is_named_without_its_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    for binary in [
+        "cyrene-model-gateway",
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        for url in ["http://127.0.0.1:4222", "nats://gw:s3cret@[::1"] {
+            let (code, stderr) = run_binary(
+                workspace_binary(binary),
+                &[],
+                &[
+                    ("NATS_URL", url),
+                    ("CYRENE_STORE_DATA_DIR", data),
+                    ("CYRENE_ORCHESTRATOR_DATA_DIR", data),
+                ],
+            )
+            .await;
+            assert_eq!(code, 2, "{binary} {url}: {stderr}");
+            assert!(
+                stderr.contains("invalid configuration") && stderr.contains("NATS_URL"),
+                "{binary} {url}: {stderr}"
+            );
+            assert!(!stderr.contains("s3cret"), "{binary}: {stderr}");
+        }
+    }
+    // The CLI too: a usage problem (2), not a failure to connect (1).
+    let out = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["probe"])
+        .env("NATS_URL", "http://127.0.0.1:4222")
+        .env("RUST_LOG", "off")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("NATS_URL"), "{stderr}");
+}
+
+/// Every field of every service's `Config` is set by a flag (each flag given a value other than
+/// its default, each field checked): a field added without a flag does not compile here (the
+/// destructuring names every field), and one whose flag is not wired fails.
+#[test]
+fn every_setting_of_every_service_is_a_flag() {
+    use clap::Parser;
+    use cyrene_bus::entry::ServiceArgs;
+    let s = Duration::from_secs;
+    let dir = tempfile::tempdir().unwrap();
+
+    let cyrene_loop_worker::Config {
+        concurrency,
+        consumer,
+        ack_wait,
+        max_deliver,
+        retry_delay,
+        model_timeout,
+        checkpoint_timeout,
+        steer_timeout,
+        tool_timeout,
+        ask_timeout,
+        tool_refresh,
+        shutdown_grace,
+        turns_replicas,
+    } = cyrene_loop_worker::Args::try_parse_from([
+        "cyrene-loop-worker",
+        "--concurrency=3",
+        "--consumer=w-2",
+        "--ack-wait=2s",
+        "--max-deliver=4",
+        "--retry-delay=5s",
+        "--model-timeout=6s",
+        "--checkpoint-timeout=7s",
+        "--steer-timeout=8s",
+        "--tool-timeout=9s",
+        "--ask-timeout=11s",
+        "--tool-refresh=12s",
+        "--shutdown-grace=13s",
+        "--turns-replicas=3",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(
+        (concurrency, consumer.as_str(), max_deliver, turns_replicas),
+        (3, "w-2", 4, 3)
+    );
+    assert_eq!(
+        [
+            ack_wait,
+            retry_delay,
+            model_timeout,
+            checkpoint_timeout,
+            steer_timeout,
+            tool_timeout,
+            ask_timeout,
+            tool_refresh,
+            shutdown_grace
+        ],
+        [s(2), s(5), s(6), s(7), s(8), s(9), s(11), s(12), s(13)]
+    );
+
+    let personas = dir.path().join("personas.json");
+    std::fs::write(
+        &personas,
+        r#"{"default":"zed","personas":[{"id":"zed","name":"Zed","instructions":"Be brief."}]}"#,
+    )
+    .unwrap();
+    let cyrene_orchestrator::Config {
+        database_url,
+        data_dir,
+        personas,
+        window,
+        max_steps,
+        busy,
+        max_message_bytes,
+        max_job_bytes,
+        max_document_bytes,
+        ask_timeout,
+        serve_agents,
+        sweep_interval,
+        dispatch_grace,
+        db_timeout,
+        pool,
+        max_in_flight,
+        turns_replicas,
+    } = cyrene_orchestrator::Args::try_parse_from([
+        "cyrene-orchestrator",
+        "--database-url=sqlite://o.db",
+        "--data-dir=/o",
+        &format!("--personas={}", personas.display()),
+        "--window=7",
+        "--max-steps=8",
+        "--parallel-sessions=ps",
+        "--parallel-clients=pc",
+        "--enqueue-sessions=es",
+        "--enqueue-clients=ec",
+        "--reject-sessions=rs",
+        "--reject-clients=rc",
+        "--max-message-bytes=100",
+        "--max-job-bytes=200",
+        "--max-document-bytes=300",
+        "--ask-timeout=4s",
+        "--no-agents",
+        "--sweep-interval=5s",
+        "--dispatch-grace=6s",
+        "--db-timeout=7s",
+        "--acquire-timeout=8s",
+        "--max-connections=9",
+        "--max-in-flight=10",
+        "--turns-replicas=3",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(database_url.as_deref(), Some("sqlite://o.db"));
+    assert_eq!(data_dir, std::path::PathBuf::from("/o"));
+    assert_eq!(personas.default, "zed");
+    let lists = |l: &cyrene_orchestrator::PolicyLists| {
+        [l.parallel.clone(), l.enqueue.clone(), l.reject.clone()].concat()
+    };
+    assert_eq!(lists(&busy.sessions), ["ps", "es", "rs"]);
+    assert_eq!(lists(&busy.clients), ["pc", "ec", "rc"]);
+    assert_eq!(
+        (window, max_steps, max_message_bytes, max_job_bytes),
+        (7, 8, 100, 200)
+    );
+    assert_eq!(
+        (
+            max_document_bytes,
+            serve_agents,
+            max_in_flight,
+            turns_replicas
+        ),
+        (300, false, 10, 3)
+    );
+    assert_eq!(
+        [ask_timeout, sweep_interval, dispatch_grace, db_timeout],
+        [s(4), s(5), s(6), s(7)]
+    );
+    assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
+
+    let cyrene_checkpoint_store::Config {
+        database_url,
+        data_dir,
+        max_state_bytes,
+        db_timeout,
+        pool,
+        max_in_flight,
+    } = cyrene_checkpoint_store::Args::try_parse_from([
+        "cyrene-checkpoint-store",
+        "--database-url=sqlite://c.db",
+        "--data-dir=/c",
+        "--max-state-bytes=100",
+        "--db-timeout=2s",
+        "--acquire-timeout=3s",
+        "--max-connections=4",
+        "--max-in-flight=5",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(database_url.as_deref(), Some("sqlite://c.db"));
+    assert_eq!(data_dir, std::path::PathBuf::from("/c"));
+    assert_eq!((max_state_bytes, db_timeout, max_in_flight), (100, s(2), 5));
+    assert_eq!((pool.max_connections, pool.acquire_timeout), (4, s(3)));
+
+    let models = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cli/offline-models.json");
+    let cyrene_model_gateway::Config {
+        models: read,
+        // API keys: read from the variables the model config names (`api_key_env`), not settings.
+        secrets: _,
+        serve,
+        http,
+    } = cyrene_model_gateway::Args::try_parse_from([
+        "cyrene-model-gateway",
+        &format!("--models={models}"),
+        "--max-in-flight=7",
+        "--http-addr=127.0.0.1:8088",
+        "--http-keys=k1,k2",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    let want = cyrene_model_gateway::config::ModelsConfig::from_file(std::path::Path::new(models))
+        .unwrap();
+    assert_eq!(format!("{read:?}"), format!("{want:?}"));
+    assert_eq!(serve.max_in_flight, 7);
+    let http = http.unwrap();
+    assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
+    assert!(!http.keys.is_empty());
 }

@@ -66,6 +66,9 @@ pub enum Command {
 pub enum CliError {
     #[error("{0}")]
     Failed(String),
+    /// A setting that cannot work (an unparsable `NATS_URL`, contradicting credentials).
+    #[error("{0}")]
+    Usage(String),
     #[error("timeout: {0}")]
     Timeout(String),
     #[error("no responder: {0}")]
@@ -78,6 +81,7 @@ impl CliError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::Failed(_) => 1,
+            CliError::Usage(_) => 2,
             CliError::Timeout(_) => 3,
             CliError::NoResponder(_) => 4,
             CliError::Remote(_) => 5,
@@ -90,7 +94,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
     let mut config = cli
         .bus
         .config(&person::connection_name(), ConnectMode::Client)
-        .map_err(CliError::Failed)?;
+        .map_err(CliError::Usage)?;
     config.inbox = cli.inbox_prefix.clone();
     let client = cyrene_bus::connect(&config).await.map_err(|e| {
         let at = config.redacted_urls().join(",");

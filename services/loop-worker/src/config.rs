@@ -1,6 +1,7 @@
 //! The loop worker's configuration.
 
 use cyrene_bus::entry::{Problems, ServiceArgs};
+use cyrene_protocol::ids::{self, IdKind};
 use std::time::Duration;
 
 /// In-progress acks per `ack_wait`: one every quarter, so three can be lost or late before a
@@ -64,25 +65,40 @@ impl Config {
     /// Refuses settings that cannot work.
     pub fn validate(&self) -> Result<(), Problems> {
         let mut problems = Vec::new();
-        if self.concurrency == 0 {
-            problems.push("concurrency must be at least 1");
-        }
-        if self.turns_replicas == 0 {
-            problems.push("turns_replicas must be at least 1");
-        }
-        if self.max_deliver == 0 {
-            problems.push("max_deliver must be at least 1");
+        for (name, n) in [
+            ("concurrency", self.concurrency),
+            ("turns_replicas", self.turns_replicas),
+            ("max_deliver", self.max_deliver as usize),
+        ] {
+            if n == 0 {
+                problems.push(format!("{name} must be at least 1"));
+            }
         }
         if self.ack_wait < Duration::from_millis(300) {
-            problems.push("ack_wait must be at least 300ms (in-progress acks go every quarter)");
+            problems.push(
+                "ack_wait must be at least 300ms (in-progress acks go every quarter)".to_owned(),
+            );
         }
-        if self.model_timeout.is_zero() {
-            problems.push("model_timeout must be longer than zero");
+        for (name, d) in [
+            ("model_timeout", self.model_timeout),
+            ("tool_timeout", self.tool_timeout),
+            ("checkpoint_timeout", self.checkpoint_timeout),
+            ("steer_timeout", self.steer_timeout),
+            ("ask_timeout", self.ask_timeout),
+            ("tool_refresh", self.tool_refresh),
+        ] {
+            if d.is_zero() {
+                problems.push(format!("{name} must be longer than zero"));
+            }
         }
-        if self.tool_timeout.is_zero() {
-            problems.push("tool_timeout must be longer than zero");
+        // A consumer name is one subject token.
+        if ids::validate(IdKind::Leg, &self.consumer).is_err() {
+            problems.push(format!(
+                "consumer {:?} must be 1-128 of [A-Za-z0-9_-]",
+                self.consumer
+            ));
         }
-        Problems::check(problems.into_iter().map(str::to_owned).collect())
+        Problems::check(problems)
     }
 }
 
@@ -115,6 +131,31 @@ pub struct Args {
     /// Replicas of the CYRENE_TURNS stream (e.g. 3 on a 3-node cluster); the orchestrator's value.
     #[arg(long, env = "CYRENE_WORKER_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
     pub turns_replicas: usize,
+    /// The durable JetStream consumer every worker shares (one name per deployment).
+    #[arg(
+        long,
+        env = "CYRENE_WORKER_CONSUMER",
+        default_value = "cyrene-loop-worker"
+    )]
+    pub consumer: String,
+    /// How long a retryable (nak'ed) job waits before it is delivered again.
+    #[arg(long, env = "CYRENE_WORKER_RETRY_DELAY", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub retry_delay: Duration,
+    /// Deadline of one checkpoint store request.
+    #[arg(long, env = "CYRENE_WORKER_CHECKPOINT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub checkpoint_timeout: Duration,
+    /// Deadline of one orchestrator request at a step boundary (steer, complete).
+    #[arg(long, env = "CYRENE_WORKER_STEER_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub steer_timeout: Duration,
+    /// Deadline of the ask_agent tool (one ask to another agent).
+    #[arg(long, env = "CYRENE_WORKER_ASK_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub ask_timeout: Duration,
+    /// How often external tools are discovered again.
+    #[arg(long, env = "CYRENE_WORKER_TOOL_REFRESH", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub tool_refresh: Duration,
+    /// How long a stopping worker lets running turns finish before leaving them to redelivery.
+    #[arg(long, env = "CYRENE_WORKER_SHUTDOWN_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub shutdown_grace: Duration,
 }
 
 impl ServiceArgs for Args {
@@ -123,12 +164,18 @@ impl ServiceArgs for Args {
     fn into_config(self) -> Result<Config, Problems> {
         let config = Config {
             concurrency: self.concurrency,
+            consumer: self.consumer,
             ack_wait: self.ack_wait,
             max_deliver: self.max_deliver,
+            retry_delay: self.retry_delay,
             model_timeout: self.model_timeout,
+            checkpoint_timeout: self.checkpoint_timeout,
+            steer_timeout: self.steer_timeout,
             tool_timeout: self.tool_timeout,
+            ask_timeout: self.ask_timeout,
+            tool_refresh: self.tool_refresh,
+            shutdown_grace: self.shutdown_grace,
             turns_replicas: self.turns_replicas,
-            ..Config::default()
         };
         config.validate()?;
         Ok(config)

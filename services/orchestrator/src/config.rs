@@ -263,6 +263,16 @@ pub struct Args {
     /// the same value.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_TURNS_REPLICAS", default_value_t = cyrene_bus::streams::DEFAULT_TURNS_REPLICAS)]
     pub turns_replicas: usize,
+    /// Byte budget of a turn job (below the server's max_payload); the oldest window messages
+    /// are left out to stay under it.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_JOB_BYTES", default_value_t = DEFAULT_MAX_JOB_BYTES)]
+    pub max_job_bytes: usize,
+    /// How often the sweeper republishes turn jobs whose dispatch JetStream never confirmed.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_SWEEP_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub sweep_interval: Duration,
+    /// How old an unconfirmed dispatch must be before the sweeper republishes it.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_DISPATCH_GRACE", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub dispatch_grace: Duration,
 }
 
 impl ServiceArgs for Args {
@@ -308,6 +318,9 @@ impl Args {
         };
         config.max_in_flight = self.max_in_flight;
         config.turns_replicas = self.turns_replicas;
+        config.max_job_bytes = self.max_job_bytes;
+        config.sweep_interval = self.sweep_interval;
+        config.dispatch_grace = self.dispatch_grace;
         Ok(config)
     }
 }

@@ -117,6 +117,7 @@ impl BusArgs {
         };
         let mut config = BusConfig::new(&self.nats_url, name, mode);
         config.auth = auth;
+        config.check_urls()?;
         Ok(config)
     }
 }
@@ -164,6 +165,26 @@ impl BusConfig {
             auth: Auth::Url,
             inbox: None,
         }
+    }
+
+    /// `Err` naming the first server URL the client could not dial (its password hidden), or
+    /// saying there is none: a configuration problem (exit 2), found before any connection.
+    pub fn check_urls(&self) -> Result<(), String> {
+        let dial = self.dial_urls();
+        if dial.is_empty() {
+            return Err(format!(
+                "NATS_URL (--nats-url) {:?} names no server",
+                self.url
+            ));
+        }
+        for (url, shown) in dial.iter().zip(self.redacted_urls()) {
+            if let Err(err) = url.parse::<async_nats::ServerAddr>() {
+                return Err(format!(
+                    "NATS_URL (--nats-url) {shown:?} is not a NATS server URL: {err}"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The server URLs with any password replaced by `***`, for logs and errors.
@@ -372,5 +393,37 @@ mod tests {
             creds.config("x", ConnectMode::Client).unwrap().auth,
             Auth::CredsFile("a.creds".into())
         );
+    }
+
+    #[test]
+    fn a_url_the_client_cannot_dial_is_a_configuration_problem_that_hides_the_password() {
+        let args = |url: &str| BusArgs {
+            nats_url: url.into(),
+            nats_user: None,
+            nats_password: None,
+            nats_creds: None,
+            nats_nkey: None,
+        };
+        for url in [
+            "nats://127.0.0.1:4222",
+            "127.0.0.1:4222",
+            "tls://a:1,nats://b:2",
+            "nats://gw:s3cret@n1:4222",
+        ] {
+            assert!(args(url).config("x", ConnectMode::Service).is_ok(), "{url}");
+        }
+        for (url, says) in [
+            ("http://127.0.0.1:4222", "invalid scheme"),
+            ("nats://gw:s3cret@[::1", "is not a NATS server URL"),
+            ("nats://a:1,nats://b:port", "nats://b:port"),
+            (" , ", "names no server"),
+        ] {
+            let err = args(url).config("x", ConnectMode::Service).unwrap_err();
+            assert!(
+                err.contains("NATS_URL") && err.contains(says),
+                "{url}: {err}"
+            );
+            assert!(!err.contains("s3cret"), "{err}");
+        }
     }
 }
