@@ -34,6 +34,8 @@ struct Consumption {
 
 struct World {
     bus: common::Bus,
+    /// External tools (`count`, `hold`, …), up before the workers discover their tools.
+    tools: Arc<common::TestTools>,
     consumption: Arc<Mutex<Consumption>>,
     database_url: Option<String>,
     data: tempfile::TempDir,
@@ -80,8 +82,10 @@ impl World {
         });
 
         let data = tempfile::tempdir().unwrap();
+        let tools = common::TestTools::start(client, bus.shutdown.clone()).await;
         let mut world = World {
             bus,
+            tools,
             consumption,
             database_url,
             data,
@@ -103,11 +107,17 @@ impl World {
 
     /// A service binary with this world's bus, data dir and database.
     fn service(&self, name: &str) -> Child {
+        self.service_with(name, &[])
+    }
+
+    /// [`World::service`] with more environment.
+    fn service_with(&self, name: &str, more: &[(&str, &str)]) -> Child {
         let data = self.data.path().display().to_string();
         let mut envs = vec![
             ("CYRENE_STORE_DATA_DIR", data.as_str()),
             ("CYRENE_ORCHESTRATOR_DATA_DIR", data.as_str()),
         ];
+        envs.extend_from_slice(more);
         if let Some(url) = &self.database_url {
             envs.push(("DATABASE_URL", url.as_str()));
         }
@@ -116,7 +126,12 @@ impl World {
 
     /// An orchestrator process, once it answers `$SRV.PING`.
     async fn orchestrator(&self) -> Child {
-        let child = self.service("cyrene-orchestrator");
+        self.orchestrator_with(&[]).await
+    }
+
+    /// [`World::orchestrator`] with more environment.
+    async fn orchestrator_with(&self, more: &[(&str, &str)]) -> Child {
+        let child = self.service_with("cyrene-orchestrator", more);
         wait_for_service(&self.bus.client, "cyrene-orchestrator").await;
         child
     }
@@ -591,4 +606,72 @@ async fn an_ask_back_along_its_chain_is_an_error_result_not_a_stall() {
             .iter()
             .all(|m| !m.text_content().starts_with("hello me"))
     }));
+}
+
+/// D16 (issue 29): a message sent while a tool runs, into a turn whose deadline passes before
+/// the tool ends, is not consumed by that cancelled turn: it is answered by a turn of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sent_into_a_turn_past_its_deadline_gets_a_turn_of_its_own() {
+    let rules = json!([{"contains": "picnic", "tool_calls": [{"name": "hold"}],
+        "after_tools": "found: {tool_results}"}]);
+    let world = World::scripted(None, rules).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *world.tools.gate.lock().unwrap() = Some(gate.clone());
+    let timeout_ms = 1_500;
+    let personas = world.data.path().join("personas.json");
+    let document = json!({"default": "cyrene", "personas": [
+        {"id": "cyrene", "name": "昔涟", "turn_timeout_ms": timeout_ms}]});
+    std::fs::write(&personas, document.to_string()).unwrap();
+    let personas = personas.display().to_string();
+    let _orchestrator = world
+        .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
+        .await;
+
+    let first = world
+        .send("sd", "search my notes about the picnic", "sd-1")
+        .await;
+    let tools = world.tools.clone();
+    common::eventually("the held tool started", Duration::from_secs(30), || {
+        tools
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(name, _)| name == "hold")
+    })
+    .await;
+    let second = world.send("sd", "and the weather?", "sd-2").await;
+    // The turn's deadline (counted from before its tool started) passes; then the tool ends.
+    tokio::time::sleep(Duration::from_millis(timeout_ms + 200)).await;
+    *world.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+
+    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let history = world.history("sd").await;
+            let entry = |id: &str| {
+                history
+                    .messages
+                    .iter()
+                    .find(|e| e.id == id)
+                    .map(|e| e.turn_id.clone())
+                    .unwrap_or_default()
+            };
+            let (first_turn, second_turn) = (entry(&first.message_id), entry(&second.message_id));
+            let answer = history.messages.iter().find(|e| {
+                e.message.role == Role::Assistant
+                    && !second_turn.is_empty()
+                    && e.turn_id == second_turn
+            });
+            if let Some(answer) = answer {
+                return (first_turn, second_turn, answer.message.text_content());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let (first_turn, second_turn, answer) =
+        answered.expect("the second message is answered by a turn");
+    assert_ne!(first_turn, second_turn, "taken in by the cancelled turn");
+    assert_eq!(answer, "echo: and the weather?");
 }

@@ -571,3 +571,205 @@ fn completion_count(stack: &Stack, turn: &str) -> usize {
         .copied()
         .unwrap_or(0)
 }
+
+/// The `tool_choice` values a dialect's schema accepts: Anthropic only objects
+/// (`auto`/`any`/`tool`/`none`), OpenAI strings (`none`/`auto`/`required`) or a named function.
+fn tool_choice_fits(protocol: &str, choice: &Value) -> bool {
+    match protocol {
+        "anthropic" => {
+            choice.is_object()
+                && ["auto", "any", "tool", "none"].contains(&choice["type"].as_str().unwrap_or(""))
+        }
+        _ => {
+            ["none", "auto", "required"].contains(&choice.as_str().unwrap_or(""))
+                || (choice["type"] == "function" && choice["function"]["name"].is_string())
+        }
+    }
+}
+
+/// A provider of `protocol` that refuses (400) a `tool_choice` its schema does not accept, and
+/// keeps calling `current_time` until tool use is switched off, then answers in text.
+async fn a_tool_happy_provider(protocol: &'static str) -> wiremock::MockServer {
+    let server = wiremock::MockServer::start().await;
+    let respond = move |request: &wiremock::Request| {
+        let body: Value = request.body_json().unwrap();
+        let choice = body.get("tool_choice").cloned();
+        if let Some(choice) = &choice
+            && !tool_choice_fits(protocol, choice)
+        {
+            let error = json!({"type": "error", "error": {"type": "invalid_request_error",
+                "message": format!("tool_choice: invalid value {choice}")}});
+            return wiremock::ResponseTemplate::new(400).set_body_json(error);
+        }
+        let off = choice.is_some();
+        let reply = match (protocol, off) {
+            ("anthropic", false) => json!({"id": "msg_1", "type": "message", "role": "assistant",
+                "model": "m", "content": [{"type": "tool_use", "id": format!("toolu_{}", rand_id()),
+                "name": "current_time", "input": {}}], "stop_reason": "tool_use",
+                "usage": {"input_tokens": 3, "output_tokens": 2}}),
+            ("anthropic", true) => json!({"id": "msg_2", "type": "message", "role": "assistant",
+                "model": "m", "content": [{"type": "text", "text": "From what I found: noon."}],
+                "stop_reason": "end_turn", "usage": {"input_tokens": 3, "output_tokens": 2}}),
+            (_, false) => json!({"id": "c1", "model": "m", "choices": [{"index": 0,
+                "message": {"role": "assistant", "content": null, "tool_calls": [{"id":
+                format!("call_{}", rand_id()), "type": "function", "function": {"name": "current_time",
+                "arguments": "{}"}}]}, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
+            (_, true) => json!({"id": "c2", "model": "m", "choices": [{"index": 0,
+                "message": {"role": "assistant", "content": "From what I found: noon."},
+                "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
+        };
+        wiremock::ResponseTemplate::new(200).set_body_json(reply)
+    };
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(respond)
+        .mount(&server)
+        .await;
+    server
+}
+
+fn rand_id() -> String {
+    cyrene_protocol::ids::new_id()
+}
+
+/// D17 (issue 29): the step-limit safety net answers on both dialects: its `tool_choice` is the
+/// neutral `{"type":"none"}`, which Anthropic takes as is and the OpenAI dialect sends as
+/// `"none"`, each against a provider that enforces its own schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_safety_net_answers_on_both_dialects() {
+    for protocol in ["anthropic", "openai"] {
+        let upstream = a_tool_happy_provider(protocol).await;
+        let stack = stack_over(protocol, &upstream).await;
+        let ports = NatsPorts::new(
+            stack.client.clone(),
+            Tools::new(
+                stack.client.clone(),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            ),
+            Timeouts {
+                model: Duration::from_secs(10),
+                checkpoint: Duration::from_secs(5),
+                steer: Duration::from_secs(2),
+            },
+        );
+        let mut j = job(
+            &format!("tn-{protocol}"),
+            &format!("sn-{protocol}"),
+            "what time?",
+        );
+        j.max_steps = 2;
+        let end = run_turn(&ports, &j, 1, &RunnerConfig::default()).await;
+        let TurnEnd::Complete(done) = end else {
+            panic!("{protocol}: {end:?}");
+        };
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "safety_net"),
+            "{protocol}"
+        );
+        assert_eq!(
+            done.message.unwrap().text_content(),
+            "From what I found: noon.",
+            "{protocol}"
+        );
+        let requests = upstream.received_requests().await.unwrap();
+        assert_eq!(
+            requests.len(),
+            3,
+            "{protocol}: two steps and the safety net"
+        );
+        let last: Value = requests[2].body_json().unwrap();
+        let sent = if protocol == "anthropic" {
+            json!({"type": "none"})
+        } else {
+            json!("none")
+        };
+        assert_eq!(last["tool_choice"], sent, "{protocol}");
+    }
+}
+
+/// A stack whose gateway (in this process) has one provider of `protocol` at `upstream`.
+async fn stack_over(protocol: &str, upstream: &wiremock::MockServer) -> Stack {
+    let stack = Stack::start_with(rules(), None, false).await;
+    let models: cyrene_model_gateway::config::ModelsConfig = serde_json::from_value(json!({
+        "providers": {"p": {"protocol": protocol, "base_url": upstream.uri(),
+            "models": {"m": {}}}},
+        "groups": {"g": [{"provider": "p", "model": "m"}]}, "active_group": "g"}))
+    .unwrap();
+    let gateway = cyrene_model_gateway::Gateway::new(
+        models,
+        &cyrene_model_gateway::config::Secrets::default(),
+        cyrene_model_gateway::http_client().unwrap(),
+    )
+    .unwrap();
+    tokio::spawn(cyrene_model_gateway::serve(
+        Arc::new(gateway),
+        stack.server.connect().await,
+        cyrene_bus::service::ServeOptions::default(),
+        stack.shutdown.clone(),
+    ));
+    common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
+    stack
+}
+
+/// D18 (issue 29): a provider answers with text but `finish_reason: "tool_calls"` and no calls
+/// (vLLM tool-parser failures, some proxies). The worker saves the answer and is SIGKILLed
+/// before its report lands; the redelivery reports the same answer: no second model call, no
+/// second `final` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_saved_before_a_kill_is_reported_again_not_answered_twice() {
+    let upstream = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_json(json!({
+            "id": "c", "model": "m", "choices": [{"index": 0,
+            "message": {"role": "assistant", "content": "It is noon."},
+            "finish_reason": "tool_calls"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})))
+        .mount(&upstream)
+        .await;
+    let stack = stack_over("openai", &upstream).await;
+    let mut events = session_events(&stack, "sk").await;
+    let orchestrator = stack.orchestrator.clone();
+    orchestrator
+        .refuse_completions
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut first = stack.worker_process("first");
+    stack.dispatch(&job("tk", "sk", "what time is it?")).await;
+
+    // The answer is saved and the report is being sent: the worker dies there.
+    common::eventually("the first report was sent", Duration::from_secs(30), || {
+        orchestrator
+            .refused
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+    })
+    .await;
+    first.start_kill().unwrap(); // SIGKILL
+    first.wait().await.unwrap();
+    orchestrator
+        .refuse_completions
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+
+    let (_second, done) = finished_by_a_second_worker(&stack, "tk", "reported").await;
+    assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+    assert_eq!(
+        upstream.received_requests().await.unwrap().len(),
+        1,
+        "the model was asked again"
+    );
+    assert_eq!(done.stop_reason, "stop");
+    let mut finals = 0;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), events.next()).await {
+        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        finals += usize::from(event.kind == SessionEventType::Final);
+    }
+    assert_eq!(finals, 1, "one final event");
+    let settled = state(&stack.checkpoints("sk").await[0]);
+    assert_eq!(
+        (settled.stop_reason.as_str(), settled.finish_reason.as_str()),
+        ("stop", "tool_calls"),
+        "settled under the loop's stop, the provider's reason beside it"
+    );
+}

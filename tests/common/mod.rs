@@ -372,6 +372,10 @@ pub struct FakeOrchestrator {
     attempts: Mutex<HashMap<String, u32>>,
     pub completions: Mutex<Vec<TurnComplete>>,
     pub completed: Notify,
+    /// While set, every completion is refused (`unavailable`) unrecorded, as if each report
+    /// were lost on the way; `refused` counts them.
+    pub refuse_completions: std::sync::atomic::AtomicBool,
+    pub refused: std::sync::atomic::AtomicUsize,
 }
 
 impl FakeOrchestrator {
@@ -470,6 +474,14 @@ impl FakeOrchestrator {
     }
 
     fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.refuse_completions.load(SeqCst) {
+            self.refused.fetch_add(1, SeqCst);
+            return Err(ErrorBody::new(
+                ErrorCode::Unavailable,
+                "the report was lost",
+            ));
+        }
         self.fence(&req.turn_id, req.attempt)?;
         let mut completions = self.completions.lock().unwrap();
         let first = !completions.iter().any(|c| c.turn_id == req.turn_id);

@@ -6,7 +6,8 @@
 //! never settled it. Everything else starts fresh at step 1.
 //!
 //! # Invariants
-//! - Resume only from `tool_calls`. A final answer, a guardrail refusal, an exhausted budget or
+//! - Resume only from `tool_calls`, and never a window that ends in a final answer (an
+//!   assistant message without tool calls), whatever its stop reason says. A final answer, a guardrail refusal, an exhausted budget or
 //!   a safety-net stop is a finished run (resuming would regenerate an answer); `canceled`,
 //!   `aborted` and `error` are settled unfinished exits the next turn must not inherit; an
 //!   empty stop reason cannot prove a crash.
@@ -34,6 +35,10 @@ pub const FIRST_STEP: u32 = 1;
 pub mod stop_reason {
     /// A step ended with tool calls whose results are in the window: the only resumable one.
     pub const TOOL_CALLS: &str = "tool_calls";
+    /// A step's model call answered without tool calls: the final answer, whatever finish
+    /// reason the provider gave (kept beside it as `finish_reason`; a provider may say
+    /// `tool_calls` with no calls, which must never make an answered turn resumable).
+    pub const STOP: &str = "stop";
     /// The turn's deadline had passed at a boundary: no further step started.
     pub const CANCELED: &str = "canceled";
     /// The turn's deadline passed during a model call, which was abandoned.
@@ -51,6 +56,16 @@ pub mod stop_reason {
 /// Whether a checkpoint that ended with `stop_reason` is a crash-left run that may resume.
 pub fn resumable_stop_reason(stop_reason: &str) -> bool {
     stop_reason == stop_reason::TOOL_CALLS
+}
+
+/// Whether a checkpointed window ends in a final answer: an assistant message without tool
+/// calls. A window left mid tool loop ends in tool results, so such a row is a finished run
+/// whatever stop reason it was saved under (rows written before the loop owned its stop reasons
+/// could say `tool_calls`), and is never resumed.
+pub fn holds_final_answer(messages: &[Message]) -> bool {
+    messages.last().is_some_and(|m| {
+        m.role == Role::Assistant && !m.content.iter().any(|p| matches!(p, Part::ToolCall { .. }))
+    })
 }
 
 /// The comparison key of a user message: text and tool-result parts verbatim, `\0img:` + URL for
@@ -120,9 +135,11 @@ pub enum FreshReason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ResumeDecision {
     /// Continue a crash-left run: use the snapshot's window and run `next_step` next.
+    /// `steered_ids` are the steered messages the run had already taken in.
     Resume {
         messages: Vec<Message>,
         next_step: u32,
+        steered_ids: Vec<String>,
     },
     /// Start at step 1 with the job's seeded messages.
     Fresh { reason: FreshReason },
@@ -158,7 +175,7 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
             });
         }
     };
-    if !resumable_stop_reason(&state.stop_reason) {
+    if !resumable_stop_reason(&state.stop_reason) || holds_final_answer(&state.messages) {
         return ResumeDecision::fresh(FreshReason::NotResumable {
             stop_reason: state.stop_reason,
         });
@@ -169,6 +186,7 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
     ResumeDecision::Resume {
         messages: state.messages,
         next_step: checkpoint.step.saturating_add(1),
+        steered_ids: state.steered_ids,
     }
 }
 
@@ -204,6 +222,7 @@ mod tests {
             step,
             messages,
             stop_reason: stop_reason.into(),
+            finish_reason: String::new(),
             turn_id: "t1".into(),
             steered_ids: vec![],
         };
@@ -240,7 +259,8 @@ mod tests {
             decision,
             ResumeDecision::Resume {
                 messages: window,
-                next_step
+                next_step,
+                steered_ids: vec![],
             }
         );
         decision
@@ -514,6 +534,26 @@ mod tests {
         }
     }
 
+    /// D18: a provider said `tool_calls` without calls and the row was saved under it (before
+    /// the loop owned its stop reasons): the window ends in the answer, so it is never resumed.
+    #[test]
+    fn a_row_holding_a_final_answer_is_never_resumed_whatever_its_stop_reason() {
+        let mut window = vec![user("q1")];
+        window.extend(tool_step());
+        window.push(assistant("It is noon."));
+        let cp = checkpoint(2, window.clone(), stop_reason::TOOL_CALLS);
+        assert!(holds_final_answer(&window));
+        assert!(matches!(
+            decide(Some(cp), &[user("q1")]),
+            ResumeDecision::Fresh {
+                reason: FreshReason::NotResumable { .. }
+            }
+        ));
+        // Mid tool loop the window ends in results: resumable.
+        assert!(!holds_final_answer(&window[..3]));
+        assert!(!holds_final_answer(&window[..2]), "calls without results");
+    }
+
     #[test]
     fn crash_left_checkpoint_resumes_at_the_next_step_with_its_window() {
         let decision = assert_crash_left_resumes(2, &[user("q1")], 3);
@@ -579,7 +619,8 @@ mod tests {
             decide(Some(cp), &[user("q1")]),
             ResumeDecision::Resume {
                 messages: window,
-                next_step: 3
+                next_step: 3,
+                steered_ids: vec![],
             }
         );
     }

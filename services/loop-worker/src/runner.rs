@@ -7,7 +7,9 @@
 //!   assistant's messages and tool results.
 //! - **Checkpoint after every step** under the turn's owner key (`session` or `session#leg`) with
 //!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
-//!   resumable stop reason); every other exit — final answer, `safety_net` answer, budget
+//!   resumable stop reason, and only the loop writes it: a final answer is saved as `stop`
+//!   whatever the provider's finish reason, which goes beside it as `finish_reason`; a row
+//!   that holds a final answer is never resumed); every other exit — final answer, `safety_net` answer, budget
 //!   exhausted, deadline at a boundary (`canceled`) or during a model call (`aborted`), error —
 //!   is settled by a non-resumable checkpoint before it is reported. A checkpoint is a delta
 //!   (docs/checkpoint-store.md, "Incremental checkpoints"): the turn's base once, then only what
@@ -21,6 +23,10 @@
 //!   `cyrene.turn.steer`; later ones take what the orchestrator pushed meanwhile, with no round
 //!   trip (docs/orchestrator.md, "Steering"). A failed steer or a lost push yields nothing; the
 //!   messages are handed back at completion and answered later.
+//! - **Taken in means answered.** A steered message counts as taken in (checkpointed and
+//!   reported in `steered_ids`) only once a model call whose view held it has answered; a turn
+//!   past its deadline steers no more. Any other claimed message is handed back at completion
+//!   and gets a turn of its own (D16: never consumed by a turn that ends first).
 //! - **Fencing.** A `conflict` from a checkpoint save or a steer means a newer attempt of this
 //!   turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
 //! - **Overlap, never reorder.** After a tool batch, the step's checkpoint save, the next
@@ -89,9 +95,12 @@ impl Default for RunnerConfig {
 
 /// How the step loop ended, before settling.
 enum Exit {
+    /// An answer, settled under a loop-owned stop reason (`stop` or `safety_net`); the
+    /// provider's raw finish reason goes beside it, never in its place.
     Final {
         message: Box<Message>,
-        stop_reason: String,
+        stop_reason: &'static str,
+        finish_reason: String,
     },
     Budget,
     /// The deadline had passed at a boundary: no further step started.
@@ -116,6 +125,12 @@ struct Turn<'a, P> {
     stored: Option<usize>,
     seed: usize,
     steered: Vec<SteeredMessage>,
+    /// The ids of `steered` messages this turn has taken in: a model call whose view held them
+    /// answered (or, for a resumed turn, the resumed checkpoint says one did). Only these are
+    /// reported and checkpointed as `steered_ids`; every other claimed message goes back to
+    /// pending at completion and is answered as a turn of its own (docs/loop-worker.md,
+    /// "Steering").
+    taken_in: Vec<String>,
     after_seq: u64,
     /// What the orchestrator pushes to this turn; once the first steer of the delivery has
     /// answered, later boundaries take from here instead of asking.
@@ -165,15 +180,19 @@ pub async fn run_turn<P: TurnPorts>(
     }
     let decision = resume::decide(latest, &job.messages);
     let next_step = decision.next_step();
-    let (window, stored) = match decision {
-        ResumeDecision::Resume { messages, .. } => {
+    let (window, stored, taken_in) = match decision {
+        ResumeDecision::Resume {
+            messages,
+            steered_ids,
+            ..
+        } => {
             tracing::info!(turn = %job.turn_id, next_step, "resuming from checkpoint");
             let held = messages.len();
-            (messages, Some(held))
+            (messages, Some(held), steered_ids)
         }
         ResumeDecision::Fresh { reason } => {
             tracing::debug!(turn = %job.turn_id, ?reason, "starting fresh");
-            (job.messages.clone(), None)
+            (job.messages.clone(), None, Vec::new())
         }
     };
     let seed = window.len();
@@ -193,6 +212,7 @@ pub async fn run_turn<P: TurnPorts>(
         stored,
         seed,
         steered: Vec::new(),
+        taken_in,
         after_seq: job.base_seq,
         input,
         asked: false,
@@ -231,16 +251,14 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             self.event(SessionEventType::Step, |e| e.at_step = Some(step))
                 .await;
             if response.tool_calls.is_empty() {
-                let stop = if response.stop_reason.is_empty() {
-                    "stop".to_owned()
-                } else {
-                    response.stop_reason.clone()
-                };
+                // The loop's own stop, whatever the provider said: a provider may finish with
+                // `tool_calls` and no calls, which must not leave a resumable row (D18).
                 let message = Box::new(self.assistant_message(&response));
                 return (
                     Exit::Final {
                         message,
-                        stop_reason: stop,
+                        stop_reason: stop_reason::STOP,
+                        finish_reason: response.stop_reason,
                     },
                     step,
                 );
@@ -268,7 +286,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             // next tool batch starts only once both are back, so no new side effect happens
             // before this step is durable (or this attempt learns it was fenced off).
             let ports = self.ports;
-            let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS);
+            let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS, "");
             let covered = self.window.len();
             let (saved, next) = tokio::join!(
                 ports.save_checkpoint(checkpoint),
@@ -285,12 +303,17 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         }
     }
 
-    /// The boundary before `step` (steer), then its model call.
+    /// The boundary before `step` (steer), then its model call. A turn past its deadline steers
+    /// no more (seed 000); what a steer merged counts as taken in only once the model call that
+    /// saw it has answered.
     async fn boundary_then_model(
         &mut self,
         step: u32,
         config: &RunnerConfig,
     ) -> Result<ModelResponse, Exit> {
+        if self.past_deadline() {
+            return Err(Exit::Deadline);
+        }
         self.steer(step).await?;
         if self.past_deadline() {
             return Err(Exit::Deadline);
@@ -298,12 +321,16 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         self.resolve_documents().await;
         let request = self.step_request(config);
         let request = self.resolve_images(request).await;
+        let seen = self.steered.len();
         // The held view is lent to the call (taken out of the turn, put back after it).
         let mut view = std::mem::take(&mut self.view);
         let result = self.model_call(request, Some((step, &mut view))).await;
         self.view = view;
         match result? {
-            Ok(response) => Ok(response),
+            Ok(response) => {
+                self.took_in(seen);
+                Ok(response)
+            }
             Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
             Err(err) => Err(Exit::Failed(err)),
         }
@@ -351,15 +378,19 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         request
             .messages
             .push(Message::text(Role::System, SAFETY_NET_NOTE));
-        request.tool_choice = Some(serde_json::Value::String("none".to_owned()));
+        // The neutral form (docs/model-gateway.md): Anthropic's own, mapped to `"none"` for the
+        // OpenAI dialect. OpenAI's bare string would be sent verbatim to Anthropic and refused.
+        request.tool_choice = Some(serde_json::json!({"type": "none"}));
         match self.model_call(request, None).await {
             Err(exit) => exit,
             Ok(Ok(response))
                 if response.tool_calls.is_empty() && !response.content.trim().is_empty() =>
             {
+                self.took_in(self.steered.len());
                 Exit::Final {
                     message: Box::new(self.assistant_message(&response)),
-                    stop_reason: stop_reason::SAFETY_NET.to_owned(),
+                    stop_reason: stop_reason::SAFETY_NET,
+                    finish_reason: response.stop_reason,
                 }
             }
             Ok(Ok(_)) => Exit::Budget,
@@ -372,6 +403,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
 
     /// Settles every exit: a non-resumable checkpoint, an event, the completion to report.
     async fn settle(mut self, exit: Exit, step: u32, config: &RunnerConfig) -> TurnEnd {
+        let mut finish = String::new();
         let (outcome, stop, message, error) = match exit {
             Exit::Stale => return TurnEnd::Stale,
             Exit::Retry(err) if self.attempt < config.max_attempts => {
@@ -388,9 +420,16 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             Exit::Final {
                 message,
                 stop_reason,
+                finish_reason,
             } => {
                 self.window.push((*message).clone());
-                (TurnOutcome::Final, stop_reason, Some(*message), None)
+                finish = finish_reason;
+                (
+                    TurnOutcome::Final,
+                    stop_reason.to_owned(),
+                    Some(*message),
+                    None,
+                )
             }
             Exit::Budget => (
                 TurnOutcome::BudgetExhausted,
@@ -413,7 +452,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         };
         let saved = self
             .ports
-            .save_checkpoint(self.checkpoint(step, &stop))
+            .save_checkpoint(self.checkpoint(step, &stop, &finish))
             .await;
         if self.saved(saved, self.window.len()).is_err() {
             return TurnEnd::Stale;
@@ -438,7 +477,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             message,
             stop_reason: stop,
             steps: step,
-            steered_ids: self.steered.iter().map(|s| s.id.clone()).collect(),
+            steered_ids: self.taken_in.clone(),
             error,
         }))
     }
@@ -575,16 +614,17 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     /// The step's checkpoint as a delta (docs/checkpoint-store.md, "Incremental checkpoints"):
     /// the window's messages past what the store holds, and the turn's base when it holds none.
     /// Its size does not grow with the window.
-    fn checkpoint(&self, step: u32, stop: &str) -> Checkpoint {
-        let steered_ids: Vec<String> = self.steered.iter().map(|s| s.id.clone()).collect();
+    fn checkpoint(&self, step: u32, stop: &str, finish: &str) -> Checkpoint {
+        let steered_ids = &self.taken_in;
         let from = self.stored.unwrap_or(self.seed).min(self.window.len());
         let state = CheckpointStateRef {
             step,
             from: Some(from),
             messages: &self.window[from..],
             stop_reason: stop,
+            finish_reason: finish,
             turn_id: &self.job.turn_id,
-            steered_ids: &steered_ids,
+            steered_ids,
         };
         #[derive(serde::Serialize)]
         struct Base<'m> {
@@ -694,6 +734,16 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         Ok(())
     }
 
+    /// The first `seen` steered messages were in the view of a model call that answered: they
+    /// are taken in (reported in `steered_ids`, no longer handed back).
+    fn took_in(&mut self, seen: usize) {
+        for message in &self.steered[..seen.min(self.steered.len())] {
+            if !self.taken_in.contains(&message.id) {
+                self.taken_in.push(message.id.clone());
+            }
+        }
+    }
+
     fn past_deadline(&self) -> bool {
         self.job
             .deadline_unix_ms
@@ -709,17 +759,25 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 }
 
-/// A redelivered job whose turn already reached a settled checkpoint: rebuild its completion,
-/// steered messages included, exactly as the first report said it.
+/// A redelivered job whose turn already reached a settled checkpoint — any stop reason but
+/// `tool_calls`, or a row whose window ends in a final answer whatever it says (D18) —: rebuild
+/// its completion, steered messages included, exactly as the first report said it.
 fn already_settled(
     job: &TurnJob,
     attempt: u32,
     latest: Option<&Checkpoint>,
 ) -> Option<TurnComplete> {
     let checkpoint = latest?;
-    let state: CheckpointState = checkpoint.state.parse().ok()?;
-    if state.turn_id != job.turn_id || resume::resumable_stop_reason(&state.stop_reason) {
+    let mut state: CheckpointState = checkpoint.state.parse().ok()?;
+    let answered = resume::holds_final_answer(&state.messages);
+    if state.turn_id != job.turn_id
+        || (resume::resumable_stop_reason(&state.stop_reason) && !answered)
+    {
         return None;
+    }
+    if resume::resumable_stop_reason(&state.stop_reason) {
+        // A row saved under the provider's `tool_calls` though it holds the answer (D18).
+        state.stop_reason = stop_reason::STOP.to_owned();
     }
     let (outcome, message) = match state.stop_reason.as_str() {
         stop_reason::BUDGET_EXHAUSTED => (TurnOutcome::BudgetExhausted, None),
@@ -785,6 +843,8 @@ pub(crate) mod tests {
         model_delay: Mutex<Option<std::time::Duration>>,
         /// The contexts tools were called with.
         tool_contexts: Mutex<Vec<ToolContext>>,
+        /// Every tool runs until this unix millisecond (the turn's deadline passes during it).
+        tool_until: Mutex<Option<u64>>,
         /// How many of the next saves fail (without landing).
         failing_saves: Mutex<usize>,
         /// Saves as sent (deltas) and the window they rebuild.
@@ -898,6 +958,10 @@ pub(crate) mod tests {
         async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
             self.tool_contexts.lock().unwrap().push(context.clone());
             self.tool_runs.lock().unwrap().push(call.id.clone());
+            let until = *self.tool_until.lock().unwrap();
+            while until.is_some_and(|until| now_unix_ms() <= until) {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
             ToolOutput::ok(format!("result of {}", call.id))
         }
         async fn publish(&self, event: SessionEvent) {
@@ -1226,6 +1290,53 @@ pub(crate) mod tests {
         assert!(again.saved.lock().unwrap().is_empty());
     }
 
+    /// D18: a provider that finishes with `tool_calls` but sends no calls. The answer is
+    /// settled as the loop's `stop` (the raw reason beside it), and a redelivery after the save
+    /// reports it again instead of calling the model for a second answer.
+    #[tokio::test]
+    async fn an_answer_the_provider_calls_tool_calls_is_settled_and_never_answered_twice() {
+        let mut odd = reply_text("It is noon.").unwrap();
+        odd.stop_reason = "tool_calls".into();
+        let first = Fake::scripted([Ok(odd)]);
+        let done = completed(run_turn(&first, &job(), 1, &CFG).await);
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "stop")
+        );
+        let settled = first.saved.lock().unwrap().last().cloned().unwrap();
+        let saved = state(&settled);
+        assert_eq!(
+            (saved.stop_reason.as_str(), saved.finish_reason.as_str()),
+            ("stop", "tool_calls")
+        );
+
+        let again = Fake::scripted([reply_text("a second answer")]);
+        *again.latest.lock().unwrap() = Some(settled.clone());
+        let redone = completed(run_turn(&again, &job(), 2, &CFG).await);
+        assert_eq!(redone.message.unwrap().text_content(), "It is noon.");
+        assert!(again.requests.lock().unwrap().is_empty(), "asked again");
+        assert!(
+            again.events.lock().unwrap().is_empty(),
+            "a second final event"
+        );
+
+        // A row an older worker saved under the provider's `tool_calls`: the same.
+        let mut legacy = settled;
+        let mut map = legacy.state.to_map();
+        map.insert("stop_reason".into(), serde_json::json!("tool_calls"));
+        map.remove("finish_reason");
+        legacy.state = map.into();
+        let old = Fake::scripted([reply_text("a second answer")]);
+        *old.latest.lock().unwrap() = Some(legacy);
+        let redone = completed(run_turn(&old, &job(), 2, &CFG).await);
+        assert_eq!(
+            (redone.outcome, redone.stop_reason.as_str()),
+            (TurnOutcome::Final, "stop")
+        );
+        assert_eq!(redone.message.unwrap().text_content(), "It is noon.");
+        assert!(old.requests.lock().unwrap().is_empty(), "asked again");
+    }
+
     #[tokio::test]
     async fn a_settled_turn_is_reported_again_with_its_steered_messages() {
         let first = Fake::scripted([reply_text("Noon, and sunny.")]);
@@ -1474,6 +1585,135 @@ pub(crate) mod tests {
         }
     }
 
+    fn steered(id: &str, seq: u64, text: &str) -> SteeredMessage {
+        SteeredMessage {
+            id: id.into(),
+            seq,
+            message: Message::text(Role::User, text),
+        }
+    }
+
+    /// D16: the deadline passes while step 1's tool runs and a message waits to be steered in at
+    /// step 2. The turn ends without taking it (no steer, not in `steered_ids` or a checkpoint),
+    /// so the orchestrator hands it back to pending and it gets a turn of its own.
+    #[tokio::test]
+    async fn a_message_waiting_when_the_deadline_passes_is_not_taken_in() {
+        let fake = Fake::scripted([reply_tools(&["c1"]), reply_text("too late")]);
+        fake.steers.lock().unwrap().extend([
+            Ok(SteerResponse::default()),
+            Ok(SteerResponse {
+                messages: vec![steered("m2", 2, "and the weather?")],
+            }),
+        ]);
+        let mut j = job();
+        let deadline = now_unix_ms() + 2_000;
+        j.deadline_unix_ms = Some(deadline);
+        *fake.tool_until.lock().unwrap() = Some(deadline);
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+
+        assert_eq!(done.outcome, TurnOutcome::Cancelled);
+        assert_eq!(fake.requests.lock().unwrap().len(), 1, "step 1 ran");
+        assert!(done.steered_ids.is_empty(), "{:?}", done.steered_ids);
+        assert_eq!(
+            fake.steer_requests.lock().unwrap().len(),
+            1,
+            "a turn past its deadline steers no more"
+        );
+        for cp in fake.saved.lock().unwrap().iter() {
+            assert!(state(cp).steered_ids.is_empty(), "{}", cp.id);
+        }
+    }
+
+    /// D16: a message counts as taken in only once a model call that saw it answered. Attempt 1
+    /// steers `m2` in and dies before its model call answers; attempt 2 (a redelivery past the
+    /// deadline, or one whose model call fails) must not report `m2` as taken in.
+    #[tokio::test]
+    async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() {
+        let first = Fake::scripted([reply_text("never sent")]);
+        *first.model_delay.lock().unwrap() = Some(std::time::Duration::from_secs(3600));
+        first.steers.lock().unwrap().push_back(Ok(SteerResponse {
+            messages: vec![steered("m2", 2, "and the weather?")],
+        }));
+        let crashed = tokio::time::timeout(
+            std::time::Duration::from_millis(300),
+            run_turn(&first, &job(), 1, &CFG),
+        )
+        .await;
+        assert!(crashed.is_err(), "attempt 1 died in its model call");
+        assert_eq!(first.steer_requests.lock().unwrap().len(), 1);
+
+        // The orchestrator answers attempt 2's first steer with everything claimed for the turn.
+        let again = || {
+            let fake = Fake::default();
+            fake.steers.lock().unwrap().push_back(Ok(SteerResponse {
+                messages: vec![steered("m2", 2, "and the weather?")],
+            }));
+            fake
+        };
+        // Redelivered after the deadline: cancelled, and m2 goes back to pending.
+        let late = again();
+        let mut j = job();
+        j.deadline_unix_ms = Some(1);
+        let done = completed(run_turn(&late, &j, 2, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Cancelled);
+        assert!(done.steered_ids.is_empty(), "{:?}", done.steered_ids);
+
+        // Redelivered on its last attempt and the model call fails: an error, m2 not taken in.
+        let failing = again();
+        failing
+            .replies
+            .lock()
+            .unwrap()
+            .push_back(Err(ErrorBody::new(ErrorCode::Upstream, "400")));
+        let done = completed(run_turn(&failing, &job(), 3, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Error);
+        assert!(done.steered_ids.is_empty(), "{:?}", done.steered_ids);
+        assert!(failing.saved_state(0).steered_ids.is_empty());
+
+        // Redelivered and answered: m2 was in the answering call's view, so it is taken in.
+        let answered = again();
+        answered
+            .replies
+            .lock()
+            .unwrap()
+            .push_back(reply_text("sunny"));
+        let done = completed(run_turn(&answered, &job(), 2, &CFG).await);
+        assert_eq!(done.steered_ids, ["m2"]);
+        assert_eq!(answered.saved_state(0).steered_ids, ["m2"]);
+    }
+
+    /// A resumed turn keeps what its checkpoint says was taken in, even when it ends before a
+    /// model call of its own.
+    #[tokio::test]
+    async fn a_resumed_turn_keeps_the_messages_its_checkpoint_took_in() {
+        let first = Fake::scripted([reply_tools(&["c1"]), reply_tools(&["c2"])]);
+        first.steers.lock().unwrap().extend([
+            Ok(SteerResponse::default()),
+            Ok(SteerResponse {
+                messages: vec![steered("m2", 2, "and the date")],
+            }),
+        ]);
+        let mut j = job();
+        j.max_steps = 4;
+        // Step 2 saw m2 and asked for tools; its row is what a crash after its save leaves.
+        let _ = run_turn(&first, &j, 1, &CFG).await;
+        let step2 = first
+            .saved
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|c| c.step == 2)
+            .cloned()
+            .unwrap();
+        assert_eq!(state(&step2).steered_ids, ["m2"]);
+
+        let late = Fake::resuming(Some(step2));
+        j.deadline_unix_ms = Some(1);
+        let done = completed(run_turn(&late, &j, 2, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Cancelled);
+        assert_eq!(done.steered_ids, ["m2"]);
+    }
+
     #[tokio::test]
     async fn a_passed_deadline_settles_as_cancelled() {
         let fake = Fake::default();
@@ -1530,7 +1770,7 @@ pub(crate) mod tests {
         );
         assert_eq!(*fake.tool_runs.lock().unwrap(), ["a", "b"]);
         let last = fake.requests.lock().unwrap().last().cloned().unwrap();
-        assert_eq!(last.tool_choice, Some(serde_json::json!("none")));
+        assert_eq!(last.tool_choice, Some(serde_json::json!({"type": "none"})));
         assert_eq!(
             last.messages.last().unwrap().text_content(),
             SAFETY_NET_NOTE

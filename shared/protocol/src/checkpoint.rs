@@ -60,8 +60,14 @@ impl Checkpoint {
 pub struct CheckpointState {
     pub step: u32,
     pub messages: Vec<Message>,
+    /// The loop's own stop reason (docs/loop-worker.md): only `tool_calls` is resumable.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub stop_reason: String,
+    /// The provider's raw finish reason of the answering call (`stop`, `length`, `end_turn`,
+    /// even `tool_calls` from a provider that says so without calls), kept beside the loop's
+    /// `stop_reason` for reading only: it never decides a resume.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub finish_reason: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub turn_id: String,
     /// The ids of the messages steered into the turn so far (they live only in the view, never in
@@ -81,6 +87,8 @@ pub struct CheckpointStateRef<'a> {
     pub messages: &'a [Message],
     #[serde(skip_serializing_if = "str::is_empty")]
     pub stop_reason: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub finish_reason: &'a str,
     #[serde(skip_serializing_if = "str::is_empty")]
     pub turn_id: &'a str,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
@@ -264,6 +272,7 @@ mod tests {
             step: 3,
             messages: vec![Message::text(Role::User, "hi")],
             stop_reason: "tool_calls".into(),
+            finish_reason: String::new(),
             turn_id: "t1".into(),
             steered_ids: vec![],
         };
@@ -272,6 +281,7 @@ mod tests {
             from: None,
             messages: &state.messages,
             stop_reason: &state.stop_reason,
+            finish_reason: &state.finish_reason,
             turn_id: &state.turn_id,
             steered_ids: &state.steered_ids,
         };
