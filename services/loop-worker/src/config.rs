@@ -24,6 +24,9 @@ pub struct Config {
     pub ack_wait: Duration,
     /// Deliveries of one job before it is given up and reported as an error.
     pub max_deliver: u32,
+    /// Extractions of one PDF that never ended (each one a worker that died extracting it)
+    /// after which the document is not extracted again (crate::extractions).
+    pub poison_after: u32,
     /// How long to wait for a nak'ed (retryable) job before redelivery.
     pub retry_delay: Duration,
     pub model_timeout: Duration,
@@ -47,6 +50,7 @@ impl Default for Config {
             consumer: "cyrene-loop-worker".to_owned(),
             ack_wait: DEFAULT_ACK_WAIT,
             max_deliver: 10,
+            poison_after: 2,
             retry_delay: Duration::from_secs(1),
             model_timeout: Duration::from_secs(120),
             checkpoint_timeout: Duration::from_secs(5),
@@ -72,6 +76,9 @@ impl Config {
         }
         if self.max_deliver == 0 {
             problems.push("max_deliver must be at least 1");
+        }
+        if self.poison_after == 0 {
+            problems.push("poison_after must be at least 1");
         }
         if self.ack_wait < Duration::from_millis(300) {
             problems.push("ack_wait must be at least 300ms (in-progress acks go every quarter)");
@@ -106,6 +113,10 @@ pub struct Args {
     /// Deliveries of a job before it is reported as failed.
     #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]
     pub max_deliver: u32,
+    /// Extractions of one PDF that never ended (workers that died extracting it) before the
+    /// document is not extracted again (docs/loop-worker.md, "Poison documents").
+    #[arg(long, env = "CYRENE_WORKER_POISON_AFTER", default_value_t = 2)]
+    pub poison_after: u32,
     /// Deadline of one model call (the whole fallback chain).
     #[arg(long, env = "CYRENE_WORKER_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub model_timeout: Duration,
@@ -125,6 +136,7 @@ impl ServiceArgs for Args {
             concurrency: self.concurrency,
             ack_wait: self.ack_wait,
             max_deliver: self.max_deliver,
+            poison_after: self.poison_after,
             model_timeout: self.model_timeout,
             tool_timeout: self.tool_timeout,
             turns_replicas: self.turns_replicas,
