@@ -496,6 +496,69 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
     );
 }
 
+/// The poison-document rule (docs/loop-worker.md, "Poison documents"): a PDF whose extraction
+/// was started twice and never ended — two workers died extracting it — is not extracted again
+/// and reads as "could not extract", so the job completes instead of killing the next worker;
+/// another PDF of the same message still reads, and its finished extraction leaves no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
+    let world = World::start().await;
+    let poison = world
+        .upload("s1", "bomb.pdf", "", &tiny_pdf("Never shown 1234"), 1024)
+        .await
+        .unwrap();
+    let fine = world
+        .upload("s1", "fine.pdf", "", &tiny_pdf("Quarterly revenue 4711"), 1024)
+        .await
+        .unwrap();
+    let (poison_name, poison_mime, _, poison_size) = parts(&poison);
+    let (fine_name, ..) = parts(&fine);
+    // What two workers that died while extracting `poison` left behind.
+    let js = async_nats::jetstream::new(world.bus.client.clone());
+    let record = js
+        .get_key_value("CYRENE_EXTRACTIONS")
+        .await
+        .expect("the worker made the bucket at start");
+    record.put(&poison_name, "2".into()).await.unwrap();
+
+    let content = vec![
+        Part::Text {
+            text: "read both".into(),
+        },
+        poison.part.clone(),
+        fine.part.clone(),
+    ];
+    world.send("s1", content).await.unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
+                r.messages
+                    .into_iter()
+                    .find(|m| m.role == Role::User && m.text_content().contains("read both"))
+            });
+            if let Some(message) = asked {
+                return message;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the turn reached the model");
+    let texts: Vec<String> = seen.content.iter().map(|p| match p {
+        Part::Text { text } => text.clone(),
+        _ => String::new(),
+    }).collect();
+    assert_eq!(
+        texts[1],
+        format!("[文档] {poison_name}（{poison_mime}，{poison_size} 字节）：未能提取文字内容。")
+    );
+    assert!(texts[2].contains("Quarterly revenue 4711"), "{}", texts[2]);
+    // The poison record stays; the finished extraction cleared its own.
+    let count = |v: Option<bytes::Bytes>| v.map(|v| String::from_utf8_lossy(&v).into_owned());
+    assert_eq!(count(record.get(&poison_name).await.unwrap()).as_deref(), Some("2"));
+    assert_eq!(count(record.get(&fine_name).await.unwrap()), None);
+}
+
 /// `cyrene send --file` and `/attach` in `cyrene chat` upload the file and send it with the
 /// message; its text reaches the model.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

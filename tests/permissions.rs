@@ -371,6 +371,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, N, P, N, N, N, N, N, N],
         ),
         (
+            "$KV.CYRENE_EXTRACTIONS.d-1",
+            "a PDF extraction is recorded",
+            [N, N, N, P, N, N, N, N, N, N],
+        ),
+        (
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.CYRENE_TURNS.loop-workers",
             "a turn ran out of deliveries",
             [N, N, N, S, N, N, N, N, N, N],

@@ -13,6 +13,11 @@
 //!
 //! and the stack still answers a well-formed request afterwards.
 //!
+//! Hostile clients of another kind run in the same stack ([`hostile_phases`]), counted in the
+//! same figures: a PDF bomb (a 40 KB file of four million empty text operations, issue 30 H2)
+//! sent in a message, with the loop worker under a memory cap ([`WORKER_MEMORY_CAP`]) — its turn
+//! is answered, the worker lives.
+//!
 //! - `make test` runs a slice ([`a_slice_of_malformed_requests_costs_no_crash_hang_or_unstructured_reply`]).
 //! - `make fuzz` runs the full run (`#[ignore]`d here): `CYRENE_FUZZ_REQUESTS` (default 12,000)
 //!   requests of seed `CYRENE_FUZZ_SEED` (default 1); the figures are printed.
@@ -65,6 +70,8 @@ struct Figures {
     requests: usize,
     by_endpoint: BTreeMap<Endpoint, Tally>,
     by_kind: BTreeMap<Kind, usize>,
+    /// The hostile phases ([`hostile_phases`]), by name.
+    by_phase: BTreeMap<&'static str, Tally>,
     crashes: Vec<String>,
     took: Duration,
 }
@@ -95,6 +102,18 @@ impl Figures {
                 tally.hangs,
                 tally.errors,
                 tally.largest_reply
+            );
+        }
+        for (phase, tally) in &self.by_phase {
+            println!(
+                "{:<34} {:>6} {:>6} {:>6} {:>6} {:>6}  {:?}",
+                phase,
+                tally.sent,
+                tally.ok,
+                0,
+                0,
+                tally.hangs,
+                tally.unstructured
             );
         }
         let errors = self.total(|t| t.errors.values().sum());
@@ -183,7 +202,12 @@ impl Stack {
                 ("RUST_LOG", "off"),
                 ("CYRENE_WORKER_ACK_WAIT", "2s"),
             ];
-            children.push((name, common::service(name, &server.url(), &envs)));
+            let child = if name == "cyrene-loop-worker" {
+                capped_service(name, &server.url(), &envs)
+            } else {
+                common::service(name, &server.url(), &envs)
+            };
+            children.push((name, child));
             common::wait_for_service(&client, name).await;
         }
         Stack {
@@ -204,6 +228,92 @@ impl Stack {
             })
             .collect()
     }
+}
+
+/// The loop worker's address-space cap in the fuzz stack: an unbounded extraction of the PDF
+/// bomb needs several times this, the bounded one a small part of it.
+const WORKER_MEMORY_CAP: u64 = 1024 * 1024 * 1024;
+
+/// `name` started like [`common::service`], under [`WORKER_MEMORY_CAP`] (`prlimit --as`).
+fn capped_service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::process::Child {
+    let mut cmd = tokio::process::Command::new("prlimit");
+    cmd.arg(format!("--as={WORKER_MEMORY_CAP}"))
+        .arg("--")
+        .arg(common::workspace_binary(name))
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("prlimit (util-linux) runs the capped worker")
+}
+
+/// The hostile clients that are not malformed requests, each counted as one request of its
+/// own row: the answer it expects came (`ok`), or it is a hang.
+async fn hostile_phases(stack: &Stack, figures: &mut Figures) {
+    let tally = figures.by_phase.entry("pdf bomb in a message").or_default();
+    tally.sent += 1;
+    match pdf_bomb_is_answered(&stack.client).await {
+        Ok(()) => tally.ok += 1,
+        Err(why) => {
+            tally.hangs += 1;
+            tally.unstructured.push(why);
+        }
+    }
+}
+
+/// Uploads a PDF bomb, sends it in a message, and waits for the turn's answer.
+async fn pdf_bomb_is_answered(client: &async_nats::Client) -> Result<(), String> {
+    use base64::Engine as _;
+    use cyrene_protocol::document::{DOCUMENT_UPLOAD, UploadAck, UploadRequest};
+    let bomb = cyrene_test_support::pdf::pdf_bomb(4_000_000);
+    let wait = Duration::from_secs(10);
+    let mut upload_id = String::new();
+    let chunks: Vec<&[u8]> = bomb.chunks(256 * 1024).collect();
+    let mut document = None;
+    for (seq, chunk) in chunks.iter().enumerate() {
+        let request = UploadRequest {
+            session_id: "bomb".into(),
+            name: "report.pdf".into(),
+            mime: String::new(),
+            upload_id: upload_id.clone(),
+            seq: seq as u32,
+            data: base64::engine::general_purpose::STANDARD.encode(chunk),
+            last: seq + 1 == chunks.len(),
+        };
+        let ack: UploadAck = cyrene_bus::request_json(client, DOCUMENT_UPLOAD, &request, wait)
+            .await
+            .map_err(|e| format!("upload: {e}"))?;
+        upload_id = ack.upload_id;
+        document = ack.document;
+    }
+    let document = document.ok_or("the upload issued no document")?;
+    let send = serde_json::json!({"session_id": "bomb", "message": {"role": "user",
+        "content": [{"type": "text", "text": "summarise this"}, document.part]},
+        "client_id": "fuzz", "idempotency_key": "bomb"});
+    let _: Value = cyrene_bus::request_json(client, "cyrene.session.send", &send, wait)
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let history = serde_json::json!({"session_id": "bomb"});
+    let answered = async {
+        loop {
+            let seen: Result<Value, _> =
+                cyrene_bus::request_json(client, "cyrene.session.history", &history, wait).await;
+            if let Ok(seen) = seen
+                && seen["messages"]
+                    .as_array()
+                    .is_some_and(|m| m.iter().any(|m| m["message"]["role"] == "assistant"))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), answered)
+        .await
+        .map_err(|_| "the turn carrying the PDF bomb was not answered in 60 s".to_owned())
 }
 
 /// Sends `count` cases of `seed` and returns what became of them.
@@ -298,6 +408,7 @@ async fn run(seed: u64, count: usize) -> Figures {
             figures.by_endpoint.entry(endpoint).or_default().hangs += 1;
         }
     }
+    hostile_phases(&stack, &mut figures).await;
     figures.took = started.elapsed();
 
     // Crashes: a process gone, or a service connection replaced (a reconnect).
@@ -330,6 +441,9 @@ fn check(figures: &Figures) {
     assert!(figures.crashes.is_empty(), "crashes: {:?}", figures.crashes);
     let hangs = figures.total(|t| t.hangs);
     assert_eq!(hangs, 0, "requests without a reply in time");
+    for (phase, tally) in &figures.by_phase {
+        assert_eq!(tally.ok, tally.sent, "{phase}: {:?}", tally.unstructured);
+    }
     for (endpoint, tally) in &figures.by_endpoint {
         assert!(
             tally.unstructured.is_empty(),

@@ -25,6 +25,9 @@ pub struct Config {
     pub ack_wait: Duration,
     /// Deliveries of one job before it is given up and reported as an error.
     pub max_deliver: u32,
+    /// Extractions of one PDF that never ended (each one a worker that died extracting it)
+    /// after which the document is not extracted again (crate::extractions).
+    pub poison_after: u32,
     /// How long to wait for a nak'ed (retryable) job before redelivery.
     pub retry_delay: Duration,
     pub model_timeout: Duration,
@@ -48,6 +51,7 @@ impl Default for Config {
             consumer: "cyrene-loop-worker".to_owned(),
             ack_wait: DEFAULT_ACK_WAIT,
             max_deliver: 10,
+            poison_after: 2,
             retry_delay: Duration::from_secs(1),
             model_timeout: Duration::from_secs(120),
             checkpoint_timeout: Duration::from_secs(5),
@@ -73,6 +77,9 @@ impl Config {
             if n == 0 {
                 problems.push(format!("{name} must be at least 1"));
             }
+        }
+        if self.poison_after == 0 {
+            problems.push("poison_after must be at least 1".to_owned());
         }
         if self.ack_wait < Duration::from_millis(300) {
             problems.push(
@@ -122,6 +129,10 @@ pub struct Args {
     /// Deliveries of a job before it is reported as failed.
     #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]
     pub max_deliver: u32,
+    /// Extractions of one PDF that never ended (workers that died extracting it) before the
+    /// document is not extracted again (docs/loop-worker.md, "Poison documents").
+    #[arg(long, env = "CYRENE_WORKER_POISON_AFTER", default_value_t = 2)]
+    pub poison_after: u32,
     /// Deadline of one model call (the whole fallback chain).
     #[arg(long, env = "CYRENE_WORKER_MODEL_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub model_timeout: Duration,
@@ -168,6 +179,7 @@ impl ServiceArgs for Args {
             ack_wait: self.ack_wait,
             max_deliver: self.max_deliver,
             retry_delay: self.retry_delay,
+            poison_after: self.poison_after,
             model_timeout: self.model_timeout,
             checkpoint_timeout: self.checkpoint_timeout,
             steer_timeout: self.steer_timeout,

@@ -11,10 +11,15 @@
 //!   manifest line. The text is cut to [`MAX_TEXT_CHARS`] characters, with [`TRUNCATED_NOTE`].
 //! - Each reference is resolved at most once per turn attempt ([`DocumentTexts`] caches it,
 //!   failures included), so every step of the turn shows the same text.
-//! - Extraction never takes the worker down: PDF parsing runs on a blocking thread and a panic
-//!   there is a failed extraction.
+//! - Extraction never takes the worker down: PDF text is read under the fixed budgets of
+//!   [`crate::pdf::PdfLimits`] (bytes inflated, objects, operations, fonts), so a PDF bomb fails
+//!   the same way every time, as "could not extract" (the manifest line); it runs on a blocking
+//!   thread, a panic there is a failed extraction, and [`EXTRACT_TIMEOUT`] is a last backstop.
+//! - A PDF whose extraction stopped workers before is not extracted again
+//!   ([`crate::extractions`]: recorded before, cleared after).
 
 use crate::assemble::{DocumentExtractor, DocumentRef};
+use crate::extractions::Start;
 use crate::ports::TurnPorts;
 use cyrene_protocol::document;
 use cyrene_protocol::message::{Message, Part};
@@ -25,6 +30,9 @@ use std::collections::HashMap;
 pub const MAX_TEXT_CHARS: usize = 32_000;
 /// The most bytes the worker reads of one document (the orchestrator's default limit).
 pub const MAX_FETCH_BYTES: u64 = 8 * 1024 * 1024;
+/// The longest the worker waits for one extraction (a backstop: the budgets of
+/// [`crate::pdf::PdfLimits`] already bound the work; a timed-out thread finishes within them).
+pub const EXTRACT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: the seeds define no wording).
 pub const TRUNCATED_NOTE: &str = "[文档过长，以上只是开头部分]";
 
@@ -54,31 +62,31 @@ pub async fn extract_text(mime: &str, bytes: Vec<u8>) -> Option<String> {
             let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
             Some(String::from_utf8_lossy(body).into_owned())
         }
-        "application/pdf" => match tokio::task::spawn_blocking(move || pdf_text(&bytes)).await {
-            Ok(text) => text,
-            Err(err) => {
-                tracing::warn!(error = %err, "PDF extraction panicked");
-                None
+        "application/pdf" => {
+            let work = tokio::task::spawn_blocking(move || pdf_text(&bytes));
+            match tokio::time::timeout(EXTRACT_TIMEOUT, work).await {
+                Ok(Ok(text)) => text,
+                Ok(Err(err)) => {
+                    tracing::warn!(error = %err, "PDF extraction panicked");
+                    None
+                }
+                Err(_) => {
+                    tracing::warn!(timeout = ?EXTRACT_TIMEOUT, "PDF extraction timed out");
+                    None
+                }
             }
-        },
+        }
         _ => None,
     }
 }
 
-/// The text of every page of a PDF, in page order.
+/// The text of a PDF's pages in page order, within [`crate::pdf::PdfLimits::DEFAULT`]; `None`
+/// when it is not a readable PDF or goes over a budget.
 pub fn pdf_text(bytes: &[u8]) -> Option<String> {
-    let doc = match lopdf::Document::load_mem(bytes) {
-        Ok(doc) => doc,
-        Err(err) => {
-            tracing::info!(error = %err, "not a readable PDF");
-            return None;
-        }
-    };
-    let pages: Vec<u32> = doc.get_pages().keys().copied().collect();
-    match doc.extract_text(&pages) {
+    match crate::pdf::text(bytes, &crate::pdf::PdfLimits::DEFAULT) {
         Ok(text) => Some(text),
         Err(err) => {
-            tracing::info!(error = %err, "no text in the PDF");
+            tracing::info!(error = %err, "no text extracted from a PDF");
             None
         }
     }
@@ -144,11 +152,11 @@ impl DocumentTexts {
         url: &str,
         mime: &str,
     ) -> Option<String> {
-        if document::name_of_url(url).is_none() {
+        let Some(name) = document::name_of_url(url) else {
             // Never fetched: only server-issued references are resolved.
             tracing::warn!(%url, "document part without a server-issued reference");
             return None;
-        }
+        };
         if !readable(mime) {
             return None;
         }
@@ -159,8 +167,18 @@ impl DocumentTexts {
                 return None;
             }
         };
-        // The stored type decides, not the part's.
-        let text = extract_text(&fetched.mime, fetched.bytes.clone()).await?;
+        // The stored type decides, not the part's. Only PDF parsing is risky enough to record
+        // (crate::extractions): the text types are a bounded copy.
+        let risky = fetched.mime == "application/pdf";
+        if risky && let Start::Poison(earlier) = ports.extraction_start(name).await {
+            tracing::warn!(document = name, earlier, "document stopped workers before; not extracted again");
+            return None;
+        }
+        let text = extract_text(&fetched.mime, fetched.bytes.clone()).await;
+        if risky {
+            ports.extraction_end(name).await;
+        }
+        let text = text?;
         if text.trim().is_empty() {
             return None;
         }

@@ -5,7 +5,8 @@
 //! - [`attribution`], [`notice`], [`resume`], [`assemble`]: the semantics of one step's view and
 //!   of resuming, with the seeds' exact wording; no I/O.
 //! - [`runner`]: one turn step by step against the [`ports::TurnPorts`] trait.
-//! - [`documents`]: documents resolved by reference and their text extracted for the view;
+//! - [`documents`]: documents resolved by reference and their text extracted for the view
+//!   ([`pdf`]: PDF text within fixed budgets; [`extractions`]: the poison-document rule);
 //!   [`images`]: images described for a main model without vision; [`memory`]: the
 //!   working-memory and memory blocks.
 //! - [`tools`]: built-in and discovered tools; [`nats`]: the ports over NATS.
@@ -16,10 +17,12 @@ pub mod attribution;
 pub mod config;
 pub mod deltas;
 pub mod documents;
+pub mod extractions;
 pub mod images;
 pub mod memory;
 pub mod nats;
 pub mod notice;
+pub mod pdf;
 pub mod ports;
 pub mod resume;
 pub mod runner;
@@ -114,11 +117,13 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         checkpoint: config.checkpoint_timeout,
         steer: config.steer_timeout,
     };
-    let ports = Arc::new(nats::NatsPorts::new(
-        client.clone(),
-        tools.clone(),
-        timeouts,
-    ));
+    let extractions = retry_until(&shutdown, "create the CYRENE_EXTRACTIONS bucket", || {
+        extractions::Extractions::open(&js, config.turns_replicas, config.poison_after)
+    })
+    .await?;
+    let ports = Arc::new(
+        nats::NatsPorts::new(client.clone(), tools.clone(), timeouts).with_extractions(extractions),
+    );
 
     {
         let (tools, every, shutdown) = (tools.clone(), config.tool_refresh, shutdown.clone());

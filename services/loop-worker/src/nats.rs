@@ -38,6 +38,9 @@ pub struct NatsPorts {
     streams: std::sync::Arc<cyrene_bus::model_stream::StreamInbox>,
     tools: Tools,
     timeouts: Timeouts,
+    /// The record of PDF extractions in progress (the poison-document rule); `None` records
+    /// nothing.
+    extractions: Option<crate::extractions::Extractions>,
 }
 
 impl NatsPorts {
@@ -51,7 +54,14 @@ impl NatsPorts {
             checkpoints,
             tools,
             timeouts,
+            extractions: None,
         }
+    }
+
+    /// These ports with PDF extractions recorded in `extractions`.
+    pub fn with_extractions(mut self, extractions: crate::extractions::Extractions) -> NatsPorts {
+        self.extractions = Some(extractions);
+        self
     }
 
     /// One short request to another service (steer, route, document chunk, memory), bounded by
@@ -258,6 +268,19 @@ impl TurnPorts for NatsPorts {
 
     async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
         self.tools.call(context, call).await
+    }
+
+    async fn extraction_start(&self, name: &str) -> crate::extractions::Start {
+        match &self.extractions {
+            Some(record) => record.start(name).await,
+            None => crate::extractions::Start::Go,
+        }
+    }
+
+    async fn extraction_end(&self, name: &str) {
+        if let Some(record) = &self.extractions {
+            record.end(name).await;
+        }
     }
 
     async fn document(&self, session_id: &str, url: &str) -> Result<FetchedDocument, ErrorBody> {

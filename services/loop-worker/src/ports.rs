@@ -190,6 +190,21 @@ pub trait TurnPorts: Send + Sync {
         }
     }
 
+    /// Records that stored document `name` is about to be extracted (crate::extractions):
+    /// [`Start::Poison`](crate::extractions::Start::Poison) when earlier extractions of it never
+    /// ended, and it must not be tried again. The default records nothing.
+    fn extraction_start(
+        &self,
+        _name: &str,
+    ) -> impl Future<Output = crate::extractions::Start> + Send {
+        async { crate::extractions::Start::Go }
+    }
+
+    /// Records that the extraction of `name` ended. The default records nothing.
+    fn extraction_end(&self, _name: &str) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
     /// The persona's memory for a session (`cyrene.memory.read`, docs/memory.md). The default
     /// has no memory.
     fn memory(
