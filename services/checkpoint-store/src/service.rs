@@ -10,6 +10,9 @@
 //!   (`person-latest`, `person-get`, `person-list`); the shared `get` and `list` never reach a
 //!   person's ([`may_read`], docs/security.md "People"). The shared `latest` is the loop worker's
 //!   (it resumes every session); the shipped NATS config grants it to nobody else.
+//! - Only the shared `latest` raises a turn's attempt record (a fenced read, `attempt` set): a
+//!   person's `latest` with an `attempt` is `forbidden` before the store is touched
+//!   ([`may_fence`]).
 //! - On shutdown the endpoints stop taking requests, in-flight handlers finish, then the pool is
 //!   closed.
 //!
@@ -99,6 +102,7 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
     let latest = || {
         with_state(store, move |s, req: LatestRequest, ctx| async move {
             may_read(&ctx.subject, &req.agent_id)?;
+            may_fence(&ctx.subject, req.attempt)?;
             match (req.turn_id.as_deref(), req.attempt) {
                 (None, None) => bounded(limit, s.latest(&req.agent_id)).await,
                 (Some(turn), attempt) => {
@@ -187,6 +191,20 @@ fn may_read(subject: &str, owner_or_id: &str) -> Result<(), ErrorBody> {
     })
 }
 
+/// Whether a `latest` read on `subject` may carry an `attempt` (a fenced read, which raises the
+/// turn's attempt record). Only the loop worker's shared `latest` may: the worker fences the turn
+/// of the job it runs. A person's read never raises a record (`forbidden`), whatever turn it names:
+/// otherwise a turn id a person learned would fence that turn off from its own worker.
+fn may_fence(subject: &str, attempt: Option<u32>) -> Result<(), ErrorBody> {
+    if attempt.is_none() || subject == subjects::CHECKPOINT_LATEST {
+        return Ok(());
+    }
+    Err(ErrorBody::new(
+        ErrorCode::Forbidden,
+        "a person's read carries no attempt: only the loop worker fences a turn",
+    ))
+}
+
 /// At most 160 characters of a caller's value in an error message.
 fn cut(value: &str) -> String {
     value.chars().take(160).collect()
@@ -212,5 +230,13 @@ mod tests {
         }
         // the loop worker resumes every session
         assert!(may_read(subjects::CHECKPOINT_LATEST, "alice.s1").is_ok());
+    }
+
+    #[test]
+    fn only_the_workers_latest_raises_a_fence() {
+        assert!(may_fence(subjects::CHECKPOINT_LATEST, Some(3)).is_ok());
+        assert!(may_fence("cyrene.person.alice.checkpoint.latest", None).is_ok());
+        let err = may_fence("cyrene.person.alice.checkpoint.latest", Some(3)).unwrap_err();
+        assert_eq!(err.code, ErrorCode::Forbidden);
     }
 }

@@ -496,3 +496,64 @@ async fn every_stored_checkpoint_can_be_read_back_over_the_bus() {
     assert_eq!(refused_cursor(&store, "wide:9").await, ErrorCode::NotFound);
     service.stop().await.unwrap();
 }
+
+/// M2 of issue 30: a person's read of their own `latest` must never raise a turn's attempt
+/// record. A fenced read (`attempt`) on `cyrene.person.<p>.checkpoint.latest` is refused before
+/// the store is touched, so a turn id a person learned cannot be fenced off from its worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_cannot_raise_a_turns_fence() {
+    let ((nats, _dir), service) = sqlite_service().await;
+    let c = nats.connect().await;
+    let save = |cp| serde_json::to_vec(&cp).unwrap();
+    raw(
+        &c,
+        subjects::CHECKPOINT_SAVE,
+        &save(fenced("s1", 1, "a1", "t1", 1)),
+    )
+    .await
+    .unwrap();
+    let alice = "cyrene.person.alice.checkpoint.latest";
+    for asked in [
+        // her own session, someone else's turn
+        json!({"agent_id":"alice.s1","turn_id":"t1","attempt":99}),
+        // someone else's session
+        json!({"agent_id":"s1","turn_id":"t1","attempt":99}),
+        json!({"agent_id":"alice.s1","attempt":99}),
+    ] {
+        assert_eq!(
+            json_req(&c, alice, asked.clone()).await,
+            Err(ErrorCode::Forbidden),
+            "{asked}"
+        );
+    }
+    // her unfenced read of her own session stays hers (and finds nothing of t1)
+    assert_eq!(
+        json_req(&c, alice, json!({"agent_id":"alice.s1","turn_id":"t1"})).await,
+        Err(ErrorCode::NotFound)
+    );
+    // the turn's worker still writes with its attempt
+    raw(
+        &c,
+        subjects::CHECKPOINT_SAVE,
+        &save(fenced("s1", 2, "a1", "t1", 1)),
+    )
+    .await
+    .unwrap();
+    // and the worker's own fenced read still raises the record
+    answered(
+        &c,
+        subjects::CHECKPOINT_LATEST,
+        json!({"agent_id":"s1","turn_id":"t1","attempt":2}),
+    )
+    .await;
+    assert_eq!(
+        raw(
+            &c,
+            subjects::CHECKPOINT_SAVE,
+            &save(fenced("s1", 3, "a1", "t1", 1))
+        )
+        .await,
+        Err(ErrorCode::Conflict)
+    );
+    service.stop().await.unwrap();
+}
