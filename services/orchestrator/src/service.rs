@@ -9,6 +9,7 @@
 //! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
 //! | `person-send`    | `cyrene.person.*.session.send`    | `SendRequest`    | `SendAck` |
 //! | `person-history` | `cyrene.person.*.session.history` | `HistoryRequest` | `HistoryResponse` |
+//! | `person-sessions` | `cyrene.person.*.session.list` | `SessionListRequest` | `SessionListResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -30,7 +31,7 @@ use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
 use cyrene_bus::service::ServeOptions;
 use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
-use cyrene_protocol::session::{HistoryRequest, SendRequest};
+use cyrene_protocol::session::{HistoryRequest, SendRequest, SessionListRequest};
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
 use std::sync::Arc;
@@ -130,5 +131,14 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
         ),
         Endpoint::json("person-send", person_send, send()),
         Endpoint::json("person-history", person_history, history()),
+        Endpoint::json(
+            "person-sessions",
+            subjects::person_all(subjects::PERSON_SESSION_LIST),
+            // the person is the subject's (only their NATS user publishes there), never the body's
+            with_state(engine, |e, req: SessionListRequest, ctx| async move {
+                let person = subjects::person_of(&ctx.subject).unwrap_or_default();
+                e.sessions(person, req).await
+            }),
+        ),
     ]
 }
