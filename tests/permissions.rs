@@ -106,6 +106,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, S, N, N, N, N, N, N, P, N],
         ),
         (
+            "cyrene.person.alice.session.list",
+            "a person lists their sessions",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.document.upload",
+            "a person uploads a document",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
@@ -943,6 +953,8 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         "cyrene.person.alice.checkpoint.latest",
         "cyrene.person.alice.checkpoint.get",
         "cyrene.person.alice.checkpoint.list",
+        "cyrene.person.alice.session.list",
+        "cyrene.person.alice.document.upload",
         "cyrene.agent.alice.cyrene.ask",
     ];
     let client_subjects = [

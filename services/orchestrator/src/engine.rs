@@ -28,9 +28,9 @@ use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
-    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
-    SESSION_LIST_DEFAULT_LIMIT, SESSION_LIST_MAX_LIMIT, SendRequest, SessionEnv, SessionEvent,
-    SessionEventType, SessionListRequest, SessionListResponse,
+    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse,
+    SESSION_LIST_DEFAULT_LIMIT, SESSION_LIST_MAX_LIMIT, SendAck, SendRequest, SessionEnv,
+    SessionEvent, SessionEventType, SessionListRequest, SessionListResponse,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
@@ -393,7 +393,11 @@ impl Engine {
             Some(0) => return Err(bad("limit must be at least 1")),
             Some(n) => n.min(SESSION_LIST_MAX_LIMIT),
         };
-        let sessions = bounded(self.config.db_timeout, self.store.sessions_of(person, limit)).await?;
+        let sessions = bounded(
+            self.config.db_timeout,
+            self.store.sessions_of(person, limit),
+        )
+        .await?;
         Ok(SessionListResponse { sessions })
     }
 

@@ -49,6 +49,8 @@ pub const PERSON_SESSION_SEND: &str = "session.send";
 pub const PERSON_SESSION_HISTORY: &str = "session.history";
 /// The person's sessions (docs/orchestrator.md, "`session.list`"; only the person form exists).
 pub const PERSON_SESSION_LIST: &str = "session.list";
+/// A document uploaded into one of the person's sessions (docs/documents.md).
+pub const PERSON_DOCUMENT_UPLOAD: &str = "document.upload";
 pub const PERSON_CHECKPOINT_LATEST: &str = "checkpoint.latest";
 pub const PERSON_CHECKPOINT_GET: &str = "checkpoint.get";
 pub const PERSON_CHECKPOINT_LIST: &str = "checkpoint.list";

@@ -17,7 +17,11 @@ async fn list(
 }
 
 fn ids(reply: &SessionListResponse) -> Vec<&str> {
-    reply.sessions.iter().map(|s| s.session_id.as_str()).collect()
+    reply
+        .sessions
+        .iter()
+        .map(|s| s.session_id.as_str())
+        .collect()
 }
 
 async fn a_person_lists_their_own_sessions_only(backend: Backend) {
@@ -44,7 +48,10 @@ async fn a_person_lists_their_own_sessions_only(backend: Backend) {
     got.sort_unstable();
     assert_eq!(got, ["alice.s1", "alice.s2"]);
     assert!(alice.sessions.iter().all(|s| s.created_at_ms > 0));
-    assert_eq!(ids(&list(c, "alice_x", None).await.unwrap()), ["alice_x.s1"]);
+    assert_eq!(
+        ids(&list(c, "alice_x", None).await.unwrap()),
+        ["alice_x.s1"]
+    );
     assert_eq!(ids(&list(c, "bob", None).await.unwrap()), ["bob.s1"]);
     assert_eq!(list(c, "alice", Some(1)).await.unwrap().sessions.len(), 1);
     assert!(list(c, "carol", None).await.unwrap().sessions.is_empty());
@@ -55,3 +62,39 @@ async fn a_person_lists_their_own_sessions_only(backend: Backend) {
 on_both_backends!(a_person_lists_their_own_sessions_only:
     a_person_lists_their_own_sessions_only_sqlite,
     a_person_lists_their_own_sessions_only_postgres);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_person_uploads_documents_into_their_own_sessions_only() {
+    use base64::Engine as _;
+    use cyrene_protocol::document::{UploadAck, UploadRequest};
+    let (world, _replica) = sqlite_replica().await;
+    let c = &world.client;
+    let subject = subjects::person("alice", subjects::PERSON_DOCUMENT_UPLOAD).unwrap();
+    let upload = |session: &str| UploadRequest {
+        session_id: session.into(),
+        name: "notes.txt".into(),
+        mime: "image/png".into(),
+        data: base64::engine::general_purpose::STANDARD.encode("picnic: tea, cake"),
+        last: true,
+        ..UploadRequest::default()
+    };
+    let ack: UploadAck = request_json(c, &subject, &upload("alice.s1"), TIMEOUT)
+        .await
+        .unwrap();
+    let document = ack.document.expect("the last chunk issues the document");
+    match document.part {
+        cyrene_protocol::message::Part::Document { mime, .. } => {
+            assert!(
+                mime.starts_with("text/plain"),
+                "sniffed, not claimed: {mime}"
+            );
+        }
+        other => panic!("not a document part: {other:?}"),
+    }
+    for other in ["bob.s1", "s1"] {
+        let err = request_json::<_, UploadAck>(c, &subject, &upload(other), TIMEOUT)
+            .await
+            .unwrap_err();
+        assert_eq!(code(&err), ErrorCode::Forbidden, "{other}");
+    }
+}
