@@ -38,7 +38,10 @@ fn build(web: &Path, out: &Path) -> Result<(), String> {
             .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
             .current_dir(web))?;
     }
-    run(Command::new("node").arg("build.mjs").arg(out).current_dir(web))
+    run(Command::new("node")
+        .arg("build.mjs")
+        .arg(out)
+        .current_dir(web))
 }
 
 fn modified(path: &Path) -> Option<std::time::SystemTime> {

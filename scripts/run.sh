@@ -30,9 +30,12 @@ hostport="${NATS_URL#nats://}"
 ws_port="${CYRENE_WEB_WS_PORT:-4280}"
 export CYRENE_WEB_NATS_WS_URL="${CYRENE_WEB_NATS_WS_URL:-ws://127.0.0.1:$ws_port}"
 web_addr="${CYRENE_WEB_ADDR:-127.0.0.1:8090}"
-if ! js_ok "$hostport"; then
+# The web chat also needs the server's WebSocket listener (docs/web.md).
+ws_ok() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$ws_port" 2>/dev/null; }
+if ! { js_ok "$hostport" && ws_ok; }; then
   if timeout 1 bash -c "exec 3<>/dev/tcp/${hostport%:*}/${hostport##*:}" 2>/dev/null; then
-    echo "== $NATS_URL answers but lacks JetStream or is older than 2.10; using 127.0.0.1:4333" >&2
+    echo "== $NATS_URL answers but lacks JetStream, is older than 2.10 or takes no WebSocket" \
+      "clients on $ws_port; using 127.0.0.1:4333" >&2
     hostport="127.0.0.1:4333"; NATS_URL="nats://$hostport"; export NATS_URL
   fi
   if ! js_ok "$hostport"; then
@@ -51,11 +54,11 @@ echo "== cyrene up (logs: $run_dir/up.log)"
 RUST_LOG="${RUST_LOG:-warn}" "$cyrene" up --data-dir "$run_dir/data" --web-addr "$web_addr" \
   >"$run_dir/up.log" 2>&1 &
 pids+=($!)
-if timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$ws_port" 2>/dev/null; then
+if ws_ok; then
   echo "== open http://$web_addr/ for the web chat (log in as any person, e.g. alice; no password)"
 else
-  echo "== the NATS at $NATS_URL takes no WebSocket connections on $ws_port: the web chat needs" \
-    "them (docs/web.md); stop it to let make run start its own" >&2
+  echo "== nothing takes WebSocket connections on 127.0.0.1:$ws_port: the web chat cannot reach" \
+    "NATS (docs/web.md)" >&2
 fi
 
 if [ -t 0 ] && [ -t 1 ]; then

@@ -83,6 +83,54 @@ fn chromium() -> PathBuf {
     path
 }
 
+/// Waits until a turn calls the demo tool `search_notes`: the loop worker finds tools by
+/// discovery, refreshed every few seconds, so the first turns after `cyrene up` may not be
+/// offered it yet. Asks as bob, in sessions of his own the browser tests never open.
+async fn demo_tool_offered(port: u16) {
+    let bob = async_nats::ConnectOptions::new()
+        .user_and_password("person-bob".into(), "pw-bob".into())
+        .custom_inbox_prefix("_INBOX_person-bob")
+        .connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let mut events = bob.subscribe("cyrene.session.bob.*.events").await.unwrap();
+    bob.flush().await.unwrap();
+    for attempt in 0..30 {
+        let session = format!("bob.warmup-{attempt}");
+        let send = serde_json::json!({"session_id": session,
+            "message": {"role": "user", "content": "search my notes"}});
+        let _ = bob
+            .request(
+                "cyrene.person.bob.session.send",
+                serde_json::to_vec(&send).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        // this turn's events until it ends: did it call the tool?
+        let called = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut called = false;
+            while let Some(m) = futures::StreamExt::next(&mut events).await {
+                let event: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+                if event["session_id"] != session.as_str() {
+                    continue;
+                }
+                called |=
+                    event["type"] == "tool_call" && event.to_string().contains("\"search_notes\"");
+                if event["type"] == "turn_ended" {
+                    return called;
+                }
+            }
+            false
+        })
+        .await
+        .expect("a warm-up turn ends");
+        if called {
+            return;
+        }
+    }
+    panic!("no turn was offered the demo tool search_notes");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_web_chat_in_a_real_browser() {
     let chromium = chromium();
@@ -99,7 +147,10 @@ async fn the_web_chat_in_a_real_browser() {
             "NATS_URL",
             format!("nats://cyrene-up:pw-up@127.0.0.1:{}", server.port()),
         )
-        .env("CYRENE_WEB_NATS_WS_URL", format!("ws://127.0.0.1:{ws_port}"))
+        .env(
+            "CYRENE_WEB_NATS_WS_URL",
+            format!("ws://127.0.0.1:{ws_port}"),
+        )
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -131,6 +182,7 @@ async fn the_web_chat_in_a_real_browser() {
         .await
         .unwrap();
     common::wait_for_the_four_services(&operator).await;
+    demo_tool_offered(server.port()).await;
 
     let mut node = Command::new("node")
         .arg("tests/chat.test.mjs")
@@ -167,7 +219,10 @@ async fn the_web_chat_in_a_real_browser() {
     })
     .await
     .expect("the browser tests end within 4 minutes");
-    assert!(run.success(), "the browser tests failed ({run}): see their output above");
+    assert!(
+        run.success(),
+        "the browser tests failed ({run}): see their output above"
+    );
     assert_eq!(
         (kills, restarts),
         (1, 1),

@@ -157,7 +157,13 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         if page.web_personas.is_empty() {
             page.web_personas = personas_offered.clone();
         }
-        start_web(&mut stack.services, args.web_addr, page, stack.shutdown.clone()).await
+        start_web(
+            &mut stack.services,
+            args.web_addr,
+            page,
+            stack.shutdown.clone(),
+        )
+        .await
     };
     let Stack {
         mut services,

@@ -63,7 +63,10 @@ struct Page {
 pub async fn run(args: WebArgs) -> Result<(), CliError> {
     let listener = bind(args.addr).await?;
     let url = page_url(&listener)?;
-    eprintln!("cyrene: web chat at {url} (NATS over WebSocket at {})", args.page.nats_ws_url);
+    eprintln!(
+        "cyrene: web chat at {url} (NATS over WebSocket at {})",
+        args.page.nats_ws_url
+    );
     serve(listener, args.page, std::future::pending()).await
 }
 
@@ -90,7 +93,10 @@ pub async fn serve(
 ) -> Result<(), CliError> {
     let page = Arc::new(prepare(&page)?);
     let router = Router::new()
-        .route("/", get(|| async { file("text/html; charset=utf-8", INDEX_HTML) }))
+        .route(
+            "/",
+            get(|| async { file("text/html; charset=utf-8", INDEX_HTML) }),
+        )
         .route(
             "/app.js",
             get(|| async { file("text/javascript; charset=utf-8", APP_JS) }),
@@ -107,24 +113,26 @@ pub async fn serve(
             }),
         )
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n").into_response() })
-        .layer(axum::middleware::map_response(move |mut response: Response| {
-            let page = page.clone();
-            async move {
-                let headers = response.headers_mut();
-                headers.insert(header::CONTENT_SECURITY_POLICY, page.csp.clone());
-                headers.insert(
-                    header::X_CONTENT_TYPE_OPTIONS,
-                    HeaderValue::from_static("nosniff"),
-                );
-                headers.insert(
-                    header::REFERRER_POLICY,
-                    HeaderValue::from_static("no-referrer"),
-                );
-                headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-                response
-            }
-        }));
+        .layer(axum::middleware::map_response(
+            move |mut response: Response| {
+                let page = page.clone();
+                async move {
+                    let headers = response.headers_mut();
+                    headers.insert(header::CONTENT_SECURITY_POLICY, page.csp.clone());
+                    headers.insert(
+                        header::X_CONTENT_TYPE_OPTIONS,
+                        HeaderValue::from_static("nosniff"),
+                    );
+                    headers.insert(
+                        header::REFERRER_POLICY,
+                        HeaderValue::from_static("no-referrer"),
+                    );
+                    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+                    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                    response
+                }
+            },
+        ));
     axum::serve(listener, router)
         .with_graceful_shutdown(stop)
         .await
@@ -166,7 +174,9 @@ fn checked_ws_url(url: &str) -> Result<&str, String> {
     let rest = url
         .strip_prefix("ws://")
         .or_else(|| url.strip_prefix("wss://"))
-        .ok_or_else(|| format!("web: the NATS WebSocket URL {url:?} must start with ws:// or wss://"))?;
+        .ok_or_else(|| {
+            format!("web: the NATS WebSocket URL {url:?} must start with ws:// or wss://")
+        })?;
     let plain = |c: char| c.is_ascii_alphanumeric() || "-._~:/[]@%".contains(c);
     if rest.is_empty() || !rest.chars().all(plain) {
         return Err(format!(
@@ -183,7 +193,10 @@ mod tests {
 
     #[test]
     fn the_websocket_url_cannot_widen_the_policy() {
-        assert_eq!(checked_ws_url("ws://127.0.0.1:4280"), Ok("ws://127.0.0.1:4280"));
+        assert_eq!(
+            checked_ws_url("ws://127.0.0.1:4280"),
+            Ok("ws://127.0.0.1:4280")
+        );
         assert!(checked_ws_url("wss://nats.example.org/ws").is_ok());
         for bad in [
             "http://x",

@@ -149,6 +149,8 @@ interface Outgoing {
   key: string;
   session: string;
   text: string;
+  /** Documents uploaded for this message (server-issued `document` parts). */
+  documents: Part[];
   node: HTMLElement;
   persona: string;
 }
@@ -338,6 +340,8 @@ async function open(id: string): Promise<void> {
   stepCount.clear();
   $("transcript").replaceChildren();
   $("timeline-steps").replaceChildren();
+  attached.length = 0; // an attachment belongs to the session it was uploaded in
+  $("attachments").replaceChildren();
   $("session-title").textContent = shortName(id);
   hideSessionError();
   for (const a of $("session-list").querySelectorAll("a")) {
@@ -394,7 +398,7 @@ function userBubble(text: string, ps: Part[]): HTMLElement {
   const node = el("div", "msg user");
   for (const p of ps) {
     if (p.type === "document") {
-      node.append(el("span", "chip", `${p.name ?? "document"} · ${p.mime ?? "?"}`));
+      node.append(el("span", "chip", `${titles.get(p.name ?? "") ?? p.name ?? "document"} · ${p.mime ?? "?"}`));
     }
   }
   node.append(el("span", "text", text));
@@ -533,14 +537,21 @@ function onEvent(ev: SessionEvent): void {
 // ---- sending ----
 
 function send(text: string): void {
-  if (!text.trim() || !openSession) return;
-  const node = userBubble(text, []);
+  const documents = attached.filter((a) => a.session === openSession && a.part).map((a) => a.part as Part);
+  if ((!text.trim() && !documents.length) || !openSession) return;
+  if (attached.some((a) => a.session === openSession && !a.part && !a.failed)) {
+    setAttachNote("wait for the upload to finish");
+    return;
+  }
+  clearAttachments();
+  const node = userBubble(text, documents);
   setStatus(node, online ? "sending…" : "waiting for the connection…");
   $("transcript").append(node);
   const o: Outgoing = {
     key: `web-${Date.now().toString(36)}-${randomToken(10)}`,
     session: openSession,
     text,
+    documents,
     node,
     persona: ($("persona") as HTMLSelectElement).value,
   };
@@ -562,7 +573,10 @@ async function flush(): Promise<void> {
       try {
         ack = await request<SendAck>(subjectFor("session.send"), {
           session_id: o.session,
-          message: { role: "user", content: [{ type: "text", text: o.text }] },
+          message: {
+            role: "user",
+            content: [...o.documents, ...(o.text.trim() ? [{ type: "text", text: o.text }] : [])],
+          },
           client_id: clientId,
           idempotency_key: o.key,
           ...(o.persona ? { env: { persona: o.persona } } : {}),
@@ -620,14 +634,98 @@ async function catchUp(): Promise<void> {
   void loadTimeline();
 }
 
+// ---- documents ----
+
+/** A file being uploaded (or uploaded) for the next message of `session`. */
+interface Attachment {
+  session: string;
+  chip: HTMLElement;
+  part?: Part;
+  failed?: boolean;
+}
+const attached: Attachment[] = [];
+/** Server document name (`d-…`) → the file's title, for the chips of this page's messages. */
+const titles = new Map<string, string>();
+/** The largest chunk of one upload request (docs/documents.md): 512 KiB before base64. */
+const CHUNK = 512 * 1024;
+
+interface UploadAck {
+  upload_id: string;
+  seq: number;
+  received: number;
+  document?: { part: Part; title?: string };
+}
+
+function base64(bytes: Uint8Array): string {
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) {
+    text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  }
+  return btoa(text);
+}
+
+function setAttachNote(text: string): void {
+  const note = el("span", "chip failed", text);
+  $("attachments").append(note);
+  setTimeout(() => note.remove(), 4000);
+}
+
+function clearAttachments(): void {
+  for (let i = attached.length - 1; i >= 0; i--) {
+    if (attached[i].session === openSession) {
+      attached[i].chip.remove();
+      attached.splice(i, 1);
+    }
+  }
+}
+
+/** Uploads `file` through the person's document subject, a chunk per request; the chip then
+ *  shows the type the server sniffed from the bytes (never the browser's claim). */
+async function attach(file: File): Promise<void> {
+  const a: Attachment = { session: openSession, chip: el("span", "chip", `${file.name} · uploading…`) };
+  attached.push(a);
+  $("attachments").append(a.chip);
+  try {
+    const bytes = new Uint8Array(await file.arrayBuffer());
+    let uploadId = "";
+    for (let seq = 0, off = 0; ; seq += 1, off += CHUNK) {
+      const last = off + CHUNK >= bytes.length;
+      const ack = await request<UploadAck>(
+        subjectFor("document.upload"),
+        {
+          session_id: a.session,
+          ...(seq === 0 ? { name: file.name, mime: file.type } : { upload_id: uploadId }),
+          seq,
+          data: base64(bytes.subarray(off, off + CHUNK)),
+          last,
+        },
+        15000,
+      );
+      uploadId = ack.upload_id;
+      if (last) {
+        if (!ack.document) throw new ServiceError("internal", "the last chunk's reply names no document");
+        a.part = ack.document.part;
+        const title = ack.document.title || file.name;
+        titles.set(a.part.name ?? "", title);
+        a.chip.textContent = `${title} · ${a.part.mime ?? "?"}`;
+        a.chip.dataset.mime = a.part.mime ?? "";
+        return;
+      }
+    }
+  } catch (e) {
+    a.failed = true;
+    a.chip.classList.add("failed");
+    a.chip.textContent = `${file.name}: not attached: ${describe(e)}`;
+  }
+}
+
 // ---- checkpoints ----
 
 interface Checkpoint {
   step?: number;
-  stop_reason?: string;
   created_at?: string;
-  written_at?: string;
-  at?: string;
+  /** What the loop worker saved (docs/checkpoint-store.md): the stop reason of the step. */
+  state?: { stop_reason?: string; turn_id?: string };
 }
 
 async function loadTimeline(): Promise<void> {
@@ -647,7 +745,7 @@ async function loadTimeline(): Promise<void> {
   const ol = $("timeline-steps");
   ol.replaceChildren(
     ...cps.map((c) =>
-      el("li", "", `step ${c.step ?? "?"} · ${c.stop_reason ?? ""} · ${c.created_at ?? c.written_at ?? c.at ?? ""}`),
+      el("li", "", `step ${c.step ?? "?"} · ${c.state?.stop_reason || "—"} · ${c.created_at ?? ""}`),
     ),
   );
 }
@@ -826,6 +924,11 @@ async function main(): Promise<void> {
   $("new-session").addEventListener("click", () => newSession());
   window.addEventListener("hashchange", () => {
     if (nc && !operator) void route();
+  });
+  const picker2 = $("attach") as HTMLInputElement;
+  picker2.addEventListener("change", () => {
+    for (const file of picker2.files ?? []) void attach(file);
+    picker2.value = "";
   });
   const box = $("message") as HTMLTextAreaElement;
   $("composer").addEventListener("submit", (e) => {

@@ -51,9 +51,13 @@ after(async () => {
 
 /** A fresh browser context (no storage shared with other tests) and its page, with the page's
  *  console errors and uncaught exceptions collected. */
+const open = new Set();
+
 async function newPage(options = {}) {
   const context = await browser.newContext(options);
   const page = await context.newPage();
+  open.add(page);
+  page.on("close", () => open.delete(page));
   page.problems = [];
   page.on("pageerror", (e) => page.problems.push(`pageerror: ${e.message}`));
   page.sockets = 0;
@@ -89,9 +93,29 @@ async function answered(page, text) {
   return turn.first();
 }
 
+/** A test whose failure leaves a screenshot and the text of every page it had open. */
+function scenario(name, body) {
+  test(name, async () => {
+    try {
+      await body();
+    } catch (e) {
+      let i = 0;
+      for (const page of open) {
+        i += 1;
+        const shot = join(SHOTS, `failed-${name.slice(0, 30).replace(/\W+/g, "-")}-${i}.png`);
+        await page.screenshot({ path: shot }).catch(() => {});
+        const text = await page.evaluate(() => document.body.innerText).catch(() => "");
+        console.log(`# page ${i} at ${page.url()} (${shot}):\n${text.replace(/^/gm, "#   ")}`);
+        await page.context().close().catch(() => {});
+      }
+      throw e;
+    }
+  });
+}
+
 let aliceSession = "";
 
-test("alice logs in (a wrong password is refused once), sends, and sees the answer stream in", async () => {
+scenario("alice logs in (a wrong password is refused once), sends, and sees the answer stream in", async () => {
   const page = await newPage();
   await logIn(page, "alice", "not-her-password");
   await page.getByText("wrong person or password").waitFor({ timeout: WAIT });
@@ -121,7 +145,7 @@ test("alice logs in (a wrong password is refused once), sends, and sees the answ
   await page.context().close();
 });
 
-test("a message sent while the demo tool runs is steered into the running turn", async () => {
+scenario("a message sent while the demo tool runs is steered into the running turn", async () => {
   const page = await newPage({ viewport: { width: 1100, height: 760 } });
   await loggedIn(page, "alice", aliceSession);
   await sendMessage(page, "Could you search my notes about the picnic?");
@@ -135,12 +159,16 @@ test("a message sent while the demo tool runs is steered into the running turn",
   assert.equal(await page.locator("details.tool[open]").count(), 0, "tool calls are collapsed");
   await page.locator("details.tool", { hasText: "search_notes" }).first().click();
   await page.locator("details.tool pre.result", { hasText: "3 notes mention" }).waitFor({ timeout: WAIT });
+  // the session's checkpoints: one per step, with its stop reason
+  await page.getByText("Checkpoints").click();
+  await page.locator("#timeline-steps li", { hasText: /^step 1 · tool_calls · \d{4}-/ }).first().waitFor({ timeout: WAIT });
+  await page.locator("#timeline-steps li", { hasText: /^step \d+ · stop · / }).first().waitFor({ timeout: WAIT });
   await page.screenshot({ path: join(SHOTS, "chat.png") });
   assert.deepEqual(page.problems, []);
   await page.context().close();
 });
 
-test("a reload asks for the login again and shows the session's history once", async () => {
+scenario("a reload asks for the login again and shows the session's history once", async () => {
   const page = await newPage();
   await loggedIn(page, "alice", aliceSession);
   await page.locator(".msg.user", { hasText: "what time is it?" }).waitFor({ timeout: WAIT });
@@ -162,7 +190,7 @@ test("a reload asks for the login again and shows the session's history once", a
   await page.context().close();
 });
 
-test("bob cannot open alice's session: a permission error, no data", async () => {
+scenario("bob cannot open alice's session: a permission error, no data", async () => {
   const page = await newPage();
   const name = aliceSession.slice("#/s/".length);
   await logIn(page, "bob", PASSWORDS.bob, `#/s/alice.${name}`);
@@ -184,7 +212,7 @@ const XSS = [
   "[a](&#106;avascript:window.__pwned='entity')",
 ];
 
-test("hostile names and messages render inert, under a strict CSP", async () => {
+scenario("hostile names and messages render inert, under a strict CSP", async () => {
   const page = await newPage();
   const response = await page.goto(URL);
   const csp = response.headers()["content-security-policy"] ?? "";
@@ -243,7 +271,37 @@ async function inert(page) {
   assert.deepEqual(page.problems, []);
 }
 
-test("on a phone (375×667) nothing scrolls sideways and the message box stays visible", async () => {
+scenario("alice attaches a document: a chip with the type the server sniffed, in the message", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await answered(page, "It is");
+  // the browser claims image/png and a name with markup; the server sniffs the bytes
+  await page.getByLabel("Attach", { exact: true }).setInputFiles({
+    name: "picnic <img src=x onerror=alert(1)>.txt",
+    mimeType: "image/png",
+    buffer: Buffer.from("picnic list: tea, cake, a blanket\n"),
+  });
+  const chip = page.locator("#attachments .chip", { hasText: "text/plain" });
+  await chip.waitFor({ timeout: WAIT });
+  assert.ok(!(await chip.innerText()).includes("image/png"));
+  await sendMessage(page, "what is in the file?");
+  const sent = page.locator(".msg.user", { hasText: "what is in the file?" });
+  await sent.locator(".chip", { hasText: "text/plain" }).waitFor({ timeout: WAIT });
+  assert.equal(await page.locator("#attachments .chip").count(), 0, "the attachment went with the message");
+  await answered(page, "what is in the file?");
+  // the stored message holds the server's document reference: the history shows it too
+  await page.reload();
+  await page.getByLabel("Person", { exact: true }).fill("alice");
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByRole("button", { name: "Log in" }).click();
+  const stored = page.locator(".msg.user", { hasText: "what is in the file?" });
+  await stored.locator(".chip", { hasText: /^d-.* · text\/plain/ }).waitFor({ timeout: WAIT });
+  assert.equal(await page.locator("img, [onerror]").count(), 0);
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+scenario("on a phone (375×667) nothing scrolls sideways and the message box stays visible", async () => {
   const page = await newPage({ viewport: { width: 375, height: 667 }, isMobile: true, hasTouch: true });
   await loggedIn(page, "alice", aliceSession);
   await answered(page, "It is");
@@ -266,7 +324,7 @@ test("on a phone (375×667) nothing scrolls sideways and the message box stays v
   await page.context().close();
 });
 
-test("nats-server restarted under the page: it reconnects, sends what was typed offline once", async () => {
+scenario("nats-server restarted under the page: it reconnects, sends what was typed offline once", async () => {
   const page = await newPage();
   await loggedIn(page, "alice", aliceSession);
   await answered(page, "You said: typed on a phone");
@@ -292,7 +350,7 @@ test("nats-server restarted under the page: it reconnects, sends what was typed 
   await page.context().close();
 });
 
-test("the operator sees the services on the bus and the model calls", async () => {
+scenario("the operator sees the services on the bus and the model calls", async () => {
   const page = await newPage({ viewport: { width: 1000, height: 700 } });
   await loggedIn(page, "operator");
   for (const service of ["cyrene-model-gateway", "cyrene-checkpoint-store", "cyrene-orchestrator", "cyrene-loop-worker"]) {
