@@ -487,6 +487,8 @@ fn server() -> NatsServer {
     // The harness gives the server its own store dir (a flag) in place of the deployed one, and
     // writes the config to a directory of its own: users.conf goes in its place.
     config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
+    // The WebSocket listener on a port of its own (tests run side by side).
+    config = config.replace("websocket {\n  port: 8080\n", "websocket {\n  port: -1\n");
     config = config.replace("include ./users.conf\n", &users_conf());
     for (var, password) in USERS {
         config = config.replace(&format!("${var}"), &format!("\"{password}\""));

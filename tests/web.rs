@@ -234,3 +234,85 @@ async fn the_web_chat_in_a_real_browser() {
     common::terminate(&up);
     let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
 }
+
+/// One HTTP/1.1 GET over a plain TCP connection: the status line, headers and body as text.
+async fn get(addr: &str, path: &str) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+/// `cyrene web` alone: it serves the page and `/config.json` with the strict CSP, connects to
+/// no NATS (none runs here), and refuses a WebSocket URL that could widen the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cyrene_web_serves_the_page_and_its_config_without_nats() {
+    let mut web = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args([
+            "web",
+            "--addr",
+            "127.0.0.1:0",
+            "--web-personas",
+            "cyrene,hoshi",
+        ])
+        .env("CYRENE_WEB_NATS_WS_URL", "wss://nats.example.org/ws")
+        // no NATS answers here: `cyrene web` must not need one
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(web.stderr.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), err.next_line())
+        .await
+        .expect("cyrene web says where it listens")
+        .unwrap()
+        .unwrap();
+    let addr = line
+        .strip_prefix("cyrene: web chat at http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_owned();
+
+    let config = get(&addr, "/config.json").await;
+    assert!(config.starts_with("HTTP/1.1 200"), "{config}");
+    assert!(
+        config.ends_with(
+            r#"{"nats_ws_url":"wss://nats.example.org/ws","personas":["cyrene","hoshi"]}"#
+        ),
+        "{config}"
+    );
+    let page = get(&addr, "/").await.to_ascii_lowercase();
+    assert!(page.starts_with("http/1.1 200"), "{page}");
+    assert!(page.contains(
+        "content-security-policy: default-src 'none'; script-src 'self'; style-src 'self'; \
+         img-src 'self' data:; connect-src 'self' wss://nats.example.org/ws; base-uri 'none'; \
+         form-action 'none'; frame-ancestors 'none'\r\n"
+    ));
+    assert!(page.contains("x-content-type-options: nosniff\r\n"));
+    assert!(page.contains(r#"<script type="module" src="/app.js"></script>"#));
+    let script = get(&addr, "/app.js").await;
+    assert!(
+        script.contains("content-type: text/javascript"),
+        "{}",
+        &script[..300]
+    );
+    let missing = get(&addr, "/../etc/passwd").await;
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    common::terminate(&web);
+    let _ = web.wait().await;
+
+    // a URL that would end the connect-src directive is refused at start
+    let out = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["web", "--addr", "127.0.0.1:0"])
+        .env("CYRENE_WEB_NATS_WS_URL", "ws://x; script-src *")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must be one URL"), "{stderr}");
+}

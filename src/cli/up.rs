@@ -67,6 +67,9 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         .redacted_urls()
         .join(",");
     let fail = |what: &str, e: &dyn std::fmt::Display| CliError::Failed(format!("{what}: {e}"));
+    if !args.no_web {
+        super::web::check(&args.page)?;
+    }
     // Each service starts from its own Args as the environment sets them, so every env var a
     // service binary honours applies here too; `cyrene up`'s own flags then take precedence.
     let gateway_args = service_args::<cyrene_model_gateway::Args>("cyrene-model-gateway")?;

@@ -61,6 +61,7 @@ struct Page {
 }
 
 pub async fn run(args: WebArgs) -> Result<(), CliError> {
+    check(&args.page)?;
     let listener = bind(args.addr).await?;
     let url = page_url(&listener)?;
     eprintln!(
@@ -167,6 +168,14 @@ fn csp(nats_ws_url: &str) -> String {
          connect-src 'self' {nats_ws_url}; base-uri 'none'; form-action 'none'; \
          frame-ancestors 'none'"
     )
+}
+
+/// Checks what the page will be told before anything starts (`cyrene up` checks it before its
+/// services).
+pub fn check(page: &PageArgs) -> Result<(), CliError> {
+    checked_ws_url(&page.nats_ws_url)
+        .map(|_| ())
+        .map_err(CliError::Failed)
 }
 
 /// `url` when it is one plain `ws://` or `wss://` URL that can stand in a CSP directive.

@@ -368,3 +368,21 @@ scenario("the operator sees the services on the bus and the model calls", async 
   await alice.context().close();
   await page.context().close();
 });
+
+scenario('"remember me" keeps the login in this browser until Log out', async () => {
+  const page = await newPage();
+  await page.goto(URL);
+  await page.getByLabel("Person", { exact: true }).fill("alice");
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByLabel("remember me").check();
+  await page.getByRole("button", { name: "Log in" }).click();
+  await page.waitForFunction(() => /^#\/s\/.+/.test(location.hash), null, { timeout: WAIT });
+  await page.reload();
+  // logged in again by itself: no login form
+  await page.locator("#app-view").waitFor({ state: "visible", timeout: WAIT });
+  assert.equal(await page.locator("#login-view").isVisible(), false);
+  await page.getByRole("button", { name: "Log out" }).click();
+  await page.getByLabel("Person", { exact: true }).waitFor({ timeout: WAIT });
+  assert.equal(await page.evaluate(() => localStorage.length), 0, "Log out forgets the login");
+  await page.context().close();
+});
