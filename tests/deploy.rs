@@ -488,7 +488,10 @@ const CHART_KEYS: &[&str] = &[
     "config.jetstream.fileStore.pvc.size",
     "config.monitor.enabled",
     "config.monitor.port",
+    "config.websocket.enabled",
+    "config.websocket.port",
     "service.ports.monitor.enabled",
+    "service.ports.websocket.enabled",
 ];
 const FREE_FORM: &[&str] = &["config.merge.", "container.env.", "configMap.merge.data."];
 

@@ -106,6 +106,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, S, N, N, N, N, N, N, P, N],
         ),
         (
+            "cyrene.person.alice.session.list",
+            "a person lists their sessions",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.document.upload",
+            "a person uploads a document",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
@@ -482,6 +492,8 @@ fn server() -> NatsServer {
     // The harness gives the server its own store dir (a flag) in place of the deployed one, and
     // writes the config to a directory of its own: users.conf goes in its place.
     config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
+    // The WebSocket listener on a port of its own (tests run side by side).
+    config = config.replace("websocket {\n  port: 8080\n", "websocket {\n  port: -1\n");
     config = config.replace("include ./users.conf\n", &users_conf());
     for (var, password) in USERS {
         config = config.replace(&format!("${var}"), &format!("\"{password}\""));
@@ -948,6 +960,8 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         "cyrene.person.alice.checkpoint.latest",
         "cyrene.person.alice.checkpoint.get",
         "cyrene.person.alice.checkpoint.list",
+        "cyrene.person.alice.session.list",
+        "cyrene.person.alice.document.upload",
         "cyrene.agent.alice.cyrene.ask",
     ];
     let client_subjects = [

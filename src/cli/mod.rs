@@ -9,6 +9,7 @@ mod person;
 mod probe;
 mod session;
 mod up;
+mod web;
 
 use clap::{Parser, Subcommand};
 use cyrene_bus::ConnectMode;
@@ -59,6 +60,8 @@ pub enum Command {
     History(session::HistoryArgs),
     /// List the checkpoints of a session (or `session#leg`), most recently written first.
     Checkpoints(session::CheckpointsArgs),
+    /// Serve the web chat (docs/web.md); the browser talks to NATS itself, over WebSocket.
+    Web(web::WebArgs),
 }
 
 /// A failed command, with the exit code it maps to.
@@ -91,6 +94,10 @@ impl CliError {
 
 pub async fn run(cli: Cli) -> Result<(), CliError> {
     person::set(cli.person.clone()).map_err(CliError::Failed)?;
+    // The web server serves files and never connects to NATS (docs/web.md).
+    if let Command::Web(args) = cli.command {
+        return web::run(args).await;
+    }
     let mut config = cli
         .bus
         .config(&person::connection_name(), ConnectMode::Client)
@@ -112,6 +119,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Events(args) => session::events(client.clone(), args).await,
         Command::History(args) => session::history(client.clone(), args).await,
         Command::Checkpoints(args) => session::checkpoints(client.clone(), args).await,
+        Command::Web(_) => Ok(()),
     };
     // Make sure published messages leave before the process exits.
     let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
@@ -148,4 +156,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Parses a JSON argument.
 pub fn parse_json(s: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(s).map_err(|e| format!("invalid JSON {s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // every subcommand's flags are unique (`cyrene up` flattens the web page's flags too)
+        Cli::command().debug_assert();
+    }
 }

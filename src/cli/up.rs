@@ -44,6 +44,15 @@ pub struct UpArgs {
     /// Loop workers to run.
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
+    /// Where the web chat is served (docs/web.md); when the address is taken, `cyrene up` says
+    /// so and runs without it.
+    #[arg(long, env = "CYRENE_WEB_ADDR", default_value = super::web::DEFAULT_ADDR)]
+    pub web_addr: std::net::SocketAddr,
+    /// Do not serve the web chat.
+    #[arg(long)]
+    pub no_web: bool,
+    #[command(flatten)]
+    pub page: super::web::PageArgs,
 }
 
 /// Two demo personas, so asks between agents can be shown.
@@ -58,6 +67,9 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         .redacted_urls()
         .join(",");
     let fail = |what: &str, e: &dyn std::fmt::Display| CliError::Failed(format!("{what}: {e}"));
+    if !args.no_web {
+        super::web::check(&args.page)?;
+    }
     // Each service starts from its own Args as the environment sets them, so every env var a
     // service binary honours applies here too; `cyrene up`'s own flags then take precedence.
     let gateway_args = service_args::<cyrene_model_gateway::Args>("cyrene-model-gateway")?;
@@ -81,7 +93,7 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         }
     };
     let secrets = Secrets::resolve(&models, |name| std::env::var(name).ok());
-    let personas = match &personas_path {
+    let personas: cyrene_orchestrator::Personas = match &personas_path {
         Some(path) => {
             cyrene_orchestrator::Personas::load(path).map_err(|e| fail("personas", &e))?
         }
@@ -89,6 +101,7 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
             .map_err(|e| fail("personas", &e))?,
     };
 
+    let personas_offered: Vec<String> = personas.names().into_keys().collect();
     let mut stack = Stack {
         bus,
         nats_url: nats_url.clone(),
@@ -140,6 +153,21 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     if offline {
         stack.start("cyrene-demo-tools", demo_tools).await?;
     }
+    let web = if args.no_web {
+        None
+    } else {
+        let mut page = args.page.clone();
+        if page.web_personas.is_empty() {
+            page.web_personas = personas_offered.clone();
+        }
+        start_web(
+            &mut stack.services,
+            args.web_addr,
+            page,
+            stack.shutdown.clone(),
+        )
+        .await
+    };
     let Stack {
         mut services,
         shutdown,
@@ -156,6 +184,9 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
         args.workers.max(1),
         store_dir.display()
     );
+    if let Some(url) = web {
+        eprintln!("cyrene: open {url} for the web chat");
+    }
     let stop = cyrene_bus::signal::signalled();
     tokio::pin!(stop);
     let mut failed = None;
@@ -178,6 +209,35 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     match failed {
         Some(message) => Err(CliError::Failed(message)),
         None => Ok(()),
+    }
+}
+
+/// Serves the web chat among the services; its URL, or `None` (said on stderr) when the address
+/// cannot be bound — a second `cyrene up` on one machine runs without a page.
+async fn start_web(
+    services: &mut Services,
+    addr: std::net::SocketAddr,
+    page: super::web::PageArgs,
+    shutdown: CancellationToken,
+) -> Option<String> {
+    let served = async {
+        let listener = super::web::bind(addr).await?;
+        let url = super::web::page_url(&listener)?;
+        Ok::<_, CliError>((listener, url))
+    };
+    match served.await {
+        Ok((listener, url)) => {
+            services.spawn(async move {
+                let stop = async move { shutdown.cancelled().await };
+                let served = super::web::serve(listener, page, stop).await;
+                ("web", served.map_err(|e| e.to_string()))
+            });
+            Some(url)
+        }
+        Err(e) => {
+            eprintln!("cyrene: not serving the web chat: {e}");
+            None
+        }
     }
 }
 

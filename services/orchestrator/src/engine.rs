@@ -28,8 +28,9 @@ use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
-    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse, SendAck,
-    SendRequest, SessionEnv, SessionEvent, SessionEventType,
+    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse,
+    SESSION_LIST_DEFAULT_LIMIT, SESSION_LIST_MAX_LIMIT, SendAck, SendRequest, SessionEnv,
+    SessionEvent, SessionEventType, SessionListRequest, SessionListResponse,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
@@ -378,6 +379,26 @@ impl Engine {
             messages,
             next_before_seq,
         })
+    }
+
+    /// The sessions of `person`, the newest first (`cyrene.person.<person>.session.list`).
+    pub async fn sessions(
+        &self,
+        person: &str,
+        req: SessionListRequest,
+    ) -> Result<SessionListResponse, ErrorBody> {
+        check_id(IdKind::Person, "person", person)?;
+        let limit = match req.limit {
+            None => SESSION_LIST_DEFAULT_LIMIT,
+            Some(0) => return Err(bad("limit must be at least 1")),
+            Some(n) => n.min(SESSION_LIST_MAX_LIMIT),
+        };
+        let sessions = bounded(
+            self.config.db_timeout,
+            self.store.sessions_of(person, limit),
+        )
+        .await?;
+        Ok(SessionListResponse { sessions })
     }
 
     async fn publish_event(&self, event: &SessionEvent) {

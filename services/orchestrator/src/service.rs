@@ -9,6 +9,8 @@
 //! | `complete` | `cyrene.turn.complete`    | `TurnComplete`   | `TurnCompleteAck` |
 //! | `person-send`    | `cyrene.person.*.session.send`    | `SendRequest`    | `SendAck` |
 //! | `person-history` | `cyrene.person.*.session.history` | `HistoryRequest` | `HistoryResponse` |
+//! | `person-sessions` | `cyrene.person.*.session.list` | `SessionListRequest` | `SessionListResponse` |
+//! | `person-upload` | `cyrene.person.*.document.upload` | `UploadRequest` | `UploadAck` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -19,7 +21,7 @@
 //! - Every request is answered: bad input by the decoder or the engine's checks
 //!   (`bad_request`/`too_large`), database trouble by `unavailable` within `db_timeout`.
 //! - Replicas share the micro service queue group: each request reaches one replica.
-//! - `send` and `history` reach a session only when the request subject's caller may touch it
+//! - `send`, `history` and `person-upload` reach a session only when the request subject's caller may touch it
 //!   ([`crate::people::may_touch`]): a person their own sessions, the shared subjects the
 //!   sessions of nobody in particular.
 
@@ -30,7 +32,7 @@ use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
 use cyrene_bus::service::ServeOptions;
 use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
-use cyrene_protocol::session::{HistoryRequest, SendRequest};
+use cyrene_protocol::session::{HistoryRequest, SendRequest, SessionListRequest};
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{SteerRequest, TurnComplete};
 use std::sync::Arc;
@@ -130,5 +132,22 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
         ),
         Endpoint::json("person-send", person_send, send()),
         Endpoint::json("person-history", person_history, history()),
+        Endpoint::json(
+            "person-sessions",
+            subjects::person_all(subjects::PERSON_SESSION_LIST),
+            // the person is the subject's (only their NATS user publishes there), never the body's
+            with_state(engine, |e, req: SessionListRequest, ctx| async move {
+                let person = subjects::person_of(&ctx.subject).unwrap_or_default();
+                e.sessions(person, req).await
+            }),
+        ),
+        Endpoint::json(
+            "person-upload",
+            subjects::person_all(subjects::PERSON_DOCUMENT_UPLOAD),
+            with_state(engine, |e, req: UploadRequest, ctx| async move {
+                people::may_touch(&ctx.subject, &req.session_id)?;
+                e.documents().upload(req).await
+            }),
+        ),
     ]
 }

@@ -183,6 +183,39 @@ pub struct HistoryResponse {
     pub next_before_seq: Option<u64>,
 }
 
+/// `cyrene.person.<person>.session.list` request: the person's sessions, the newest first, at
+/// most `limit` (default [`SESSION_LIST_DEFAULT_LIMIT`], at most [`SESSION_LIST_MAX_LIMIT`]).
+/// The person is the subject's; nobody lists another person's sessions.
+#[skip_serializing_none]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionListRequest {
+    pub limit: Option<u32>,
+}
+
+/// The default page of `cyrene.person.<person>.session.list`.
+pub const SESSION_LIST_DEFAULT_LIMIT: u32 = 100;
+/// The most sessions one `session.list` reply names.
+pub const SESSION_LIST_MAX_LIMIT: u32 = 1000;
+
+/// One session of a person, as `session.list` names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionSummary {
+    pub session_id: String,
+    /// The answering persona recorded when the session was created (empty: the default).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona: String,
+    /// When the session was created, unix milliseconds.
+    pub created_at_ms: i64,
+}
+
+/// `cyrene.person.<person>.session.list` reply, the newest session first.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SessionListResponse {
+    #[serde(default)]
+    pub sessions: Vec<SessionSummary>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

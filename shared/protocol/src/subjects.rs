@@ -47,6 +47,10 @@ pub const SESSION_EVENTS_PERSONS_ALL: &str = "cyrene.session.*.*.events";
 /// subject proves who asks; the services answer only for that person's sessions.
 pub const PERSON_SESSION_SEND: &str = "session.send";
 pub const PERSON_SESSION_HISTORY: &str = "session.history";
+/// The person's sessions (docs/orchestrator.md, "`session.list`"; only the person form exists).
+pub const PERSON_SESSION_LIST: &str = "session.list";
+/// A document uploaded into one of the person's sessions (docs/documents.md).
+pub const PERSON_DOCUMENT_UPLOAD: &str = "document.upload";
 pub const PERSON_CHECKPOINT_LATEST: &str = "checkpoint.latest";
 pub const PERSON_CHECKPOINT_GET: &str = "checkpoint.get";
 pub const PERSON_CHECKPOINT_LIST: &str = "checkpoint.list";

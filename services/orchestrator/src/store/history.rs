@@ -4,8 +4,8 @@
 //! - A read-only query outside any transaction: it never takes the session lock, so it never
 //!   delays a writer; entries come back oldest first.
 
-use super::{Store, StoreError, decode_message, to_i64, to_u64};
-use cyrene_protocol::session::HistoryEntry;
+use super::{Store, StoreError, decode_env, decode_message, to_i64, to_u64};
+use cyrene_protocol::session::{HistoryEntry, SessionSummary};
 use sqlx::Row;
 use sqlx::any::AnyRow;
 
@@ -45,5 +45,33 @@ impl Store {
             .collect::<Result<Vec<_>, StoreError>>()?;
         out.reverse();
         Ok(out)
+    }
+
+    /// The sessions of `person` (`<person>.<name>`), the newest first, at most `limit`.
+    /// `person` is a validated id (letters, digits, `-`, `_`): `_` is escaped for `LIKE`.
+    pub async fn sessions_of(
+        &self,
+        person: &str,
+        limit: u32,
+    ) -> Result<Vec<SessionSummary>, StoreError> {
+        let pattern = format!("{}.%", person.replace('_', "\\_"));
+        let rows = sqlx::query(
+            "SELECT id, env, created_at FROM orch_sessions WHERE id LIKE $1 ESCAPE '\\' \
+             ORDER BY created_at DESC, id DESC LIMIT $2",
+        )
+        .bind(pattern)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r: &AnyRow| {
+                let env = decode_env(&r.try_get::<String, _>(1)?)?;
+                Ok(SessionSummary {
+                    session_id: r.try_get(0)?,
+                    persona: env.persona,
+                    created_at_ms: r.try_get(2)?,
+                })
+            })
+            .collect()
     }
 }

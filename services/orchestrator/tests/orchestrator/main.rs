@@ -6,5 +6,6 @@ mod agents;
 mod bad_input;
 mod fence;
 mod harness;
+mod people;
 mod policies;
 mod volume;

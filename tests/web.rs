@@ -1,0 +1,318 @@
+//! The web chat (docs/web.md) in a real headless Chromium (Debian's `chromium` package, driven
+//! by Playwright's `playwright-core` from `web/node_modules`): the real nats-server running
+//! `deploy/nats/cyrene.conf` with its `websocket {}` block and its users, `cyrene up` (every
+//! service, the offline scripted demo with its slow `search_notes` tool) serving the page, and
+//! the browser logging in as the person users alice and bob and as the operator.
+//!
+//! The browser side is `web/tests/chat.test.mjs` (node's test runner); this test starts the
+//! stack, runs it, and kills and starts nats-server again when the script asks (a line
+//! `@@kill-nats` or `@@start-nats` on its stdout, answered by a line on its stdin once done).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
+
+mod common;
+
+use cyrene_test_support::NatsServer;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+
+const PASSWORDS: [(&str, &str); 10] = [
+    ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
+    ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
+    ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
+    ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
+    ("CYRENE_TOOLS_PASSWORD", "pw-tools"),
+    ("CYRENE_CLIENT_PASSWORD", "pw-client"),
+    ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
+    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
+    ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
+    ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
+];
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A port nobody listens on right now (the WebSocket port must be fixed in the config, so the
+/// page finds the server again after a restart).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// deploy/nats/cyrene.conf as shipped — users, permissions, websocket block — with the test's
+/// passwords and WebSocket port, and one more user, `cyrene-up`, allowed everything: `cyrene up`
+/// runs every service on one bus login. The browser logs in as the shipped person and operator
+/// users only.
+fn server(ws_port: u16) -> NatsServer {
+    let read = |name: &str| std::fs::read_to_string(repo().join("deploy/nats").join(name)).unwrap();
+    let mut config = read("cyrene.conf");
+    config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
+    assert!(config.contains("websocket {\n  port: 8080\n"), "{config}");
+    config = config.replace(
+        "websocket {\n  port: 8080\n",
+        &format!("websocket {{\n  port: {ws_port}\n"),
+    );
+    let users = read("users.conf").replacen(
+        "  users = [\n",
+        "  users = [\n    {user: cyrene-up, password: \"pw-up\"}\n",
+        1,
+    );
+    config = config.replace("include ./users.conf\n", &users);
+    for (var, password) in PASSWORDS {
+        config = config.replace(&format!("${var}"), &format!("\"{password}\""));
+    }
+    NatsServer::builder().config(config).start()
+}
+
+fn chromium() -> PathBuf {
+    let path = PathBuf::from(
+        std::env::var("CYRENE_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into()),
+    );
+    assert!(
+        path.exists(),
+        "{} is missing: the web tests drive Debian's chromium (make test installs it: \
+         apt-get install chromium)",
+        path.display()
+    );
+    path
+}
+
+/// Waits until a turn calls the demo tool `search_notes`: the loop worker finds tools by
+/// discovery, refreshed every few seconds, so the first turns after `cyrene up` may not be
+/// offered it yet. Asks as bob, in sessions of his own the browser tests never open.
+async fn demo_tool_offered(port: u16) {
+    let bob = async_nats::ConnectOptions::new()
+        .user_and_password("person-bob".into(), "pw-bob".into())
+        .custom_inbox_prefix("_INBOX_person-bob")
+        .connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let mut events = bob.subscribe("cyrene.session.bob.*.events").await.unwrap();
+    bob.flush().await.unwrap();
+    for attempt in 0..30 {
+        let session = format!("bob.warmup-{attempt}");
+        let send = serde_json::json!({"session_id": session,
+            "message": {"role": "user", "content": "search my notes"}});
+        let _ = bob
+            .request(
+                "cyrene.person.bob.session.send",
+                serde_json::to_vec(&send).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        // this turn's events until it ends: did it call the tool?
+        let called = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut called = false;
+            while let Some(m) = futures::StreamExt::next(&mut events).await {
+                let event: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+                if event["session_id"] != session.as_str() {
+                    continue;
+                }
+                called |=
+                    event["type"] == "tool_call" && event.to_string().contains("\"search_notes\"");
+                if event["type"] == "turn_ended" {
+                    return called;
+                }
+            }
+            false
+        })
+        .await
+        .expect("a warm-up turn ends");
+        if called {
+            return;
+        }
+    }
+    panic!("no turn was offered the demo tool search_notes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_web_chat_in_a_real_browser() {
+    let chromium = chromium();
+    let ws_port = free_port();
+    let mut server = server(ws_port);
+    let data = tempfile::tempdir().unwrap();
+    let shots = repo().join("target/web-screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+
+    let mut up = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["up", "--web-addr", "127.0.0.1:0", "--data-dir"])
+        .arg(data.path())
+        .env(
+            "NATS_URL",
+            format!("nats://cyrene-up:pw-up@127.0.0.1:{}", server.port()),
+        )
+        .env(
+            "CYRENE_WEB_NATS_WS_URL",
+            format!("ws://127.0.0.1:{ws_port}"),
+        )
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // `cyrene up` prints the page's URL once every service has started.
+    let mut up_err = BufReader::new(up.stderr.take().unwrap()).lines();
+    let url = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(line) = up_err.next_line().await.unwrap() {
+            eprintln!("up: {line}");
+            if let Some(rest) = line.strip_prefix("cyrene: open ") {
+                return rest.split_whitespace().next().unwrap().to_owned();
+            }
+        }
+        panic!("cyrene up ended without printing the web chat's URL");
+    })
+    .await
+    .expect("cyrene up prints the web chat's URL");
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = up_err.next_line().await {
+            eprintln!("up: {line}");
+        }
+    });
+    let operator = async_nats::ConnectOptions::new()
+        .user_and_password("cyrene-operator".into(), "pw-operator".into())
+        .custom_inbox_prefix("_INBOX_cyrene-operator")
+        .connect(server.url())
+        .await
+        .unwrap();
+    common::wait_for_the_four_services(&operator).await;
+    demo_tool_offered(server.port()).await;
+
+    let mut node = Command::new("node")
+        .arg("tests/chat.test.mjs")
+        .current_dir(repo().join("web"))
+        .env("CYRENE_WEB_URL", &url)
+        .env("CYRENE_CHROMIUM", &chromium)
+        .env("CYRENE_WEB_SHOTS", &shots)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = node.stdin.take().unwrap();
+    let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
+    let mut restarts = 0;
+    let mut kills = 0;
+    let run = tokio::time::timeout(Duration::from_secs(240), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            println!("{line}");
+            let asked = line.trim_start();
+            if asked.starts_with("@@kill-nats") {
+                server.kill();
+                kills += 1;
+            } else if asked.starts_with("@@start-nats") {
+                server.start_again();
+                restarts += 1;
+            } else {
+                continue;
+            }
+            stdin.write_all(b"done\n").await.unwrap();
+            stdin.flush().await.unwrap();
+        }
+        node.wait().await.unwrap()
+    })
+    .await
+    .expect("the browser tests end within 4 minutes");
+    assert!(
+        run.success(),
+        "the browser tests failed ({run}): see their output above"
+    );
+    assert_eq!(
+        (kills, restarts),
+        (1, 1),
+        "the reconnect test stopped and started nats-server once"
+    );
+    for shot in ["chat.png", "phone.png", "operator.png"] {
+        assert!(shots.join(shot).exists(), "screenshot {shot} was saved");
+    }
+    common::terminate(&up);
+    let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
+}
+
+/// One HTTP/1.1 GET over a plain TCP connection: the status line, headers and body as text.
+async fn get(addr: &str, path: &str) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+/// `cyrene web` alone: it serves the page and `/config.json` with the strict CSP, connects to
+/// no NATS (none runs here), and refuses a WebSocket URL that could widen the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cyrene_web_serves_the_page_and_its_config_without_nats() {
+    let mut web = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args([
+            "web",
+            "--addr",
+            "127.0.0.1:0",
+            "--web-personas",
+            "cyrene,hoshi",
+        ])
+        .env("CYRENE_WEB_NATS_WS_URL", "wss://nats.example.org/ws")
+        // no NATS answers here: `cyrene web` must not need one
+        .env("NATS_URL", "nats://127.0.0.1:1")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(web.stderr.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), err.next_line())
+        .await
+        .expect("cyrene web says where it listens")
+        .unwrap()
+        .unwrap();
+    let addr = line
+        .strip_prefix("cyrene: web chat at http://")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_owned();
+
+    let config = get(&addr, "/config.json").await;
+    assert!(config.starts_with("HTTP/1.1 200"), "{config}");
+    assert!(
+        config.ends_with(
+            r#"{"nats_ws_url":"wss://nats.example.org/ws","personas":["cyrene","hoshi"]}"#
+        ),
+        "{config}"
+    );
+    let page = get(&addr, "/").await.to_ascii_lowercase();
+    assert!(page.starts_with("http/1.1 200"), "{page}");
+    assert!(page.contains(
+        "content-security-policy: default-src 'none'; script-src 'self'; style-src 'self'; \
+         img-src 'self' data:; connect-src 'self' wss://nats.example.org/ws; base-uri 'none'; \
+         form-action 'none'; frame-ancestors 'none'\r\n"
+    ));
+    assert!(page.contains("x-content-type-options: nosniff\r\n"));
+    assert!(page.contains(r#"<script type="module" src="/app.js"></script>"#));
+    let script = get(&addr, "/app.js").await;
+    assert!(
+        script.contains("content-type: text/javascript"),
+        "{}",
+        &script[..300]
+    );
+    let missing = get(&addr, "/../etc/passwd").await;
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    common::terminate(&web);
+    let _ = web.wait().await;
+
+    // a URL that would end the connect-src directive is refused at start
+    let out = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["web", "--addr", "127.0.0.1:0"])
+        .env("CYRENE_WEB_NATS_WS_URL", "ws://x; script-src *")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must be one URL"), "{stderr}");
+}

@@ -1,0 +1,388 @@
+// The web chat in a real headless Chromium (docs/web.md, "Tests"). Run by tests/web.rs, which
+// starts the stack (nats-server with the shipped users and websocket block, `cyrene up` serving
+// the page) and passes:
+//   CYRENE_WEB_URL     the page, as `cyrene up` printed it
+//   CYRENE_CHROMIUM    Debian's chromium (Playwright's own browser download is not used)
+//   CYRENE_WEB_SHOTS   where the screenshots go
+// The script asks its driver to stop and start nats-server by printing `@@kill-nats` /
+// `@@start-nats` and waits for a line on stdin. Tests run in order and share the stack.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { createInterface } from "node:readline";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const URL = process.env.CYRENE_WEB_URL ?? "http://127.0.0.1:8090/";
+const SHOTS = process.env.CYRENE_WEB_SHOTS ?? ".";
+const PASSWORDS = { alice: "pw-alice", bob: "pw-bob", operator: "pw-operator" };
+const WAIT = 20_000;
+
+let browser;
+const stdinLines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+
+/** Asks the driver (tests/web.rs) to do something to nats-server and waits until it has. */
+async function driver(what) {
+  console.log(`@@${what}`);
+  const answer = await stdinLines.next();
+  assert.equal(answer.value, "done", `the driver did ${what}`);
+}
+
+before(async () => {
+  browser = await chromium.launch({
+    executablePath: process.env.CYRENE_CHROMIUM ?? "/usr/bin/chromium",
+    headless: true,
+    // Playwright gives every launch a fresh temporary profile (--user-data-dir) of its own.
+    args: [
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-quic",
+      "--no-first-run",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--disable-sync",
+    ],
+  });
+});
+
+after(async () => {
+  await browser?.close();
+  process.stdin.destroy();
+});
+
+/** A fresh browser context (no storage shared with other tests) and its page, with the page's
+ *  console errors and uncaught exceptions collected. */
+const open = new Set();
+
+async function newPage(options = {}) {
+  const context = await browser.newContext(options);
+  const page = await context.newPage();
+  open.add(page);
+  page.on("close", () => open.delete(page));
+  page.problems = [];
+  page.on("pageerror", (e) => page.problems.push(`pageerror: ${e.message}`));
+  page.sockets = 0;
+  page.on("websocket", () => (page.sockets += 1));
+  return page;
+}
+
+async function logIn(page, who, password = PASSWORDS[who], hash = "") {
+  await page.goto(URL + hash);
+  await page.getByLabel("Person", { exact: true }).fill(who);
+  await page.getByLabel("Password", { exact: true }).fill(password);
+  await page.getByRole("button", { name: "Log in" }).click();
+}
+
+async function loggedIn(page, who, hash = "") {
+  await logIn(page, who, PASSWORDS[who], hash);
+  await page.locator("#app-view").waitFor({ state: "visible", timeout: WAIT });
+  if (who !== "operator") {
+    await page.waitForFunction(() => /^#\/s\/.+/.test(location.hash), null, { timeout: WAIT });
+  }
+}
+
+async function sendMessage(page, text) {
+  const box = page.getByLabel("Message", { exact: true });
+  await box.fill(text);
+  await box.press("Enter");
+}
+
+/** The turn container whose answer contains `text`, once its answer is final. */
+async function answered(page, text) {
+  const turn = page.locator(".turn", { has: page.locator('.answer[data-final="true"]', { hasText: text }) });
+  await turn.first().waitFor({ timeout: WAIT });
+  return turn.first();
+}
+
+/** A test whose failure leaves a screenshot and the text of every page it had open. */
+function scenario(name, body) {
+  test(name, async () => {
+    try {
+      await body();
+    } catch (e) {
+      let i = 0;
+      for (const page of open) {
+        i += 1;
+        const shot = join(SHOTS, `failed-${name.slice(0, 30).replace(/\W+/g, "-")}-${i}.png`);
+        await page.screenshot({ path: shot }).catch(() => {});
+        const text = await page.evaluate(() => document.body.innerText).catch(() => "");
+        console.log(`# page ${i} at ${page.url()} (${shot}):\n${text.replace(/^/gm, "#   ")}`);
+        await page.context().close().catch(() => {});
+      }
+      throw e;
+    }
+  });
+}
+
+let aliceSession = "";
+
+scenario("alice logs in (a wrong password is refused once), sends, and sees the answer stream in", async () => {
+  const page = await newPage();
+  await logIn(page, "alice", "not-her-password");
+  await page.getByText("wrong person or password").waitFor({ timeout: WAIT });
+  // one connection attempt for one click: no retry storm
+  await page.waitForTimeout(1500);
+  assert.equal(page.sockets, 1, "one WebSocket for one click");
+  assert.equal(await page.locator("#app-view").isVisible(), false);
+
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByRole("button", { name: "Log in" }).click();
+  await page.waitForFunction(() => /^#\/s\/.+/.test(location.hash), null, { timeout: WAIT });
+  aliceSession = new globalThis.URL(page.url()).hash;
+  assert.match(aliceSession, /^#\/s\/w[0-9a-z]+$/, "a new session, named by the page, is open");
+  assert.equal(await page.getByRole("log").count(), 1, "the transcript is role=log");
+
+  await sendMessage(page, "hello **there**");
+  await page.locator(".msg.user", { hasText: "hello **there**" }).waitFor({ timeout: WAIT });
+  const turn = await answered(page, "You said: hello");
+  // the answer's Markdown is rendered (by marked, sanitised by DOMPurify)
+  assert.equal(await turn.locator(".answer strong").innerText(), "there");
+  const pieces = Number(await turn.getAttribute("data-deltas"));
+  assert.ok(pieces > 1, `the answer streamed in word by word (${pieces} pieces)`);
+  // the session is listed by the person-scoped endpoint
+  const name = aliceSession.slice("#/s/".length);
+  await page.locator("#session-list a", { hasText: name }).waitFor({ timeout: WAIT });
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+scenario("a message sent while the demo tool runs is steered into the running turn", async () => {
+  const page = await newPage({ viewport: { width: 1100, height: 760 } });
+  await loggedIn(page, "alice", aliceSession);
+  await sendMessage(page, "Could you search my notes about the picnic?");
+  // the tool call shows live (collapsed), and while it runs the person keeps typing
+  await page.locator("details.tool", { hasText: "search_notes" }).waitFor({ timeout: WAIT });
+  await sendMessage(page, "Oh, and what time is it?");
+  const steered = page.locator(".msg.user", { hasText: "what time is it?" });
+  await steered.locator(".status", { hasText: /steered into step \d+/ }).waitFor({ timeout: WAIT });
+  await page.locator('.turn[data-running="false"] details.tool', { hasText: "current_time" }).waitFor({ timeout: WAIT });
+  await answered(page, "It is");
+  assert.equal(await page.locator("details.tool[open]").count(), 0, "tool calls are collapsed");
+  await page.locator("details.tool", { hasText: "search_notes" }).first().click();
+  await page.locator("details.tool pre.result", { hasText: "3 notes mention" }).waitFor({ timeout: WAIT });
+  // the session's checkpoints: one per step, with its stop reason
+  await page.getByText("Checkpoints").click();
+  await page.locator("#timeline-steps li", { hasText: /^step 1 · tool_calls · \d{4}-/ }).first().waitFor({ timeout: WAIT });
+  await page.locator("#timeline-steps li", { hasText: /^step \d+ · stop · / }).first().waitFor({ timeout: WAIT });
+  await page.screenshot({ path: join(SHOTS, "chat.png") });
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+scenario("a reload asks for the login again and shows the session's history once", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await page.locator(".msg.user", { hasText: "what time is it?" }).waitFor({ timeout: WAIT });
+  await page.reload();
+  // credentials were kept in memory only: the reload asks again, and the URL never held them
+  await page.getByLabel("Person", { exact: true }).waitFor({ timeout: WAIT });
+  assert.equal(await page.evaluate(() => localStorage.length), 0);
+  assert.ok(!page.url().includes(PASSWORDS.alice));
+  await page.getByLabel("Person", { exact: true }).fill("alice");
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByRole("button", { name: "Log in" }).click();
+  await answered(page, "It is");
+  assert.equal(new globalThis.URL(page.url()).hash, aliceSession, "the URL reopened the session");
+  for (const text of ["hello **there**", "search my notes", "what time is it?"]) {
+    assert.equal(await page.locator(".msg.user", { hasText: text }).count(), 1, text);
+  }
+  assert.equal(await page.locator(".answer", { hasText: "You said: hello" }).count(), 1);
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+scenario("bob cannot open alice's session: a permission error, no data", async () => {
+  const page = await newPage();
+  const name = aliceSession.slice("#/s/".length);
+  await logIn(page, "bob", PASSWORDS.bob, `#/s/alice.${name}`);
+  await page.locator("#session-error", { hasText: "permission error" }).waitFor({ timeout: WAIT });
+  assert.match(await page.locator("#session-error").innerText(), /not one of "bob"'s/);
+  assert.equal(await page.locator("#transcript .msg").count(), 0, "nothing of alice's is shown");
+  assert.equal(await page.locator("#session-list a", { hasText: name }).count(), 0);
+  await page.context().close();
+});
+
+const XSS = [
+  "<script>window.__pwned = 'script'</script>",
+  '<img src=x onerror="window.__pwned = \'img\'">',
+  "[click me](javascript:window.__pwned='link')",
+  '<a href="javascript:window.__pwned=\'a\'">a link</a>',
+  "<svg><script>window.__pwned='svg'</script></svg><svg onload=\"window.__pwned='onload'\"></svg>",
+  "![x](x\" onerror=\"window.__pwned='md-img')",
+  '<iframe srcdoc="<script>parent.__pwned=1</script>"></iframe><details open ontoggle="window.__pwned=\'toggle\'">',
+  "[a](&#106;avascript:window.__pwned='entity')",
+];
+
+scenario("hostile names and messages render inert, under a strict CSP", async () => {
+  const page = await newPage();
+  const response = await page.goto(URL);
+  const csp = response.headers()["content-security-policy"] ?? "";
+  assert.match(csp, /script-src 'self';/);
+  assert.match(csp, /connect-src 'self' ws:\/\/127\.0\.0\.1:\d+;/);
+  assert.ok(!csp.includes("unsafe-inline") && !csp.includes("unsafe-eval"), csp);
+  // the policy is enforced: an inline script added to the page does not run
+  await page.evaluate(() => {
+    const s = document.createElement("script");
+    s.textContent = "window.__inline = true";
+    document.body.append(s);
+  });
+  assert.equal(await page.evaluate(() => window.__inline), undefined, "inline script blocked");
+
+  await loggedIn(page, "alice");
+  for (const [i, payload] of XSS.entries()) {
+    await sendMessage(page, payload);
+    // one answer per message (each waits for the last, so none is steered into another)
+    await page.waitForFunction((n) => document.querySelectorAll('.answer[data-final="true"]').length >= n, i + 1, {
+      timeout: WAIT,
+    });
+  }
+  await inert(page);
+  await page.context().close();
+
+  // a hostile session name in the URL is shown as text too
+  const named = await newPage();
+  await logIn(named, "alice", PASSWORDS.alice, `#/s/${encodeURIComponent('<img src=x onerror="window.__pwned=\'name\'">')}`);
+  await named.locator("#session-error").waitFor({ state: "visible", timeout: WAIT });
+  assert.match(await named.locator("#session-title").innerText(), /<img src=x onerror=/);
+  await inert(named);
+  await named.context().close();
+});
+
+/** No payload ran, and no element carries an event handler or a javascript: URL. */
+async function inert(page) {
+  const found = await page.evaluate(() => {
+    const handlers = [];
+    for (const e of document.querySelectorAll("*")) {
+      for (const a of e.attributes) {
+        if (a.name.toLowerCase().startsWith("on")) handlers.push(`${e.tagName} ${a.name}`);
+        if (/^\s*javascript:/i.test(a.value)) handlers.push(`${e.tagName} ${a.name}=${a.value}`);
+      }
+    }
+    return {
+      pwned: window.__pwned,
+      handlers,
+      scripts: [...document.scripts].map((s) => s.src || "inline"),
+      frames: document.querySelectorAll("iframe, object, embed").length,
+    };
+  });
+  assert.equal(found.pwned, undefined, "no payload ran");
+  assert.deepEqual(found.handlers, [], "no event handler or javascript: URL in the page");
+  assert.equal(found.frames, 0);
+  assert.ok(found.scripts.every((s) => s.endsWith("/app.js") || s === "inline"), String(found.scripts));
+  assert.deepEqual(page.problems, []);
+}
+
+scenario("alice attaches a document: a chip with the type the server sniffed, in the message", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await answered(page, "It is");
+  // the browser claims image/png and a name with markup; the server sniffs the bytes
+  await page.getByLabel("Attach", { exact: true }).setInputFiles({
+    name: "picnic <img src=x onerror=alert(1)>.txt",
+    mimeType: "image/png",
+    buffer: Buffer.from("picnic list: tea, cake, a blanket\n"),
+  });
+  const chip = page.locator("#attachments .chip", { hasText: "text/plain" });
+  await chip.waitFor({ timeout: WAIT });
+  assert.ok(!(await chip.innerText()).includes("image/png"));
+  await sendMessage(page, "what is in the file?");
+  const sent = page.locator(".msg.user", { hasText: "what is in the file?" });
+  await sent.locator(".chip", { hasText: "text/plain" }).waitFor({ timeout: WAIT });
+  assert.equal(await page.locator("#attachments .chip").count(), 0, "the attachment went with the message");
+  await answered(page, "what is in the file?");
+  // the stored message holds the server's document reference: the history shows it too
+  await page.reload();
+  await page.getByLabel("Person", { exact: true }).fill("alice");
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByRole("button", { name: "Log in" }).click();
+  const stored = page.locator(".msg.user", { hasText: "what is in the file?" });
+  await stored.locator(".chip", { hasText: /^d-.* · text\/plain/ }).waitFor({ timeout: WAIT });
+  assert.equal(await page.locator("img, [onerror]").count(), 0);
+  assert.deepEqual(page.problems, []);
+  await page.context().close();
+});
+
+scenario("on a phone (375×667) nothing scrolls sideways and the message box stays visible", async () => {
+  const page = await newPage({ viewport: { width: 375, height: 667 }, isMobile: true, hasTouch: true });
+  await loggedIn(page, "alice", aliceSession);
+  await answered(page, "It is");
+  const layout = await page.evaluate(() => {
+    const box = document.getElementById("message").getBoundingClientRect();
+    const send = document.getElementById("send").getBoundingClientRect();
+    return {
+      scrollWidth: document.documentElement.scrollWidth,
+      bodyWidth: document.body.scrollWidth,
+      box: { top: box.top, bottom: box.bottom, left: box.left, right: box.right },
+      send: { right: send.right, bottom: send.bottom },
+    };
+  });
+  assert.ok(layout.scrollWidth <= 375 && layout.bodyWidth <= 375, JSON.stringify(layout));
+  assert.ok(layout.box.top >= 0 && layout.box.bottom <= 667, `message box on screen: ${JSON.stringify(layout)}`);
+  assert.ok(layout.send.right <= 375 && layout.send.bottom <= 667, JSON.stringify(layout));
+  await sendMessage(page, "typed on a phone");
+  await answered(page, "You said: typed on a phone");
+  await page.screenshot({ path: join(SHOTS, "phone.png") });
+  await page.context().close();
+});
+
+scenario("nats-server restarted under the page: it reconnects, sends what was typed offline once", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await answered(page, "You said: typed on a phone");
+  await driver("kill-nats");
+  await page.waitForFunction(() => document.body.dataset.online === "false", null, { timeout: WAIT });
+  await sendMessage(page, "typed while offline");
+  const offline = page.locator(".msg.user", { hasText: "typed while offline" });
+  await offline.locator(".status", { hasText: "waiting for the connection" }).waitFor({ timeout: WAIT });
+  await driver("start-nats");
+  await page.waitForFunction(() => document.body.dataset.online === "true", null, { timeout: 30_000 });
+  await answered(page, "You said: typed while offline");
+  // caught up from the history without showing anything twice
+  await page.waitForTimeout(500);
+  assert.equal(await offline.count(), 1, "the offline message is shown (and was stored) once");
+  assert.equal(await page.locator(".answer", { hasText: "You said: typed while offline" }).count(), 1);
+  assert.equal(await page.locator(".msg.user", { hasText: "hello **there**" }).count(), 1);
+  // the server stored it once: a fresh page's history agrees
+  const fresh = await newPage();
+  await loggedIn(fresh, "alice", aliceSession);
+  await answered(fresh, "You said: typed while offline");
+  assert.equal(await fresh.locator(".msg.user", { hasText: "typed while offline" }).count(), 1);
+  await fresh.context().close();
+  await page.context().close();
+});
+
+scenario("the operator sees the services on the bus and the model calls", async () => {
+  const page = await newPage({ viewport: { width: 1000, height: 700 } });
+  await loggedIn(page, "operator");
+  for (const service of ["cyrene-model-gateway", "cyrene-checkpoint-store", "cyrene-orchestrator", "cyrene-loop-worker"]) {
+    await page.locator("#services-table td.service", { hasText: service }).first().waitFor({ timeout: WAIT });
+  }
+  // a model call made while the operator watches shows in the calls table and chart
+  const alice = await newPage();
+  await loggedIn(alice, "alice", aliceSession);
+  await sendMessage(alice, "one more for the operator");
+  await answered(alice, "You said: one more for the operator");
+  await page.locator("#calls-table td", { hasText: "scripted" }).first().waitFor({ timeout: WAIT });
+  assert.ok((await page.locator("#calls-chart rect").count()) >= 1);
+  await page.screenshot({ path: join(SHOTS, "operator.png"), fullPage: true });
+  assert.deepEqual(page.problems, []);
+  await alice.context().close();
+  await page.context().close();
+});
+
+scenario('"remember me" keeps the login in this browser until Log out', async () => {
+  const page = await newPage();
+  await page.goto(URL);
+  await page.getByLabel("Person", { exact: true }).fill("alice");
+  await page.getByLabel("Password", { exact: true }).fill(PASSWORDS.alice);
+  await page.getByLabel("remember me").check();
+  await page.getByRole("button", { name: "Log in" }).click();
+  await page.waitForFunction(() => /^#\/s\/.+/.test(location.hash), null, { timeout: WAIT });
+  await page.reload();
+  // logged in again by itself: no login form
+  await page.locator("#app-view").waitFor({ state: "visible", timeout: WAIT });
+  assert.equal(await page.locator("#login-view").isVisible(), false);
+  await page.getByRole("button", { name: "Log out" }).click();
+  await page.getByLabel("Person", { exact: true }).waitFor({ timeout: WAIT });
+  assert.equal(await page.evaluate(() => localStorage.length), 0, "Log out forgets the login");
+  await page.context().close();
+});
