@@ -556,4 +556,119 @@ mod tests {
         default_timeout.total_timeout_ms = Some(0);
         assert!(check_request(&default_timeout).is_ok());
     }
+
+    /// A provider that fails retryably (with `retry_after` when set) while `failing` is set,
+    /// and counts its calls.
+    #[derive(Debug, Default)]
+    struct Flaky {
+        failing: std::sync::atomic::AtomicBool,
+        retry_after: Option<Duration>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Provider for Flaky {
+        fn complete<'a>(
+            &'a self,
+            _request: &'a ModelRequest,
+            _step: &'a Step,
+            _deadline: Instant,
+        ) -> futures::future::BoxFuture<'a, Result<ModelResponse, ProviderError>> {
+            use std::sync::atomic::Ordering::SeqCst;
+            self.calls.fetch_add(1, SeqCst);
+            let outcome = if self.failing.load(SeqCst) {
+                Err(match self.retry_after {
+                    Some(after) => ProviderError::Status {
+                        status: 429,
+                        message: "slow down".into(),
+                        retry_after: Some(after),
+                    },
+                    None => ProviderError::Transport("down".into()),
+                })
+            } else {
+                Ok(serde_json::from_value(serde_json::json!({
+                    "model": "text",
+                    "message": {"role": "assistant", "content": "ok"}
+                }))
+                .unwrap())
+            };
+            Box::pin(async move { outcome })
+        }
+    }
+
+    /// Chain `a` then `b`; `a` cools for a minute after two failures in a row.
+    fn flaky_router(a: Arc<Flaky>) -> Router {
+        let config = ModelsConfig::from_json(
+            r#"{"providers":{
+               "a":{"protocol":"scripted","models":{"text":{}},
+                    "cooldown":{"failures":2,"cooldown_ms":60000}},
+               "b":{"protocol":"scripted","models":{"text":{}}}},
+             "groups":{"default":[{"provider":"a","model":"text"},{"provider":"b","model":"text"}]},
+             "active_group":"default"}"#,
+            "test",
+        )
+        .unwrap();
+        config.validate(&|_| true).unwrap();
+        let b: Arc<dyn Provider> = Arc::new(Flaky::default());
+        let a: Arc<dyn Provider> = a;
+        Router::new(config, BTreeMap::from([("a".into(), a), ("b".into(), b)]))
+    }
+
+    async fn served_by(router: &Router) -> String {
+        router.complete(&req("", "", false)).await.unwrap().provider
+    }
+
+    fn calls(p: &Flaky) -> usize {
+        p.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// In paused time: a cooling provider is skipped until its cooldown has passed, not a
+    /// moment longer; then one failure cools it again (half-open), and a success clears it.
+    #[tokio::test(start_paused = true)]
+    async fn a_cooldown_ends_when_its_time_has_passed_and_one_failure_starts_it_again() {
+        let a = Arc::new(Flaky::default());
+        a.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+        let router = flaky_router(a.clone());
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(calls(&a), 2, "two failures in a row start the cooldown");
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(calls(&a), 2, "skipped while cooling");
+        tokio::time::advance(Duration::from_millis(1001)).await;
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(calls(&a), 3, "tried once the minute has passed");
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(calls(&a), 3, "one failure after a cooldown cools it again");
+
+        a.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert_eq!(served_by(&router).await, "a");
+        // A success cleared the count: one failure is no longer enough.
+        a.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(calls(&a), 6, "tried again after a single failure");
+    }
+
+    /// In paused time: a `Retry-After` cools the provider at once, for exactly that long.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_after_cools_a_provider_for_as_long_as_it_says() {
+        let a = Arc::new(Flaky {
+            retry_after: Some(Duration::from_secs(30)),
+            ..Flaky::default()
+        });
+        a.failing.store(true, std::sync::atomic::Ordering::SeqCst);
+        let router = flaky_router(a.clone());
+        assert_eq!(served_by(&router).await, "b");
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert_eq!(served_by(&router).await, "b");
+        assert_eq!(
+            calls(&a),
+            1,
+            "one 429 with Retry-After: 30 cools it at once"
+        );
+        a.failing.store(false, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::advance(Duration::from_millis(1001)).await;
+        assert_eq!(served_by(&router).await, "a");
+    }
 }

@@ -117,4 +117,82 @@ mod tests {
         let got: Option<()> = retry(policy, &shutdown, || async { Err("never") }, |_| {}).await;
         assert_eq!(got, None);
     }
+
+    /// In paused time a sleep ends exactly when its deadline comes, so the gaps between
+    /// attempts are the pauses the policy chose: each is the doubled base (capped at `max`) plus
+    /// jitter of at most one more base, and none is shorter than its base.
+    #[tokio::test(start_paused = true)]
+    async fn the_pauses_between_attempts_double_up_to_the_cap() {
+        let policy = Backoff {
+            first: Duration::from_secs(1),
+            max: Duration::from_secs(8),
+        };
+        let shutdown = CancellationToken::new();
+        let mut at = Vec::new();
+        let got = retry(
+            policy,
+            &shutdown,
+            || {
+                at.push(tokio::time::Instant::now());
+                let n = at.len();
+                async move { if n < 8 { Err(()) } else { Ok(n) } }
+            },
+            |_| {},
+        )
+        .await;
+        assert_eq!(got, Some(8));
+        let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+        let bases = [1, 2, 4, 8, 8, 8, 8].map(Duration::from_secs);
+        for (gap, base) in gaps.iter().zip(bases) {
+            assert!(
+                *gap >= base && *gap <= base * 2,
+                "gap {gap:?} for a base of {base:?}: {gaps:?}"
+            );
+        }
+    }
+
+    /// Shutdown cuts a pause short — an hour-long one ends when shutdown fires, not an hour
+    /// later — but never an attempt under way: one that has started finishes and its value is
+    /// returned.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_cuts_a_pause_short_but_not_an_attempt() {
+        let hour = Backoff {
+            first: Duration::from_secs(3600),
+            max: Duration::from_secs(3600),
+        };
+        let shutdown = CancellationToken::new();
+        let start = tokio::time::Instant::now();
+        let waiting = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { retry(hour, &shutdown, || async { Err::<(), _>(()) }, |_| {}).await }
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        shutdown.cancel();
+        assert_eq!(waiting.await.unwrap(), None);
+        assert!(
+            start.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            start.elapsed()
+        );
+
+        let shutdown = CancellationToken::new();
+        let attempt = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move {
+                retry(
+                    hour,
+                    &shutdown,
+                    || async {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        Ok::<_, ()>("reported")
+                    },
+                    |_| {},
+                )
+                .await
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        shutdown.cancel();
+        assert_eq!(attempt.await.unwrap(), Some("reported"));
+    }
 }

@@ -7,6 +7,10 @@
 
 use crate::ids::{self, IdError, IdKind};
 
+// Defined beside their shapes; named here too so that this file lists every subject.
+pub use crate::document::{DOCUMENT_READ, DOCUMENT_UPLOAD};
+pub use crate::memory::{MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
+
 /// Model completions (micro endpoint `complete`).
 pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
 /// Streamed model completions (micro endpoint `complete_stream`): deltas and an end marker on the

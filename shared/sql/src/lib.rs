@@ -13,7 +13,12 @@
 //! - [`testing::TestDatabase`] (feature `testing`): a fresh PostgreSQL database per test, dropped
 //!   afterwards, on the server named by `CYRENE_TEST_POSTGRES_URL`.
 //!
-//! Each service keeps its own migration files and its own queries.
+//! Each service keeps its own migration files and its own queries, and the two query them in two
+//! ways on purpose: the checkpoint store runs a few hot statements whose best SQL differs per
+//! backend (array upserts, triggers, typed timestamps), so it types each dialect (`Dialect` in
+//! its `store/sql.rs`), while the orchestrator's many transactional queries read the same on both
+//! backends, so it writes each once through sqlx's `Any` driver and differs only in the session
+//! lock (docs/architecture.md §6).
 
 mod classify;
 mod error;
