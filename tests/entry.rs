@@ -385,6 +385,7 @@ fn every_setting_of_every_service_is_a_flag() {
         consumer,
         ack_wait,
         max_deliver,
+        poison_after,
         retry_delay,
         model_timeout,
         checkpoint_timeout,
@@ -400,6 +401,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--consumer=w-2",
         "--ack-wait=2s",
         "--max-deliver=4",
+        "--poison-after=5",
         "--retry-delay=5s",
         "--model-timeout=6s",
         "--checkpoint-timeout=7s",
@@ -414,8 +416,14 @@ fn every_setting_of_every_service_is_a_flag() {
     .into_config()
     .unwrap();
     assert_eq!(
-        (concurrency, consumer.as_str(), max_deliver, turns_replicas),
-        (3, "w-2", 4, 3)
+        (
+            concurrency,
+            consumer.as_str(),
+            max_deliver,
+            poison_after,
+            turns_replicas
+        ),
+        (3, "w-2", 4, 5, 3)
     );
     assert_eq!(
         [
