@@ -773,3 +773,99 @@ async fn an_answer_saved_before_a_kill_is_reported_again_not_answered_twice() {
         "settled under the loop's stop, the provider's reason beside it"
     );
 }
+
+/// How many replies a request on `subject` gathers within `wait` (e.g. live replicas on a
+/// `$SRV.PING` subject).
+async fn responders(client: &async_nats::Client, subject: &str, wait: Duration) -> usize {
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.unwrap();
+    client
+        .publish_with_reply(subject.to_owned(), inbox, "".into())
+        .await
+        .unwrap();
+    let mut n = 0;
+    while let Ok(Some(_)) = tokio::time::timeout(wait, replies.next()).await {
+        n += 1;
+    }
+    n
+}
+
+/// Issue 29, item 4: the gateway replica serving a step's model call is SIGKILLed mid-call. Its
+/// heartbeats stop, the worker notices within about a second and sends the call to the other
+/// replica: the turn completes in the same attempt, long before the model timeout (60 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_call_costs_a_retry_on_another_replica_not_the_model_timeout() {
+    let reply = json!({"id": "c", "model": "m", "choices": [{"index": 0,
+        "message": {"role": "assistant", "content": "It is noon."}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}});
+    let upstream = wiremock::MockServer::start().await;
+    // The first call hangs (its replica dies during it); later ones answer at once.
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(
+            wiremock::ResponseTemplate::new(200)
+                .set_delay(Duration::from_secs(600))
+                .set_body_json(reply.clone()),
+        )
+        .up_to_n_times(1)
+        .with_priority(1)
+        .mount(&upstream)
+        .await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_json(reply))
+        .mount(&upstream)
+        .await;
+    let stack = Stack::start_with(rules(), None, false).await;
+    let models = stack.data.path().join("models.json");
+    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": upstream.uri(),
+        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
+        "active_group": "g"});
+    std::fs::write(&models, config.to_string()).unwrap();
+    let models = models.display().to_string();
+    let url = stack.server.url();
+    let gateway = |name: &str| {
+        common::service(
+            "cyrene-model-gateway",
+            &url,
+            &[
+                ("CYRENE_GATEWAY_MODELS", models.as_str()),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        )
+    };
+    let mut first = gateway("first");
+    common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
+    let mut config = worker_config();
+    config.model_timeout = Duration::from_secs(60);
+    stack.spawn_worker(config).await;
+    stack.dispatch(&job("tv", "sv", "what time is it?")).await;
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while upstream.received_requests().await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the first replica took the call");
+    let _second = gateway("second");
+    let ping = "$SRV.PING.cyrene-model-gateway";
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while responders(&stack.client, ping, Duration::from_millis(200)).await < 2 {}
+    })
+    .await
+    .expect("the second replica is up");
+
+    first.start_kill().unwrap(); // SIGKILL, mid-call
+    first.wait().await.unwrap();
+    let done = tokio::time::timeout(
+        Duration::from_secs(20),
+        stack.orchestrator.wait_completed("tv"),
+    )
+    .await
+    .expect("completed long before the model timeout");
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+    assert_eq!(
+        done.attempt, 1,
+        "retried within the attempt, not redelivered"
+    );
+    assert_eq!(upstream.received_requests().await.unwrap().len(), 2);
+}
