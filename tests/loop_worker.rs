@@ -869,3 +869,24 @@ async fn a_gateway_killed_mid_call_costs_a_retry_on_another_replica_not_the_mode
     );
     assert_eq!(upstream.received_requests().await.unwrap().len(), 2);
 }
+
+/// Issue 29, item 5: a job waiting when a worker starts is taken only once the worker's first
+/// tool discovery is over, so its first model request already offers the external tools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_worker_offers_the_discovered_tools_from_its_first_job_on() {
+    let stack = Stack::start(rules(), None).await;
+    stack.dispatch(&job("td", "sd", "hello")).await;
+    stack.spawn_worker(worker_config()).await;
+    let done = stack.orchestrator.wait_completed("td").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    let first = stack
+        .log
+        .snapshot()
+        .into_iter()
+        .next()
+        .expect("a model request");
+    let offered: Vec<&str> = first.tools.iter().map(|t| t.name.as_str()).collect();
+    for tool in ["count", "hold", "slow", "broken"] {
+        assert!(offered.contains(&tool), "{tool} not offered: {offered:?}");
+    }
+}
