@@ -735,7 +735,12 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     let reply = client.new_inbox();
     let mut seen = client.subscribe(reply.clone()).await.unwrap();
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(cyrene_protocol::stream::HEARTBEAT_HEADER, "50");
+    cyrene_bus::headers::insert(
+        &mut headers,
+        cyrene_protocol::stream::HEARTBEAT_HEADER,
+        "50",
+    )
+    .unwrap();
     let payload = serde_json::to_vec(&ask("again")).unwrap();
     client
         .publish_with_reply_and_headers(MODEL_COMPLETE_STREAM, reply, headers, payload.into())

@@ -234,7 +234,12 @@ async fn exchange(
     let mut headers = trace::current_headers();
     let silent = heartbeat.map(|every| every * SILENT_BEATS);
     if let Some(every) = heartbeat {
-        headers.insert(HEARTBEAT_HEADER, every.as_millis().to_string().as_str());
+        // A fixed name and digits: always a valid header.
+        let _ = crate::headers::insert(
+            &mut headers,
+            HEARTBEAT_HEADER,
+            &every.as_millis().to_string(),
+        );
     }
     client
         .publish_with_reply_and_headers(subject.to_owned(), inbox, headers, payload.into())
