@@ -394,6 +394,7 @@ fn every_setting_of_every_service_is_a_flag() {
         tool_refresh,
         shutdown_grace,
         turns_replicas,
+        poison_after,
     } = cyrene_loop_worker::Args::try_parse_from([
         "cyrene-loop-worker",
         "--concurrency=3",
@@ -409,6 +410,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--tool-refresh=12s",
         "--shutdown-grace=13s",
         "--turns-replicas=3",
+        "--poison-after=5",
     ])
     .unwrap()
     .into_config()
@@ -417,6 +419,7 @@ fn every_setting_of_every_service_is_a_flag() {
         (concurrency, consumer.as_str(), max_deliver, turns_replicas),
         (3, "w-2", 4, 3)
     );
+    assert_eq!(poison_after, 5);
     assert_eq!(
         [
             ack_wait,
