@@ -395,6 +395,7 @@ fn every_setting_of_every_service_is_a_flag() {
         tool_refresh,
         shutdown_grace,
         turns_replicas,
+        poison_after,
     } = cyrene_loop_worker::Args::try_parse_from([
         "cyrene-loop-worker",
         "--concurrency=3",
@@ -411,6 +412,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--tool-refresh=12s",
         "--shutdown-grace=13s",
         "--turns-replicas=3",
+        "--poison-after=5",
     ])
     .unwrap()
     .into_config()
@@ -425,6 +427,7 @@ fn every_setting_of_every_service_is_a_flag() {
         ),
         (3, "w-2", 4, 5, 3)
     );
+    assert_eq!(poison_after, 5);
     assert_eq!(
         [
             ack_wait,
@@ -569,4 +572,73 @@ fn every_setting_of_every_service_is_a_flag() {
     let http = http.unwrap();
     assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
     assert!(!http.keys.is_empty());
+}
+
+/// A free local TCP port (bound and released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Issue 29, item 6: every binary pointed at a bus it cannot reach (a closed port) stops at once
+/// on SIGTERM or SIGINT, with exit code 0 — not after a request timeout, not with 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_binary_that_cannot_reach_nats_stops_at_once_with_0_on_a_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let closed = format!("nats://127.0.0.1:{}", free_port());
+    let mut running = Vec::new();
+    for (i, binary) in [
+        "cyrene-loop-worker",
+        "cyrene-orchestrator",
+        "cyrene-checkpoint-store",
+        "cyrene-model-gateway",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let health = format!("127.0.0.1:{}", free_port());
+        let child = Command::new(workspace_binary(binary))
+            .env("NATS_URL", &closed)
+            .env("CYRENE_HEALTH_ADDR", &health)
+            .env("CYRENE_STORE_DATA_DIR", data)
+            .env("CYRENE_ORCHESTRATOR_DATA_DIR", data)
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        // Up (its signal handler is installed before the health listener) and trying the bus.
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while tokio::net::TcpStream::connect(&health).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{binary} serves its health endpoint"));
+        tokio::time::sleep(Duration::from_millis(300)).await; // well into its start-up
+        let signal = if i % 2 == 0 { "-TERM" } else { "-INT" };
+        let pid = child.id().unwrap().to_string();
+        let sent = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        running.push((binary, signal, child));
+    }
+    for (binary, signal, child) in running {
+        let out = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{binary} still running 10 s after {signal}"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{binary} after {signal}: {stderr}"
+        );
+    }
 }

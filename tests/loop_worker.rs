@@ -773,3 +773,268 @@ async fn an_answer_saved_before_a_kill_is_reported_again_not_answered_twice() {
         "settled under the loop's stop, the provider's reason beside it"
     );
 }
+
+/// How many replies a request on `subject` gathers within `wait` (e.g. live replicas on a
+/// `$SRV.PING` subject).
+async fn responders(client: &async_nats::Client, subject: &str, wait: Duration) -> usize {
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.unwrap();
+    client
+        .publish_with_reply(subject.to_owned(), inbox, "".into())
+        .await
+        .unwrap();
+    let mut n = 0;
+    while let Ok(Some(_)) = tokio::time::timeout(wait, replies.next()).await {
+        n += 1;
+    }
+    n
+}
+
+/// Issue 29, item 4: the gateway replica serving a step's model call is SIGKILLed mid-call. Its
+/// heartbeats stop, the worker notices within about a second and sends the call to the other
+/// replica: the turn completes in the same attempt, long before the model timeout (60 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_call_costs_a_retry_on_another_replica_not_the_model_timeout() {
+    let reply = json!({"id": "c", "model": "m", "choices": [{"index": 0,
+        "message": {"role": "assistant", "content": "It is noon."}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}});
+    let upstream = wiremock::MockServer::start().await;
+    // The first call hangs (its replica dies during it); later ones answer at once.
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(
+            wiremock::ResponseTemplate::new(200)
+                .set_delay(Duration::from_secs(600))
+                .set_body_json(reply.clone()),
+        )
+        .up_to_n_times(1)
+        .with_priority(1)
+        .mount(&upstream)
+        .await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(wiremock::ResponseTemplate::new(200).set_body_json(reply))
+        .mount(&upstream)
+        .await;
+    let stack = Stack::start_with(rules(), None, false).await;
+    let models = stack.data.path().join("models.json");
+    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": upstream.uri(),
+        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
+        "active_group": "g"});
+    std::fs::write(&models, config.to_string()).unwrap();
+    let models = models.display().to_string();
+    let url = stack.server.url();
+    let gateway = |name: &str| {
+        common::service(
+            "cyrene-model-gateway",
+            &url,
+            &[
+                ("CYRENE_GATEWAY_MODELS", models.as_str()),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        )
+    };
+    let mut first = gateway("first");
+    common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
+    let mut config = worker_config();
+    config.model_timeout = Duration::from_secs(60);
+    stack.spawn_worker(config).await;
+    stack.dispatch(&job("tv", "sv", "what time is it?")).await;
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while upstream.received_requests().await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the first replica took the call");
+    let _second = gateway("second");
+    let ping = "$SRV.PING.cyrene-model-gateway";
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while responders(&stack.client, ping, Duration::from_millis(200)).await < 2 {}
+    })
+    .await
+    .expect("the second replica is up");
+
+    first.start_kill().unwrap(); // SIGKILL, mid-call
+    first.wait().await.unwrap();
+    let done = tokio::time::timeout(
+        Duration::from_secs(20),
+        stack.orchestrator.wait_completed("tv"),
+    )
+    .await
+    .expect("completed long before the model timeout");
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+    assert_eq!(
+        done.attempt, 1,
+        "retried within the attempt, not redelivered"
+    );
+    assert_eq!(upstream.received_requests().await.unwrap().len(), 2);
+}
+
+/// Issue 29, item 5: a job waiting when a worker starts is taken only once the worker's first
+/// tool discovery is over, so its first model request already offers the external tools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_worker_offers_the_discovered_tools_from_its_first_job_on() {
+    let stack = Stack::start(rules(), None).await;
+    stack.dispatch(&job("td", "sd", "hello")).await;
+    stack.spawn_worker(worker_config()).await;
+    let done = stack.orchestrator.wait_completed("td").await;
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    let first = stack
+        .log
+        .snapshot()
+        .into_iter()
+        .next()
+        .expect("a model request");
+    let offered: Vec<&str> = first.tools.iter().map(|t| t.name.as_str()).collect();
+    for tool in ["count", "hold", "slow", "broken"] {
+        assert!(offered.contains(&tool), "{tool} not offered: {offered:?}");
+    }
+}
+
+/// A provider speaking the OpenAI dialect over raw HTTP/1.1 (a body ended by closing the
+/// connection): the first call streams `Hel` and then hangs forever; every later one streams
+/// `Hello there` to its end.
+async fn a_provider_that_hangs_after_its_first_words() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let chunk = |delta: Value, finish: Value| {
+        let event = json!({"id": "c", "model": "m", "choices": [{"index": 0, "delta": delta,
+            "finish_reason": finish}]});
+        format!("data: {event}\n\n")
+    };
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    let started = chunk(json!({"role": "assistant", "content": "Hel"}), Value::Null);
+    let whole = [
+        chunk(
+            json!({"role": "assistant", "content": "Hello there"}),
+            Value::Null,
+        ),
+        chunk(json!({}), json!("stop")),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let body = if std::mem::take(&mut first) {
+                None
+            } else {
+                Some(whole.clone())
+            };
+            let started = started.clone();
+            tokio::spawn(async move {
+                // The request: headers, then a Content-Length body (read and dropped).
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 8192];
+                loop {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    seen.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&seen).to_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length: usize = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                    if n == 0 {
+                        return;
+                    }
+                }
+                match body {
+                    Some(body) => {
+                        let _ = socket.write_all(format!("{head}{body}").as_bytes()).await;
+                    }
+                    None => {
+                        let _ = socket
+                            .write_all(format!("{head}{started}").as_bytes())
+                            .await;
+                        let _ = socket.flush().await;
+                        std::future::pending::<()>().await;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+/// Issue 29, item 4: the replica serving a step's call streamed text and was then SIGKILLed.
+/// The call sent again to the other replica is a new try, marked as such: its deltas carry
+/// `retry: 1` and start again at seq 0, and the answer is the retried call's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_streamed_before_a_gateway_died_is_superseded_by_a_marked_retry() {
+    let base_url = a_provider_that_hangs_after_its_first_words().await;
+    let stack = Stack::start_with(rules(), None, false).await;
+    let models = stack.data.path().join("models.json");
+    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": base_url,
+        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
+        "active_group": "g"});
+    std::fs::write(&models, config.to_string()).unwrap();
+    let models = models.display().to_string();
+    let url = stack.server.url();
+    let gateway = |name: &str| {
+        common::service(
+            "cyrene-model-gateway",
+            &url,
+            &[
+                ("CYRENE_GATEWAY_MODELS", models.as_str()),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        )
+    };
+    let mut first = gateway("first");
+    common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
+    let mut events = session_events(&stack, "sr").await;
+    stack.spawn_worker(worker_config()).await;
+    stack.dispatch(&job("tr", "sr", "say hello")).await;
+    let mut deltas = Vec::new();
+    while deltas.is_empty() {
+        let event = next_event(&mut events).await;
+        if event.kind == SessionEventType::Delta {
+            deltas.push(event);
+        }
+    }
+    let _second = gateway("second");
+    let ping = "$SRV.PING.cyrene-model-gateway";
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while responders(&stack.client, ping, Duration::from_millis(200)).await < 2 {}
+    })
+    .await
+    .expect("the second replica is up");
+    first.start_kill().unwrap(); // SIGKILL, after its first words
+    first.wait().await.unwrap();
+
+    let done = tokio::time::timeout(
+        Duration::from_secs(20),
+        stack.orchestrator.wait_completed("tr"),
+    )
+    .await
+    .expect("completed long before the model timeout");
+    assert_eq!(done.message.unwrap().text_content(), "Hello there");
+    assert_eq!(done.attempt, 1);
+    loop {
+        let event = next_event(&mut events).await;
+        match event.kind {
+            SessionEventType::Delta => deltas.push(event),
+            SessionEventType::Final => break,
+            _ => {}
+        }
+    }
+    let seen: Vec<(Option<u32>, Option<u64>, String)> = deltas
+        .iter()
+        .map(|d| (d.retry, d.seq, d.delta.clone().unwrap()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (None, Some(0), "Hel".to_owned()),
+            (Some(1), Some(0), "Hello there".to_owned())
+        ]
+    );
+}

@@ -3,7 +3,8 @@
 //! streamed text is not printed again (docs/loop-worker.md, "Deltas").
 //!
 //! A line of a higher attempt of the same turn is marked `(attempt N, again)`: the turn was
-//! redelivered and the resumed step streams its answer again.
+//! redelivered and the resumed step streams its answer again. A step whose model call was sent
+//! again after its gateway replica died mid-call (`retry`) is marked `(retry N, again)`.
 
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use std::io::Write;
@@ -11,7 +12,7 @@ use std::io::Write;
 /// The streamed line being printed, and the last streamed text per turn.
 #[derive(Debug, Default)]
 pub struct LiveText {
-    open: Option<(String, u32, u32)>,
+    open: Option<(String, u32, u32, u32)>,
     /// (turn, text streamed in the turn's latest streamed step).
     last: Option<(String, String)>,
 }
@@ -24,16 +25,20 @@ impl LiveText {
         let mut out = std::io::stdout().lock();
         if event.kind == SessionEventType::Delta {
             let attempt = event.attempt.unwrap_or(1);
+            let retry = event.retry.unwrap_or(0);
             let key = (
                 event.turn_id.clone(),
                 attempt,
                 event.at_step.unwrap_or_default(),
+                retry,
             );
             if self.open.as_ref() != Some(&key) {
                 if self.open.is_some() {
                     let _ = writeln!(out);
                 }
-                let again = if attempt > 1 {
+                let again = if retry > 0 {
+                    format!(" (retry {retry}, again)")
+                } else if attempt > 1 {
                     format!(" (attempt {attempt}, again)")
                 } else {
                     String::new()

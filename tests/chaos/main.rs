@@ -60,6 +60,9 @@ struct Load {
 #[derive(Debug, Clone, Copy)]
 enum Fault {
     Orchestrator,
+    /// The model gateway, SIGKILLed mid-calls and started again 1 s later: the workers notice
+    /// its silence (no heartbeat) within about a second and send the calls again.
+    Gateway,
     Store,
     Nats,
     Postgres,
@@ -219,6 +222,9 @@ async fn inject(world: &World, fault: Fault, pg: Option<&LocalPostgres>) {
             kill_and_restart(world, Service::Orchestrator, Duration::from_secs(1)).await;
         }
         Fault::Store => kill_and_restart(world, Service::Store, Duration::from_secs(2)).await,
+        Fault::Gateway => {
+            kill_and_restart(world, Service::Gateway, Duration::from_secs(1)).await;
+        }
         Fault::Nats => {
             world.note("SIGKILL nats-server (2 s outage, same store dir)");
             world.restart_nats(Duration::from_secs(2)).await;
@@ -616,6 +622,7 @@ async fn runs_clean(options: Options, chaos: Chaos) {
 async fn chaos_single_node_loses_duplicates_reruns_and_strands_nothing() {
     let faults = vec![
         (0.2, Fault::Orchestrator),
+        (0.3, Fault::Gateway),
         (0.35, Fault::Store),
         (0.45, Fault::Nats),
         (0.55, Fault::Orchestrator),
@@ -630,6 +637,7 @@ async fn chaos_on_a_three_node_cluster_loses_duplicates_reruns_and_strands_nothi
     let faults = vec![
         (0.25, Fault::Orchestrator),
         (0.4, Fault::Node(1)),
+        (0.5, Fault::Gateway),
         (0.6, Fault::Store),
     ];
     runs_clean(options("cluster", true, true), worker_kills_and(faults)).await;

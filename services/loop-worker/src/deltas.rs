@@ -55,6 +55,14 @@ impl DeltaTag {
         }
     }
 
+    /// The `delta` event for text piece number `seq` of the step's call sent again `retry`
+    /// times after its gateway replica died mid-call (0: the first try; a retry restarts `seq`).
+    pub fn event_of_retry(&self, retry: u32, seq: u64, text: String) -> SessionEvent {
+        let mut event = self.event(seq, text);
+        event.retry = (retry > 0).then_some(retry);
+        event
+    }
+
     /// The `delta` event for text piece number `seq`.
     pub fn event(&self, seq: u64, text: String) -> SessionEvent {
         let mut event = SessionEvent::new(SessionEventType::Delta, self.session_id.clone());

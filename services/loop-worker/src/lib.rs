@@ -69,6 +69,9 @@ use tokio_util::sync::CancellationToken;
 /// The micro service name (stats and info only: the worker has no endpoints).
 pub const SERVICE_NAME: &str = "cyrene-loop-worker";
 
+/// How long a tool discovery gathers the micro services' `$SRV.INFO` answers.
+const DISCOVERY_WAIT: Duration = Duration::from_millis(500);
+
 /// How often the `CYRENE_TURNS` consumer's pending counts are sampled into the metrics.
 const CONSUMER_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
@@ -100,16 +103,23 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     );
     let mut host = Host::start(&client, spec, Vec::new(), shutdown.clone()).await?;
     let js = async_nats::jetstream::new(client.clone());
-    let stream = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {
+    // A signal before the bus is reachable is a clean stop (exit 0), at once.
+    let Some(stream) = retry_until(&shutdown, "create the CYRENE_TURNS stream", || {
         cyrene_bus::streams::ensure_turns_stream_replicas(&js, config.turns_replicas)
     })
-    .await?;
+    .await
+    else {
+        return stopped_starting(host).await;
+    };
     let consumer_config = worker::consumer_config(&config);
     // Create or update: a changed ack_wait or max_deliver must reach the existing consumer.
-    let consumer = retry_until(&shutdown, "create the worker consumer", || {
+    let Some(consumer) = retry_until(&shutdown, "create the worker consumer", || {
         stream.create_consumer(consumer_config.clone())
     })
-    .await?;
+    .await
+    else {
+        return stopped_starting(host).await;
+    };
 
     let tools = tools::Tools::new(client.clone(), config.tool_timeout, config.ask_timeout);
     let timeouts = nats::Timeouts {
@@ -117,24 +127,35 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         checkpoint: config.checkpoint_timeout,
         steer: config.steer_timeout,
     };
-    let extractions = retry_until(&shutdown, "create the CYRENE_EXTRACTIONS bucket", || {
+    let Some(extractions) = retry_until(&shutdown, "create the CYRENE_EXTRACTIONS bucket", || {
         extractions::Extractions::open(&js, config.turns_replicas, config.poison_after)
     })
-    .await?;
+    .await
+    else {
+        return stopped_starting(host).await;
+    };
     let ports = Arc::new(
         nats::NatsPorts::new(client.clone(), tools.clone(), timeouts).with_extractions(extractions),
     );
 
+    // No job before the first discovery is over: a turn started earlier would offer the model
+    // none of the external tools, and a model cannot call a tool it was never offered. Until
+    // then the worker is not ready (`/readyz`).
+    let found = tokio::select! {
+        found = tools.discover(DISCOVERY_WAIT) => found,
+        _ = shutdown.cancelled() => return stopped_starting(host).await,
+    };
+    tracing::info!(tools = found, "external tools discovered; taking jobs");
     {
         let (tools, every, shutdown) = (tools.clone(), config.tool_refresh, shutdown.clone());
         host.spawn(async move {
             loop {
-                let found = tools.discover(Duration::from_millis(500)).await;
-                tracing::debug!(tools = found, "external tools discovered");
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(every) => {}
                 }
+                let found = tools.discover(DISCOVERY_WAIT).await;
+                tracing::debug!(tools = found, "external tools discovered");
             }
         });
     }
@@ -158,23 +179,26 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     Ok(())
 }
 
-/// Retries a JetStream setup call (the bus may still be connecting) until it works or shutdown.
-async fn retry_until<T, E, F, Fut>(
-    shutdown: &CancellationToken,
-    what: &str,
-    mut call: F,
-) -> Result<T, Error>
+/// Retries a JetStream setup call (the bus may still be connecting) until it works; `None` when
+/// shutdown came first (the attempt under way is abandoned).
+async fn retry_until<T, E, F, Fut>(shutdown: &CancellationToken, what: &str, call: F) -> Option<T>
 where
     E: std::fmt::Display,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    cyrene_bus::retry::retry(
+    cyrene_bus::retry::until_ready(
         cyrene_bus::retry::STARTUP,
         shutdown,
-        &mut call,
+        call,
         |err| tracing::warn!(error = %err, "cannot {what} yet; retrying"),
     )
     .await
-    .ok_or_else(|| Error::JetStream(format!("shut down before being able to {what}")))
+}
+
+/// A signal came before the worker took its first job: a clean stop, nothing to drain.
+async fn stopped_starting(host: Host) -> Result<(), Error> {
+    tracing::info!("stopped before start-up finished");
+    host.run().await;
+    Ok(())
 }

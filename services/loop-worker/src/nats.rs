@@ -47,9 +47,10 @@ impl NatsPorts {
     pub fn new(client: Client, tools: Tools, timeouts: Timeouts) -> NatsPorts {
         let checkpoints = CheckpointClient::new(client.clone(), timeouts.checkpoint);
         NatsPorts {
-            streams: std::sync::Arc::new(cyrene_bus::model_stream::StreamInbox::new(
-                client.clone(),
-            )),
+            streams: std::sync::Arc::new(
+                cyrene_bus::model_stream::StreamInbox::new(client.clone())
+                    .with_heartbeat(GATEWAY_HEARTBEAT),
+            ),
             client,
             checkpoints,
             tools,
@@ -86,6 +87,20 @@ fn model_error(err: cyrene_bus::RequestError) -> ErrorBody {
     } else {
         body
     }
+}
+
+/// The heartbeat a streamed model call asks of the gateway; [`cyrene_bus::model_stream`] gives
+/// up on a replica silent for five of them (one second).
+pub const GATEWAY_HEARTBEAT: Duration = Duration::from_millis(200);
+
+/// How many times one step's streamed call is sent again after the replica serving it went
+/// silent mid-call; then the failure is the step's (`unavailable`, the job is redelivered).
+pub const GATEWAY_RETRIES: u32 = 2;
+
+fn gateway_vanished(tag: &DeltaTag, err: &cyrene_bus::RequestError) {
+    tracing::warn!(turn = %tag.turn_id, step = tag.step, error = %err,
+        "the gateway replica serving the step's model call went silent; asking another");
+    metrics::counter!("cyrene_model_call_retries_total", "why" => "gateway_vanished").increment(1);
 }
 
 fn checkpoint_error(err: CheckpointError) -> ErrorBody {
@@ -188,73 +203,101 @@ impl TurnPorts for NatsPorts {
         request
             .total_timeout_ms
             .get_or_insert(timeout.as_millis() as u64);
-        let wait = timeout + Duration::from_secs(1);
+        let deadline = tokio::time::Instant::now() + timeout + Duration::from_secs(1);
         // The gateway's deltas go through a channel to a publisher running beside the call, so
-        // a slow publish never holds up reading the stream.
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        // a slow publish never holds up reading the stream. Each text carries the call's retry.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(u32, String)>();
+        let tag = &tag;
         let call = async move {
-            let on_delta = |tx: &tokio::sync::mpsc::UnboundedSender<String>| {
-                let tx = tx.clone();
-                move |_, delta| {
-                    if let Delta::Text { text } = delta {
-                        let _ = tx.send(text);
+            let result = async {
+                let on_delta = |tx: &tokio::sync::mpsc::UnboundedSender<(u32, String)>,
+                                retry: u32| {
+                    let tx = tx.clone();
+                    move |_, delta| {
+                        if let Delta::Text { text } = delta {
+                            let _ = tx.send((retry, text));
+                        }
+                    }
+                };
+                let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+                let mut retry = 0u32;
+                // What the step added, to the replica holding the rest of the view.
+                if let Some((subject, continued)) = view.continued(&mut request) {
+                    let sent = self
+                        .streams
+                        .complete_stream_at(&subject, &continued, left(), on_delta(&tx, retry))
+                        .await;
+                    match sent {
+                        Ok((response, replica)) => {
+                            metrics::counter!("cyrene_model_views_total", "sent" => "continued")
+                                .increment(1);
+                            view.answered(continued.messages, replica);
+                            return Ok(response);
+                        }
+                        // The replica is gone, or holds the view no longer: send it whole.
+                        Err(cyrene_bus::RequestError::NoResponders { .. }) => {}
+                        Err(cyrene_bus::RequestError::Remote(body))
+                            if body.code == ErrorCode::NotFound => {}
+                        // It died mid-call: another replica answers, as a new try of the call.
+                        Err(err @ cyrene_bus::RequestError::Vanished { .. }) => {
+                            gateway_vanished(tag, &err);
+                            retry += 1;
+                        }
+                        Err(err) => {
+                            view.forget();
+                            return Err(model_error(err));
+                        }
+                    }
+                    request.messages = continued.messages;
+                }
+                metrics::counter!("cyrene_model_views_total", "sent" => "whole").increment(1);
+                request.view = Some(view.whole(&mut request));
+                let subject = subjects::MODEL_COMPLETE_STREAM;
+                loop {
+                    let sent = self
+                        .streams
+                        .complete_stream_at(subject, &request, left(), on_delta(&tx, retry))
+                        .await;
+                    match sent {
+                        Ok((response, replica)) => {
+                            view.answered(std::mem::take(&mut request.messages), replica);
+                            return Ok(response);
+                        }
+                        // The replica serving the call died mid-call: the queue group hands the
+                        // same request to a live one (the dead one's subscription went with it).
+                        Err(err @ cyrene_bus::RequestError::Vanished { .. })
+                            if retry < GATEWAY_RETRIES =>
+                        {
+                            gateway_vanished(tag, &err);
+                            retry += 1;
+                        }
+                        // A gateway from before streaming (a rolling upgrade) has no stream
+                        // endpoint: the plain call still answers, without deltas.
+                        Err(cyrene_bus::RequestError::NoResponders { .. }) => {
+                            view.forget();
+                            request.view = None;
+                            return self.complete(request).await;
+                        }
+                        Err(err) => {
+                            view.forget();
+                            return Err(model_error(err));
+                        }
                     }
                 }
-            };
-            // What the step added, to the replica holding the rest of the view.
-            if let Some((subject, continued)) = view.continued(&mut request) {
-                let sent = self
-                    .streams
-                    .complete_stream_at(&subject, &continued, wait, on_delta(&tx))
-                    .await;
-                match sent {
-                    Ok((response, replica)) => {
-                        metrics::counter!("cyrene_model_views_total", "sent" => "continued")
-                            .increment(1);
-                        view.answered(continued.messages, replica);
-                        return Ok(response);
-                    }
-                    // The replica is gone, or holds the view no longer: send it whole.
-                    Err(cyrene_bus::RequestError::NoResponders { .. }) => {}
-                    Err(cyrene_bus::RequestError::Remote(body))
-                        if body.code == ErrorCode::NotFound => {}
-                    Err(err) => {
-                        view.forget();
-                        return Err(model_error(err));
-                    }
-                }
-                request.messages = continued.messages;
             }
-            metrics::counter!("cyrene_model_views_total", "sent" => "whole").increment(1);
-            request.view = Some(view.whole(&mut request));
-            let subject = subjects::MODEL_COMPLETE_STREAM;
-            let sent = self
-                .streams
-                .complete_stream_at(subject, &request, wait, on_delta(&tx))
-                .await;
+            .await;
+            // The publisher below ends once every delta of the call is out.
             drop(tx);
-            match sent {
-                Ok((response, replica)) => {
-                    view.answered(std::mem::take(&mut request.messages), replica);
-                    Ok(response)
-                }
-                // A gateway from before streaming (a rolling upgrade) has no stream endpoint:
-                // the plain call still answers, without deltas.
-                Err(cyrene_bus::RequestError::NoResponders { .. }) => {
-                    view.forget();
-                    request.view = None;
-                    self.complete(request).await
-                }
-                Err(err) => {
-                    view.forget();
-                    Err(model_error(err))
-                }
-            }
+            result
         };
         let publish = async {
-            let mut seq = 0u64;
-            while let Some(text) = rx.recv().await {
-                self.publish(tag.event(seq, text)).await;
+            let (mut seq, mut current) = (0u64, 0u32);
+            while let Some((retry, text)) = rx.recv().await {
+                if retry != current {
+                    // A new try of the call streams its text again from the start.
+                    (seq, current) = (0, retry);
+                }
+                self.publish(tag.event_of_retry(retry, seq, text)).await;
                 seq += 1;
             }
         };

@@ -11,6 +11,9 @@
 //! - `seq` counts every message of one call from 0 without gaps; the end marker is last.
 //! - Every request gets exactly one end marker (a malformed one too: `seq` 0, `bad_request`).
 //! - The call record is published exactly as for the non-streamed call ([`Gateway::call`]).
+//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one whenever nothing else
+//!   was published for the asked interval while the call runs; when this replica dies they stop,
+//!   which is how the caller notices it (docs/model-gateway.md, "A replica that dies mid-call").
 //!
 //! # Pitfalls
 //! - Core NATS does not redeliver: a caller too slow for its deltas loses some and sees a gap in
@@ -22,9 +25,10 @@ use async_nats::service::Request;
 use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
-use cyrene_protocol::stream::StreamChunk;
+use cyrene_protocol::stream::{HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS, StreamChunk};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use std::sync::Arc;
+use std::time::Duration;
 use tracing::Instrument;
 
 /// Answers one streamed request: the deltas on its reply inbox, then the end marker as the micro
@@ -49,7 +53,9 @@ pub async fn handle(
             Ok(mut req) => match gateway.views.resolve(&mut req, payload.len()) {
                 Err(err) => (0, Err(err), None),
                 Ok(held) => {
-                    let (seq, result, req) = forward(&gateway, &client, req, &inbox).await;
+                    let heartbeat = heartbeat_of(&request);
+                    let (seq, result, req) =
+                        forward(&gateway, &client, req, &inbox, heartbeat).await;
                     let replica = match (held, req) {
                         (Some(held), Some(req)) => {
                             gateway.views.hold(held, req.messages);
@@ -69,14 +75,26 @@ pub async fn handle(
     .await
 }
 
+/// The heartbeat interval the caller asked for ([`HEARTBEAT_HEADER`], milliseconds, clamped);
+/// `None` when it asked for none or the value is no number.
+fn heartbeat_of(request: &Request) -> Option<Duration> {
+    let value = request.message.headers.as_ref()?.get(HEARTBEAT_HEADER)?;
+    let ms: u64 = value.as_str().trim().parse().ok()?;
+    Some(Duration::from_millis(
+        ms.clamp(HEARTBEAT_MIN_MS, HEARTBEAT_MAX_MS),
+    ))
+}
+
 /// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
-/// of provider events never holds up the first delta); the next `seq`, the outcome and the
-/// request back (`None` if the task failed).
+/// of provider events never holds up the first delta), and a heartbeat whenever `heartbeat`
+/// passed without one; the next `seq`, the outcome and the request back (`None` if the task
+/// failed).
 async fn forward(
     gateway: &Arc<Gateway>,
     client: &async_nats::Client,
     req: ModelRequest,
     inbox: &async_nats::Subject,
+    heartbeat: Option<Duration>,
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
@@ -91,10 +109,21 @@ async fn forward(
         }
     });
     let mut seq = 0u64;
+    // A far deadline stands for "no heartbeats": the branch never fires.
+    let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
+    let mut beat = tokio::time::Instant::now() + every;
     // Ends when the call is over and its sink dropped.
-    while let Some(delta) = deltas.recv().await {
-        publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
+    loop {
+        let chunk = tokio::select! {
+            delta = deltas.recv() => match delta {
+                Some(delta) => StreamChunk::delta(seq, delta),
+                None => break,
+            },
+            _ = tokio::time::sleep_until(beat) => StreamChunk::heartbeat(seq),
+        };
+        publish(client, inbox, &chunk).await;
         seq += 1;
+        beat = tokio::time::Instant::now() + every;
     }
     match call.await {
         Ok((result, req)) => (seq, result, Some(req)),

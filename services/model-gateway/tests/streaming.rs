@@ -678,3 +678,105 @@ async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
         .unwrap_err();
     assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
 }
+
+/// Issue 29, item 4: a caller that asks for heartbeats gets them while a slow provider thinks,
+/// so a call far longer than the silence limit still ends with its answer; a responder that
+/// takes the call and then says nothing is given up on after five silent intervals
+/// (`Vanished`), not at the call's timeout.
+#[tokio::test]
+async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone() {
+    let upstream = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_delay(Duration::from_millis(800))
+                .set_body_json(
+                    json!({"model":"m","choices":[{"message":{"role":"assistant",
+                    "content":"slow but sure"},"finish_reason":"stop"}],
+                    "usage":{"prompt_tokens":1,"completion_tokens":3,"total_tokens":4}}),
+                ),
+        )
+        .mount(&upstream)
+        .await;
+    let gw = Arc::new(gateway(chain(&[("p", openai(&upstream), "m")])));
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cyrene_model_gateway::serve(
+        gw,
+        client.clone(),
+        ServeOptions::default(),
+        shutdown.clone(),
+    ));
+    cyrene_bus::discovery::wait_for(
+        &client,
+        "cyrene-model-gateway",
+        WAIT,
+        Duration::from_millis(50),
+    )
+    .await;
+    let every = Duration::from_millis(50);
+    let inbox = cyrene_bus::model_stream::StreamInbox::new(client.clone()).with_heartbeat(every);
+    let mut texts = String::new();
+    let resp = inbox
+        .complete_stream(&ask("take your time"), WAIT, |_, d| {
+            if let Delta::Text { text } = d {
+                texts.push_str(&text);
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (resp.content.as_str(), texts.as_str()),
+        ("slow but sure", "slow but sure")
+    );
+
+    // On the wire: heartbeats with their own seq, then the deltas and the end marker.
+    let reply = client.new_inbox();
+    let mut seen = client.subscribe(reply.clone()).await.unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(
+        &mut headers,
+        cyrene_protocol::stream::HEARTBEAT_HEADER,
+        "50",
+    )
+    .unwrap();
+    let payload = serde_json::to_vec(&ask("again")).unwrap();
+    client
+        .publish_with_reply_and_headers(MODEL_COMPLETE_STREAM, reply, headers, payload.into())
+        .await
+        .unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let m = tokio::time::timeout(WAIT, seen.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let chunk: StreamChunk = serde_json::from_slice(&m.payload).unwrap();
+        let end = chunk.is_end();
+        chunks.push(chunk);
+        if end {
+            break;
+        }
+    }
+    assert!(chunks[0].heartbeat == Some(true), "{chunks:?}");
+    let seqs: Vec<u64> = chunks.iter().map(|c| c.seq).collect();
+    assert_eq!(seqs, (0..chunks.len() as u64).collect::<Vec<_>>());
+
+    // A "replica" that takes the call and dies: silence, then `Vanished` well before the timeout.
+    let mut sink = client.subscribe("test.silent").await.unwrap();
+    tokio::spawn(async move { while sink.next().await.is_some() {} });
+    client.flush().await.unwrap();
+    let err = inbox
+        .complete_stream_at(
+            "test.silent",
+            &ask("hello?"),
+            Duration::from_secs(60),
+            |_, _| {},
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RequestError::Vanished { .. }), "{err:?}");
+    assert_eq!(err.code(), ErrorCode::Unavailable);
+    shutdown.cancel();
+}

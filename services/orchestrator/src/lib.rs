@@ -99,14 +99,25 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
 /// dispatch sweeper; then drains them and closes the database.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let store = open_store(&config).await?;
-    ensure_stream(&client, config.turns_replicas, &shutdown).await?;
-    let documents = documents::Documents::open(
-        &async_nats::jetstream::new(client.clone()),
-        config.turns_replicas,
-        config.max_document_bytes,
-    )
-    .await
-    .map_err(Error::Bus)?;
+    // A signal before the bus is reachable is a clean stop (exit 0), at once.
+    if !ensure_stream(&client, config.turns_replicas, &shutdown).await {
+        tracing::info!("stopped before start-up finished");
+        store.close().await;
+        return Ok(());
+    }
+    let js = async_nats::jetstream::new(client.clone());
+    let documents = tokio::select! {
+        opened = documents::Documents::open(
+            &js,
+            config.turns_replicas,
+            config.max_document_bytes,
+        ) => opened.map_err(Error::Bus)?,
+        _ = shutdown.cancelled() => {
+            tracing::info!("stopped before start-up finished");
+            store.close().await;
+            return Ok(());
+        }
+    };
     let config = Arc::new(config);
     let progress = Arc::new(progress::Progress::new());
     let engine = Arc::new(Engine::new(
@@ -164,22 +175,18 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     Ok(())
 }
 
-/// Creates `CYRENE_TURNS` if missing, retrying while JetStream is not reachable yet.
-async fn ensure_stream(
-    client: &Client,
-    replicas: usize,
-    shutdown: &CancellationToken,
-) -> Result<(), Error> {
+/// Creates `CYRENE_TURNS` if missing, retrying while JetStream is not reachable yet; `false`
+/// when shutdown came first (the attempt under way is abandoned).
+async fn ensure_stream(client: &Client, replicas: usize, shutdown: &CancellationToken) -> bool {
     let js = async_nats::jetstream::new(client.clone());
-    cyrene_bus::retry::retry(
+    cyrene_bus::retry::until_ready(
         cyrene_bus::retry::STARTUP,
         shutdown,
         || cyrene_bus::streams::ensure_turns_stream_replicas(&js, replicas),
         |err| tracing::warn!(error = %err, "cannot create the turns stream yet"),
     )
     .await
-    .map(drop)
-    .ok_or_else(|| Error::Bus("stopped before the turns stream existed".into()))
+    .is_some()
 }
 
 /// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.

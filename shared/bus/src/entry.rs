@@ -7,7 +7,9 @@
 //! works there too.
 //!
 //! # Exit codes (the same for every binary)
-//! - 0: stopped cleanly (SIGINT/SIGTERM);
+//! - 0: stopped cleanly (SIGINT/SIGTERM) — also when the signal comes before the service got
+//!   going (the bus not reachable yet): the service returns at once, and an error it reports
+//!   after the signal is logged, not an exit code of 1;
 //! - 1: a runtime failure (NATS unreachable at start, a database that cannot be opened, …);
 //! - 2: an invalid configuration — every problem is listed on stderr at once.
 //!
@@ -142,6 +144,17 @@ where
         return ExitCode::from(2);
     };
     runtime.block_on(async move {
+        // Signals are handled from the very start, whatever the connection's state: `signal` is
+        // cancelled only by one, `shutdown` by it or by the service itself.
+        let signal = CancellationToken::new();
+        let shutdown = CancellationToken::new();
+        tokio::spawn({
+            let (signal, shutdown) = (signal.clone(), shutdown.clone());
+            async move {
+                crate::signal::cancel_on_signal(signal).await;
+                shutdown.cancel();
+            }
+        });
         let health = crate::health::global();
         health.set(crate::health::NATS_CHECK, false);
         health.set(service, false);
@@ -162,8 +175,6 @@ where
                 return ExitCode::FAILURE;
             }
         };
-        let shutdown = CancellationToken::new();
-        tokio::spawn(crate::signal::cancel_on_signal(shutdown.clone()));
         // Aborted when dropped, at exit.
         let mut health_tasks = tokio::task::JoinSet::new();
         health_tasks.spawn(crate::health::follow_connection(
@@ -179,6 +190,10 @@ where
         }
         match run(config, client, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(err) if signal.is_cancelled() && !err.is_config() => {
+                tracing::warn!(error = %err, "{service} stopped on a signal before it was running");
+                ExitCode::SUCCESS
+            }
             Err(err) => {
                 tracing::error!(error = %err, "{service} failed");
                 eprintln!("{service}: {err}");

@@ -6,6 +6,10 @@
 //! - A gap in `seq` (a delta lost to a slow subscription) is an error of the call, never silently
 //!   skipped: the caller would show text with a hole in it.
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
+//! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and
+//!   gives up on a call that hears nothing for [`SILENT_BEATS`] intervals
+//!   ([`RequestError::Vanished`]): a replica that died mid-call is noticed in about a second,
+//!   not at the call's timeout. Heartbeats take a `seq` like any message and are skipped.
 //! - [`StreamInbox`] serves many calls from one wildcard subscription (`<inbox>.*`, one token a
 //!   call), so a call costs no SUB/UNSUB on the server; a call's route is removed when it
 //!   returns, however it returns, and what arrives for a finished call is dropped.
@@ -15,7 +19,7 @@ use crate::{service, trace};
 use async_nats::Client;
 use async_nats::StatusCode;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
-use cyrene_protocol::stream::{Delta, StreamChunk};
+use cyrene_protocol::stream::{Delta, HEARTBEAT_HEADER, StreamChunk};
 use cyrene_protocol::subjects;
 use futures::{Stream, StreamExt};
 use std::collections::HashMap;
@@ -24,6 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, mpsc};
 use tokio::time::Instant;
+
+/// How many heartbeat intervals of silence make a call's responder count as gone.
+pub const SILENT_BEATS: u32 = 5;
 
 /// Streams `request` through the gateway, calling `on_delta` for each delta in order, and
 /// returns the whole response, all within `timeout`. One subscription of its own for the call;
@@ -41,8 +48,10 @@ pub async fn complete_stream(
         .await
         .map_err(|e| transport(&e))?;
     let subject = subjects::MODEL_COMPLETE_STREAM;
-    let (response, _) =
-        exchange(client, subject, payload, inbox, replies, timeout, on_delta).await?;
+    let (response, _) = exchange(
+        client, subject, payload, inbox, replies, timeout, None, on_delta,
+    )
+    .await?;
     Ok(response)
 }
 
@@ -57,6 +66,8 @@ pub struct StreamInbox {
     next: AtomicU64,
     closed: Arc<AtomicBool>,
     router: OnceCell<RouterTask>,
+    /// The heartbeat interval asked of the gateway for every call, if any.
+    heartbeat: Option<Duration>,
 }
 
 type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<async_nats::Message>>>>;
@@ -101,7 +112,15 @@ impl StreamInbox {
             next: AtomicU64::new(0),
             closed: Arc::new(AtomicBool::new(false)),
             router: OnceCell::new(),
+            heartbeat: None,
         }
+    }
+
+    /// The same inbox, asking the gateway for a heartbeat every `every` on each call; a call that
+    /// hears nothing for [`SILENT_BEATS`] × `every` fails with [`RequestError::Vanished`].
+    pub fn with_heartbeat(mut self, every: Duration) -> StreamInbox {
+        self.heartbeat = Some(every);
+        self
     }
 
     async fn start(&self) -> Result<RouterTask, RequestError> {
@@ -176,6 +195,7 @@ impl StreamInbox {
             inbox,
             replies,
             timeout,
+            self.heartbeat,
             on_delta,
         )
         .await
@@ -196,7 +216,9 @@ fn transport(e: &dyn std::fmt::Display) -> RequestError {
 }
 
 /// Publishes the request to `subject` with `inbox` as its reply subject and reads `replies` to
-/// the end marker: the response and the replica holding the request's view, if any.
+/// the end marker: the response and the replica holding the request's view, if any. With
+/// `heartbeat`, asks for heartbeats and gives up after [`SILENT_BEATS`] silent intervals.
+#[allow(clippy::too_many_arguments)]
 async fn exchange(
     client: &Client,
     subject: &str,
@@ -204,22 +226,38 @@ async fn exchange(
     inbox: String,
     replies: impl Stream<Item = async_nats::Message>,
     timeout: Duration,
+    heartbeat: Option<Duration>,
     mut on_delta: impl FnMut(u64, Delta),
 ) -> Result<(ModelResponse, Option<String>), RequestError> {
     let mut replies = std::pin::pin!(replies);
     let deadline = Instant::now() + timeout;
+    let mut headers = trace::current_headers();
+    let silent = heartbeat.map(|every| every * SILENT_BEATS);
+    if let Some(every) = heartbeat {
+        // A fixed name and digits: always a valid header.
+        let _ = crate::headers::insert(
+            &mut headers,
+            HEARTBEAT_HEADER,
+            &every.as_millis().to_string(),
+        );
+    }
     client
-        .publish_with_reply_and_headers(
-            subject.to_owned(),
-            inbox,
-            trace::current_headers(),
-            payload.into(),
-        )
+        .publish_with_reply_and_headers(subject.to_owned(), inbox, headers, payload.into())
         .await
         .map_err(|e| transport(&e))?;
     let mut expected = 0u64;
     loop {
-        let message = match tokio::time::timeout_at(deadline, replies.next()).await {
+        let wait = match silent {
+            Some(silent) => deadline.min(Instant::now() + silent),
+            None => deadline,
+        };
+        let message = match tokio::time::timeout_at(wait, replies.next()).await {
+            Err(_) if wait < deadline => {
+                return Err(RequestError::Vanished {
+                    subject: subject.to_owned(),
+                    silent: silent.unwrap_or(timeout),
+                });
+            }
             Err(_) => {
                 return Err(RequestError::Timeout {
                     subject: subject.to_owned(),
@@ -259,6 +297,9 @@ async fn exchange(
         }
         if let Some(done) = chunk.done {
             return Ok((*done, chunk.replica));
+        }
+        if chunk.heartbeat == Some(true) {
+            continue;
         }
         if let Some(delta) = chunk.delta {
             on_delta(chunk.seq, delta);

@@ -33,15 +33,19 @@ pub enum RequestError {
     },
     #[error("request on {subject} failed: {message}")]
     Transport { subject: String, message: String },
+    /// A streamed call whose responder went silent mid-call: no message (not even a heartbeat)
+    /// for `silent`. The responder died or lost its connection; the call will never end.
+    #[error("the responder on {subject} went silent for {silent:?} mid-call (gone)")]
+    Vanished { subject: String, silent: Duration },
 }
 
 impl RequestError {
     /// The closed-set code this failure maps to when reported further.
     pub fn code(&self) -> ErrorCode {
         match self {
-            RequestError::NoResponders { .. } | RequestError::Transport { .. } => {
-                ErrorCode::Unavailable
-            }
+            RequestError::NoResponders { .. }
+            | RequestError::Transport { .. }
+            | RequestError::Vanished { .. } => ErrorCode::Unavailable,
             RequestError::Timeout { .. } => ErrorCode::Timeout,
             RequestError::Remote(body) => body.code,
             RequestError::TooLarge { .. } => ErrorCode::TooLarge,

@@ -3,8 +3,11 @@
 //! creating the turn stream and the worker consumer at start, reporting a completed turn.
 //!
 //! # Invariants
-//! - Only the pause between attempts is cut short by shutdown: an attempt under way finishes (a
-//!   completion report in flight is not abandoned half-sent).
+//! - [`retry`]: only the pause between attempts is cut short by shutdown: an attempt under way
+//!   finishes (a completion report in flight is not abandoned half-sent).
+//! - [`until_ready`] (start-up calls, whose result nobody needs once the process stops): an
+//!   attempt under way is abandoned too, so a process that cannot reach the bus stops at once
+//!   on a signal instead of waiting out a request timeout.
 //! - Jitter spreads the retries of many processes restarted together (a NATS outage ends for
 //!   every worker at once).
 
@@ -71,6 +74,25 @@ where
             _ = shutdown.cancelled() => return None,
             _ = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+/// [`retry`] for start-up calls: shutdown also abandons the attempt under way; `None` when it
+/// fired before an attempt succeeded.
+pub async fn until_ready<T, E, F, Fut>(
+    policy: Backoff,
+    shutdown: &CancellationToken,
+    mut call: F,
+    failed: impl FnMut(&E),
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let attempts = retry(policy, shutdown, &mut call, failed);
+    tokio::select! {
+        got = attempts => got,
+        _ = shutdown.cancelled() => None,
     }
 }
 
@@ -194,5 +216,33 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         shutdown.cancel();
         assert_eq!(attempt.await.unwrap(), Some("reported"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_start_up_attempt_under_way_is_abandoned_on_shutdown() {
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop.cancel();
+        });
+        // An attempt that would hang for an hour (a request to a bus that is not there).
+        let started = tokio::time::Instant::now();
+        let got: Option<()> = until_ready(
+            STARTUP,
+            &shutdown,
+            || async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Err("timed out")
+            },
+            |_: &&str| {},
+        )
+        .await;
+        assert_eq!(got, None);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

@@ -119,6 +119,10 @@ pub struct SessionEvent {
     pub seq: Option<u64>,
     /// On `delta` events: the turn's delivery attempt (1-based); a higher one re-streams.
     pub attempt: Option<u32>,
+    /// On `delta` events: within one attempt, how many times the step's model call was sent
+    /// again because the gateway replica serving it died mid-call (absent = the first try). A
+    /// higher one re-streams the step's text from `seq` 0, as a higher `attempt` does.
+    pub retry: Option<u32>,
     /// On `delta` events: who is speaking (the persona id the `final` message will carry).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sender_name: String,
@@ -139,6 +143,7 @@ impl SessionEvent {
             delta: None,
             seq: None,
             attempt: None,
+            retry: None,
             sender_name: String::new(),
         }
     }

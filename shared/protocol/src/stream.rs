@@ -6,10 +6,23 @@
 //! - Every message on the inbox is one [`StreamChunk`] with `seq` counting from 0 without gaps;
 //!   exactly one of `delta`, `done`, `error` is set, and the last message (`done` or `error`) is
 //!   the end marker.
+//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) also gets `heartbeat` chunks (a
+//!   `seq` of their own, nothing else set) whenever the gateway published nothing for the asked
+//!   interval; a caller that did not ask never gets one.
 //! - `done` is the same [`ModelResponse`] the non-streamed call answers: the deltas are a preview
 //!   of it, never a second source of truth (concatenating the `text` deltas gives its `content`).
 
 use crate::ErrorBody;
+
+/// The request header a streamed call's caller sets to get heartbeats: the interval in
+/// milliseconds (docs/model-gateway.md, "Streaming"). A gateway replica that dies mid-call stops
+/// them, so the caller notices a vanished replica within a few intervals instead of waiting for
+/// its model timeout.
+pub const HEARTBEAT_HEADER: &str = "Cyrene-Stream-Heartbeat";
+
+/// The shortest and longest heartbeat interval a gateway honours (others are clamped).
+pub const HEARTBEAT_MIN_MS: u64 = 50;
+pub const HEARTBEAT_MAX_MS: u64 = 10_000;
 use crate::model::ModelResponse;
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
@@ -63,6 +76,9 @@ pub struct StreamChunk {
     /// view's next call goes to `cyrene.model.complete.stream.<replica>` (docs/model-gateway.md,
     /// "Held views").
     pub replica: Option<String>,
+    /// A heartbeat (only to a caller that asked for them, [`HEARTBEAT_HEADER`]): the call is
+    /// still running on a live replica.
+    pub heartbeat: Option<bool>,
 }
 
 impl StreamChunk {
@@ -73,6 +89,7 @@ impl StreamChunk {
             done: None,
             error: None,
             replica: None,
+            heartbeat: None,
         }
     }
 
@@ -83,6 +100,7 @@ impl StreamChunk {
             done: Some(Box::new(response)),
             error: None,
             replica: None,
+            heartbeat: None,
         }
     }
 
@@ -93,6 +111,19 @@ impl StreamChunk {
             done: None,
             error: Some(error),
             replica: None,
+            heartbeat: None,
+        }
+    }
+
+    /// A heartbeat, number `seq` of the call's messages.
+    pub fn heartbeat(seq: u64) -> StreamChunk {
+        StreamChunk {
+            seq,
+            delta: None,
+            done: None,
+            error: None,
+            replica: None,
+            heartbeat: Some(true),
         }
     }
 
@@ -134,5 +165,9 @@ mod tests {
             serde_json::from_value(serde_json::to_value(&err).unwrap()).unwrap();
         assert_eq!(back, err);
         assert!(serde_json::from_value::<StreamChunk>(json!({"seq":0,"x":1})).is_err());
+        assert_eq!(
+            serde_json::to_value(StreamChunk::heartbeat(3)).unwrap(),
+            json!({"seq":3,"heartbeat":true})
+        );
     }
 }
