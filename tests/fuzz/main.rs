@@ -107,13 +107,7 @@ impl Figures {
         for (phase, tally) in &self.by_phase {
             println!(
                 "{:<34} {:>6} {:>6} {:>6} {:>6} {:>6}  {:?}",
-                phase,
-                tally.sent,
-                tally.ok,
-                0,
-                0,
-                tally.hangs,
-                tally.unstructured
+                phase, tally.sent, tally.ok, 0, 0, tally.hangs, tally.unstructured
             );
         }
         let errors = self.total(|t| t.errors.values().sum());
@@ -247,7 +241,8 @@ fn capped_service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::p
     for (k, v) in envs {
         cmd.env(k, v);
     }
-    cmd.spawn().expect("prlimit (util-linux) runs the capped worker")
+    cmd.spawn()
+        .expect("prlimit (util-linux) runs the capped worker")
 }
 
 /// The hostile clients that are not malformed requests, each counted as one request of its

@@ -171,7 +171,11 @@ impl DocumentTexts {
         // (crate::extractions): the text types are a bounded copy.
         let risky = fetched.mime == "application/pdf";
         if risky && let Start::Poison(earlier) = ports.extraction_start(name).await {
-            tracing::warn!(document = name, earlier, "document stopped workers before; not extracted again");
+            tracing::warn!(
+                document = name,
+                earlier,
+                "document stopped workers before; not extracted again"
+            );
             return None;
         }
         let text = extract_text(&fetched.mime, fetched.bytes.clone()).await;
