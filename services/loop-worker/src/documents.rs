@@ -95,7 +95,9 @@ pub fn pdf_text(bytes: &[u8]) -> Option<String> {
 /// What replaces a readable document in the view: a header line naming it, then its text cut
 /// to [`MAX_TEXT_CHARS`]: `[文档] d-…「title」（mime，N 字节）：` + newline + text.
 pub fn render(document: &FetchedDocument, text: &str) -> String {
-    let text = text.trim();
+    // The header is the runtime's; the document's own text never reads as a runtime note.
+    let text = crate::attribution::defuse(text.trim());
+    let text = text.as_ref();
     let title = display_name(&document.title);
     let label = if title.is_empty() {
         String::new()
