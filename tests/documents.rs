@@ -508,7 +508,13 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
         .await
         .unwrap();
     let fine = world
-        .upload("s1", "fine.pdf", "", &tiny_pdf("Quarterly revenue 4711"), 1024)
+        .upload(
+            "s1",
+            "fine.pdf",
+            "",
+            &tiny_pdf("Quarterly revenue 4711"),
+            1024,
+        )
         .await
         .unwrap();
     let (poison_name, poison_mime, _, poison_size) = parts(&poison);
@@ -544,10 +550,14 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
     })
     .await
     .expect("the turn reached the model");
-    let texts: Vec<String> = seen.content.iter().map(|p| match p {
-        Part::Text { text } => text.clone(),
-        _ => String::new(),
-    }).collect();
+    let texts: Vec<String> = seen
+        .content
+        .iter()
+        .map(|p| match p {
+            Part::Text { text } => text.clone(),
+            _ => String::new(),
+        })
+        .collect();
     assert_eq!(
         texts[1],
         format!("[文档] {poison_name}（{poison_mime}，{poison_size} 字节）：未能提取文字内容。")
@@ -555,7 +565,10 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
     assert!(texts[2].contains("Quarterly revenue 4711"), "{}", texts[2]);
     // The poison record stays; the finished extraction cleared its own.
     let count = |v: Option<bytes::Bytes>| v.map(|v| String::from_utf8_lossy(&v).into_owned());
-    assert_eq!(count(record.get(&poison_name).await.unwrap()).as_deref(), Some("2"));
+    assert_eq!(
+        count(record.get(&poison_name).await.unwrap()).as_deref(),
+        Some("2")
+    );
     assert_eq!(count(record.get(&fine_name).await.unwrap()), None);
 }
 

@@ -16,7 +16,9 @@
 //! Hostile clients of another kind run in the same stack ([`hostile_phases`]), counted in the
 //! same figures: a PDF bomb (a 40 KB file of four million empty text operations, issue 30 H2)
 //! sent in a message, with the loop worker under a memory cap ([`WORKER_MEMORY_CAP`]) — its turn
-//! is answered, the worker lives.
+//! is answered, the worker lives; and 320 idle sockets on the gateway's HTTP front door, run
+//! with 256 descriptors (issue 30 H3) — a bus model call and a new HTTP request are answered,
+//! the idle sockets closed.
 //!
 //! - `make test` runs a slice ([`a_slice_of_malformed_requests_costs_no_crash_hang_or_unstructured_reply`]).
 //! - `make fuzz` runs the full run (`#[ignore]`d here): `CYRENE_FUZZ_REQUESTS` (default 12,000)
@@ -107,13 +109,7 @@ impl Figures {
         for (phase, tally) in &self.by_phase {
             println!(
                 "{:<34} {:>6} {:>6} {:>6} {:>6} {:>6}  {:?}",
-                phase,
-                tally.sent,
-                tally.ok,
-                0,
-                0,
-                tally.hangs,
-                tally.unstructured
+                phase, tally.sent, tally.ok, 0, 0, tally.hangs, tally.unstructured
             );
         }
         let errors = self.total(|t| t.errors.values().sum());
@@ -185,6 +181,8 @@ fn classify(reply: &Message) -> Result<Option<&'static str>, String> {
 struct Stack {
     server: NatsServer,
     client: async_nats::Client,
+    /// The gateway's HTTP front door.
+    http: std::net::SocketAddr,
     children: Vec<(&'static str, tokio::process::Child)>,
     _data: tempfile::TempDir,
 }
@@ -192,6 +190,10 @@ struct Stack {
 impl Stack {
     async fn start() -> Stack {
         let (server, client, data, dir) = common::bus_with_data_dir().await;
+        let http = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let http_addr = http.to_string();
         let mut children = Vec::new();
         for name in SERVICES {
             // Every malformed message is a warning or an error in a service's log (a panic
@@ -201,11 +203,25 @@ impl Stack {
                 ("CYRENE_ORCHESTRATOR_DATA_DIR", dir.as_str()),
                 ("RUST_LOG", "off"),
                 ("CYRENE_WORKER_ACK_WAIT", "2s"),
+                // The gateway's HTTP door, for the idle-socket flood.
+                ("CYRENE_GATEWAY_HTTP_ADDR", http_addr.as_str()),
+                ("CYRENE_GATEWAY_HTTP_KEYS", HTTP_KEY),
+                ("CYRENE_GATEWAY_HTTP_HEADER_TIMEOUT", "1s"),
             ];
-            let child = if name == "cyrene-loop-worker" {
-                capped_service(name, &server.url(), &envs)
-            } else {
-                common::service(name, &server.url(), &envs)
+            let child = match name {
+                "cyrene-loop-worker" => capped_service(
+                    name,
+                    &server.url(),
+                    &envs,
+                    &format!("--as={WORKER_MEMORY_CAP}"),
+                ),
+                "cyrene-model-gateway" => capped_service(
+                    name,
+                    &server.url(),
+                    &envs,
+                    &format!("--nofile={GATEWAY_FILES}"),
+                ),
+                _ => common::service(name, &server.url(), &envs),
             };
             children.push((name, child));
             common::wait_for_service(&client, name).await;
@@ -213,6 +229,7 @@ impl Stack {
         Stack {
             server,
             client,
+            http,
             children,
             _data: data,
         }
@@ -234,10 +251,22 @@ impl Stack {
 /// bomb needs several times this, the bounded one a small part of it.
 const WORKER_MEMORY_CAP: u64 = 1024 * 1024 * 1024;
 
-/// `name` started like [`common::service`], under [`WORKER_MEMORY_CAP`] (`prlimit --as`).
-fn capped_service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::process::Child {
+/// The gateway's open-file limit in the fuzz stack: the idle-socket flood is larger.
+const GATEWAY_FILES: usize = 256;
+/// The idle sockets of the flood.
+const IDLE_SOCKETS: usize = 320;
+/// The client key of the gateway's HTTP door.
+const HTTP_KEY: &str = "fuzz-http-key";
+
+/// `name` started like [`common::service`], under the `prlimit` limit `limit`.
+fn capped_service(
+    name: &str,
+    nats_url: &str,
+    envs: &[(&str, &str)],
+    limit: &str,
+) -> tokio::process::Child {
     let mut cmd = tokio::process::Command::new("prlimit");
-    cmd.arg(format!("--as={WORKER_MEMORY_CAP}"))
+    cmd.arg(limit)
         .arg("--")
         .arg(common::workspace_binary(name))
         .env("NATS_URL", nats_url)
@@ -247,7 +276,8 @@ fn capped_service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::p
     for (k, v) in envs {
         cmd.env(k, v);
     }
-    cmd.spawn().expect("prlimit (util-linux) runs the capped worker")
+    cmd.spawn()
+        .expect("prlimit (util-linux) runs the capped worker")
 }
 
 /// The hostile clients that are not malformed requests, each counted as one request of its
@@ -261,6 +291,74 @@ async fn hostile_phases(stack: &Stack, figures: &mut Figures) {
             tally.hangs += 1;
             tally.unstructured.push(why);
         }
+    }
+    let tally = figures
+        .by_phase
+        .entry("idle sockets on the HTTP door")
+        .or_default();
+    tally.sent += 1;
+    match idle_flood_leaves_the_gateway_serving(stack).await {
+        Ok(()) => tally.ok += 1,
+        Err(why) => {
+            tally.hangs += 1;
+            tally.unstructured.push(why);
+        }
+    }
+}
+
+/// Holds [`IDLE_SOCKETS`] idle connections to the gateway's HTTP door (more than its
+/// descriptors), then checks that a bus model call and a new HTTP request are answered and
+/// that the idle sockets were closed.
+async fn idle_flood_leaves_the_gateway_serving(stack: &Stack) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let within = Duration::from_secs(30);
+    let connect = || async {
+        tokio::time::timeout(within, async {
+            loop {
+                if let Ok(socket) = tokio::net::TcpStream::connect(stack.http).await {
+                    return socket;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .map_err(|_| "the HTTP door took no connection in 30 s".to_owned())
+    };
+    let mut idle = Vec::new();
+    for _ in 0..IDLE_SOCKETS {
+        idle.push(connect().await?);
+    }
+    let call = serde_json::json!({"messages": [{"role": "user", "content": "during the flood"}]});
+    let _: Value = cyrene_bus::request_json(&stack.client, "cyrene.model.complete", &call, within)
+        .await
+        .map_err(|e| format!("a bus model call during the flood: {e}"))?;
+    let body = r#"{"model":"default","messages":[{"role":"user","content":"hi"}]}"#;
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer {HTTP_KEY}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut fresh = connect().await?;
+    fresh
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(within, fresh.read_to_end(&mut answer))
+        .await
+        .map_err(|_| "a new HTTP request during the flood was not answered in 30 s".to_owned())?
+        .map_err(|e| format!("read: {e}"))?;
+    if !answer.starts_with(b"HTTP/1.1 200") {
+        return Err(format!(
+            "a new HTTP request got {:?}",
+            String::from_utf8_lossy(&answer[..answer.len().min(200)])
+        ));
+    }
+    let mut byte = [0u8; 1];
+    match tokio::time::timeout(within, idle[0].read(&mut byte)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Ok(()),
+        Ok(Ok(_)) => Err("an idle socket got bytes".to_owned()),
+        Err(_) => Err("an idle socket was not closed in 30 s".to_owned()),
     }
 }
 

@@ -23,6 +23,9 @@
 //! - No `document` part survives into the view (providers never see one).
 //! - Untrusted text stays where it came from: extracted document text replaces the part inside
 //!   the same user message, never a system message.
+//! - Untrusted text never reads as the runtime's: every conversation message is shown through
+//!   [`attribution::defused`] (a `[发言归属]` a person typed is `［发言归属］` in the view), and a
+//!   document's extracted text likewise (crate::documents::render).
 
 use cyrene_protocol::message::{Message, Part, Role};
 
@@ -258,7 +261,7 @@ pub fn assemble_shaped(
             + usize::from(inputs.notice.is_some()),
     );
     view.extend(inputs.blocks.messages());
-    let replace = |m: &Message| replace_documents(m, documents);
+    let replace = |m: &Message| replace_documents(&attribution::defused(m), documents);
     match plan {
         Some(plan) => {
             view.push(plan.lead);
@@ -315,7 +318,7 @@ pub fn extend_view(
     let len = shape.window + shape.steered;
     let mut end = shape.attribution.clone();
     let notes = end.plan_more(added.clone(), len, inputs.speakers, inputs.names)?;
-    let replace = |m: &Message| replace_documents(m, documents);
+    let replace = |m: &Message| replace_documents(&attribution::defused(m), documents);
     let mut messages = attribution::interleave(added, len, &notes, replace);
     notice::append_notice(&mut messages, inputs.notice);
     Some((messages, ViewShape::of(inputs, end)))

@@ -95,7 +95,9 @@ pub fn pdf_text(bytes: &[u8]) -> Option<String> {
 /// What replaces a readable document in the view: a header line naming it, then its text cut
 /// to [`MAX_TEXT_CHARS`]: `[文档] d-…「title」（mime，N 字节）：` + newline + text.
 pub fn render(document: &FetchedDocument, text: &str) -> String {
-    let text = text.trim();
+    // The header is the runtime's; the document's own text never reads as a runtime note.
+    let text = crate::attribution::defuse(text.trim());
+    let text = text.as_ref();
     let title = display_name(&document.title);
     let label = if title.is_empty() {
         String::new()
@@ -171,7 +173,11 @@ impl DocumentTexts {
         // (crate::extractions): the text types are a bounded copy.
         let risky = fetched.mime == "application/pdf";
         if risky && let Start::Poison(earlier) = ports.extraction_start(name).await {
-            tracing::warn!(document = name, earlier, "document stopped workers before; not extracted again");
+            tracing::warn!(
+                document = name,
+                earlier,
+                "document stopped workers before; not extracted again"
+            );
             return None;
         }
         let text = extract_text(&fetched.mime, fetched.bytes.clone()).await;

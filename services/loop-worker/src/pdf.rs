@@ -264,8 +264,7 @@ impl<'d> Extraction<'d> {
                     for item in items {
                         match item {
                             Object::String(bytes, _) => {
-                                if let Err(err) = encoding.write_to_string(bytes, &mut self.text)
-                                {
+                                if let Err(err) = encoding.write_to_string(bytes, &mut self.text) {
                                     tracing::debug!(error = %err, "undecodable text");
                                 }
                             }

@@ -101,6 +101,25 @@ pub struct Args {
         default_value = ""
     )]
     pub http_keys: http::ClientKeys,
+    /// Client connections the front door holds open at once (more wait in the listen backlog);
+    /// never more than a quarter of the open-file soft limit.
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_MAX_CONNECTIONS", default_value_t = http::HttpLimits::default().max_connections)]
+    pub http_max_connections: usize,
+    /// How long a connection may take to send a request's headers, or sit idle between
+    /// requests, before it is closed.
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub http_header_timeout: std::time::Duration,
+    /// How long an authenticated request may take to send its body.
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_BODY_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub http_body_timeout: std::time::Duration,
+    /// Authenticated front-door requests in flight at once (more are answered 429); never more
+    /// than a quarter of the open-file soft limit.
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_MAX_REQUESTS", default_value_t = http::HttpLimits::default().max_requests)]
+    pub http_max_requests: usize,
+    /// Request body bytes the front door's requests in flight hold at once (more are answered
+    /// 429); at least one largest body (16 MiB).
+    #[arg(long, env = "CYRENE_GATEWAY_HTTP_BODY_BUDGET", default_value_t = http::HttpLimits::default().body_budget)]
+    pub http_body_budget: usize,
 }
 
 impl cyrene_bus::entry::ServiceArgs for Args {
@@ -120,9 +139,18 @@ impl cyrene_bus::entry::ServiceArgs for Args {
                     .to_owned(),
             );
         }
+        let limits = http::HttpLimits {
+            max_connections: self.http_max_connections,
+            header_timeout: self.http_header_timeout,
+            body_timeout: self.http_body_timeout,
+            max_requests: self.http_max_requests,
+            body_budget: self.http_body_budget,
+        };
+        problems.extend(limits.problems());
         let http = self.http_addr.map(|addr| http::HttpConfig {
             addr,
             keys: self.http_keys.clone(),
+            limits,
         });
         let models = match &self.models {
             Some(path) => ModelsConfig::from_file(path).map_err(|e| problems.push(e.to_string())),

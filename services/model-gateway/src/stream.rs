@@ -10,6 +10,12 @@
 //! # Invariants
 //! - `seq` counts every message of one call from 0 without gaps; the end marker is last.
 //! - Every request gets exactly one end marker (a malformed one too: `seq` 0, `bad_request`).
+//! - **Every stream ends** (issue 30, M7): a caller's reply permission allows a bounded number
+//!   of messages (`allow_responses: {max: 100000}` in deploy/nats/users.conf), so the deltas of
+//!   one call stay far below it. Deltas that are already waiting go out merged as one message
+//!   ([`coalesce`]); after [`EAGER_MESSAGES`] messages, at most one goes out per
+//!   [`LATE_FLUSH_EVERY`]; past [`MAX_DELTA_MESSAGES`] no more deltas are published (the end
+//!   marker's `done` holds the whole answer). So the end marker always fits in the permission.
 //! - The call record is published exactly as for the non-streamed call ([`Gateway::call`]).
 //! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one whenever nothing else
 //!   was published for the asked interval while the call runs; when this replica dies they stop,
@@ -25,11 +31,53 @@ use async_nats::service::Request;
 use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
-use cyrene_protocol::stream::{HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS, StreamChunk};
+use cyrene_protocol::stream::{
+    Delta, HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS, StreamChunk,
+};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
+
+/// Delta messages of one call published as soon as they are there.
+pub const EAGER_MESSAGES: u64 = 10_000;
+/// After [`EAGER_MESSAGES`], deltas are gathered and sent at most this often.
+pub const LATE_FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+/// The most delta messages of one call: half the reply permission's `max` (100,000), so the
+/// end marker always gets through.
+pub const MAX_DELTA_MESSAGES: u64 = 50_000;
+
+/// `deltas` with each run of neighbours that continue one another merged into one: text with
+/// text, reasoning with reasoning, a tool call's arguments with the same call's delta before.
+pub fn coalesce(deltas: Vec<Delta>) -> Vec<Delta> {
+    let mut out: Vec<Delta> = Vec::with_capacity(deltas.len().min(4));
+    for delta in deltas {
+        let merged = match (out.last_mut(), &delta) {
+            (Some(Delta::Text { text }), Delta::Text { text: more })
+            | (Some(Delta::Reasoning { text }), Delta::Reasoning { text: more }) => {
+                text.push_str(more);
+                true
+            }
+            (
+                Some(Delta::ToolCall { index, args, .. }),
+                Delta::ToolCall {
+                    index: next,
+                    id,
+                    name,
+                    args: more,
+                },
+            ) if index == next && id.is_empty() && name.is_empty() => {
+                args.push_str(more);
+                true
+            }
+            _ => false,
+        };
+        if !merged {
+            out.push(delta);
+        }
+    }
+    out
+}
 
 /// Answers one streamed request: the deltas on its reply inbox, then the end marker as the micro
 /// reply (the bounded loop around it is the host's, [`cyrene_bus::host::Endpoint::raw`]).
@@ -85,6 +133,16 @@ fn heartbeat_of(request: &Request) -> Option<Duration> {
     ))
 }
 
+/// What woke the forwarding loop.
+enum Next {
+    /// A delta from the call, or `None` when the call is over.
+    Delta(Option<Delta>),
+    /// Gathered deltas are due (after [`EAGER_MESSAGES`]).
+    Flush,
+    /// Nothing was published for the heartbeat interval.
+    Beat,
+}
+
 /// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
 /// of provider events never holds up the first delta), and a heartbeat whenever `heartbeat`
 /// passed without one; the next `seq`, the outcome and the request back (`None` if the task
@@ -112,18 +170,57 @@ async fn forward(
     // A far deadline stands for "no heartbeats": the branch never fires.
     let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
     let mut beat = tokio::time::Instant::now() + every;
+    let mut pending: Vec<Delta> = Vec::new();
+    let mut last_flush = tokio::time::Instant::now();
+    let mut withheld = 0u64;
     // Ends when the call is over and its sink dropped.
     loop {
-        let chunk = tokio::select! {
-            delta = deltas.recv() => match delta {
-                Some(delta) => StreamChunk::delta(seq, delta),
-                None => break,
-            },
-            _ = tokio::time::sleep_until(beat) => StreamChunk::heartbeat(seq),
+        let late = seq >= EAGER_MESSAGES;
+        let gathering = late && !pending.is_empty();
+        let next = tokio::select! {
+            next = deltas.recv() => Next::Delta(next),
+            _ = tokio::time::sleep_until(last_flush + LATE_FLUSH_EVERY), if gathering => Next::Flush,
+            _ = tokio::time::sleep_until(beat) => Next::Beat,
         };
-        publish(client, inbox, &chunk).await;
-        seq += 1;
-        beat = tokio::time::Instant::now() + every;
+        let ended = match next {
+            Next::Delta(Some(delta)) => {
+                pending.push(delta);
+                while let Ok(delta) = deltas.try_recv() {
+                    pending.push(delta);
+                }
+                false
+            }
+            Next::Delta(None) => true,
+            Next::Flush => false,
+            Next::Beat => {
+                publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
+                seq += 1;
+                beat = tokio::time::Instant::now() + every;
+                continue;
+            }
+        };
+        let due = !late || ended || last_flush.elapsed() >= LATE_FLUSH_EVERY;
+        if due && !pending.is_empty() {
+            for delta in coalesce(std::mem::take(&mut pending)) {
+                if seq >= MAX_DELTA_MESSAGES {
+                    withheld += 1;
+                    continue;
+                }
+                publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
+                seq += 1;
+            }
+            last_flush = tokio::time::Instant::now();
+            beat = last_flush + every;
+        }
+        if ended {
+            break;
+        }
+    }
+    if withheld > 0 {
+        tracing::warn!(
+            withheld,
+            "a streamed call reached its delta message limit; the rest is in the end marker"
+        );
     }
     match call.await {
         Ok((result, req)) => (seq, result, Some(req)),
@@ -182,5 +279,53 @@ async fn end(
     let payload = serde_json::to_vec(&StreamChunk::error(seq, err.clone())).unwrap_or_default();
     if let Err(e) = respond_error_with(request, &err, payload.into()).await {
         tracing::warn!(error = %e, "could not send the error end marker");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(t: &str) -> Delta {
+        Delta::Text { text: t.into() }
+    }
+
+    fn call(index: u32, id: &str, args: &str) -> Delta {
+        Delta::ToolCall {
+            index,
+            id: id.into(),
+            name: if id.is_empty() {
+                String::new()
+            } else {
+                "f".into()
+            },
+            args: args.into(),
+        }
+    }
+
+    #[test]
+    fn neighbouring_deltas_that_continue_each_other_are_merged() {
+        let reasoning = Delta::Reasoning { text: "r".into() };
+        assert_eq!(
+            coalesce(vec![
+                text("a"),
+                text("b"),
+                reasoning.clone(),
+                reasoning,
+                text("c"),
+                call(0, "c0", "{"),
+                call(0, "", "}"),
+                call(1, "c1", ""),
+                call(1, "", "{}"),
+            ]),
+            vec![
+                text("ab"),
+                Delta::Reasoning { text: "rr".into() },
+                text("c"),
+                call(0, "c0", "{}"),
+                call(1, "c1", "{}"),
+            ]
+        );
+        assert!(coalesce(Vec::new()).is_empty());
     }
 }

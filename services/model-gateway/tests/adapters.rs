@@ -831,9 +831,11 @@ async fn anthropic_system_messages_inside_the_conversation_keep_their_position()
     assert_eq!(
         bodies(&server).await[0],
         json!({"model":"claude","max_tokens":4096,
-               "system":format!("instructions\n\n{lead}\n\n{to_owner}"),
+               // Every note keeps its place, the first one too: it opens the conversation
+               // (issue 30, H1), so no message can come after it unannounced.
+               "system":format!("instructions\n\n{lead}"),
                "messages":[
-                 {"role":"user","content":[text("hello"), text(to_hoshi)]},
+                 {"role":"user","content":[text(to_owner), text("hello"), text(to_hoshi)]},
                  {"role":"assistant","content":[text("hi, hoshi here")]},
                  {"role":"user","content":[text(to_ming), text("hey all"), text(to_owner),
                                            text("who spoke last?")]}]})

@@ -9,7 +9,7 @@
 mod common;
 
 use common::{call_records, openai_upstream, shared_gateway};
-use cyrene_model_gateway::http::{ClientKeys, HttpConfig};
+use cyrene_model_gateway::http::{ClientKeys, HttpConfig, HttpLimits};
 use cyrene_protocol::model::CallRecord;
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::process::success_stdout;
@@ -67,6 +67,7 @@ async fn start() -> Door {
     let config = HttpConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
         keys: format!("other-key,{KEY}").parse::<ClientKeys>().unwrap(),
+        limits: HttpLimits::default(),
     };
     let (addr, task) =
         cyrene_model_gateway::http::serve(config, gateway, client.clone(), shutdown.clone())

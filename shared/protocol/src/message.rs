@@ -35,6 +35,23 @@ pub enum ReasoningFamily {
     Anthropic,
 }
 
+/// Opens every speaker-switch note the loop worker writes (`[发言归属] …`, a system message;
+/// docs/loop-worker.md, "Names in system text"). A note holds from where it appears until the
+/// next one, so every dialect keeps it in its place in the conversation — never hoisted with
+/// the opening system messages (docs/model-gateway.md, "System messages in the Anthropic
+/// dialect").
+pub const SPEAKER_SWITCH_MARKER: &str = "[发言归属] ";
+
+/// Whether `message` is a system message that must keep its place in the conversation (a
+/// speaker-switch note, [`SPEAKER_SWITCH_MARKER`]).
+pub fn is_in_place_note(message: &Message) -> bool {
+    message.role == Role::System
+        && message
+            .content
+            .iter()
+            .any(|p| matches!(p, Part::Text { text } if text.starts_with(SPEAKER_SWITCH_MARKER)))
+}
+
 /// One content part of a message.
 #[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -12,12 +12,20 @@
 //! - A streamed call answers with an HTTP error status when it fails before its first delta
 //!   (fallback happens before that); after it, the failure is an `error` event in the stream.
 //!
-//! This file holds the listener, routing, authentication and error responses; `wire.rs` the
-//! translation between OpenAI's chat JSON and the gateway's request and response; `sse.rs` the
-//! streamed answer.
+//! - Hostile clients are bounded (docs/security.md, "The HTTP front door"): connections,
+//!   header and body read times, requests in flight and the body bytes they hold
+//!   ([`HttpLimits`]); a request without a valid key is answered 401 and its connection closed
+//!   at once; a call whose client has left is dropped, and with it the upstream request.
+//!
+//! This file holds routing, authentication, admission and error responses; `listener.rs` the
+//! connections; `wire.rs` the translation between OpenAI's chat JSON and the gateway's request
+//! and response; `sse.rs` the streamed answer.
 
+mod listener;
 mod sse;
 mod wire;
+
+pub use listener::{HttpLimits, descriptor_budget};
 
 use crate::Gateway;
 use axum::Router;
@@ -33,6 +41,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::Arc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 /// The largest request body accepted (images travel inline as data URIs; this path does not
@@ -92,6 +101,7 @@ impl ClientKeys {
 pub struct HttpConfig {
     pub addr: SocketAddr,
     pub keys: ClientKeys,
+    pub limits: HttpLimits,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +109,18 @@ struct AppState {
     gateway: Arc<Gateway>,
     client: async_nats::Client,
     keys: ClientKeys,
+    /// One permit per authenticated request in flight ([`HttpLimits::max_requests`]).
+    requests: Arc<Semaphore>,
+    /// One permit per body byte held ([`HttpLimits::body_budget`]).
+    body_bytes: Arc<Semaphore>,
+    body_timeout: std::time::Duration,
+}
+
+/// What an admitted request holds until its answer is complete (the last byte of a stream).
+#[derive(Debug)]
+struct Admitted {
+    _request: OwnedSemaphorePermit,
+    _body: OwnedSemaphorePermit,
 }
 
 /// Binds `config.addr` and serves until `shutdown`; returns the bound address (port 0 picks one)
@@ -111,19 +133,20 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(config.addr).await?;
     let bound = listener.local_addr()?;
+    let limits = config.limits.within_descriptors();
     let app = router(AppState {
         gateway,
         client,
         keys: config.keys,
+        requests: Arc::new(Semaphore::new(limits.max_requests)),
+        body_bytes: Arc::new(Semaphore::new(
+            limits.body_budget.min(Semaphore::MAX_PERMITS),
+        )),
+        body_timeout: limits.body_timeout,
     });
-    tracing::info!(addr = %bound, "OpenAI-compatible HTTP front door listening");
-    let task = tokio::spawn(async move {
-        let serving = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await });
-        if let Err(err) = serving.await {
-            tracing::warn!(error = %err, "the HTTP front door stopped");
-        }
-    });
+    tracing::info!(addr = %bound, max_connections = limits.max_connections,
+        max_requests = limits.max_requests, "OpenAI-compatible HTTP front door listening");
+    let task = tokio::spawn(listener::accept_loop(listener, app, limits, shutdown));
     Ok((bound, task))
 }
 
@@ -172,6 +195,59 @@ fn error_response(err: &ErrorBody) -> Response {
     openai_error(status, kind, Some(err.code.as_str()), &err.message)
 }
 
+/// `response` with `Connection: close`: hyper closes the connection once it is written.
+fn closing(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// Admits an authenticated request within [`HttpLimits::max_requests`] and
+/// [`HttpLimits::body_budget`], counting its `Content-Length` (the largest body when absent);
+/// `too_large` past [`MAX_BODY`], 429 when the door is full.
+fn admit(state: &AppState, headers: &HeaderMap) -> Result<Admitted, Box<Response>> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY) {
+        return Err(Box::new(closing(error_response(&ErrorBody::new(
+            ErrorCode::TooLarge,
+            format!("the request body is over {MAX_BODY} bytes"),
+        )))));
+    }
+    let busy = || {
+        let mut response = openai_error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            Some("too_many_requests_in_flight"),
+            "the front door has as many requests in flight as it takes: retry shortly",
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        metrics::counter!("cyrene_http_refused_total", "reason" => "busy").increment(1);
+        Box::new(response)
+    };
+    let request = state
+        .requests
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| busy())?;
+    let bytes = u32::try_from(declared.unwrap_or(MAX_BODY).max(1)).unwrap_or(u32::MAX);
+    let body = state
+        .body_bytes
+        .clone()
+        .try_acquire_many_owned(bytes)
+        .map_err(|_| busy())?;
+    Ok(Admitted {
+        _request: request,
+        _body: body,
+    })
+}
+
 fn authorised(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let given = headers
         .get(header::AUTHORIZATION)
@@ -180,18 +256,18 @@ fn authorised(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>
         .map(str::trim);
     match given {
         Some(key) if state.keys.accepts(key) => Ok(()),
-        Some(_) => Err(Box::new(openai_error(
+        Some(_) => Err(Box::new(closing(openai_error(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Some("invalid_api_key"),
             "incorrect API key provided",
-        ))),
-        None => Err(Box::new(openai_error(
+        )))),
+        None => Err(Box::new(closing(openai_error(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Some("missing_api_key"),
             "no API key provided: send Authorization: Bearer <key>",
-        ))),
+        )))),
     }
 }
 
@@ -226,12 +302,29 @@ async fn chat_completions(
     if let Err(denied) = authorised(&state, &headers) {
         return *denied;
     }
-    let bytes = match axum::body::to_bytes(body, MAX_BODY).await {
-        Ok(b) => b,
-        Err(_) => {
-            return error_response(&ErrorBody::new(
+    let admitted = match admit(&state, &headers) {
+        Ok(admitted) => admitted,
+        Err(refused) => return *refused,
+    };
+    let read = tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_BODY));
+    let bytes = match read.await {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
+            return closing(error_response(&ErrorBody::new(
                 ErrorCode::TooLarge,
                 format!("the request body is over {MAX_BODY} bytes (or could not be read)"),
+            )));
+        }
+        Err(_) => {
+            metrics::counter!("cyrene_http_refused_total", "reason" => "body_timeout").increment(1);
+            return closing(openai_error(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("body_timeout"),
+                &format!(
+                    "the request body did not arrive within {:?}",
+                    state.body_timeout
+                ),
             ));
         }
     };
@@ -241,12 +334,16 @@ async fn chat_completions(
     };
     let id = format!("chatcmpl-{}", uuid::Uuid::now_v7().simple());
     if !answer.stream {
-        return match state.gateway.call(&state.client, &req, None).await {
+        // Dropped with this future when the client leaves (hyper drops a request's future when
+        // its connection closes), and the upstream request with it.
+        let answer = match state.gateway.call(&state.client, &req, None).await {
             Ok(response) => axum::Json(wire::completion(&id, &response)).into_response(),
             Err(err) => error_response(&err),
         };
+        drop(admitted);
+        return answer;
     }
-    sse::stream_response(state, req, id, answer.model, answer.include_usage).await
+    sse::stream_response(state, req, id, answer.model, answer.include_usage, admitted).await
 }
 
 #[cfg(test)]

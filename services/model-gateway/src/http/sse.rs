@@ -8,7 +8,7 @@
 //!   write, and the stream always ends with the finish (or `error`) event and `data: [DONE]`.
 
 use super::wire::{finish_reason, now_secs, usage};
-use super::{AppState, error_response};
+use super::{Admitted, AppState, error_response};
 use crate::providers::DeltaSink;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -26,17 +26,25 @@ pub(super) async fn stream_response(
     id: String,
     model: String,
     include_usage: bool,
+    admitted: Admitted,
 ) -> Response {
     let (sink, mut deltas) = DeltaSink::new();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let AppState {
         gateway, client, ..
     } = state;
-    tokio::spawn(async move {
+    let call = tokio::spawn(async move {
         let result = gateway.call(&client, &req, Some(&sink)).await;
         drop(sink);
         let _ = done_tx.send(result);
     });
+    // Held by the answer until its last byte: when the client leaves (the body is dropped, or
+    // this future before the first delta), the call — and its upstream request — is aborted,
+    // and the admission freed.
+    let held = Held {
+        call: call.abort_handle(),
+        _admitted: admitted,
+    };
     let mut done_rx = done_rx;
     let first = tokio::select! {
         biased;
@@ -54,8 +62,8 @@ pub(super) async fn stream_response(
     };
     let chunks = Chunks::new(id, model, include_usage);
     let stream = futures::stream::unfold(
-        (chunks, Some(first), deltas, Some(done_rx), true),
-        |(mut chunks, pending, mut deltas, done, opening)| async move {
+        (chunks, Some(first), deltas, Some(done_rx), true, held),
+        |(mut chunks, pending, mut deltas, done, opening, held)| async move {
             let mut out = String::new();
             if opening {
                 out.push_str(&chunks.event(json!({"role": "assistant", "content": ""}), None));
@@ -68,7 +76,7 @@ pub(super) async fn stream_response(
                 }
                 return Some((
                     Ok::<_, std::convert::Infallible>(Bytes::from(out)),
-                    (chunks, None, deltas, done, false),
+                    (chunks, None, deltas, done, false, held),
                 ));
             }
             let done = done?;
@@ -80,7 +88,7 @@ pub(super) async fn stream_response(
                     }
                     Some((
                         Ok(Bytes::from(out)),
-                        (chunks, None, deltas, Some(done), false),
+                        (chunks, None, deltas, Some(done), false, held),
                     ))
                 }
                 None => {
@@ -91,12 +99,27 @@ pub(super) async fn stream_response(
                         ))
                     });
                     out.push_str(&chunks.finish_all(result));
-                    Some((Ok(Bytes::from(out)), (chunks, None, deltas, None, false)))
+                    Some((
+                        Ok(Bytes::from(out)),
+                        (chunks, None, deltas, None, false, held),
+                    ))
                 }
             }
         },
     );
     sse_response(Body::from_stream(stream))
+}
+
+/// A streamed answer's hold on its call and its admission; dropping it aborts the call.
+struct Held {
+    call: tokio::task::AbortHandle,
+    _admitted: Admitted,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.call.abort();
+    }
 }
 
 fn sse_response(body: Body) -> Response {

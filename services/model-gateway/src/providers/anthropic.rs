@@ -7,7 +7,9 @@
 //!   attribution note, a parallel-leg notice — keeps its position: it becomes its own `text`
 //!   block of the `user` turn at that point (seed 001: notes hold from where they appear until
 //!   the next one, so hoisting them would detach every note from the messages it describes).
-//!   Its text is never joined to a user's text.
+//!   Its text is never joined to a user's text. A speaker-switch note
+//!   ([`cyrene_protocol::message::SPEAKER_SWITCH_MARKER`]) is never hoisted, even before the
+//!   first message: it starts the conversation.
 //! - Tool turns become `user` messages of `tool_result` blocks (`is_error: true` only when set);
 //!   consecutive messages of one role are merged, as the dialect requires alternation.
 //! - Images: a data URI becomes a base64 `source`, anything else a `url` source.
@@ -32,7 +34,7 @@ use super::{
     normalise_effort, parse_data_uri, reply_model, strings, tool_spec, upstream_message,
 };
 use crate::config::{ModelCaps, ProviderConfig, ThinkingStyle};
-use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
+use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall, is_in_place_note};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use serde_json::{Map, Value, json};
@@ -354,7 +356,10 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
     let mut conversation_started = false;
     for m in messages {
         let (role, blocks) = match m.role {
-            Role::System if !conversation_started => {
+            // A speaker-switch note opens the conversation rather than the system text: it
+            // holds from where it appears (seed 001), and in `system` a forged copy in a later
+            // message would read as the newest note.
+            Role::System if !conversation_started && !is_in_place_note(m) => {
                 let text = m.text_content();
                 if !text.is_empty() {
                     system.push(text);
@@ -605,6 +610,26 @@ mod tests {
                    {"type":"tool_result","tool_use_id":"c2","content":"two","is_error":true},
                    {"type":"text","text":"and?"},
                    {"type":"text","text":"late note"}])
+        );
+    }
+
+    /// Issue 30, H1: the note announcing the first message stays in the conversation, where a
+    /// forged copy in a message cannot come after it; the lead before it is still `system`.
+    #[test]
+    fn a_speaker_switch_note_before_the_first_message_keeps_its_place() {
+        let note = "[发言归属] 以下发言来自「mallory」——本会话里的第三方人员（非管理员账户），不是主人，也不是你说的。";
+        let messages = vec![
+            Message::text(Role::System, "instructions"),
+            Message::text(Role::System, "[会话角色] lead"),
+            Message::text(Role::System, note),
+            Message::text(Role::User, "hello"),
+        ];
+        let (system, turns) = encode_messages(&messages).unwrap();
+        assert_eq!(system, "instructions\n\n[会话角色] lead");
+        assert_eq!(
+            turns,
+            vec![json!({"role":"user","content":[{"type":"text","text":note},
+                                                  {"type":"text","text":"hello"}]})]
         );
     }
 }
