@@ -268,12 +268,12 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.agent.hoshi.cyrene.reply.q1",
             "an agent answers a persona",
-            [N, N, N, S, N, S, N, N, N, N],
+            [N, N, N, S, N, N, N, N, N, N],
         ),
         (
             "cyrene.agent.cyrene.hoshi.reply.q1",
             "a persona answers an agent",
-            [N, N, N, N, N, S, N, S, N, N],
+            [N, N, N, N, N, N, N, S, N, N],
         ),
         (
             "cyrene.agent.me.cyrene.event",
@@ -403,7 +403,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "_INBOX_cyrene-cli.a1",
             "replies to the cyrene CLI",
-            [N, N, N, N, N, S, S, N, N, N],
+            [N, N, N, N, N, S, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-operator.a1",
@@ -769,7 +769,7 @@ async fn start_services(
     let tools = common::TestTools::start(&client, shutdown.clone()).await;
 
     // An operator (as `cyrene probe` connects) waits for the services.
-    let operator = connect_as(server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
+    let operator = connect_as(server, "cyrene-operator", "pw-operator", "cyrene-operator").await;
     for name in SERVICES.into_iter().chain(["test-tools"]) {
         common::wait_for_service(&operator, name).await;
     }
@@ -940,6 +940,27 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     let subject = "$SRV.INFO.cyrene-orchestrator";
     publish_refused(&client, &violations, subject, "", what).await;
     assert_eq!(discovered(&operator).await, DISCOVERABLE);
+    // `cyrene probe` run by an operator: its replies come to the operator's own inbox prefix,
+    // never the clients' `_INBOX_cyrene-cli` (issue 30, L1).
+    let probe = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["probe", "--json", "cyrene-orchestrator"])
+        .env("NATS_URL", url(&server, "cyrene-operator", "pw-operator"))
+        .env_remove("NATS_USER")
+        .env_remove("NATS_PASSWORD")
+        .env_remove("NATS_CREDS")
+        .env_remove("NATS_NKEY")
+        .env_remove("CYRENE_CLI_PERSON")
+        .env_remove("CYRENE_CLI_INBOX_PREFIX")
+        .kill_on_drop(true)
+        .output();
+    let probe = tokio::time::timeout(Duration::from_secs(30), probe)
+        .await
+        .unwrap()
+        .unwrap();
+    let out = String::from_utf8_lossy(&probe.stdout);
+    assert!(probe.status.success(), "{out}");
+    let line: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(line["stats"]["name"], "cyrene-orchestrator", "{out}");
 
     // The server logged the refusals above (so the clean log earlier meant something).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
