@@ -18,6 +18,10 @@ pub const DEFAULT_WINDOW: usize = 40;
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 256 * 1024;
 /// Default byte budget of a turn job (the NATS default `max_payload` is 1 MiB).
 pub const DEFAULT_MAX_JOB_BYTES: usize = 768 * 1024;
+/// Default number of asks to one persona that run at once (each of a different asker).
+pub const DEFAULT_ASK_CONCURRENCY: usize = 16;
+/// Default bytes of the asks one persona holds (waiting or running); a quarter per asker.
+pub const DEFAULT_ASK_QUEUE_BYTES: usize = 32 * 1024 * 1024;
 
 /// Everything [`crate::run`] needs besides the NATS client.
 #[derive(Debug, Clone)]
@@ -51,6 +55,12 @@ pub struct Config {
     pub dispatch_grace: Duration,
     /// Bound on one database operation; past it the request is answered `unavailable`.
     pub db_timeout: Duration,
+    /// Asks to one persona that run at once, each of a different asker (an asker's own asks
+    /// run one after the other).
+    pub ask_concurrency: usize,
+    /// Bytes of the asks one persona holds, waiting or running (a quarter of it per asker);
+    /// an ask over it is refused `unavailable` (docs/comm.md, "Limits").
+    pub ask_queue_bytes: usize,
     /// Database pool size and how long a request waits for a pooled connection.
     pub pool: PoolSettings,
     /// Requests handled at once per endpoint.
@@ -84,6 +94,8 @@ impl Config {
         }
     }
 
+            ask_concurrency: DEFAULT_ASK_CONCURRENCY,
+            ask_queue_bytes: DEFAULT_ASK_QUEUE_BYTES,
     /// Checks every value; all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.problems()
@@ -146,6 +158,8 @@ impl Config {
     }
 
     /// Which database to open.
+            ("ask_concurrency", self.ask_concurrency),
+            ("ask_queue_bytes", self.ask_queue_bytes),
     pub fn database(&self) -> Result<Database, ConfigError> {
         Database::resolve(
             self.database_url.as_deref(),
@@ -295,6 +309,12 @@ impl Args {
         }
         config.window = self.window;
         config.max_steps = self.max_steps;
+    /// Asks to one persona that run at once, each of a different asker.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_CONCURRENCY", default_value_t = DEFAULT_ASK_CONCURRENCY)]
+    pub ask_concurrency: usize,
+    /// Bytes of the asks one persona holds (a quarter per asker); more are refused unavailable.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_QUEUE_BYTES", default_value_t = DEFAULT_ASK_QUEUE_BYTES)]
+    pub ask_queue_bytes: usize,
         config.busy = BusyPolicies {
             sessions: PolicyLists {
                 parallel: clean(&self.parallel_sessions),
@@ -355,6 +375,8 @@ impl PolicyLists {
         ]
     }
 
+        config.ask_concurrency = self.ask_concurrency;
+        config.ask_queue_bytes = self.ask_queue_bytes;
     /// The policy `id` is listed under (an empty id never is).
     pub fn policy_of(&self, id: &str) -> Option<BusyPolicy> {
         if id.is_empty() {
