@@ -361,6 +361,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, P, N, N, N, N, N, N, N],
         ),
         (
+            "$JS.API.STREAM.UPDATE.OBJ_CYRENE_DOCUMENTS",
+            "the document bucket's size limit is set",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
             "$JS.API.STREAM.DELETE.OBJ_CYRENE_DOCUMENTS",
             "the document bucket is deleted",
             [N, N, N, N, N, N, N, N, N, N],
@@ -1368,6 +1373,26 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         "forbidden",
     )
     .await;
+    // Documents (issue 30, L3): alice stores one in her own session on her own subject; nobody
+    // stores one in hers on another subject, and she none outside hers.
+    let upload = |session: &str| UploadRequest {
+        session_id: session.into(),
+        name: "notes.txt".into(),
+        data: BASE64.encode(b"alice's notes"),
+        last: true,
+        ..Default::default()
+    };
+    let alice_upload = subjects::person("alice", subjects::PERSON_DOCUMENT_UPLOAD).unwrap();
+    let wait = Duration::from_secs(5);
+    let ack: UploadAck = request_json(&alice, &alice_upload, &upload("alice.s1"), wait)
+        .await
+        .unwrap();
+    assert!(ack.document.is_some(), "{ack:?}");
+    refused_with(&alice, &alice_upload, &upload("s1"), "forbidden").await;
+    refused_with(&shared, DOCUMENT_UPLOAD, &upload("alice.s1"), "forbidden").await;
+    let bob_upload = subjects::person("bob", subjects::PERSON_DOCUMENT_UPLOAD).unwrap();
+    refused_with(&bob, &bob_upload, &upload("alice.s1"), "forbidden").await;
+
     let who = "the shared client publishing";
     let subjects = [
         subjects::CHECKPOINT_LATEST,

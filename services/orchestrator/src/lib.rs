@@ -103,7 +103,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     let documents = documents::Documents::open(
         &async_nats::jetstream::new(client.clone()),
         config.turns_replicas,
-        config.max_document_bytes,
+        config.document_limits(),
     )
     .await
     .map_err(Error::Bus)?;
@@ -145,6 +145,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         Vec::new()
     };
     host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    host.spawn(document_sweeper(engine.clone(), shutdown.clone()));
     // The database is open and every endpoint registered: ready.
     cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
     cyrene_bus::health::global().set(SERVICE_NAME, true);
@@ -180,6 +181,23 @@ async fn ensure_stream(
     .await
     .map(drop)
     .ok_or_else(|| Error::Bus("stopped before the turns stream existed".into()))
+}
+
+/// Sweeps abandoned uploads and recounts the document quotas, every quarter of `upload_ttl`
+/// (at least every 5 minutes, at most every second).
+async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
+    let every = (engine.config().upload_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        if let Err(err) = engine.documents().sweep(std::time::SystemTime::now()).await {
+            tracing::warn!(error = %err, "document sweep failed; the next one tries again");
+        }
+    }
 }
 
 /// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.
