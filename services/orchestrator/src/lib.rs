@@ -186,7 +186,8 @@ async fn ensure_stream(
 /// Sweeps abandoned uploads and recounts the document quotas, every quarter of `upload_ttl`
 /// (at least every 5 minutes, at most every second).
 async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
-    let every = (engine.config().upload_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let every =
+        (engine.config().upload_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
