@@ -27,6 +27,9 @@
 //!   of nobody in particular count as one owner): `too_large` over either.
 //! - [`Documents::sweep`] (every replica, periodically) deletes the staged chunks of uploads
 //!   abandoned for `upload_ttl` and recounts what each owner stores.
+//! - A chunk `seq` of an upload is taken once, across replicas and racing requests: each later
+//!   chunk first claims its `seq` ([`Documents::claim`], a JetStream publish expecting an empty
+//!   subject); a second claim is `conflict`. The claims go with their upload.
 //!
 //! # Pitfalls
 //! - Quotas are counted per replica between sweeps: what a replica stored since the last sweep
@@ -67,6 +70,12 @@ const META_MIME: &str = "cyrene-mime";
 const META_TOTAL: &str = "cyrene-total";
 const META_STAGED_AT: &str = "cyrene-staged-at";
 const STAGED_PREFIX: &str = "upload/";
+
+/// The subject of the claim of chunk `seq` of an upload (in the bucket's stream, beside the
+/// object store's own chunk subjects `$O.<bucket>.C.<nuid>`, which never hold a dot).
+fn claim_subject(upload_id: &str, seq: u32) -> String {
+    format!("$O.{BUCKET}.C.claim.{upload_id}.{seq}")
+}
 const UPLOAD_PREFIX: &str = "u-";
 
 /// The bounds of the document store (docs/documents.md, "Limits").
@@ -134,7 +143,9 @@ fn signed(bytes: u64) -> i64 {
 /// The owner a session's documents count against: its person, or `""` for sessions of nobody in
 /// particular.
 fn owner_of(session_id: &str) -> String {
-    ids::session_person(session_id).unwrap_or_default().to_owned()
+    ids::session_person(session_id)
+        .unwrap_or_default()
+        .to_owned()
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -156,6 +167,8 @@ pub struct SweepReport {
 #[derive(Clone)]
 pub struct Documents {
     bucket: object_store::ObjectStore,
+    /// For the chunk claims ([`Documents::claim`]) and their purge.
+    js: jetstream::Context,
     limits: DocumentLimits,
     usage: Arc<Mutex<Usage>>,
 }
@@ -285,6 +298,7 @@ impl Documents {
         }
         let documents = Documents {
             bucket,
+            js: js.clone(),
             limits,
             usage: Arc::default(),
         };
@@ -348,9 +362,8 @@ impl Documents {
     /// Deletes the staged chunks of uploads last touched before `now - upload_ttl` and recounts
     /// what every owner stores. Each replica sweeps; deleting a chunk twice is harmless.
     pub async fn sweep(&self, now: SystemTime) -> Result<SweepReport, String> {
-        let cutoff = unix_ms(now).saturating_sub(
-            u64::try_from(self.limits.upload_ttl.as_millis()).unwrap_or(u64::MAX),
-        );
+        let cutoff = unix_ms(now)
+            .saturating_sub(u64::try_from(self.limits.upload_ttl.as_millis()).unwrap_or(u64::MAX));
         let (since, since_total) = {
             let usage = self.usage();
             (usage.since.clone(), usage.since_total)
@@ -382,11 +395,21 @@ impl Documents {
             total += info.size as u64;
         }
         let mut deleted = 0;
+        let mut uploads = std::collections::BTreeSet::new();
         for name in stale {
             match self.bucket.delete(&name).await {
                 Ok(()) => deleted += 1,
                 Err(err) => tracing::debug!(error = %err, %name, "cannot sweep a staged chunk"),
             }
+            if let Some(id) = name
+                .strip_prefix(STAGED_PREFIX)
+                .and_then(|r| r.split('/').next())
+            {
+                uploads.insert(id.to_owned());
+            }
+        }
+        for upload_id in uploads {
+            self.drop_claims(&upload_id).await;
         }
         let mut usage = self.usage();
         usage.counted = counted;
@@ -511,6 +534,26 @@ impl Documents {
             Err(err) if is_not_found(&err) => {}
             Err(err) => return Err(unavailable("cannot read the upload", err)),
         }
+        self.claim(&req.upload_id, req.seq).await?;
+        let (upload_id, seq) = (req.upload_id.clone(), req.seq);
+        let taken = self.take_chunk(req, data, &previous.metadata).await;
+        if taken.is_err() {
+            // Not taken: the chunk may be sent again.
+            self.purge_claims(&upload_id, &claim_subject(&upload_id, seq))
+                .await;
+        }
+        taken
+    }
+
+    /// Stages (or, the last, finishes with) a chunk whose `seq` this request has claimed;
+    /// `previous` is the metadata of the chunk before it.
+    async fn take_chunk(
+        &self,
+        req: UploadRequest,
+        data: Vec<u8>,
+        previous: &HashMap<String, String>,
+    ) -> Result<UploadAck, ErrorBody> {
+        let meta = |key: &str| previous.get(key).cloned().unwrap_or_default();
         let staged = meta(META_TOTAL).parse::<u64>().unwrap_or(u64::MAX);
         let total = staged.saturating_add(data.len() as u64);
         if total > self.limits.max_document_bytes {
@@ -605,14 +648,65 @@ impl Documents {
         }
     }
 
+    /// Claims chunk `seq` of an upload, once across every replica: a publish to its claim
+    /// subject that JetStream accepts only while the subject is empty. Of two requests with the
+    /// same `seq` racing past the `info` check, one goes on and the other is `conflict`.
+    async fn claim(&self, upload_id: &str, seq: u32) -> Result<(), ErrorBody> {
+        let publish = jetstream::context::Publish::build().expected_last_subject_sequence(0);
+        let conflict = || {
+            ErrorBody::new(
+                ErrorCode::Conflict,
+                format!("chunk {seq} of this upload was already received"),
+            )
+        };
+        let sent = self
+            .js
+            .send_publish(claim_subject(upload_id, seq), publish)
+            .await;
+        let acked = match sent {
+            Ok(ack) => ack.await,
+            Err(err) => Err(err),
+        };
+        match acked {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == jetstream::context::PublishErrorKind::WrongLastSequence => {
+                Err(conflict())
+            }
+            Err(err) => Err(unavailable("cannot claim the chunk", err)),
+        }
+    }
+
+    /// Purges the claims of an upload (best effort: a claim left behind is a few bytes).
+    async fn drop_claims(&self, upload_id: &str) {
+        let all = format!("$O.{BUCKET}.C.claim.{upload_id}.>");
+        self.purge_claims(upload_id, &all).await;
+    }
+
+    /// Purges the claims on `filter`, a claim subject or pattern of `upload_id` (best effort).
+    async fn purge_claims(&self, upload_id: &str, filter: &str) {
+        let purged = match self.js.get_stream(format!("OBJ_{BUCKET}")).await {
+            Ok(stream) => stream
+                .purge()
+                .filter(filter)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        if let Err(err) = purged {
+            tracing::debug!(error = %err, upload_id, "cannot purge an upload's chunk claims");
+        }
+    }
+
     /// Deletes the staged chunks `0..upto` of an upload (best effort), `staged` bytes in all,
-    /// and gives them back to the session's owner.
+    /// and its claims, and gives the bytes back to the session's owner.
     async fn drop_upload(&self, session_id: &str, upload_id: &str, upto: u32, staged: u64) {
         for seq in 0..upto {
             if let Err(err) = self.bucket.delete(chunk_name(upload_id, seq)).await {
                 tracing::debug!(error = %err, upload_id, seq, "cannot delete a staged chunk");
             }
         }
+        self.drop_claims(upload_id).await;
         self.release(session_id, staged);
     }
 

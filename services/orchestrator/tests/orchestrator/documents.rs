@@ -51,7 +51,10 @@ async fn each_owner_and_the_whole_store_have_a_quota() {
     let (js, documents) = open(&server, limits()).await;
     // The bucket itself is bounded: JetStream refuses writes past it.
     let mut stream = js.get_stream(format!("OBJ_{BUCKET}")).await.unwrap();
-    assert_eq!(stream.info().await.unwrap().config.max_bytes, 150 * K as i64);
+    assert_eq!(
+        stream.info().await.unwrap().config.max_bytes,
+        150 * K as i64
+    );
 
     assert!(whole(&documents, "alice.s1", 40 * K).await.is_ok());
     assert!(whole(&documents, "alice.s2", 40 * K).await.is_ok());
@@ -134,7 +137,10 @@ async fn a_bucket_made_without_a_limit_gets_one() {
     .unwrap();
     let _documents = Documents::open(&js, 1, limits()).await.unwrap();
     let mut stream = js.get_stream(format!("OBJ_{BUCKET}")).await.unwrap();
-    assert_eq!(stream.info().await.unwrap().config.max_bytes, 150 * K as i64);
+    assert_eq!(
+        stream.info().await.unwrap().config.max_bytes,
+        150 * K as i64
+    );
 }
 
 /// issue 30, L6: a chunk holds at most 512 KiB — one byte more is `too_large`, even though its
@@ -156,4 +162,37 @@ async fn a_chunk_one_byte_over_512_kib_is_too_large() {
     );
     let full = chunk("s1", "", 0, MAX_CHUNK_BYTES, false);
     assert!(documents.upload(full).await.is_ok());
+}
+
+/// issue 30, L6: two requests carrying the same chunk `seq`, racing: one is taken, the other is
+/// `conflict` (both were accepted before).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_chunk_seq_is_taken_once_even_racing() {
+    let server = NatsServer::start();
+    let (_js, documents) = open(&server, limits()).await;
+    let staged = documents
+        .upload(chunk("s1", "", 0, 1000, false))
+        .await
+        .unwrap();
+    for seq in 1..=3 {
+        let next = chunk("s1", &staged.upload_id, seq, 1000, seq == 3);
+        let (a, b) = tokio::join!(documents.upload(next.clone()), documents.upload(next));
+        let codes: Vec<Option<ErrorCode>> = [a, b]
+            .into_iter()
+            .map(|r| r.err().map(|e| e.code))
+            .collect();
+        // The loser of the last chunk may come after the winner dropped the finished upload.
+        let refused = [Some(ErrorCode::Conflict), Some(ErrorCode::NotFound)];
+        assert!(
+            codes.contains(&None)
+                && codes
+                    .iter()
+                    .any(|c| refused[..1 + usize::from(seq == 3)].contains(c)),
+            "seq {seq}: {codes:?}"
+        );
+    }
+    // 4 chunks of 1000 bytes: the document, once.
+    assert_eq!(documents.stored_by("s1"), 4000);
+    let report = documents.sweep(SystemTime::now()).await.unwrap();
+    assert_eq!(report.stored, 4000);
 }
