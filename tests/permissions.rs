@@ -268,12 +268,12 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.agent.hoshi.cyrene.reply.q1",
             "an agent answers a persona",
-            [N, N, N, S, N, S, N, N, N, N],
+            [N, N, N, S, N, N, N, N, N, N],
         ),
         (
             "cyrene.agent.cyrene.hoshi.reply.q1",
             "a persona answers an agent",
-            [N, N, N, N, N, S, N, S, N, N],
+            [N, N, N, N, N, N, N, S, N, N],
         ),
         (
             "cyrene.agent.me.cyrene.event",
@@ -361,6 +361,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, P, N, N, N, N, N, N, N],
         ),
         (
+            "$JS.API.STREAM.UPDATE.OBJ_CYRENE_DOCUMENTS",
+            "the document bucket's size limit is set",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
             "$JS.API.STREAM.DELETE.OBJ_CYRENE_DOCUMENTS",
             "the document bucket is deleted",
             [N, N, N, N, N, N, N, N, N, N],
@@ -403,7 +408,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "_INBOX_cyrene-cli.a1",
             "replies to the cyrene CLI",
-            [N, N, N, N, N, S, S, N, N, N],
+            [N, N, N, N, N, S, N, N, N, N],
         ),
         (
             "_INBOX_cyrene-operator.a1",
@@ -769,7 +774,7 @@ async fn start_services(
     let tools = common::TestTools::start(&client, shutdown.clone()).await;
 
     // An operator (as `cyrene probe` connects) waits for the services.
-    let operator = connect_as(server, "cyrene-operator", "pw-operator", "cyrene-cli").await;
+    let operator = connect_as(server, "cyrene-operator", "pw-operator", "cyrene-operator").await;
     for name in SERVICES.into_iter().chain(["test-tools"]) {
         common::wait_for_service(&operator, name).await;
     }
@@ -940,6 +945,27 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
     let subject = "$SRV.INFO.cyrene-orchestrator";
     publish_refused(&client, &violations, subject, "", what).await;
     assert_eq!(discovered(&operator).await, DISCOVERABLE);
+    // `cyrene probe` run by an operator: its replies come to the operator's own inbox prefix,
+    // never the clients' `_INBOX_cyrene-cli` (issue 30, L1).
+    let probe = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["probe", "--json", "cyrene-orchestrator"])
+        .env("NATS_URL", url(&server, "cyrene-operator", "pw-operator"))
+        .env_remove("NATS_USER")
+        .env_remove("NATS_PASSWORD")
+        .env_remove("NATS_CREDS")
+        .env_remove("NATS_NKEY")
+        .env_remove("CYRENE_CLI_PERSON")
+        .env_remove("CYRENE_CLI_INBOX_PREFIX")
+        .kill_on_drop(true)
+        .output();
+    let probe = tokio::time::timeout(Duration::from_secs(30), probe)
+        .await
+        .unwrap()
+        .unwrap();
+    let out = String::from_utf8_lossy(&probe.stdout);
+    assert!(probe.status.success(), "{out}");
+    let line: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(line["stats"]["name"], "cyrene-orchestrator", "{out}");
 
     // The server logged the refusals above (so the clean log earlier meant something).
     let log = std::fs::read_to_string(server.log_path()).unwrap();
@@ -1347,6 +1373,26 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
         "forbidden",
     )
     .await;
+    // Documents (issue 30, L3): alice stores one in her own session on her own subject; nobody
+    // stores one in hers on another subject, and she none outside hers.
+    let upload = |session: &str| UploadRequest {
+        session_id: session.into(),
+        name: "notes.txt".into(),
+        data: BASE64.encode(b"alice's notes"),
+        last: true,
+        ..Default::default()
+    };
+    let alice_upload = subjects::person("alice", subjects::PERSON_DOCUMENT_UPLOAD).unwrap();
+    let wait = Duration::from_secs(5);
+    let ack: UploadAck = request_json(&alice, &alice_upload, &upload("alice.s1"), wait)
+        .await
+        .unwrap();
+    assert!(ack.document.is_some(), "{ack:?}");
+    refused_with(&alice, &alice_upload, &upload("s1"), "forbidden").await;
+    refused_with(&shared, DOCUMENT_UPLOAD, &upload("alice.s1"), "forbidden").await;
+    let bob_upload = subjects::person("bob", subjects::PERSON_DOCUMENT_UPLOAD).unwrap();
+    refused_with(&bob, &bob_upload, &upload("alice.s1"), "forbidden").await;
+
     let who = "the shared client publishing";
     let subjects = [
         subjects::CHECKPOINT_LATEST,

@@ -29,7 +29,8 @@ pub struct Cli {
     /// on the private inbox prefix `_INBOX_person-<person>`.
     #[arg(long, env = "CYRENE_CLI_PERSON", global = true)]
     pub person: Option<String>,
-    /// Inbox prefix for replies: `_INBOX_cyrene-cli`, or `_INBOX_person-<person>` with --person.
+    /// Inbox prefix for replies: `_INBOX_cyrene-cli`, `_INBOX_cyrene-operator` for `probe`, or
+    /// `_INBOX_person-<person>` with --person.
     #[arg(long, env = "CYRENE_CLI_INBOX_PREFIX", global = true)]
     pub inbox_prefix: Option<String>,
     #[command(subcommand)]
@@ -98,9 +99,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
     if let Command::Web(args) = cli.command {
         return web::run(args).await;
     }
+    // `probe` is an operator's command: its replies (every service's $SRV.STATS) come to the
+    // operator's own inbox prefix, which no client user may subscribe to.
+    let name = match (&cli.command, person::person()) {
+        (Command::Probe(_), None) => person::OPERATOR_CONNECTION.to_owned(),
+        _ => person::connection_name(),
+    };
     let mut config = cli
         .bus
-        .config(&person::connection_name(), ConnectMode::Client)
+        .config(&name, ConnectMode::Client)
         .map_err(CliError::Usage)?;
     config.inbox = cli.inbox_prefix.clone();
     let client = cyrene_bus::connect(&config).await.map_err(|e| {

@@ -24,6 +24,10 @@ pub fn person() -> Option<&'static str> {
     PERSON.get().and_then(|p| p.as_deref())
 }
 
+/// The connection name of an operator's command (`cyrene probe`): replies on
+/// `_INBOX_cyrene-operator`, which only the `cyrene-operator` user subscribes to.
+pub const OPERATOR_CONNECTION: &str = "cyrene-operator";
+
 /// The connection name (it names the inbox prefix, `_INBOX_<name>`).
 pub fn connection_name() -> String {
     match person() {

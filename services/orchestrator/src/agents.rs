@@ -9,6 +9,10 @@
 //!   answered even when its turn completes on another replica.
 //! - Ask messages are *solo*: never steered into another turn and never batched, so each ask is
 //!   answered by a turn of its own; the session fence serialises them across replicas.
+//! - Asks of different askers run side by side (each in its own ask session), at most
+//!   `ask_concurrency` per persona; an asker's own asks one after the other. Accepted asks are
+//!   bounded in bytes (`ask_queue_bytes`, a quarter per asker): over it an ask is refused
+//!   `unavailable` as it arrives, never dropped ([`ask_limits`], `cyrene_comm::AskLimits`).
 //! - Every ask ends: with the answer, `timeout` after `ask_timeout`, or `unavailable` when the
 //!   orchestrator shuts down.
 //! - Askers never see each other: each (persona, asker) pair has its own ask session, so an
@@ -26,7 +30,7 @@
 
 use crate::engine::{Engine, TurnDone};
 use crate::store::NewMessage;
-use cyrene_comm::{AgentHandle, Answer, CommError, Handler, Probe};
+use cyrene_comm::{AgentHandle, Answer, AskLimits, CommError, Handler, Probe};
 use cyrene_protocol::comm::Ask;
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
 use cyrene_protocol::message::{Message, Part, Role};
@@ -193,12 +197,24 @@ impl Handler for PersonaAgent {
     }
 }
 
+/// How a persona holds and runs asks: `ask_concurrency` askers side by side, `ask_queue_bytes`
+/// accepted (a quarter per asker, so one asker cannot take it all).
+pub fn ask_limits(config: &crate::Config) -> AskLimits {
+    AskLimits {
+        concurrent: config.ask_concurrency,
+        accepted_bytes: config.ask_queue_bytes,
+        asker_bytes: (config.ask_queue_bytes / 4).max(1),
+        ..AskLimits::default()
+    }
+}
+
 /// Registers every configured persona on the comm protocol.
 pub async fn serve(
     engine: Arc<Engine>,
     shutdown: CancellationToken,
 ) -> Result<Vec<AgentHandle>, CommError> {
     let mut handles = Vec::new();
+    let limits = ask_limits(engine.config());
     let personas: Vec<String> = engine
         .config()
         .personas
@@ -213,7 +229,7 @@ pub async fn serve(
             persona,
             shutdown: shutdown.clone(),
         };
-        handles.push(probe.serve(Arc::new(agent)).await?);
+        handles.push(probe.serve_with(Arc::new(agent), limits).await?);
     }
     Ok(handles)
 }

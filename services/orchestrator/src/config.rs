@@ -18,6 +18,10 @@ pub const DEFAULT_WINDOW: usize = 40;
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 256 * 1024;
 /// Default byte budget of a turn job (the NATS default `max_payload` is 1 MiB).
 pub const DEFAULT_MAX_JOB_BYTES: usize = 768 * 1024;
+/// Default number of asks to one persona that run at once (each of a different asker).
+pub const DEFAULT_ASK_CONCURRENCY: usize = 16;
+/// Default bytes of the asks one persona holds (waiting or running); a quarter per asker.
+pub const DEFAULT_ASK_QUEUE_BYTES: usize = 32 * 1024 * 1024;
 
 /// Everything [`crate::run`] needs besides the NATS client.
 #[derive(Debug, Clone)]
@@ -41,10 +45,22 @@ pub struct Config {
     pub max_job_bytes: usize,
     /// Largest document an upload may store (`too_large` above; docs/documents.md).
     pub max_document_bytes: u64,
+    /// The whole document store (the bucket's `max_bytes`; `too_large` past it).
+    pub document_store_bytes: u64,
+    /// What one person (or the sessions of nobody in particular, together) may store.
+    pub document_owner_bytes: u64,
+    /// How long an unfinished upload's staged chunks are kept before the sweep deletes them.
+    pub upload_ttl: Duration,
     /// How long an agent ask waits for the turn that answers it (then `timeout`).
     pub ask_timeout: Duration,
     /// Register every persona on the comm protocol (answer `cyrene.agent.*.<persona>.ask`).
     pub serve_agents: bool,
+    /// Asks to one persona that run at once, each of a different asker (an asker's own asks
+    /// run one after the other).
+    pub ask_concurrency: usize,
+    /// Bytes of the asks one persona holds, waiting or running (a quarter of it per asker);
+    /// an ask over it is refused `unavailable` (docs/comm.md, "Limits").
+    pub ask_queue_bytes: usize,
     /// How often the sweeper republishes turns whose dispatch was not confirmed.
     pub sweep_interval: Duration,
     /// How old an unconfirmed dispatch must be before the sweeper republishes it.
@@ -73,14 +89,29 @@ impl Config {
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_job_bytes: DEFAULT_MAX_JOB_BYTES,
             max_document_bytes: crate::documents::DEFAULT_MAX_DOCUMENT_BYTES,
+            document_store_bytes: crate::documents::DEFAULT_STORE_BYTES,
+            document_owner_bytes: crate::documents::DEFAULT_OWNER_BYTES,
+            upload_ttl: crate::documents::DEFAULT_UPLOAD_TTL,
             ask_timeout: Duration::from_secs(120),
             serve_agents: true,
+            ask_concurrency: DEFAULT_ASK_CONCURRENCY,
+            ask_queue_bytes: DEFAULT_ASK_QUEUE_BYTES,
             sweep_interval: Duration::from_secs(1),
             dispatch_grace: Duration::from_secs(2),
             db_timeout: Duration::from_secs(5),
             pool: PoolSettings::default(),
             max_in_flight: 256,
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
+        }
+    }
+
+    /// The document store's bounds.
+    pub fn document_limits(&self) -> crate::documents::DocumentLimits {
+        crate::documents::DocumentLimits {
+            max_document_bytes: self.max_document_bytes,
+            store_bytes: self.document_store_bytes,
+            owner_bytes: self.document_owner_bytes,
+            upload_ttl: self.upload_ttl,
         }
     }
 
@@ -104,6 +135,7 @@ impl Config {
         }
         for (name, d) in [
             ("ask_timeout", self.ask_timeout),
+            ("upload_ttl", self.upload_ttl),
             ("sweep_interval", self.sweep_interval),
             ("db_timeout", self.db_timeout),
         ] {
@@ -114,9 +146,20 @@ impl Config {
         if self.max_document_bytes == 0 {
             problems.push("max_document_bytes must be at least 1".to_owned());
         }
+        if self.document_owner_bytes < self.max_document_bytes
+            || self.document_store_bytes < self.document_owner_bytes
+        {
+            problems.push(
+                "document_owner_bytes must be at least max_document_bytes, and \
+                 document_store_bytes at least document_owner_bytes"
+                    .to_owned(),
+            );
+        }
         for (name, n) in [
             ("max_in_flight", self.max_in_flight),
             ("turns_replicas", self.turns_replicas),
+            ("ask_concurrency", self.ask_concurrency),
+            ("ask_queue_bytes", self.ask_queue_bytes),
         ] {
             if n == 0 {
                 problems.push(format!("{name} must be at least 1"));
@@ -241,12 +284,27 @@ pub struct Args {
     /// Largest document an upload may store, in bytes.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_MAX_DOCUMENT_BYTES", default_value_t = crate::documents::DEFAULT_MAX_DOCUMENT_BYTES)]
     pub max_document_bytes: u64,
+    /// Bytes the whole document store may hold (the bucket's max_bytes).
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_DOCUMENT_STORE_BYTES", default_value_t = crate::documents::DEFAULT_STORE_BYTES)]
+    pub document_store_bytes: u64,
+    /// Bytes of documents one person (or all sessions without a person together) may store.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_DOCUMENT_OWNER_BYTES", default_value_t = crate::documents::DEFAULT_OWNER_BYTES)]
+    pub document_owner_bytes: u64,
+    /// How long an unfinished upload is kept (e.g. 1h); then its chunks are swept.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_UPLOAD_TTL", default_value = "1h", value_parser = humantime::parse_duration)]
+    pub upload_ttl: Duration,
     /// How long an agent ask waits for its turn (e.g. 120s).
     #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub ask_timeout: Duration,
     /// Do not register the personas on the comm protocol.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_NO_AGENTS")]
     pub no_agents: bool,
+    /// Asks to one persona that run at once, each of a different asker.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_CONCURRENCY", default_value_t = DEFAULT_ASK_CONCURRENCY)]
+    pub ask_concurrency: usize,
+    /// Bytes of the asks one persona holds (a quarter per asker); more are refused unavailable.
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_ASK_QUEUE_BYTES", default_value_t = DEFAULT_ASK_QUEUE_BYTES)]
+    pub ask_queue_bytes: usize,
     /// Bound on one database operation (e.g. 5s); past it the request gets unavailable.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_DB_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     pub db_timeout: Duration,
@@ -309,8 +367,13 @@ impl Args {
         };
         config.max_message_bytes = self.max_message_bytes;
         config.max_document_bytes = self.max_document_bytes;
+        config.document_store_bytes = self.document_store_bytes;
+        config.document_owner_bytes = self.document_owner_bytes;
+        config.upload_ttl = self.upload_ttl;
         config.ask_timeout = self.ask_timeout;
         config.serve_agents = !self.no_agents;
+        config.ask_concurrency = self.ask_concurrency;
+        config.ask_queue_bytes = self.ask_queue_bytes;
         config.db_timeout = self.db_timeout;
         config.pool = PoolSettings {
             max_connections: self.max_connections,

@@ -103,7 +103,12 @@ fn check_turn_ref(session_id: &str, turn_id: &str, leg_id: &str) -> Result<(), E
     Ok(())
 }
 
-/// Checks a user message: role, non-empty content of user-side parts, sizes.
+/// The most image parts one user message may hold (each may cost a vision call in every turn it
+/// is seen by; the loop worker also sends at most 32 per model request).
+pub const MAX_MESSAGE_IMAGES: usize = 16;
+
+/// Checks a user message: role, non-empty content of user-side parts, sizes, at most
+/// [`MAX_MESSAGE_IMAGES`] images.
 pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), ErrorBody> {
     if message.role != Role::User {
         return Err(bad(format!(
@@ -156,6 +161,16 @@ pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), Err
     }
     if !substantive {
         return Err(bad("message content is empty"));
+    }
+    let images = message
+        .content
+        .iter()
+        .filter(|p| matches!(p, Part::ImageUrl { .. }))
+        .count();
+    if images > MAX_MESSAGE_IMAGES {
+        return Err(bad(format!(
+            "the message holds {images} images; at most {MAX_MESSAGE_IMAGES}"
+        )));
     }
     let size = serde_json::to_vec(message).map(|v| v.len()).unwrap_or(0);
     if size > max_bytes {
@@ -506,6 +521,23 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// issue 30, M6: one message cannot carry thousands of images.
+    #[test]
+    fn a_message_holds_at_most_sixteen_images() {
+        let with = |n: usize| {
+            let parts = (0..n)
+                .map(|i| Part::ImageUrl {
+                    image_url: format!("https://x/{i}.png"),
+                })
+                .collect();
+            Message::with_parts(Role::User, parts)
+        };
+        assert!(check_user_message(&with(MAX_MESSAGE_IMAGES), 1 << 20).is_ok());
+        let err = check_user_message(&with(MAX_MESSAGE_IMAGES + 1), 1 << 20).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadRequest);
+        assert!(err.message.contains("at most 16"), "{}", err.message);
+    }
 
     #[test]
     fn user_messages_are_checked() {

@@ -110,7 +110,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         opened = documents::Documents::open(
             &js,
             config.turns_replicas,
-            config.max_document_bytes,
+            config.document_limits(),
         ) => opened.map_err(Error::Bus)?,
         _ = shutdown.cancelled() => {
             tracing::info!("stopped before start-up finished");
@@ -156,6 +156,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         Vec::new()
     };
     host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    host.spawn(document_sweeper(engine.clone(), shutdown.clone()));
     // The database is open and every endpoint registered: ready.
     cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
     cyrene_bus::health::global().set(SERVICE_NAME, true);
@@ -187,6 +188,24 @@ async fn ensure_stream(client: &Client, replicas: usize, shutdown: &Cancellation
     )
     .await
     .is_some()
+}
+
+/// Sweeps abandoned uploads and recounts the document quotas, every quarter of `upload_ttl`
+/// (at least every 5 minutes, at most every second).
+async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
+    let every =
+        (engine.config().upload_ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        if let Err(err) = engine.documents().sweep(std::time::SystemTime::now()).await {
+            tracing::warn!(error = %err, "document sweep failed; the next one tries again");
+        }
+    }
 }
 
 /// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.

@@ -57,6 +57,19 @@ fn check_ids(persona_id: &str, session_id: &str) -> Result<(), ErrorBody> {
     Ok(())
 }
 
+/// Checks an entry id as `write` issues them (`m-` and at most 64 id characters): anything else
+/// — a NUL byte, a megabyte — is `bad_request` before the database sees it.
+pub fn check_entry_id(id: &str) -> Result<(), ErrorBody> {
+    let ok = id.strip_prefix("m-").is_some_and(|rest| {
+        !rest.is_empty() && rest.len() <= 64 && rest.chars().all(ids::is_token_char)
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(bad("id: not an entry id this service issued (m-…)"))
+    }
+}
+
 /// Checks an entry's text: not blank, one line (no control character), at most
 /// [`MAX_ENTRY_BYTES`] bytes.
 pub fn check_text(text: &str) -> Result<(), ErrorBody> {
@@ -174,6 +187,7 @@ impl MemoryStore for SqlMemory {
 
     async fn forget(&self, req: MemoryForgetRequest) -> Result<MemoryForgetAck, ErrorBody> {
         check_ids(&req.persona_id, "")?;
+        check_entry_id(&req.id)?;
         let forgotten = bounded(self.timeout, self.delete(&req)).await?;
         Ok(MemoryForgetAck { forgotten })
     }
@@ -282,6 +296,21 @@ mod tests {
                 .memory
                 .is_empty()
         );
+
+        // An id that was never issued is refused before the database sees it (issue 30, L2).
+        for id in [
+            "m-a\u{0}b".to_owned(),
+            format!("m-{}", "x".repeat(1 << 20)),
+            "x".into(),
+        ] {
+            let forget = MemoryForgetRequest {
+                persona_id: "cyrene".into(),
+                id,
+            };
+            let err = memory.forget(forget).await.unwrap_err();
+            assert_eq!(err.code, ErrorCode::BadRequest, "{err}");
+            assert!(err.message.len() < 200, "{err}");
+        }
 
         // Bad input.
         let code = |r: Result<MemoryWriteAck, ErrorBody>| r.unwrap_err().code;

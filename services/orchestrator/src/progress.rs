@@ -5,8 +5,10 @@
 //! # Invariants
 //! - Metadata only: the step reached and the tool names called (in call order, deduplicated).
 //!   No text of the other leg is ever kept, so none can leak into a notice.
-//! - Bounded: entries are dropped when their turn ends, and the oldest are evicted past
-//!   [`MAX_TRACKED`]; a missing entry just yields an emptier (still valid) notice.
+//! - Bounded in count and in size: entries are dropped when their turn ends, and the oldest are
+//!   evicted past [`MAX_TRACKED`]; an entry keeps at most [`MAX_TOOLS`] tool names of at most
+//!   [`MAX_TOOL_NAME_CHARS`] characters, and a turn id longer than an id may be is not tracked
+//!   (about 12 MB in all). A missing entry just yields an emptier (still valid) notice.
 //!
 //! # Pitfalls
 //! - Every replica subscribes (no queue group) so each sees every event; a replica started
@@ -22,6 +24,10 @@ use tokio_util::sync::CancellationToken;
 
 /// Most turns tracked at once.
 pub const MAX_TRACKED: usize = 10_000;
+/// Most tool names kept per turn (the first ones called).
+pub const MAX_TOOLS: usize = 16;
+/// Longest tool name kept, in characters (a model names the tools it calls).
+pub const MAX_TOOL_NAME_CHARS: usize = 64;
 
 #[derive(Debug)]
 struct Entry {
@@ -43,7 +49,7 @@ impl Progress {
 
     /// Folds one session event into the table.
     pub fn observe(&self, event: &SessionEvent) {
-        if event.turn_id.is_empty() {
+        if event.turn_id.is_empty() || event.turn_id.len() > cyrene_protocol::ids::MAX_ID_LEN {
             return;
         }
         let Ok(mut turns) = self.turns.lock() else {
@@ -85,8 +91,9 @@ impl Progress {
         entry.touched = Instant::now();
         entry.step = entry.step.max(step);
         for name in tools {
-            if !entry.tools.iter().any(|t| t == name) {
-                entry.tools.push(name.to_owned());
+            let name: String = name.chars().take(MAX_TOOL_NAME_CHARS).collect();
+            if entry.tools.len() < MAX_TOOLS && !entry.tools.contains(&name) {
+                entry.tools.push(name);
             }
         }
     }
@@ -179,6 +186,27 @@ mod tests {
         assert_eq!(p.snapshot("t2"), (0, vec![]));
         p.observe(&event(SessionEventType::TurnEnded, "t1"));
         assert_eq!(p.snapshot("t1"), (0, vec![]));
+    }
+
+    /// issue 30, L7: an entry is bounded in size, not only the table in count.
+    #[test]
+    fn an_entry_is_bounded_in_size() {
+        let p = Progress::new();
+        let mut tools = event(SessionEventType::ToolCall, "t1");
+        let calls: Vec<ToolCall> = (0..100)
+            .map(|i| call(&format!("{i}{}", "x".repeat(10_000))))
+            .collect();
+        tools.message = Some(Message::assistant_tool_calls(&calls));
+        p.observe(&tools);
+        let (_, names) = p.snapshot("t1");
+        assert_eq!(names.len(), MAX_TOOLS);
+        assert!(
+            names
+                .iter()
+                .all(|n| n.chars().count() <= MAX_TOOL_NAME_CHARS)
+        );
+        p.observe(&event(SessionEventType::TurnStarted, &"t".repeat(100_000)));
+        assert_eq!(p.turns.lock().unwrap().len(), 1);
     }
 
     #[test]

@@ -21,9 +21,9 @@
 //! - Every request is answered: bad input by the decoder or the engine's checks
 //!   (`bad_request`/`too_large`), database trouble by `unavailable` within `db_timeout`.
 //! - Replicas share the micro service queue group: each request reaches one replica.
-//! - `send`, `history` and `person-upload` reach a session only when the request subject's caller may touch it
-//!   ([`crate::people::may_touch`]): a person their own sessions, the shared subjects the
-//!   sessions of nobody in particular.
+//! - `send`, `history`, `upload` and `person-upload` reach a session only when the request
+//!   subject's caller may touch it ([`crate::people::may_touch`]): a person their own sessions,
+//!   the shared subjects the sessions of nobody in particular.
 
 use crate::engine::Engine;
 use crate::memory::MemoryStore;
@@ -76,6 +76,13 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             e.history(req).await
         })
     };
+    let upload = || {
+        with_state(engine, |e, req: UploadRequest, ctx| async move {
+            people::may_touch(&ctx.subject, &req.session_id)?;
+            e.documents().upload(req).await
+        })
+    };
+    let person_upload = subjects::person_all(subjects::PERSON_DOCUMENT_UPLOAD);
     let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
     let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
     vec![
@@ -95,13 +102,7 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
                 e.complete(req).await
             }),
         ),
-        Endpoint::json(
-            "upload",
-            document::DOCUMENT_UPLOAD,
-            with_state(engine, |e, req: UploadRequest, _| async move {
-                e.documents().upload(req).await
-            }),
-        ),
+        Endpoint::json("upload", document::DOCUMENT_UPLOAD, upload()),
         Endpoint::json(
             "read",
             document::DOCUMENT_READ,
@@ -141,13 +142,6 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
                 e.sessions(person, req).await
             }),
         ),
-        Endpoint::json(
-            "person-upload",
-            subjects::person_all(subjects::PERSON_DOCUMENT_UPLOAD),
-            with_state(engine, |e, req: UploadRequest, ctx| async move {
-                people::may_touch(&ctx.subject, &req.session_id)?;
-                e.documents().upload(req).await
-            }),
-        ),
+        Endpoint::json("person-upload", person_upload, upload()),
     ]
 }

@@ -14,8 +14,10 @@
 //! - async-nats' own `respond(Err(..))` sends the headers with an *empty* body; Cyrene's contract
 //!   wants the JSON envelope too, so errors go out through the vendored
 //!   `Request::respond_error_with_payload` (vendor/async-nats/CYRENE-PATCH.md), which sends both
-//!   and counts the error in `$SRV.STATS`. Never answer an error with `respond_with_headers(Ok(..))`:
-//!   `num_errors` would not see it.
+//!   and counts the error in `$SRV.STATS` — as its code only (`last_error` reads
+//!   `service request error code: 404, status: not_found`): the message goes to the caller and
+//!   nowhere else, since it may name a person's session or turn. Never answer an error with
+//!   `respond_with_headers(Ok(..))`: `num_errors` would not see it.
 //!
 //! # Metrics
 //! Every request [`serve_json`] answers is counted in `cyrene_requests_total{endpoint, code}` and
@@ -157,18 +159,17 @@ async fn respond_error(request: &Request, err: &ErrorBody) -> Result<(), async_n
 }
 
 /// Sends `err`'s headers with `payload` as the body (an endpoint whose error replies have a body
-/// of their own shape), counted in the endpoint's `$SRV.STATS` errors.
+/// of their own shape), counted in the endpoint's `$SRV.STATS` errors under its code alone.
 pub async fn respond_error_with(
     request: &Request,
     err: &ErrorBody,
     payload: Bytes,
 ) -> Result<(), async_nats::PublishError> {
     let headers = error_headers(err);
+    // `$SRV.STATS` `last_error` is for operators: the code only. The message is the caller's —
+    // it may name their session, turn or document (docs/security.md, "Private errors").
     let micro = async_nats::service::error::Error {
-        status: headers
-            .get(NATS_SERVICE_ERROR)
-            .map(|v| v.as_str().to_owned())
-            .unwrap_or_default(),
+        status: err.code.as_str().to_owned(),
         code: usize::from(err.code.status()),
     };
     request

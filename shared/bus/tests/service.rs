@@ -252,3 +252,25 @@ async fn errors_are_counted_in_srv_stats_and_keep_their_envelope() {
     let last = greet["last_error"].as_str().unwrap_or_default();
     assert!(last.contains("400"), "{stats}");
 }
+
+/// issue 30, L1: `$SRV.STATS` is read by operators; an error's message is the caller's (it may
+/// name a person's session or turn), so the stats keep its code only.
+#[tokio::test]
+async fn srv_stats_never_repeat_an_error_message() {
+    let server = NatsServer::start();
+    let (client, _shutdown) = start(&server, 1024).await;
+    let err = ask_greeting(&client, "nobody").await.unwrap_err();
+    let RequestError::Remote(body) = err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        body.message.contains("nobody"),
+        "the caller hears why: {body:?}"
+    );
+    let stats = micro::answer(&client, "STATS", "greeter").await;
+    let last = stats["endpoints"][0]["last_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(last.contains("not_found"), "{stats}");
+    assert!(!last.contains("nobody"), "{stats}");
+}

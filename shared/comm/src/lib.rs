@@ -19,7 +19,10 @@
 //!   anyone listens, and concurrent asks of one agent never see each other's replies.
 //! - A responder answers the message's reply-to, whatever it is: a plain `nats req` (reply-to an
 //!   `_INBOX`) gets the answer too.
-//! - One agent's ask handler runs one ask at a time; its event handlers may run concurrently
+//! - One agent's ask handler runs one ask at a time per asker, and asks of different askers side
+//!   by side up to [`AskLimits::concurrent`] (1 by default); accepted asks are bounded in count
+//!   and bytes, and an ask over them is refused `unavailable` at once; every accepted ask is
+//!   answered, `unavailable` when the agent stops first. Its event handlers may run concurrently
 //!   (bounded). Replicas of one agent share a queue group named after its token, so each ask or
 //!   event reaches one replica.
 //! - Every ask ends: with the reply, [`AskError::Timeout`] at the deadline (the shorter of the
@@ -39,7 +42,8 @@
 mod probe;
 
 pub use probe::{
-    AgentHandle, Answer, AskError, AskOptions, CommError, DEFAULT_STOP_GRACE, Handler, Probe,
+    AgentHandle, Answer, AskError, AskLimits, AskOptions, CommError, DEFAULT_STOP_GRACE, Handler,
+    Probe,
 };
 
 use std::time::Duration;

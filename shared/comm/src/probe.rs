@@ -1,7 +1,14 @@
 //! [`Probe`]: one agent's end of the comm protocol.
 //!
 //! # Invariants
-//! - One ask at a time per agent: accepted asks queue for the handler in arrival order.
+//! - One ask at a time per asker: an asker's accepted asks run in arrival order, one after the
+//!   other. Asks of different askers run side by side, at most [`AskLimits::concurrent`] at once
+//!   (1 by default: one ask at a time for the whole agent).
+//! - What is accepted is bounded ([`AskLimits`]): in asks, in bytes, and in bytes per asker. An
+//!   ask over a bound is refused `unavailable` as it arrives; the subscription is never left
+//!   unread, so a flood cannot make the server drop the connection as a slow consumer.
+//! - Every accepted ask is answered: with the handler's answer or error, or `unavailable` when
+//!   the agent stops before running it (or after the grace period, while it ran).
 //! - Refusals never queue: a malformed ask (`bad_request`), one in another agent's name
 //!   (`forbidden`) and one whose `chain` holds this agent (`conflict`, a cycle: the agent is
 //!   already answering an ask this one serves, so waiting would deadlock) are answered as they
@@ -95,7 +102,8 @@ impl Answer {
     }
 }
 
-/// An agent's behaviour. `on_ask` calls of one agent never overlap; `on_event` calls may.
+/// An agent's behaviour. `on_ask` calls for one asker never overlap; with
+/// [`AskLimits::concurrent`] above 1, calls for different askers may; `on_event` calls may.
 pub trait Handler: Send + Sync + 'static {
     /// Answers one ask; an error is sent back as the error envelope.
     fn on_ask(&self, ask: Ask) -> impl Future<Output = Result<Answer, ErrorBody>> + Send;
@@ -162,10 +170,37 @@ impl Drop for PendingReply<'_> {
 /// How long [`AgentHandle::stop`] lets running handlers finish.
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
 
+/// How an agent holds and runs the asks it accepts ([`Probe::serve_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AskLimits {
+    /// Asks run at once, each of a different asker (an asker's own asks never overlap).
+    pub concurrent: usize,
+    /// Asks accepted at once (waiting or running); more are refused `unavailable`.
+    pub accepted: usize,
+    /// Bytes of the accepted asks' payloads; an ask that would go over is refused `unavailable`.
+    pub accepted_bytes: usize,
+    /// Bytes of one asker's accepted asks, so one asker cannot take the whole budget.
+    pub asker_bytes: usize,
+}
+
+impl Default for AskLimits {
+    /// One ask at a time, at most 256 accepted, 32 MiB, 8 MiB per asker.
+    fn default() -> Self {
+        AskLimits {
+            concurrent: 1,
+            accepted: 256,
+            accepted_bytes: 32 << 20,
+            asker_bytes: 8 << 20,
+        }
+    }
+}
+
 /// A serving agent. Dropping it aborts its tasks; [`AgentHandle::stop`] drains them first.
 #[derive(Debug)]
 pub struct AgentHandle {
     shutdown: CancellationToken,
+    /// Fired when the grace period is over: a running ask stops and is answered `unavailable`.
+    abort: CancellationToken,
     tasks: JoinSet<()>,
 }
 
@@ -175,7 +210,8 @@ impl AgentHandle {
         self.stop_within(DEFAULT_STOP_GRACE).await;
     }
 
-    /// Stops receiving, waits up to `grace` for running handlers, then aborts what is left.
+    /// Stops receiving (asks still waiting are answered `unavailable`), waits up to `grace` for
+    /// running handlers, then stops them, answering their asks `unavailable`.
     pub async fn stop_within(mut self, grace: Duration) {
         self.shutdown.cancel();
         let drained = tokio::time::timeout(grace, async {
@@ -185,10 +221,18 @@ impl AgentHandle {
         if drained.is_err() {
             tracing::warn!(
                 ?grace,
-                "agent handlers still running after the grace period; aborted"
+                "agent handlers still running after the grace period; stopped"
             );
-            self.tasks.abort_all();
-            while self.tasks.join_next().await.is_some() {}
+            self.abort.cancel();
+            // Each stopped ask only sends its refusal; a task stuck even then is aborted.
+            let refused = tokio::time::timeout(grace, async {
+                while self.tasks.join_next().await.is_some() {}
+            })
+            .await;
+            if refused.is_err() {
+                self.tasks.abort_all();
+                while self.tasks.join_next().await.is_some() {}
+            }
         }
     }
 }
@@ -352,11 +396,21 @@ impl Probe {
         Ok(())
     }
 
-    /// Answers asks to this agent and receives its events until [`AgentHandle::stop`].
+    /// Answers asks to this agent and receives its events until [`AgentHandle::stop`], one ask
+    /// at a time ([`AskLimits::default`]).
     ///
     /// The subscriptions exist when this returns (flushed to the server), so an ask sent after
     /// `serve` returns reaches the handler.
     pub async fn serve<H: Handler>(&self, handler: Arc<H>) -> Result<AgentHandle, CommError> {
+        self.serve_with(handler, AskLimits::default()).await
+    }
+
+    /// [`Probe::serve`] with the asks held and run within `limits`.
+    pub async fn serve_with<H: Handler>(
+        &self,
+        handler: Arc<H>,
+        limits: AskLimits,
+    ) -> Result<AgentHandle, CommError> {
         let queue = subjects::token(&self.id);
         let asks = self
             .client
@@ -374,12 +428,14 @@ impl Probe {
         }
 
         let shutdown = CancellationToken::new();
+        let abort = CancellationToken::new();
         let mut tasks = JoinSet::new();
         tasks.spawn(serve_asks(
             self.clone(),
             asks,
             handler.clone(),
-            shutdown.clone(),
+            limits,
+            (shutdown.clone(), abort.clone()),
         ));
         let events = futures::stream::select(broadcasts, directs);
         tasks.spawn(serve_events(
@@ -388,7 +444,11 @@ impl Probe {
             handler,
             shutdown.clone(),
         ));
-        Ok(AgentHandle { shutdown, tasks })
+        Ok(AgentHandle {
+            shutdown,
+            abort,
+            tasks,
+        })
     }
 }
 
@@ -460,62 +520,214 @@ fn decode_reply(to: &str, message: Message) -> Result<Reply, AskError> {
     })
 }
 
-/// How many accepted asks may wait for an agent's handler before reading more waits too.
-const ASK_QUEUE: usize = 256;
+/// An accepted ask: where to answer, the ask, its span, and the bytes it counts for.
+struct Accepted {
+    reply_to: String,
+    ask: Ask,
+    span: tracing::Span,
+    bytes: usize,
+}
 
-/// Reads asks and answers them one at a time: the handler of one agent never runs two asks at
-/// once. Refusals (a malformed ask, one in another agent's name, a cycle) do not queue behind
-/// the running ask: they are answered as they arrive, so an ask back along a chain fails at
-/// once instead of waiting on the very handler it would deadlock with.
+/// The accepted asks of one agent, one lane per asker (the subject's sender token).
+///
+/// # Invariants
+/// - A lane exists while its asker has an ask waiting or running, and exactly one task runs it
+///   (`run_lane`): it takes the lane's asks one at a time, in arrival order, and removes the lane
+///   when it finds it empty — under the same lock the reader adds to it, so an ask is never added
+///   to a lane nobody runs.
+/// - `accepted` and `bytes` count every ask from acceptance until its reply is sent.
+#[derive(Default)]
+struct Lanes {
+    by_asker: HashMap<String, Lane>,
+    accepted: usize,
+    bytes: usize,
+}
+
+#[derive(Default)]
+struct Lane {
+    waiting: std::collections::VecDeque<Accepted>,
+    bytes: usize,
+}
+
+type SharedLanes = Arc<Mutex<Lanes>>;
+
+fn lock(lanes: &SharedLanes) -> std::sync::MutexGuard<'_, Lanes> {
+    // Every operation leaves the counts consistent: a poisoned lock is still usable.
+    lanes
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// What [`admit`] did with an ask.
+enum Admitted {
+    /// Queued on its asker's lane, which was running already.
+    Queued,
+    /// Queued on a new lane: start its task.
+    NewLane,
+    /// Over a bound: refuse it with this error.
+    Refused(ErrorBody, Accepted),
+}
+
+/// Accepts `ask` onto `asker`'s lane within `limits`, or says why not.
+fn admit(lanes: &SharedLanes, limits: &AskLimits, asker: &str, ask: Accepted) -> Admitted {
+    let mut lanes = lock(lanes);
+    let asker_bytes = lanes.by_asker.get(asker).map_or(0, |lane| lane.bytes);
+    let over = if lanes.accepted >= limits.accepted {
+        Some(format!("{} asks are waiting already", lanes.accepted))
+    } else if lanes.bytes.saturating_add(ask.bytes) > limits.accepted_bytes {
+        Some(format!(
+            "the asks waiting hold {} bytes, at most {}",
+            lanes.bytes, limits.accepted_bytes
+        ))
+    } else if asker_bytes.saturating_add(ask.bytes) > limits.asker_bytes {
+        Some(format!(
+            "this asker's asks waiting hold {asker_bytes} bytes, at most {} per asker",
+            limits.asker_bytes
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = over {
+        let err = ErrorBody::new(
+            ErrorCode::Unavailable,
+            format!("too busy to take this ask ({why}); ask again later"),
+        );
+        return Admitted::Refused(err, ask);
+    }
+    lanes.accepted += 1;
+    lanes.bytes += ask.bytes;
+    let new = !lanes.by_asker.contains_key(asker);
+    let lane = lanes.by_asker.entry(asker.to_owned()).or_default();
+    lane.bytes += ask.bytes;
+    lane.waiting.push_back(ask);
+    if new {
+        Admitted::NewLane
+    } else {
+        Admitted::Queued
+    }
+}
+
+/// Reads asks and hands the accepted ones to their asker's lane. Refusals (a malformed ask, one
+/// in another agent's name, a cycle, one over the [`AskLimits`]) never queue: they are answered
+/// as they arrive, so an ask back along a chain fails at once instead of waiting on the very
+/// handler it would deadlock with. Reading never waits for a handler.
 async fn serve_asks<H: Handler>(
     probe: Probe,
     mut asks: Subscriber,
     handler: Arc<H>,
-    shutdown: CancellationToken,
+    limits: AskLimits,
+    (shutdown, abort): (CancellationToken, CancellationToken),
 ) {
-    let (queue, mut queued) = tokio::sync::mpsc::channel::<(String, Ask, tracing::Span)>(ASK_QUEUE);
-    let read = async {
-        loop {
-            let message = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                next = asks.next() => match next {
-                    Some(m) => m,
-                    None => break,
-                },
-            };
-            let span = tracing::info_span!("ask", agent = %probe.id, subject = %message.subject);
-            trace::set_parent(&span, message.headers.as_ref());
-            let checked = probe.check(&message).instrument(span.clone()).await;
-            if let Some((reply_to, ask)) = checked {
-                let sent = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    sent = queue.send((reply_to, ask, span)) => sent,
-                };
-                if sent.is_err() {
-                    break;
-                }
+    let lanes: SharedLanes = Arc::default();
+    let permits = Arc::new(Semaphore::new(limits.concurrent.max(1)));
+    let mut running = JoinSet::new();
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            next = asks.next() => match next {
+                Some(m) => m,
+                None => break,
+            },
+        };
+        while running.try_join_next().is_some() {}
+        let span = tracing::info_span!("ask", agent = %probe.id, subject = %message.subject);
+        trace::set_parent(&span, message.headers.as_ref());
+        let checked = probe.check(&message).instrument(span.clone()).await;
+        let Some((reply_to, ask)) = checked else {
+            continue;
+        };
+        // `check` made sure `from` is the subject's sender.
+        let asker = subjects::agent_sender(&message.subject)
+            .unwrap_or_default()
+            .to_owned();
+        let accepted = Accepted {
+            reply_to,
+            ask,
+            span,
+            bytes: message.payload.len(),
+        };
+        match admit(&lanes, &limits, &asker, accepted) {
+            Admitted::Queued => {}
+            Admitted::NewLane => {
+                let lane = run_lane(
+                    probe.clone(),
+                    handler.clone(),
+                    (lanes.clone(), asker),
+                    permits.clone(),
+                    (shutdown.clone(), abort.clone()),
+                );
+                running.spawn(lane);
+            }
+            Admitted::Refused(err, refused) => {
+                tracing::warn!(parent: &refused.span, error = %err, "ask refused: over its limits");
+                probe.refuse(refused.reply_to, &err).await;
             }
         }
-        drop(queue);
-        let _ = asks.unsubscribe().await;
-    };
-    let run = async {
-        loop {
-            let next = tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => break,
-                next = queued.recv() => next,
-            };
-            let Some((reply_to, ask, span)) = next else {
-                break;
-            };
-            probe
-                .answer(reply_to, ask, handler.as_ref())
-                .instrument(span)
-                .await;
+    }
+    let _ = asks.unsubscribe().await;
+    // Each lane answers what it holds: its running ask, then `unavailable` for the rest.
+    while running.join_next().await.is_some() {}
+}
+
+/// Runs one asker's lane until it is empty (see [`Lanes`]): each ask holds one of `permits` while
+/// its handler runs. Once the agent stops, waiting asks are answered `unavailable`; once `abort`
+/// fires, so is the running one.
+async fn run_lane<H: Handler>(
+    probe: Probe,
+    handler: Arc<H>,
+    (lanes, asker): (SharedLanes, String),
+    permits: Arc<Semaphore>,
+    (shutdown, abort): (CancellationToken, CancellationToken),
+) {
+    loop {
+        {
+            let mut all = lock(&lanes);
+            if all
+                .by_asker
+                .get(&asker)
+                .is_none_or(|lane| lane.waiting.is_empty())
+            {
+                all.by_asker.remove(&asker);
+                return;
+            }
         }
-    };
-    tokio::join!(read, run);
+        let permit = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => None,
+            permit = permits.clone().acquire_owned() => permit.ok(),
+        };
+        // Only this task takes from the lane: it is not empty.
+        let Some(next) = lock(&lanes)
+            .by_asker
+            .get_mut(&asker)
+            .and_then(|lane| lane.waiting.pop_front())
+        else {
+            continue;
+        };
+        let bytes = next.bytes;
+        match permit {
+            None => {
+                let err = ErrorBody::new(
+                    ErrorCode::Unavailable,
+                    format!("{} stopped before answering this ask", probe.id),
+                );
+                probe.refuse(next.reply_to, &err).await;
+            }
+            Some(_permit) => {
+                let span = next.span.clone();
+                probe
+                    .answer(next.reply_to, next.ask, handler.as_ref(), &abort)
+                    .instrument(span)
+                    .await;
+            }
+        }
+        let mut all = lock(&lanes);
+        all.accepted = all.accepted.saturating_sub(1);
+        all.bytes = all.bytes.saturating_sub(bytes);
+        if let Some(lane) = all.by_asker.get_mut(&asker) {
+            lane.bytes = lane.bytes.saturating_sub(bytes);
+        }
+    }
 }
 
 impl Probe {
@@ -541,19 +753,35 @@ impl Probe {
             }
             Ok(ask) => return Some((reply_to, ask)),
         };
-        self.send_reply(
-            reply_to,
-            service::error_headers(&refused),
-            service::error_payload(&refused),
-        )
-        .await;
+        self.refuse(reply_to, &refused).await;
         None
     }
 
-    /// Runs the handler on an accepted ask and sends its reply or error.
-    async fn answer<H: Handler>(&self, reply_to: String, ask: Ask, handler: &H) {
+    /// Answers `reply_to` with `err`.
+    async fn refuse(&self, reply_to: String, err: &ErrorBody) {
+        let (headers, payload) = (service::error_headers(err), service::error_payload(err));
+        self.send_reply(reply_to, headers, payload).await;
+    }
+
+    /// Runs the handler on an accepted ask and sends its reply or error; `unavailable` when
+    /// `abort` fires first.
+    async fn answer<H: Handler>(
+        &self,
+        reply_to: String,
+        ask: Ask,
+        handler: &H,
+        abort: &CancellationToken,
+    ) {
         let (ask_id, asker) = (ask.id.clone(), ask.from.clone());
-        let (headers, payload) = match handler.on_ask(ask).await {
+        let answered = tokio::select! {
+            biased;
+            _ = abort.cancelled() => Err(ErrorBody::new(
+                ErrorCode::Unavailable,
+                format!("{} stopped while answering this ask", self.id),
+            )),
+            answered = handler.on_ask(ask) => answered,
+        };
+        let (headers, payload) = match answered {
             Ok(answer) => {
                 let reply = Reply {
                     ask_id,

@@ -161,6 +161,29 @@ pub const fn is_bracket(c: char) -> bool {
             | '﹈'
             | '⁅'
             | '⁆'
+            // The rest of Unicode's opening/closing punctuation and quotation marks (general
+            // categories Ps, Pe, Pi, Pf) that the list above leaves out, block by block.
+            | '\u{0F3A}'..='\u{0F3D}'
+            | '\u{169B}'..='\u{169C}'
+            | '\u{207D}'..='\u{207E}'
+            | '\u{208D}'..='\u{208E}'
+            | '\u{2308}'..='\u{230B}'
+            | '\u{2329}'..='\u{232A}'
+            | '\u{2768}'..='\u{2775}'
+            | '\u{27C5}'..='\u{27C6}'
+            | '\u{27E6}'..='\u{27EF}'
+            | '\u{2983}'..='\u{2998}'
+            | '\u{29D8}'..='\u{29DB}'
+            | '\u{29FC}'..='\u{29FD}'
+            | '\u{2E02}'..='\u{2E05}'
+            | '\u{2E09}'..='\u{2E0A}'
+            | '\u{2E0C}'..='\u{2E0D}'
+            | '\u{2E1C}'..='\u{2E1D}'
+            | '\u{2E20}'..='\u{2E29}'
+            | '\u{2E42}'
+            | '\u{2E55}'..='\u{2E5C}'
+            | '\u{FD3E}'..='\u{FD3F}'
+            | '\u{FE17}'..='\u{FE18}'
     )
 }
 
@@ -229,6 +252,10 @@ mod tests {
             ("Bob (work)", "Bob work"),
             ("</system>", "/system"),
             ("[]「」", ""),
+            // issue 30, L5: look-alikes outside the usual blocks
+            ("⦗发言归属⦘ x", "发言归属 x"),
+            ("⟪主人⟫⸨y⸩", "主人 y"),
+            ("⌈a⌋ ⁽b⁾ ₍c₎ ❲d❳ ⧼e⧽ ﴾f﴿ ︗g︘", "a b c d e f g"),
         ]);
     }
 

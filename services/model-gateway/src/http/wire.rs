@@ -102,9 +102,15 @@ struct ChatFunction {
     strict: Option<bool>,
 }
 
+/// Unknown fields inside a message are refused by name, as on the request (docs/model-gateway.md).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ChatMessage {
     role: String,
+    /// OpenAI's assistant messages carry it (null); accepted and ignored.
+    #[serde(default)]
+    #[allow(dead_code)]
+    refusal: Option<Value>,
     #[serde(default)]
     content: Option<Value>,
     #[serde(default)]
@@ -116,12 +122,18 @@ struct ChatMessage {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ChatToolCall {
     id: String,
+    /// Always `function` in OpenAI's calls; accepted and ignored.
+    #[serde(default, rename = "type")]
+    #[allow(dead_code)]
+    kind: Option<String>,
     function: ChatCallFunction,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ChatCallFunction {
     name: String,
     #[serde(default)]
@@ -374,6 +386,22 @@ pub(super) fn completion(id: &str, response: &ModelResponse) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// issue 30, L4: unknown fields inside a message are refused, as on the request.
+    #[test]
+    fn unknown_fields_inside_messages_are_refused() {
+        let ok = json!({"role":"assistant","content":null,"refusal":null,
+            "tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]});
+        assert!(serde_json::from_value::<ChatMessage>(ok).is_ok());
+        for bad in [
+            json!({"role":"user","content":"hi","priority":1}),
+            json!({"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"f"},"x":1}]}),
+            json!({"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"f","y":2}}]}),
+        ] {
+            let err = serde_json::from_value::<ChatMessage>(bad.clone()).unwrap_err();
+            assert!(err.to_string().contains("unknown field"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn tool_choices_become_the_neutral_form() {

@@ -4,11 +4,14 @@ use crate::harness::*;
 use cyrene_comm::{AskError, AskOptions, Probe};
 use cyrene_orchestrator::agents::ask_session_id;
 use cyrene_orchestrator::{Persona, Personas};
+use cyrene_protocol::ErrorCode;
 use cyrene_protocol::message::{Message, Role, SenderKind, ToolCall};
 use cyrene_protocol::session::{
     BusyPolicy, Disposition, SendAck, SendRequest, SessionEvent, SessionEventType,
 };
 use cyrene_protocol::subjects;
+use futures::StreamExt;
+use serde_json::json;
 use std::time::Duration;
 
 fn two_personas() -> Personas {
@@ -383,4 +386,123 @@ async fn asks_are_answered_across_two_replicas() {
     let completes = endpoint_requests(&world.client, "complete").await;
     assert_eq!(completes.iter().sum::<u64>(), 6);
     worker.stop().await;
+}
+
+/// Waits until persona `to` answers asks at all (the agents register just after the endpoints):
+/// an empty question is refused by the handler, which shows the ask was served.
+async fn persona_serving(probe: &Probe, to: &str) {
+    wait_async("the persona to serve asks", || async {
+        match probe.ask_with(to, " ", AskOptions::default()).await {
+            Err(AskError::NoReply { .. }) => None,
+            Err(AskError::Remote { error, .. }) => {
+                assert_eq!(error.code, cyrene_protocol::ErrorCode::BadRequest);
+                Some(())
+            }
+            other => panic!("an empty question is refused, got {other:?}"),
+        }
+    })
+    .await
+}
+
+/// issue 30, M4: an ask waits only behind its own asker's asks. Alice's ask turn never ends
+/// here (the silent agent it waits on); bob's ask still gets its turn and its answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn asks_of_different_askers_run_side_by_side() {
+    let (world, _orch, mut jobs) = one_replica(Backend::Sqlite).await;
+    let alice = Probe::new(world.client.clone(), "alice");
+    let bob = Probe::new(world.client.clone(), "bob");
+    persona_serving(&alice, "cyrene").await;
+    let long = || AskOptions {
+        timeout: Some(Duration::from_secs(30)),
+        ..AskOptions::default()
+    };
+    let alices = tokio::spawn({
+        let alice = alice.clone();
+        async move { alice.ask_with("cyrene", "slow one?", long()).await }
+    });
+    let (job_a, _) = jobs.next().await;
+    assert!(
+        job_a.session_id.starts_with("alice."),
+        "{}",
+        job_a.session_id
+    );
+    let bobs = tokio::spawn({
+        let bob = bob.clone();
+        async move { bob.ask_with("cyrene", "quick one?", long()).await }
+    });
+    // Before the fix, bob's ask queued behind alice's and no job of his came.
+    let (job_b, _) = jobs.next().await;
+    assert!(job_b.session_id.starts_with("bob."), "{}", job_b.session_id);
+    assert!(completes_first(&world.client, &job_b, 1, "bob's answer").await);
+    let reply = bobs.await.unwrap().unwrap();
+    assert_eq!(reply.text, "bob's answer");
+    assert!(!alices.is_finished(), "alice's turn has not ended");
+    assert!(completes_first(&world.client, &job_a, 1, "alice's answer").await);
+    assert_eq!(alices.await.unwrap().unwrap().text, "alice's answer");
+}
+
+/// issue 30, M5: accepted asks are bounded in bytes, and every ask is answered — those over the
+/// bound refused `unavailable` as they arrive, the accepted ones by their turns — never lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn asks_over_the_byte_bound_are_refused_unavailable_and_none_is_lost() {
+    let (world, _orch, mut jobs) = one_replica_with(Backend::Sqlite, |config| {
+        // 64 KiB per asker
+        config.ask_queue_bytes = 256 * 1024;
+    })
+    .await;
+    let alice = Probe::new(world.client.clone(), "alice");
+    persona_serving(&alice, "cyrene").await;
+    // Eight asks of ~20 KB each, published in order on one connection, replies to `answers.<i>`.
+    let mut replies = world.client.subscribe("answers.*").await.unwrap();
+    let blob = "x".repeat(20_000);
+    for i in 0..8 {
+        let ask = json!({"id": format!("q{i}"), "from": "alice", "to": "cyrene",
+                         "question": format!("question {i}"), "data": blob});
+        world
+            .client
+            .publish_with_reply(
+                subjects::agent_ask("alice", "cyrene"),
+                format!("answers.{i}"),
+                serde_json::to_vec(&ask).unwrap().into(),
+            )
+            .await
+            .unwrap();
+    }
+    world.client.flush().await.unwrap();
+    let reply_of = |m: &async_nats::Message| -> (usize, Result<String, ErrorCode>) {
+        let i = m.subject.rsplit('.').next().unwrap().parse().unwrap();
+        match cyrene_bus::service::error_from_message(m) {
+            Some(err) => (i, Err(err.code)),
+            None => {
+                let reply: cyrene_protocol::comm::Reply =
+                    serde_json::from_slice(&m.payload).unwrap();
+                (i, Ok(reply.text))
+            }
+        }
+    };
+    // 64 KiB holds three: the running one and two waiting. The other five are refused while
+    // the first turn still runs (before the fix they waited, and were lost on a slow consumer).
+    let mut refused = Vec::new();
+    while refused.len() < 5 {
+        let m = tokio::time::timeout(Duration::from_secs(10), replies.next())
+            .await
+            .expect("the asks over the bound are refused at once")
+            .unwrap();
+        let (i, got) = reply_of(&m);
+        assert_eq!(got, Err(ErrorCode::Unavailable), "ask {i}");
+        refused.push(i);
+    }
+    refused.sort();
+    assert_eq!(refused, vec![3, 4, 5, 6, 7]);
+    // The three accepted are answered, in order, by their turns.
+    for i in 0..3 {
+        let (job, _) = jobs.next().await;
+        let answer = format!("answer {i}");
+        assert!(completes_first(&world.client, &job, 1, &answer).await);
+        let m = tokio::time::timeout(Duration::from_secs(10), replies.next())
+            .await
+            .expect("an accepted ask is answered")
+            .unwrap();
+        assert_eq!(reply_of(&m), (i, Ok(answer)));
+    }
 }

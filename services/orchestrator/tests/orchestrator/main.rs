@@ -4,6 +4,7 @@
 
 mod agents;
 mod bad_input;
+mod documents;
 mod fence;
 mod harness;
 mod people;

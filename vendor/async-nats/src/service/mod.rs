@@ -800,8 +800,9 @@ impl Request {
     }
 
     /// CYRENE-PATCH: sends an error reply that carries `payload` as its body (the error headers
-    /// are set from `err` as in [`Request::respond_with_headers`]) and counts it in the
-    /// endpoint's error stats, which a hand-built error reply sent as `Ok` does not.
+    /// are set from `err` as in [`Request::respond_with_headers`], unless `headers` holds them
+    /// already) and counts it in the endpoint's error stats as `err`, which a hand-built error
+    /// reply sent as `Ok` does not.
     pub async fn respond_error_with_payload(
         &self,
         err: error::Error,
@@ -853,8 +854,14 @@ impl Request {
                         stats.errors += 1;
                     })
                     .or_default();
-                headers.insert(NATS_SERVICE_ERROR, err.status.as_str());
-                headers.insert(NATS_SERVICE_ERROR_CODE, err.code.to_string().as_str());
+                // CYRENE-PATCH: error headers the caller set (`respond_error_with_payload`) go
+                // out as set; `$SRV.STATS` records `err`, which need not be the caller's message.
+                if headers.get(NATS_SERVICE_ERROR).is_none() {
+                    headers.insert(NATS_SERVICE_ERROR, err.status.as_str());
+                }
+                if headers.get(NATS_SERVICE_ERROR_CODE).is_none() {
+                    headers.insert(NATS_SERVICE_ERROR_CODE, err.code.to_string().as_str());
+                }
                 self.client
                     .publish_with_headers(reply, headers, error_payload)
                     .await
