@@ -820,10 +820,11 @@ async function refreshServices(): Promise<void> {
     // a service without request endpoints (the loop worker takes its turns from JetStream)
     // still shows, with one empty row
     const endpoints = s.endpoints?.length ? s.endpoints : [null];
-    for (const e of endpoints) {
-      const tr = el("tr");
+    for (const [i, e] of endpoints.entries()) {
+      const tr = el("tr", i === 0 ? "first" : "");
       tr.append(
-        el("td", "service", s.name),
+        // the service's name on its first row only (one instance after another)
+        el("td", "service", i === 0 ? `${s.name} ${s.id.slice(-4)}` : ""),
         el("td", "", e ? e.name : "—"),
         el("td", "", e ? String(e.num_requests) : ""),
         el("td", "", e ? String(e.num_errors) : ""),
@@ -842,17 +843,18 @@ const calls: CallRecord[] = [];
 function drawCalls(): void {
   const svg = $("calls-chart");
   const ns = "http://www.w3.org/2000/svg";
+  // tokens per call, the latest 30 (an offline scripted call takes 0 ms: tokens always show)
   const recent = calls.slice(-30);
-  const max = Math.max(1, ...recent.map((c) => c.took_ms));
+  const max = Math.max(1, ...recent.map((c) => c.tokens));
   const bars = recent.map((c, i) => {
-    const h = Math.max(1, Math.round((c.took_ms / max) * 76));
+    const h = Math.max(1, Math.round((c.tokens / max) * 76));
     const r = document.createElementNS(ns, "rect");
     r.setAttribute("x", String(i * 12));
     r.setAttribute("y", String(80 - h));
     r.setAttribute("width", "10");
     r.setAttribute("height", String(h));
     const title = document.createElementNS(ns, "title");
-    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.took_ms} ms`;
+    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.tokens} tokens, ${c.took_ms} ms`;
     r.append(title);
     return r;
   });

@@ -386,3 +386,22 @@ scenario('"remember me" keeps the login in this browser until Log out', async ()
   assert.equal(await page.evaluate(() => localStorage.length), 0, "Log out forgets the login");
   await page.context().close();
 });
+
+scenario("New session opens a fresh session at once; its first message sets the persona picked", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await page.getByRole("button", { name: "New session" }).click();
+  await page.waitForFunction((old) => location.hash !== old, aliceSession, { timeout: WAIT });
+  const fresh = new globalThis.URL(page.url()).hash;
+  assert.match(fresh, /^#\/s\/w[0-9a-z]+$/);
+  assert.equal(await page.locator("#transcript .msg").count(), 0, "a new session is empty");
+  await page.getByLabel("Persona", { exact: true }).selectOption("hoshi");
+  await sendMessage(page, "hello hoshi");
+  const turn = await answered(page, "You said: hello hoshi");
+  assert.equal(await turn.locator(".answer .who").innerText(), "hoshi");
+  // both sessions are listed, the new one first (newest first)
+  const names = await page.locator("#session-list a").allInnerTexts();
+  assert.equal(names[0], fresh.slice("#/s/".length));
+  assert.ok(names.includes(aliceSession.slice("#/s/".length)));
+  await page.context().close();
+});
