@@ -154,8 +154,21 @@ scenario("a message sent while the demo tool runs is steered into the running tu
   await sendMessage(page, "Oh, and what time is it?");
   const steered = page.locator(".msg.user", { hasText: "what time is it?" });
   await steered.locator(".status", { hasText: /steered into step \d+/ }).waitFor({ timeout: WAIT });
-  await page.locator('.turn[data-running="false"] details.tool', { hasText: "current_time" }).waitFor({ timeout: WAIT });
+  await page.locator("details.tool", { hasText: "current_time" }).waitFor({ timeout: WAIT });
   await answered(page, "It is");
+  await page.locator('.turn[data-running="false"]', { hasText: "It is" }).waitFor({ timeout: WAIT });
+  // live, the transcript is in the order things happened: the steered message between the
+  // search and what it led to, the answer last
+  const order = await page.evaluate(() =>
+    [...document.querySelectorAll("#transcript > *")].map((e) =>
+      e.matches(".msg.user") ? `you: ${e.querySelector(".text")?.textContent}` : e.matches("details.tool") ? `tool: ${e.querySelector("summary")?.textContent}` : e.matches(".turn") ? `answer: ${e.textContent?.slice(0, 12)}` : e.className,
+    ),
+  );
+  const at = (what) => order.findIndex((line) => line.includes(what));
+  assert.ok(at("you: Could you search") < at("search_notes"), order.join(" | "));
+  assert.ok(at("search_notes") < at("you: Oh, and what time"), order.join(" | "));
+  assert.ok(at("you: Oh, and what time") < at("current_time"), order.join(" | "));
+  assert.ok(at("current_time") < at("answer: cyreneIt is"), order.join(" | "));
   assert.equal(await page.locator("details.tool[open]").count(), 0, "tool calls are collapsed");
   await page.locator("details.tool", { hasText: "search_notes" }).first().click();
   await page.locator("details.tool pre.result", { hasText: "3 notes mention" }).waitFor({ timeout: WAIT });
