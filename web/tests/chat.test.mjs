@@ -333,6 +333,8 @@ scenario("on a phone (375×667) nothing scrolls sideways and the message box sta
   assert.ok(layout.send.right <= 375 && layout.send.bottom <= 667, JSON.stringify(layout));
   await sendMessage(page, "typed on a phone");
   await answered(page, "You said: typed on a phone");
+  // acknowledged and answered: no status left on the message
+  await page.locator('.msg.user[data-status=""]', { hasText: "typed on a phone" }).waitFor({ timeout: WAIT });
   await page.screenshot({ path: join(SHOTS, "phone.png") });
   await page.context().close();
 });
