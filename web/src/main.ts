@@ -143,6 +143,8 @@ let eventsSub: Subscription | null = null;
 let openSession = "";
 /** Sessions created on this page that the server has not seen yet (no message sent). */
 const localSessions = new Set<string>();
+/** Sessions created on this page that the session list has not named yet (shown first). */
+const unlisted = new Set<string>();
 
 /** A message typed but not yet acknowledged: re-sent with the same key until it is. */
 interface Outgoing {
@@ -292,19 +294,26 @@ function subscribeEvents(): void {
 
 // ---- sessions ----
 
+/** The person's sessions as the orchestrator last listed them. */
+let listed: SessionSummary[] = [];
+
 async function refreshSessions(): Promise<void> {
-  let listed: SessionSummary[] = [];
   try {
     const reply = await request<{ sessions: SessionSummary[] }>(subjectFor("session.list"), {});
     listed = reply.sessions ?? [];
   } catch (e) {
     showSessionError(`cannot list the sessions: ${describe(e)}`);
   }
+  renderSessions();
+}
+
+/** The sessions opened on this page and not yet on the server first, then the listed ones. */
+function renderSessions(): void {
   const ids = new Set(listed.map((s) => s.session_id));
-  for (const id of localSessions) {
-    if (ids.has(id)) localSessions.delete(id);
+  for (const id of unlisted) {
+    if (ids.has(id)) unlisted.delete(id);
   }
-  const all: SessionSummary[] = [...[...localSessions].map((session_id) => ({ session_id })), ...listed];
+  const all: SessionSummary[] = [...[...unlisted].reverse().map((session_id) => ({ session_id })), ...listed];
   const list = $("session-list");
   list.replaceChildren();
   for (const s of all) {
@@ -320,7 +329,9 @@ async function refreshSessions(): Promise<void> {
 function newSession(): void {
   const name = `w${Date.now().toString(36)}${randomToken(4)}`;
   localSessions.add(`${person}.${name}`);
+  unlisted.add(`${person}.${name}`);
   location.hash = `#/s/${name}`;
+  renderSessions();
 }
 
 /** Opens the session the URL names (`#/s/<name>`), or a new one. */

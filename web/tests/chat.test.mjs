@@ -416,9 +416,15 @@ scenario("New session opens a fresh session at once; its first message sets the 
   await sendMessage(page, "hello hoshi");
   const turn = await answered(page, "You said: hello hoshi");
   assert.equal(await turn.locator(".answer .who").innerText(), "hoshi");
-  // both sessions are listed, the new one first (newest first)
-  const names = await page.locator("#session-list a").allInnerTexts();
-  assert.equal(names[0], fresh.slice("#/s/".length));
-  assert.ok(names.includes(aliceSession.slice("#/s/".length)));
+  // both sessions are listed, the new one first (newest first), once the list is read again
+  await page.waitForFunction(
+    ([a, b]) => {
+      const names = [...document.querySelectorAll("#session-list a")].map((x) => x.textContent);
+      return names[0] === a && names.includes(b) && names.filter((n) => n === a).length === 1;
+    },
+    [fresh.slice("#/s/".length), aliceSession.slice("#/s/".length)],
+    { timeout: WAIT },
+  );
+  assert.equal(await page.locator("#session-list a", { hasText: fresh.slice("#/s/".length) }).count(), 1);
   await page.context().close();
 });
