@@ -35,6 +35,8 @@ fn built() -> Vec<String> {
     for what in [
         s::PERSON_SESSION_SEND,
         s::PERSON_SESSION_HISTORY,
+        s::PERSON_SESSION_LIST,
+        s::PERSON_DOCUMENT_UPLOAD,
         s::PERSON_CHECKPOINT_LATEST,
         s::PERSON_CHECKPOINT_GET,
         s::PERSON_CHECKPOINT_LIST,

@@ -199,7 +199,7 @@ async fn the_web_chat_in_a_real_browser() {
     let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
     let mut restarts = 0;
     let mut kills = 0;
-    let run = tokio::time::timeout(Duration::from_secs(240), async {
+    let run = tokio::time::timeout(Duration::from_secs(480), async {
         while let Some(line) = lines.next_line().await.unwrap() {
             println!("{line}");
             let asked = line.trim_start();
@@ -218,7 +218,7 @@ async fn the_web_chat_in_a_real_browser() {
         node.wait().await.unwrap()
     })
     .await
-    .expect("the browser tests end within 4 minutes");
+    .expect("the browser tests end within 8 minutes");
     assert!(
         run.success(),
         "the browser tests failed ({run}): see their output above"

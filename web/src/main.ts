@@ -143,6 +143,8 @@ let eventsSub: Subscription | null = null;
 let openSession = "";
 /** Sessions created on this page that the server has not seen yet (no message sent). */
 const localSessions = new Set<string>();
+/** Sessions created on this page that the session list has not named yet (shown first). */
+const unlisted = new Set<string>();
 
 /** A message typed but not yet acknowledged: re-sent with the same key until it is. */
 interface Outgoing {
@@ -292,19 +294,26 @@ function subscribeEvents(): void {
 
 // ---- sessions ----
 
+/** The person's sessions as the orchestrator last listed them. */
+let listed: SessionSummary[] = [];
+
 async function refreshSessions(): Promise<void> {
-  let listed: SessionSummary[] = [];
   try {
     const reply = await request<{ sessions: SessionSummary[] }>(subjectFor("session.list"), {});
     listed = reply.sessions ?? [];
   } catch (e) {
     showSessionError(`cannot list the sessions: ${describe(e)}`);
   }
+  renderSessions();
+}
+
+/** The sessions opened on this page and not yet on the server first, then the listed ones. */
+function renderSessions(): void {
   const ids = new Set(listed.map((s) => s.session_id));
-  for (const id of localSessions) {
-    if (ids.has(id)) localSessions.delete(id);
+  for (const id of unlisted) {
+    if (ids.has(id)) unlisted.delete(id);
   }
-  const all: SessionSummary[] = [...[...localSessions].map((session_id) => ({ session_id })), ...listed];
+  const all: SessionSummary[] = [...[...unlisted].reverse().map((session_id) => ({ session_id })), ...listed];
   const list = $("session-list");
   list.replaceChildren();
   for (const s of all) {
@@ -320,7 +329,9 @@ async function refreshSessions(): Promise<void> {
 function newSession(): void {
   const name = `w${Date.now().toString(36)}${randomToken(4)}`;
   localSessions.add(`${person}.${name}`);
+  unlisted.add(`${person}.${name}`);
   location.hash = `#/s/${name}`;
+  renderSessions();
 }
 
 /** Opens the session the URL names (`#/s/<name>`), or a new one. */
@@ -412,7 +423,10 @@ function setStatus(node: HTMLElement, text: string): void {
   node.dataset.status = text;
 }
 
-/** The container of a turn: its tool calls, notices and answer, in arrival order. */
+/** The answer of a turn (`.turn`, holding `.answer`). Live, what the turn does — tool calls,
+ *  results, notices — goes into the transcript in arrival order, between the messages sent
+ *  meanwhile (a steered message shows where it came in), and the answer moves below them when
+ *  its text starts and when it is final. */
 function turnNode(turnId: string): HTMLElement {
   let node = turnNodes.get(turnId);
   if (!node) {
@@ -431,6 +445,11 @@ function answerOf(turn: HTMLElement): HTMLElement {
   return turn.querySelector(".answer") as HTMLElement;
 }
 
+/** Moves a turn's answer below everything shown so far. */
+function bringForward(turn: HTMLElement): void {
+  if (turn.nextSibling) $("transcript").append(turn);
+}
+
 function finishAnswer(turn: HTMLElement, message: Message): void {
   const answer = answerOf(turn);
   answer.hidden = false;
@@ -439,33 +458,47 @@ function finishAnswer(turn: HTMLElement, message: Message): void {
   answer.replaceChildren(el("span", "who", message.sender_name || "assistant"), body);
   answer.dataset.final = "true";
   // tool calls the answer carries (history of a turn not seen live)
-  for (const p of parts(message)) if (p.type === "tool_call") toolCall(turn, p);
-  turn.append(answer);
+  for (const p of parts(message)) if (p.type === "tool_call") turn.insertBefore(toolDetails(p), answer);
 }
 
-function toolCall(turn: HTMLElement, p: Part): void {
-  if (p.id && turn.querySelector(`details[data-call="${CSS.escape(p.id)}"]`)) return;
+function findCall(id: string | undefined): HTMLElement | null {
+  return id ? $("transcript").querySelector(`details[data-call="${CSS.escape(id)}"]`) : null;
+}
+
+/** A tool call, collapsed: its name, then its arguments (and later its result) as text. */
+function toolDetails(p: Part): HTMLElement {
   const d = el("details", "tool") as HTMLDetailsElement;
   if (p.id) d.dataset.call = p.id;
   d.append(el("summary", "", `⚙ ${p.name ?? "tool"}`), el("pre", "args", JSON.stringify(p.args ?? {}, null, 1)));
-  turn.insertBefore(d, answerOf(turn));
+  return d;
 }
 
-function toolResult(turn: HTMLElement, p: Part): void {
-  const d = p.tool_call_id ? turn.querySelector(`details[data-call="${CSS.escape(p.tool_call_id)}"]`) : null;
-  const target = (d as HTMLElement | null) ?? turn;
+function toolCall(turnId: string, p: Part): void {
+  if (findCall(p.id)) return;
+  const d = toolDetails(p);
+  d.dataset.turn = turnId;
+  $("transcript").append(d);
+}
+
+function toolResult(turnId: string, p: Part): void {
+  const d = findCall(p.tool_call_id);
   const pre = el("pre", p.is_error ? "result failed" : "result", p.text ?? "");
-  target.append(pre);
   if (d) {
+    d.append(pre);
     const summary = d.querySelector("summary");
     if (summary) summary.textContent = `${p.is_error ? "✗" : "✓"} ${summary.textContent?.slice(2) ?? ""}`;
   } else {
-    turn.insertBefore(pre, answerOf(turn));
+    const orphan = el("details", "tool");
+    orphan.dataset.turn = turnId;
+    orphan.append(el("summary", "", p.is_error ? "✗ tool result" : "✓ tool result"), pre);
+    $("transcript").append(orphan);
   }
 }
 
-function notice(turn: HTMLElement, text: string, failed = false): void {
-  turn.insertBefore(el("div", failed ? "notice failed" : "notice", text), answerOf(turn));
+function notice(turnId: string, text: string, failed = false): void {
+  const n = el("div", failed ? "notice failed" : "notice", text);
+  n.dataset.turn = turnId;
+  $("transcript").append(n);
 }
 
 function onEvent(ev: SessionEvent): void {
@@ -480,7 +513,7 @@ function onEvent(ev: SessionEvent): void {
         else fateOf.set(id, "");
       }
       turn.dataset.running = "true";
-      if (ev.leg_id) notice(turn, `parallel leg ${ev.leg_id} started`);
+      if (ev.leg_id) notice(turnId, `parallel leg ${ev.leg_id} started`);
       break;
     }
     case "steer_ack":
@@ -496,10 +529,11 @@ function onEvent(ev: SessionEvent): void {
       const answer = answerOf(turn);
       const key = `${ev.attempt ?? 1}/${ev.at_step ?? 0}`;
       if (stepCount.get(turnId) !== key || answer.dataset.final === "true") {
-        // a new step (or a redelivered attempt) streams its text anew
+        // a new step (or a redelivered attempt) streams its text anew, below what came before
         stepCount.set(turnId, key);
         answer.dataset.final = "";
         answer.replaceChildren(el("span", "who", ev.sender_name || "assistant"), el("div", "body streaming"));
+        bringForward(turn);
       }
       answer.hidden = false;
       answer.querySelector(".body")?.append(document.createTextNode(ev.delta ?? ""));
@@ -508,18 +542,21 @@ function onEvent(ev: SessionEvent): void {
       break;
     }
     case "tool_call":
-      for (const p of parts(ev.message)) if (p.type === "tool_call") toolCall(turnNode(turnId), p);
+      for (const p of parts(ev.message)) if (p.type === "tool_call") toolCall(turnId, p);
       break;
     case "tool_result":
-      for (const p of parts(ev.message)) if (p.type === "tool_result") toolResult(turnNode(turnId), p);
+      for (const p of parts(ev.message)) if (p.type === "tool_result") toolResult(turnId, p);
       break;
     case "final":
-      if (ev.message) finishAnswer(turnNode(turnId), ev.message);
+      if (ev.message) {
+        const turn = turnNode(turnId);
+        finishAnswer(turn, ev.message);
+        bringForward(turn);
+      }
       break;
     case "error": {
-      const turn = turnNode(turnId);
       const e = ev.error;
-      notice(turn, `turn failed${leg}: ${e ? `${e.code}: ${e.message}` : "unknown error"}`, true);
+      notice(turnId, `turn failed${leg}: ${e ? `${e.code}: ${e.message}` : "unknown error"}`, true);
       break;
     }
     case "turn_ended": {
@@ -820,10 +857,11 @@ async function refreshServices(): Promise<void> {
     // a service without request endpoints (the loop worker takes its turns from JetStream)
     // still shows, with one empty row
     const endpoints = s.endpoints?.length ? s.endpoints : [null];
-    for (const e of endpoints) {
-      const tr = el("tr");
+    for (const [i, e] of endpoints.entries()) {
+      const tr = el("tr", i === 0 ? "first" : "");
       tr.append(
-        el("td", "service", s.name),
+        // the service's name on its first row only (one instance after another)
+        el("td", "service", i === 0 ? `${s.name} ${s.id.slice(-4)}` : ""),
         el("td", "", e ? e.name : "—"),
         el("td", "", e ? String(e.num_requests) : ""),
         el("td", "", e ? String(e.num_errors) : ""),
@@ -842,17 +880,18 @@ const calls: CallRecord[] = [];
 function drawCalls(): void {
   const svg = $("calls-chart");
   const ns = "http://www.w3.org/2000/svg";
+  // tokens per call, the latest 30 (an offline scripted call takes 0 ms: tokens always show)
   const recent = calls.slice(-30);
-  const max = Math.max(1, ...recent.map((c) => c.took_ms));
+  const max = Math.max(1, ...recent.map((c) => c.tokens));
   const bars = recent.map((c, i) => {
-    const h = Math.max(1, Math.round((c.took_ms / max) * 76));
+    const h = Math.max(1, Math.round((c.tokens / max) * 76));
     const r = document.createElementNS(ns, "rect");
     r.setAttribute("x", String(i * 12));
     r.setAttribute("y", String(80 - h));
     r.setAttribute("width", "10");
     r.setAttribute("height", String(h));
     const title = document.createElementNS(ns, "title");
-    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.took_ms} ms`;
+    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.tokens} tokens, ${c.took_ms} ms`;
     r.append(title);
     return r;
   });

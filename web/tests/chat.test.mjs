@@ -15,7 +15,7 @@ import { chromium } from "playwright-core";
 const URL = process.env.CYRENE_WEB_URL ?? "http://127.0.0.1:8090/";
 const SHOTS = process.env.CYRENE_WEB_SHOTS ?? ".";
 const PASSWORDS = { alice: "pw-alice", bob: "pw-bob", operator: "pw-operator" };
-const WAIT = 20_000;
+const WAIT = 45_000; // a condition awaited (make test runs the other tests beside this one)
 
 let browser;
 const stdinLines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
@@ -154,8 +154,21 @@ scenario("a message sent while the demo tool runs is steered into the running tu
   await sendMessage(page, "Oh, and what time is it?");
   const steered = page.locator(".msg.user", { hasText: "what time is it?" });
   await steered.locator(".status", { hasText: /steered into step \d+/ }).waitFor({ timeout: WAIT });
-  await page.locator('.turn[data-running="false"] details.tool', { hasText: "current_time" }).waitFor({ timeout: WAIT });
+  await page.locator("details.tool", { hasText: "current_time" }).waitFor({ timeout: WAIT });
   await answered(page, "It is");
+  await page.locator('.turn[data-running="false"]', { hasText: "It is" }).waitFor({ timeout: WAIT });
+  // live, the transcript is in the order things happened: the steered message between the
+  // search and what it led to, the answer last
+  const order = await page.evaluate(() =>
+    [...document.querySelectorAll("#transcript > *")].map((e) =>
+      e.matches(".msg.user") ? `you: ${e.querySelector(".text")?.textContent}` : e.matches("details.tool") ? `tool: ${e.querySelector("summary")?.textContent}` : e.matches(".turn") ? `answer: ${e.textContent?.slice(0, 12)}` : e.className,
+    ),
+  );
+  const at = (what) => order.findIndex((line) => line.includes(what));
+  assert.ok(at("you: Could you search") < at("search_notes"), order.join(" | "));
+  assert.ok(at("search_notes") < at("you: Oh, and what time"), order.join(" | "));
+  assert.ok(at("you: Oh, and what time") < at("current_time"), order.join(" | "));
+  assert.ok(at("current_time") < at("answer: cyreneIt is"), order.join(" | "));
   assert.equal(await page.locator("details.tool[open]").count(), 0, "tool calls are collapsed");
   await page.locator("details.tool", { hasText: "search_notes" }).first().click();
   await page.locator("details.tool pre.result", { hasText: "3 notes mention" }).waitFor({ timeout: WAIT });
@@ -320,6 +333,8 @@ scenario("on a phone (375×667) nothing scrolls sideways and the message box sta
   assert.ok(layout.send.right <= 375 && layout.send.bottom <= 667, JSON.stringify(layout));
   await sendMessage(page, "typed on a phone");
   await answered(page, "You said: typed on a phone");
+  // acknowledged and answered: no status left on the message
+  await page.locator('.msg.user[data-status=""]', { hasText: "typed on a phone" }).waitFor({ timeout: WAIT });
   await page.screenshot({ path: join(SHOTS, "phone.png") });
   await page.context().close();
 });
@@ -334,7 +349,7 @@ scenario("nats-server restarted under the page: it reconnects, sends what was ty
   const offline = page.locator(".msg.user", { hasText: "typed while offline" });
   await offline.locator(".status", { hasText: "waiting for the connection" }).waitFor({ timeout: WAIT });
   await driver("start-nats");
-  await page.waitForFunction(() => document.body.dataset.online === "true", null, { timeout: 30_000 });
+  await page.waitForFunction(() => document.body.dataset.online === "true", null, { timeout: WAIT });
   await answered(page, "You said: typed while offline");
   // caught up from the history without showing anything twice
   await page.waitForTimeout(500);
@@ -359,10 +374,12 @@ scenario("the operator sees the services on the bus and the model calls", async 
   // a model call made while the operator watches shows in the calls table and chart
   const alice = await newPage();
   await loggedIn(alice, "alice", aliceSession);
-  await sendMessage(alice, "one more for the operator");
-  await answered(alice, "You said: one more for the operator");
-  await page.locator("#calls-table td", { hasText: "scripted" }).first().waitFor({ timeout: WAIT });
-  assert.ok((await page.locator("#calls-chart rect").count()) >= 1);
+  for (const n of [1, 2, 3]) {
+    await sendMessage(alice, `message ${n} for the operator${" and more".repeat(n * 3)}`);
+    await answered(alice, `You said: message ${n} for the operator`);
+  }
+  await page.waitForFunction(() => document.querySelectorAll("#calls-chart rect").length >= 3, null, { timeout: WAIT });
+  assert.ok((await page.locator("#calls-table td", { hasText: "scripted" }).count()) >= 3);
   await page.screenshot({ path: join(SHOTS, "operator.png"), fullPage: true });
   assert.deepEqual(page.problems, []);
   await alice.context().close();
@@ -384,5 +401,30 @@ scenario('"remember me" keeps the login in this browser until Log out', async ()
   await page.getByRole("button", { name: "Log out" }).click();
   await page.getByLabel("Person", { exact: true }).waitFor({ timeout: WAIT });
   assert.equal(await page.evaluate(() => localStorage.length), 0, "Log out forgets the login");
+  await page.context().close();
+});
+
+scenario("New session opens a fresh session at once; its first message sets the persona picked", async () => {
+  const page = await newPage();
+  await loggedIn(page, "alice", aliceSession);
+  await page.getByRole("button", { name: "New session" }).click();
+  await page.waitForFunction((old) => location.hash !== old, aliceSession, { timeout: WAIT });
+  const fresh = new globalThis.URL(page.url()).hash;
+  assert.match(fresh, /^#\/s\/w[0-9a-z]+$/);
+  assert.equal(await page.locator("#transcript .msg").count(), 0, "a new session is empty");
+  await page.getByLabel("Persona", { exact: true }).selectOption("hoshi");
+  await sendMessage(page, "hello hoshi");
+  const turn = await answered(page, "You said: hello hoshi");
+  assert.equal(await turn.locator(".answer .who").innerText(), "hoshi");
+  // both sessions are listed, the new one first (newest first), once the list is read again
+  await page.waitForFunction(
+    ([a, b]) => {
+      const names = [...document.querySelectorAll("#session-list a")].map((x) => x.textContent);
+      return names[0] === a && names.includes(b) && names.filter((n) => n === a).length === 1;
+    },
+    [fresh.slice("#/s/".length), aliceSession.slice("#/s/".length)],
+    { timeout: WAIT },
+  );
+  assert.equal(await page.locator("#session-list a", { hasText: fresh.slice("#/s/".length) }).count(), 1);
   await page.context().close();
 });

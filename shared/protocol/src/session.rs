@@ -280,6 +280,33 @@ mod tests {
     }
 
     #[test]
+    fn session_list_matches_the_docs() {
+        let req: SessionListRequest = serde_json::from_value(json!({})).unwrap();
+        assert_eq!(req.limit, None);
+        assert!(serde_json::from_value::<SessionListRequest>(json!({"person":"bob"})).is_err());
+        let reply = SessionListResponse {
+            sessions: vec![
+                SessionSummary {
+                    session_id: "alice.s2".into(),
+                    persona: "hoshi".into(),
+                    created_at_ms: 2,
+                },
+                SessionSummary {
+                    session_id: "alice.s1".into(),
+                    persona: String::new(),
+                    created_at_ms: 1,
+                },
+            ],
+        };
+        assert_eq!(
+            serde_json::to_value(&reply).unwrap(),
+            json!({"sessions":[
+                {"session_id":"alice.s2","persona":"hoshi","created_at_ms":2},
+                {"session_id":"alice.s1","created_at_ms":1}]})
+        );
+    }
+
+    #[test]
     fn parallel_opt_in_is_omitted_when_false() {
         let doc = json!({"session_id":"s1","message":{"role":"user","content":[{"type":"text",
             "text":"hi"}]},"parallel":true});
