@@ -14,7 +14,7 @@ use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::model::ModelRequest;
 use std::collections::HashMap;
 
-/// The prompt that asks the vision chain to describe one image (the seeds define no wording).
+/// The prompt that asks the vision chain to describe one image (docs/semantics.md#our-wording).
 pub const IMAGE_PROMPT: &str = "请用一两句话客观描述这张图片的内容，不要推测图片之外的事。";
 /// What replaces an image for a main model without vision: this prefix and the description.
 pub const IMAGE_DESCRIPTION_PREFIX: &str = "[图片描述] ";
