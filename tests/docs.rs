@@ -202,3 +202,47 @@ fn the_subject_scan_reads_placeholders_wildcards_and_prefixes() {
     assert!(!matches("cyrene.turn.input", "cyrene.turn.input.*"));
     assert!(!matches("cyrene.turn.*", "cyrene.turn.input.*"));
 }
+
+/// Every `semantics.md#<anchor>` cited in the repository's code and docs is an anchor that
+/// docs/semantics.md declares (`<a id="<anchor>"></a>`), so a renamed section cannot leave a
+/// comment pointing nowhere.
+#[test]
+fn every_cited_semantics_anchor_exists() {
+    let page = include_str!("../docs/semantics.md");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    let mut dirs: Vec<_> = ["src", "services", "shared", "tests", "docs", "benches"]
+        .iter()
+        .map(|d| root.join(d))
+        .collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs" || e == "md") {
+                files.push(path);
+            }
+        }
+    }
+    let mut cited = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (at, _) in text.match_indices("semantics.md#") {
+            let anchor: String = text[at + "semantics.md#".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            if anchor.is_empty() {
+                continue; // this test's own `semantics.md#<anchor>`
+            }
+            cited += 1;
+            assert!(
+                page.contains(&format!("<a id=\"{anchor}\"></a>")),
+                "{} cites docs/semantics.md#{anchor}, which docs/semantics.md does not declare",
+                file.display()
+            );
+        }
+    }
+    assert!(cited > 30, "only {cited} citations found");
+}
