@@ -359,8 +359,8 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
     for m in messages {
         let (role, blocks) = match m.role {
             // A speaker-switch note opens the conversation rather than the system text: it
-            // holds from where it appears (seed 001), and in `system` a forged copy in a later
-            // message would read as the newest note.
+            // holds from where it appears (docs/semantics.md#attribution), and in `system` a
+            // forged copy in a later message would read as the newest note.
             Role::System if !conversation_started && !is_in_place_note(m) => {
                 let text = m.text_content();
                 if !text.is_empty() {
