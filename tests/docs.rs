@@ -7,23 +7,26 @@ use cyrene_protocol::subjects as s;
 
 const ID: &str = "ID";
 
+/// The source of the subject builders: their constants are read from it, so a constant added
+/// there is checked here without editing this test.
+const SUBJECTS_RS: &str = include_str!("../shared/protocol/src/subjects.rs");
+
+/// `(NAME, value)` of every `pub const NAME: &str = "value";` in `subjects.rs`.
+fn constants() -> Vec<(&'static str, &'static str)> {
+    SUBJECTS_RS
+        .lines()
+        .filter_map(|line| {
+            let rest = line.trim().strip_prefix("pub const ")?;
+            let (name, rest) = rest.split_once(": &str = \"")?;
+            Some((name, rest.strip_suffix("\";")?))
+        })
+        .collect()
+}
+
 /// Every subject the protocol builds, with each id token written `*`.
 fn built() -> Vec<String> {
+    // Defined beside their shapes and re-exported by `subjects.rs`.
     let mut subjects: Vec<String> = [
-        s::MODEL_COMPLETE,
-        s::MODEL_COMPLETE_STREAM,
-        s::MODEL_ROUTE,
-        s::MODEL_CALLS,
-        s::CHECKPOINT_SAVE,
-        s::CHECKPOINT_LATEST,
-        s::CHECKPOINT_GET,
-        s::CHECKPOINT_LIST,
-        s::CHECKPOINT_RETAIN,
-        s::SESSION_SEND,
-        s::SESSION_HISTORY,
-        s::TURN_RUN,
-        s::TURN_STEER,
-        s::TURN_COMPLETE,
         s::MEMORY_READ,
         s::MEMORY_WRITE,
         s::MEMORY_FORGET,
@@ -32,16 +35,13 @@ fn built() -> Vec<String> {
     ]
     .map(str::to_owned)
     .to_vec();
-    for what in [
-        s::PERSON_SESSION_SEND,
-        s::PERSON_SESSION_HISTORY,
-        s::PERSON_SESSION_LIST,
-        s::PERSON_DOCUMENT_UPLOAD,
-        s::PERSON_CHECKPOINT_LATEST,
-        s::PERSON_CHECKPOINT_GET,
-        s::PERSON_CHECKPOINT_LIST,
-    ] {
-        subjects.push(s::person(ID, what).unwrap());
+    for (name, value) in constants() {
+        if name.starts_with("PERSON_") {
+            subjects.push(s::person(ID, value).unwrap());
+        } else if !value.contains('*') {
+            // Subscribe patterns (`…_ALL`) are not subjects of their own.
+            subjects.push(value.to_owned());
+        }
     }
     subjects.extend([
         s::model_complete_stream_at(ID),
@@ -64,6 +64,49 @@ fn built() -> Vec<String> {
                 .join(".")
         })
         .collect()
+}
+
+/// Every `pub fn` of `subjects.rs` is either a builder [`built`] calls or one that builds no
+/// subject of its own: a new builder fails here until it is added above.
+#[test]
+fn every_subject_builder_is_checked() {
+    let builders: Vec<&str> = SUBJECTS_RS
+        .lines()
+        .filter_map(|line| {
+            let rest = line.trim().strip_prefix("pub fn ")?;
+            Some(&rest[..rest.find(['(', '<'])?])
+        })
+        .collect();
+    let known = [
+        // called by `built`
+        "model_complete_stream_at",
+        "person",
+        "session_events",
+        "turn_input",
+        "tool",
+        "agent_ask",
+        "agent_reply",
+        "agent_event",
+        "agent_broadcast",
+        // subscribe patterns and readers of subjects
+        "person_all",
+        "person_of",
+        "may_reach",
+        "person_session_events",
+        "token",
+        "agent_reply_receive",
+        "agent_ask_receive",
+        "agent_event_receive",
+        "agent_sender",
+        "speaks_as",
+    ];
+    for builder in &builders {
+        assert!(
+            known.contains(builder),
+            "subjects.rs has a new builder {builder:?}: add it to tests/docs.rs"
+        );
+    }
+    assert!(constants().len() > 20, "{:?}", constants());
 }
 
 /// The subjects a page names: `cyrene.` and what follows of `[A-Za-z0-9_.<>*-]`, each `<…>`
@@ -158,4 +201,48 @@ fn the_subject_scan_reads_placeholders_wildcards_and_prefixes() {
     assert!(matches("cyrene.person.*.>", "cyrene.person.*.session.send"));
     assert!(!matches("cyrene.turn.input", "cyrene.turn.input.*"));
     assert!(!matches("cyrene.turn.*", "cyrene.turn.input.*"));
+}
+
+/// Every `semantics.md#<anchor>` cited in the repository's code and docs is an anchor that
+/// docs/semantics.md declares (`<a id="<anchor>"></a>`), so a renamed section cannot leave a
+/// comment pointing nowhere.
+#[test]
+fn every_cited_semantics_anchor_exists() {
+    let page = include_str!("../docs/semantics.md");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    let mut dirs: Vec<_> = ["src", "services", "shared", "tests", "docs", "benches"]
+        .iter()
+        .map(|d| root.join(d))
+        .collect();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs" || e == "md") {
+                files.push(path);
+            }
+        }
+    }
+    let mut cited = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (at, _) in text.match_indices("semantics.md#") {
+            let anchor: String = text[at + "semantics.md#".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            if anchor.is_empty() {
+                continue; // this test's own `semantics.md#<anchor>`
+            }
+            cited += 1;
+            assert!(
+                page.contains(&format!("<a id=\"{anchor}\"></a>")),
+                "{} cites docs/semantics.md#{anchor}, which docs/semantics.md does not declare",
+                file.display()
+            );
+        }
+    }
+    assert!(cited > 30, "only {cited} citations found");
 }

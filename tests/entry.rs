@@ -395,7 +395,6 @@ fn every_setting_of_every_service_is_a_flag() {
         tool_refresh,
         shutdown_grace,
         turns_replicas,
-        poison_after,
     } = cyrene_loop_worker::Args::try_parse_from([
         "cyrene-loop-worker",
         "--concurrency=3",
@@ -412,7 +411,6 @@ fn every_setting_of_every_service_is_a_flag() {
         "--tool-refresh=12s",
         "--shutdown-grace=13s",
         "--turns-replicas=3",
-        "--poison-after=5",
     ])
     .unwrap()
     .into_config()
@@ -427,7 +425,6 @@ fn every_setting_of_every_service_is_a_flag() {
         ),
         (3, "w-2", 4, 5, 3)
     );
-    assert_eq!(poison_after, 5);
     assert_eq!(
         [
             ack_wait,

@@ -1,7 +1,8 @@
 //! Persona memory over the bus (docs/memory.md) with the real orchestrator, checkpoint store
 //! and loop worker binaries on a real nats-server: entries written on `cyrene.memory.write`
-//! reach the next turn's model request as the working-memory and memory blocks, in the seed's
-//! order (instructions, time, working memory, memory), and `forget` takes them out again.
+//! reach the next turn's model request as the working-memory and memory blocks, in the fixed
+//! order (docs/semantics.md#view-order) (instructions, time, working memory, memory), and `forget`
+//! takes them out again.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
 mod common;

@@ -1,5 +1,6 @@
 //! `cyrene-checkpoint-store`: durable per-step snapshots of agent turns (docs/architecture.md §3,
-//! §5 "Fencing", §9; seed 003), served over NATS as the micro service `cyrene-checkpoint-store`.
+//! §5 "Fencing", §9; docs/semantics.md#checkpoints-and-resume), served over NATS as the micro
+//! service `cyrene-checkpoint-store`.
 //!
 //! This crate owns:
 //! - the [`store::CheckpointStore`] trait and its two SQL backends, [`store::PgStore`]

@@ -3,17 +3,18 @@
 //! Order, fixed:
 //! 1. agent instructions (the first system message), then the time, working-memory and memory
 //!    blocks in that order — each its own system message, each omitted when empty;
-//! 2. the attribution lead (seed 001), when attribution renders at all;
+//! 2. the attribution lead (docs/semantics.md#attribution), when attribution renders at all;
 //! 3. the conversation window, with attribution switch notes before the messages they announce;
 //! 4. the steered messages claimed so far this turn, in claim order, attributed as a
 //!    continuation of the window: a `[发言归属]` note holds from where it appears until the next
-//!    one (seed 001), so a steered message whose speaker differs from the last attributed one
-//!    gets its own note — a third party's message steered in never reads as the owner's;
-//! 5. the parallel notice (seed 000), last.
+//!    one (docs/semantics.md#attribution), so a steered message whose speaker differs from the last
+//!    attributed one gets its own note — a third party's message steered in never reads as the
+//!    owner's;
+//! 5. the parallel notice (docs/semantics.md#parallel-notice), last.
 //!
 //! Document parts are replaced here, in the conversation and in steered messages alike, by the
 //! document's extracted text, or by a manifest line when no text could be extracted (see
-//! [`manifest_line`]; the seeds do not define this wording).
+//! [`manifest_line`]; docs/semantics.md#our-wording).
 //!
 //! # Invariants
 //! - The **window** is only borrowed: steered messages, the notice, attribution notes and
@@ -64,7 +65,7 @@ impl ContextBlocks {
 pub const TIME_BLOCK_MARKER: &str = "[当前时间] ";
 
 /// The time block: `[当前时间] 2026-11-30 03:01（UTC，星期一）`, to the minute, in UTC. The
-/// seeds fix only its place (after the instructions, before working memory and memory); this
+/// reference fixes only its place (after the instructions, before working memory and memory); this
 /// wording is ours. It is a system message like the other blocks, so it never touches user text.
 pub fn time_block(now: chrono::DateTime<chrono::Utc>) -> String {
     use chrono::{Datelike, Weekday};
@@ -155,7 +156,7 @@ impl DocumentExtractor for NoExtraction {
 /// The line standing in for a document whose text could not be extracted:
 /// `[文档] {name}（{mime}，{size} 字节）：未能提取文字内容。` It names the attachment (server-issued
 /// name, sniffed MIME, size) so the model can say it received a file it cannot read, rather
-/// than silently missing it. Seeds do not define this wording; it is ours.
+/// than silently missing it. The wording is ours (docs/semantics.md#our-wording).
 pub fn manifest_line(document: DocumentRef<'_>) -> String {
     format!(
         "[文档] {}（{}，{} 字节）：未能提取文字内容。",

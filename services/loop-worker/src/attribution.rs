@@ -1,4 +1,5 @@
-//! Speaker attribution: which persona or person said which line of the conversation (seed 001).
+//! Speaker attribution: which persona or person said which line of the conversation
+//! (docs/semantics.md#attribution).
 //!
 //! In a multi-persona session the model must know that an earlier answer came from another
 //! persona; in a restricted (group or stranger) session it must tell the owner's lines from
@@ -9,7 +10,7 @@
 //!   of a non-owner *person* in a restricted session; the owner's own lines are never labelled;
 //! - a user message labelled with `sender_kind: agent` is the **agent lane**: another agent's
 //!   ask, whose `from` is an agent id the runtime did not verify. An agent is neither the owner
-//!   nor a third-party person, so it gets a note of its own (our wording: the seed knows only
+//!   nor a third-party person, so it gets a note of its own (our wording: the reference knows only
 //!   persons on the user side);
 //! - in a restricted session an *unlabelled* user message is the owner and an unlabelled
 //!   assistant message is the current persona (a restricted session has exactly one persona).
@@ -25,7 +26,8 @@
 //! - Speaker keys are prefixed by lane (`role\0`, `third\0`, `agent\0`, `owner`), so a persona id and a
 //!   nickname that happen to be equal are two speakers, never merged into one note.
 //! - Tool and system messages are never attributed, and they do not reset the current speaker.
-//! - Every string is byte-exact from seed 001 (markers, full-width punctuation, spaces).
+//! - Every string is byte-exact (docs/semantics.md#attribution: markers, full-width punctuation,
+//!   spaces).
 //! - Every name in a lead or a note — nickname, persona id, persona display name — went through
 //!   [`safe_name`] ([`display_name`]): one line, no brackets, at most 64 characters. So a name
 //!   can neither start a second marker line nor close its `「…」` label and write its own (a
@@ -160,7 +162,7 @@ const SELF_PREFIX: &str = "以下发言来自你自己——";
 const SELF_SUFFIX: &str = "。";
 const OTHER_PREFIX: &str = "以下发言来自";
 const OTHER_SUFFIX: &str = "，不是你说的。";
-/// The agent-lane note (ours, not the seed's): an asking agent is no person, and its id is
+/// The agent-lane note (ours, not the reference's): an asking agent is no person, and its id is
 /// only what it claimed.
 const AGENT_PREFIX: &str = "以下发言来自「";
 const AGENT_SUFFIX: &str =
@@ -532,7 +534,8 @@ fn switch_note_text(speaker: &Speaker, env: &SpeakerEnv, names: &PersonaNames) -
 mod tests {
     use super::*;
 
-    // Expected strings, copied from seed 001 (composed the way the seed composes them).
+    // Expected strings, copied from the reference (docs/semantics.md#attribution), composed as it
+    // composes them.
     const LEAD_OPEN_CYRENE: &str = "[会话角色] 你正以「昔涟」（cyrene）的身份对话。本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";
     const LEAD_OPEN_NO_CURRENT: &str = "[会话角色] 本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";
     const LEAD_OPEN_BARE_CYRENE: &str = "[会话角色] 你正以「cyrene」的身份对话。本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";

@@ -33,7 +33,7 @@ pub const MAX_FETCH_BYTES: u64 = 8 * 1024 * 1024;
 /// The longest the worker waits for one extraction (a backstop: the budgets of
 /// [`crate::pdf::PdfLimits`] already bound the work; a timed-out thread finishes within them).
 pub const EXTRACT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-/// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: the seeds define no wording).
+/// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: docs/semantics.md#our-wording).
 pub const TRUNCATED_NOTE: &str = "[文档过长，以上只是开头部分]";
 
 /// A stored document as read back from the document service.

@@ -28,7 +28,7 @@ use sha2::{Digest, Sha256};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The prompt that asks the vision chain to describe one image (the seeds define no wording).
+/// The prompt that asks the vision chain to describe one image (docs/semantics.md#our-wording).
 pub const IMAGE_PROMPT: &str = "请用一两句话客观描述这张图片的内容，不要推测图片之外的事。";
 /// What replaces an image for a main model without vision: this prefix and the description.
 pub const IMAGE_DESCRIPTION_PREFIX: &str = "[图片描述] ";

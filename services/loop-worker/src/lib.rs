@@ -1,9 +1,9 @@
 //! The loop worker: runs turns from the JetStream work queue `CYRENE_TURNS` (docs/architecture.md
-//! §5, §7; seeds 000, 001, 003).
+//! §5, §7; docs/semantics.md).
 //!
 //! Modules, from pure to wired:
 //! - [`attribution`], [`notice`], [`resume`], [`assemble`]: the semantics of one step's view and
-//!   of resuming, with the seeds' exact wording; no I/O.
+//!   of resuming, with their exact wording (docs/semantics.md); no I/O.
 //! - [`runner`]: one turn step by step against the [`ports::TurnPorts`] trait.
 //! - [`documents`]: documents resolved by reference and their text extracted for the view
 //!   ([`pdf`]: PDF text within fixed budgets; [`extractions`]: the poison-document rule);

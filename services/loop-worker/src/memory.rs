@@ -1,6 +1,7 @@
 //! The working-memory and memory blocks of the view (docs/memory.md): read from
 //! `cyrene.memory.read` once per turn attempt, before the first step, and rendered as system
-//! messages after the time block (seed 001: instructions, time, working memory, memory).
+//! messages after the time block (docs/semantics.md#view-order: instructions, time, working memory,
+//! memory).
 //!
 //! # Invariants
 //! - A block is empty (so left out of the view) when there is nothing to show, and when memory
@@ -11,7 +12,7 @@
 
 use cyrene_protocol::memory::MemoryEntry;
 
-/// Opens the working-memory block (ours: the seeds fix its place, not its wording).
+/// Opens the working-memory block (ours: docs/semantics.md#our-wording).
 pub const WORKING_MEMORY_HEADER: &str = "[工作记忆] 本会话中记下的事：";
 /// Opens the long-term memory block (ours).
 pub const MEMORY_HEADER: &str = "[记忆] 你长期记得的事：";

@@ -1,5 +1,5 @@
 //! The parallel-leg notice: one system message telling this leg that another leg of the same
-//! session is running (seed 000, "并行路进行态摘要").
+//! session is running (docs/semantics.md#parallel-notice).
 //!
 //! # Invariants
 //! - The notice is metadata only ([`ParallelNotice`] has no field that could carry the other
@@ -8,7 +8,8 @@
 //!   point of the notice; the facts line and the queued line only add to it.
 //! - The facts line lists only non-empty fields (message id, step > 0, tool names), joined by
 //!   `；` and ending in `。`; tool names are joined by `、`; the queued line appears only when
-//!   `queued > 0`. Lines are separated by `\n`. Every string is byte-exact from seed 000.
+//!   `queued > 0`. Lines are separated by `\n`. Every string is byte-exact
+//!   (docs/semantics.md#parallel-notice).
 //! - The message id and tool names come from the job (tool names from the other leg's model
 //!   calls): each goes through [`display_name`] first, so none can break a line, open a marker or
 //!   exceed 64 characters; a name with nothing left is left out.
@@ -98,9 +99,9 @@ pub fn append_notice(view: &mut Vec<Message>, notice: Option<&ParallelNotice>) {
 mod tests {
     use super::*;
 
-    /// Expected text for every subset of the four fields, copied from seed 000. Bit 0: message
-    /// id `msg-7`; bit 1: step 3; bit 2: tools `search_documents`, `document-read`; bit 3:
-    /// queued 2.
+    /// Expected text for every subset of the four fields, copied from
+    /// docs/semantics.md#parallel-notice. Bit 0: message id `msg-7`; bit 1: step 3; bit 2: tools
+    /// `search_documents`, `document-read`; bit 3: queued 2.
     const EXPECTED: [&str; 16] = [
         "[并行路提示] 该会话当前另有一路正在进行中（不打断它）。\n你这一路独立作答；不要复述或改写对方可能给出的内容。",
         "[并行路提示] 该会话当前另有一路正在进行中（不打断它）。\n上一条消息 id：msg-7。\n你这一路独立作答；不要复述或改写对方可能给出的内容。",

@@ -1,5 +1,5 @@
 //! Resume decisions: whether a turn continues from its owner's latest checkpoint or starts fresh
-//! (seed 003; docs/architecture.md §5 "Checkpoints and resume").
+//! (docs/semantics.md#checkpoints-and-resume; docs/architecture.md §5).
 //!
 //! Only a **crash-left** run resumes: a snapshot whose last step ended mid tool loop
 //! (`stop_reason == "tool_calls"`), written just before the process died, so the closing guard
@@ -20,10 +20,10 @@
 //!   already folded in) and continues at `step + 1`, so a completed step's tools never run again
 //!   and a completed answer is never regenerated.
 //! - The user-message key is, in part order, the text of text and tool-result parts, `\0img:` +
-//!   URL and `\0doc:` + name, exactly as seed 003 writes every part's text field except for
-//!   images and documents; role and speaker are not part of it. Tool-call parts add nothing
-//!   (their text field is empty in the seed) and neither do reasoning parts (the seed's message
-//!   has no such part).
+//!   URL and `\0doc:` + name, exactly as the reference (docs/semantics.md#checkpoints-and-resume)
+//!   writes every part's text field except for images and documents; role and speaker are not part
+//!   of it. Tool-call parts add nothing (their text field is empty in the reference) and neither do
+//!   reasoning parts (the reference's message has no such part).
 
 use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState};
 use cyrene_protocol::message::{Message, Part, Role};
@@ -69,8 +69,9 @@ pub fn holds_final_answer(messages: &[Message]) -> bool {
 }
 
 /// The comparison key of a user message: text and tool-result parts verbatim, `\0img:` + URL for
-/// images and `\0doc:` + name for documents, in part order (seed 003 `userMessageKey`). An
-/// image-only or document-only message thus still has a key.
+/// images and `\0doc:` + name for documents, in part order
+/// (docs/semantics.md#checkpoints-and-resume). An image-only or document-only message thus still
+/// has a key.
 pub fn user_message_key(message: &Message) -> String {
     let mut key = String::new();
     for part in &message.content {
@@ -162,7 +163,7 @@ impl ResumeDecision {
 /// Decides how a turn starts from the owner's latest checkpoint (`None` when there is none or
 /// it could not be loaded) and the turn's seeded messages.
 ///
-/// The step resumed from is the checkpoint row's `step`, as in the seed.
+/// The step resumed from is the checkpoint row's `step` (docs/semantics.md#checkpoints-and-resume).
 pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision {
     let Some(checkpoint) = latest else {
         return ResumeDecision::fresh(FreshReason::NoCheckpoint);
@@ -346,8 +347,9 @@ mod tests {
             },
             Part::text("b"),
         ]);
-        // Seed 003 writes `part.Text` for every part but images and documents: a tool result's
-        // text is its body; a tool call has none; the seed has no reasoning part.
+        // The reference (docs/semantics.md#checkpoints-and-resume) writes `part.Text` for every
+        // part but images and documents: a tool result's text is its body; a tool call has none;
+        // the reference has no reasoning part.
         assert_eq!(user_message_key(&m), "aresultb");
     }
 

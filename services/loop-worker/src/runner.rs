@@ -148,7 +148,7 @@ struct Turn<'a, P> {
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
-/// seeds name the `safety_net` stop but not its wording).
+/// reference names the `safety_net` stop but not its wording).
 pub const SAFETY_NET_NOTE: &str =
     "[步数上限] 本回合可用的步数已经用完：不要再调用工具，请根据以上已有的信息直接回答。";
 
@@ -304,8 +304,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     /// The boundary before `step` (steer), then its model call. A turn past its deadline steers
-    /// no more (seed 000); what a steer merged counts as taken in only once the model call that
-    /// saw it has answered.
+    /// no more (docs/semantics.md#steering); what a steer merged counts as taken in only once the
+    /// model call that saw it has answered.
     async fn boundary_then_model(
         &mut self,
         step: u32,
@@ -1103,7 +1103,8 @@ pub(crate) mod tests {
             Message::text(Role::System, "You are Cyrene.")
         );
         // instructions, time block, attribution lead, user, switch note, assistant calls, two
-        // results: the persona-labelled assistant message makes attribution render (seed 001).
+        // results: the persona-labelled assistant message makes attribution render
+        // (docs/semantics.md#attribution).
         assert_eq!(requests[1].messages.len(), 8);
         assert!(
             requests[1].messages[2]

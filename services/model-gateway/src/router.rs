@@ -16,8 +16,8 @@
 //!   are tried in order anyway: a request is never refused without at least one attempt.
 //! - The whole request, all attempts included, is bounded by its deadline (`total_timeout_ms`,
 //!   else the config default). Each attempt — one HTTP call — is also bounded by the request's
-//!   `timeout_ms` (seed 004 `Options.Timeout`), else by its provider's `timeout_ms`; a per-call
-//!   timeout of 0 means that provider default.
+//!   `timeout_ms` (docs/semantics.md#model-vocabulary), else by its provider's `timeout_ms`; a
+//!   per-call timeout of 0 means that provider default.
 //!
 //! # Pitfalls
 //! - Health is per gateway process: replicas learn about a failing provider independently.
@@ -164,7 +164,7 @@ impl Router {
             .filter(|ms| *ms > 0)
             .map(Duration::from_millis)
             .unwrap_or_else(|| self.config.default_timeout());
-        // One HTTP call; 0 = the provider's own timeout (seed 004 `Options.Timeout`).
+        // One HTTP call; 0 = the provider's own timeout (docs/semantics.md#model-vocabulary).
         let per_call = req
             .timeout_ms
             .filter(|ms| *ms > 0)
@@ -550,7 +550,8 @@ mod tests {
         let mut zero = ok.clone();
         zero.max_tokens = Some(0);
         assert!(check_request(&zero).is_err());
-        // A per-call timeout of 0 is the provider's default (seed 004), not an error.
+        // A per-call timeout of 0 is the provider's default (docs/semantics.md#model-vocabulary),
+        // not an error.
         let mut default_timeout = ok;
         default_timeout.timeout_ms = Some(0);
         default_timeout.total_timeout_ms = Some(0);

@@ -468,7 +468,7 @@ async fn effort_is_matched_as_given_and_sent_unchecked_without_a_declared_whitel
     let deepseek = answering("/chat/completions", openai_text_reply("ok")).await;
     let gw = openai_gateway(&deepseek, json!({"vendor":"deepseek"}));
     let mut req = ask(vec![user("x")]);
-    req.reasoning_effort = "HIGH".into(); // not "high": no case folding (seed 004)
+    req.reasoning_effort = "HIGH".into(); // not "high" (docs/semantics.md#model-vocabulary)
     let logs = warnings_completing(&gw, &req).await;
     assert_eq!(
         bodies(&deepseek).await[0],
@@ -791,7 +791,8 @@ async fn anthropic_tool_choice_is_sent_exactly_as_given() {
     let choices = [
         json!({"type":"any"}),
         json!({"type":"tool","name":"get_time","disable_parallel_tool_use":true}),
-        // Not this dialect's forms: still sent as given (seed 004), for the provider to judge.
+        // Not this dialect's forms: still sent as given (docs/semantics.md#model-vocabulary), for
+        // the provider to judge.
         json!("required"),
         json!({"type":"function","function":{"name":"get_time"}}),
     ];
@@ -1049,7 +1050,7 @@ async fn the_request_timeout_bounds_one_call_and_each_step_gets_its_own() {
     let (slow, fast) = slow_then_fast().await;
     let gw = gateway(chain_of(&[("slow", &slow), ("fast", &fast)], json!({})));
     let mut req = ask(vec![user("x")]);
-    req.timeout_ms = Some(300); // seed 004 `Options.Timeout`: one HTTP call, not the chain
+    req.timeout_ms = Some(300); // docs/semantics.md#model-vocabulary: one HTTP call, not the chain
     let resp = gw.complete(&req).await.unwrap();
     assert_eq!(resp.provider, "fast");
     assert_eq!((hits(&slow).await, hits(&fast).await), (1, 1));

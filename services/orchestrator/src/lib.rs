@@ -1,6 +1,6 @@
 //! `cyrene-orchestrator`: sessions, transcripts, the pending queue, the per-session turn fence,
 //! turn dispatch to the loop workers, parallel legs and the personas as agents
-//! (docs/architecture.md §4, §5, §6, §9; seed 000), served as the micro service
+//! (docs/architecture.md §4, §5, §6, §9; docs/semantics.md#steering), served as the micro service
 //! `cyrene-orchestrator`.
 //!
 //! This crate owns:

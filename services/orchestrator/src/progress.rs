@@ -1,6 +1,6 @@
 //! Live progress of running turns, learnt from the session events the loop workers publish on
-//! `cyrene.session.*.events`; read when a parallel leg starts, to build its notice (seed 000:
-//! other message id, step, tool names, queued count).
+//! `cyrene.session.*.events`; read when a parallel leg starts, to build its notice
+//! (docs/semantics.md#parallel-notice: other message id, step, tool names, queued count).
 //!
 //! # Invariants
 //! - Metadata only: the step reached and the tool names called (in call order, deduplicated).

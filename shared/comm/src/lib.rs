@@ -1,4 +1,4 @@
-//! The agent-to-agent comm protocol on real NATS (docs/architecture.md §4; seed 002).
+//! The agent-to-agent comm protocol on real NATS (docs/architecture.md §4; docs/semantics.md#comm).
 //!
 //! A [`Probe`] is bound to one agent id. It can ask another agent and wait for the reply, emit an
 //! event to one agent, or broadcast one; [`Probe::serve`] makes it answer asks and receive events.
@@ -49,5 +49,5 @@ pub use probe::{
 use std::time::Duration;
 
 /// The longest an ask waits for its reply: the wait when the caller gives no deadline, and the
-/// cap on a longer one (seed: a silent agent never hangs its caller).
+/// cap on a longer one (docs/semantics.md#comm: a silent agent never hangs its caller).
 pub const DEFAULT_ASK_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,4 +1,5 @@
-//! `cyrene.checkpoint.*` shapes (docs/architecture.md §3, §5, §9; seed 003).
+//! `cyrene.checkpoint.*` shapes (docs/architecture.md §3, §5, §9;
+//! docs/semantics.md#checkpoints-and-resume).
 //!
 //! The owner key (`agent_id`) is the session id for a single leg and `{session}#{leg}` for a true
 //! parallel leg, so two legs never see each other's rows.

@@ -1,4 +1,4 @@
-//! Agent-to-agent comm messages (docs/architecture.md §4, §9; seed 002).
+//! Agent-to-agent comm messages (docs/architecture.md §4, §9; docs/semantics.md#comm).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

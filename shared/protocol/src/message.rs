@@ -1,4 +1,5 @@
-//! The vendor-neutral message vocabulary (docs/architecture.md §2, §9; seed 004).
+//! The vendor-neutral message vocabulary (docs/architecture.md §2, §9;
+//! docs/semantics.md#model-vocabulary).
 //!
 //! # Invariants
 //! - Tool-call `args` are a JSON object, never a JSON-encoded string. A provider reply whose

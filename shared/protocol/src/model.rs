@@ -33,14 +33,14 @@ pub struct Thinking {
 
 impl Thinking {
     /// The budget the caller asked for: `None` when absent **or 0**, which both mean "the
-    /// provider's default" (seed 004: `BudgetTokens` 0 picks the adapter's default).
+    /// provider's default" (docs/semantics.md#model-vocabulary).
     pub fn budget(&self) -> Option<u32> {
         self.budget_tokens.filter(|b| *b > 0)
     }
 }
 
-/// A completion request. No top_p and no penalties on purpose (seed 004: they are silently
-/// ignored or become hard floors on one side of the thinking switch).
+/// A completion request. No top_p and no penalties on purpose (docs/semantics.md#model-vocabulary:
+/// they are silently ignored or become hard floors on one side of the thinking switch).
 #[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -66,8 +66,8 @@ pub struct ModelRequest {
     /// interfere.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reasoning_effort: String,
-    /// Bounds **one** HTTP call to a provider (seed 004 `Options.Timeout`); absent or 0 = the
-    /// provider's own `timeout_ms`. Each fallback attempt gets its own.
+    /// Bounds **one** HTTP call to a provider (docs/semantics.md#model-vocabulary); absent or 0 =
+    /// the provider's own `timeout_ms`. Each fallback attempt gets its own.
     pub timeout_ms: Option<u64>,
     /// Bounds the whole request, every fallback attempt included (the caller's deadline); absent
     /// or 0 = the gateway's `default_timeout_ms`.

@@ -1,7 +1,7 @@
 //! Every NATS subject Cyrene uses, one builder each (docs/architecture.md §1–§6, §9).
 //!
 //! # Invariants
-//! - Comm subjects pass every id through [`token`] (the seed 002 sanitisation, part of the spec).
+//! - Comm subjects pass every id through [`token`] (docs/semantics.md#comm, part of the spec).
 //! - Every other subject that embeds an id takes it validated ([`crate::ids::validate`]) and
 //!   returns the [`IdError`] otherwise: no subject is built from unvalidated text.
 
@@ -170,7 +170,7 @@ pub fn agent_sender(subject: &str) -> Option<&str> {
 
 /// Whether a comm message whose body says `from` may travel on `subject`: `token(from)` must be
 /// the subject's sender token. Equality after sanitising (not byte equality) because ids are
-/// any text (seed 002): `a.b` speaks on `cyrene.agent.a_b.…`.
+/// any text (docs/semantics.md#comm): `a.b` speaks on `cyrene.agent.a_b.…`.
 pub fn speaks_as(subject: &str, from: &str) -> bool {
     agent_sender(subject).is_some_and(|sender| token(from) == sender)
 }

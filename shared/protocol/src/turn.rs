@@ -1,5 +1,5 @@
 //! Turn-job shapes shared by the orchestrator and the loop workers (docs/architecture.md §5, §6;
-//! seed 000).
+//! docs/semantics.md#steering).
 //!
 //! The orchestrator publishes a [`TurnJob`] on `cyrene.turn.run` (stream `CYRENE_TURNS`,
 //! `Nats-Msg-Id` = turn id); a loop worker runs it, asks `cyrene.turn.steer` once at the first
@@ -47,7 +47,7 @@ pub struct TurnJob {
     /// The highest session seq already in `messages`: the first steer asks for `seq > base_seq`.
     #[serde(default)]
     pub base_seq: u64,
-    /// Attached when this is a second leg (seed 000).
+    /// Attached when this is a second leg (docs/semantics.md#parallel-notice).
     pub notice: Option<ParallelNotice>,
     /// Model steps allowed before the turn ends as budget exhausted.
     #[serde(default = "default_max_steps")]
@@ -152,7 +152,7 @@ pub struct TurnCompleteAck {
 }
 
 /// A metadata-only snapshot of the *other* leg running in the same session, attached by the
-/// orchestrator when it starts a second leg (seed 000, "并行路进行态摘要").
+/// orchestrator when it starts a second leg (docs/semantics.md#parallel-notice).
 ///
 /// # Invariants
 /// - No field can carry the other leg's text: a half sentence would invite this leg to complete

@@ -5,9 +5,9 @@
 //!   conversation (before its first user/assistant/tool message) become the top-level `system`
 //!   string (joined by a blank line). A system message *inside* the conversation — an
 //!   attribution note, a parallel-leg notice — keeps its position: it becomes its own `text`
-//!   block of the `user` turn at that point (seed 001: notes hold from where they appear until
-//!   the next one, so hoisting them would detach every note from the messages it describes).
-//!   Its text is never joined to a user's text. A speaker-switch note
+//!   block of the `user` turn at that point (docs/semantics.md#attribution: notes hold from where
+//!   they appear until the next one, so hoisting them would detach every note from the messages it
+//!   describes). Its text is never joined to a user's text. A speaker-switch note
 //!   ([`cyrene_protocol::message::SPEAKER_SWITCH_MARKER`]) is never hoisted, even before the
 //!   first message: it starts the conversation.
 //! - Tool turns become `user` messages of `tool_result` blocks (`is_error: true` only when set);
@@ -20,8 +20,8 @@
 //! - Thinking: `{"type":"disabled"}` for `enable: false`; else, when asked, per model capability
 //!   `{"type":"enabled","budget_tokens":N}` (absent or 0 = 1024) or `{"type":"adaptive"}`. A
 //!   budget the request gives but the body cannot carry (adaptive, or disabled) is a WARN.
-//! - `tool_choice` is sent exactly as given (seed 004: passed through to the dialect that has
-//!   one); the neutral forms are this dialect's own.
+//! - `tool_choice` is sent exactly as given (docs/semantics.md#model-vocabulary: passed through to
+//!   the dialect that has one); the neutral forms are this dialect's own.
 //! - `reasoning_effort` → `output_config.effort`, matched as given against `low`, `medium`,
 //!   `high`, `max` unless configured.
 //! - Usage: hits = `cache_read_input_tokens`; misses = `input_tokens +
@@ -115,7 +115,8 @@ impl HttpDialect for AnthropicProvider {
             body.insert("tools".into(), Value::Array(tools));
         }
         if let Some(choice) = &req.tool_choice {
-            // As given: the neutral forms are this dialect's own (seed 004).
+            // As given: the neutral forms are this dialect's own
+            // (docs/semantics.md#model-vocabulary).
             body.insert("tool_choice".into(), choice.clone());
         }
         if let Some(thinking) = thinking {
@@ -315,11 +316,12 @@ fn append(block: &mut Value, key: &str, text: &str) {
     block[key] = Value::String(joined);
 }
 
-/// The `thinking` object for `style`; a budget the object cannot carry is reported (seed 004:
-/// a thinking field a provider cannot take is a WARN, never silently dropped).
+/// The `thinking` object for `style`; a budget the object cannot carry is reported
+/// (docs/semantics.md#model-vocabulary: a thinking field a provider cannot take is a WARN, never
+/// silently dropped).
 fn thinking(req: &ModelRequest, style: ThinkingStyle, provider: &str) -> Option<Value> {
     let t = req.thinking.as_ref()?;
-    // 0 = the adapter's default budget (seed 004).
+    // 0 = the adapter's default budget (docs/semantics.md#model-vocabulary).
     let budget = t.budget();
     let dropped_budget = |why: &str| {
         if let Some(budget) = budget {
@@ -357,8 +359,8 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
     for m in messages {
         let (role, blocks) = match m.role {
             // A speaker-switch note opens the conversation rather than the system text: it
-            // holds from where it appears (seed 001), and in `system` a forged copy in a later
-            // message would read as the newest note.
+            // holds from where it appears (docs/semantics.md#attribution), and in `system` a
+            // forged copy in a later message would read as the newest note.
             Role::System if !conversation_started && !is_in_place_note(m) => {
                 let text = m.text_content();
                 if !text.is_empty() {

@@ -627,7 +627,7 @@ mod tests {
     #[test]
     fn effort_is_matched_as_given_and_passes_unchecked_without_a_whitelist() {
         let ds = strings(&["low", "high", "max"]);
-        // No case folding, no trimming: "MAX" is not "max" (seed 004, D13).
+        // No case folding, no trimming: "MAX" is not "max" (docs/semantics.md#model-vocabulary).
         assert_eq!(normalise_effort("MAX", Some(&ds), true, "p"), None);
         assert_eq!(normalise_effort(" high", Some(&ds), true, "p"), None);
         assert_eq!(normalise_effort("Minimal", Some(&ds), true, "p"), None);

@@ -98,7 +98,7 @@ impl OpenAiProvider {
                 if let Some(enable) = thinking.and_then(|t| t.enable) {
                     body.insert("enable_thinking".into(), json!(enable));
                 }
-                // 0 = the provider's default budget: not sent (seed 004).
+                // 0 = the provider's default budget: not sent (docs/semantics.md#model-vocabulary).
                 if let Some(budget) = thinking.and_then(Thinking::budget) {
                     body.insert("thinking_budget".into(), json!(budget));
                 }
