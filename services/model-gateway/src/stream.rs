@@ -17,9 +17,10 @@
 //!   [`LATE_FLUSH_EVERY`]; past [`MAX_DELTA_MESSAGES`] no more deltas are published (the end
 //!   marker's `done` holds the whole answer). So the end marker always fits in the permission.
 //! - The call record is published exactly as for the non-streamed call ([`Gateway::call`]).
-//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one whenever nothing else
-//!   was published for the asked interval while the call runs; when this replica dies they stop,
-//!   which is how the caller notices it (docs/model-gateway.md, "A replica that dies mid-call").
+//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one as the call starts and
+//!   then whenever nothing else was published for the asked interval while the call runs; when
+//!   this replica dies they stop, which is how the caller notices it (docs/model-gateway.md, "A
+//!   replica that dies mid-call").
 //!
 //! # Pitfalls
 //! - Core NATS does not redeliver: a caller too slow for its deltas loses some and sees a gap in
@@ -167,9 +168,13 @@ async fn forward(
         }
     });
     let mut seq = 0u64;
-    // A far deadline stands for "no heartbeats": the branch never fires.
+    // A far deadline stands for "no heartbeats": the branch never fires. The first heartbeat
+    // goes out at once: it tells the caller this replica took the call and sends them.
     let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
-    let mut beat = tokio::time::Instant::now() + every;
+    let mut beat = tokio::time::Instant::now();
+    if heartbeat.is_none() {
+        beat += every;
+    }
     let mut pending: Vec<Delta> = Vec::new();
     let mut last_flush = tokio::time::Instant::now();
     let mut withheld = 0u64;

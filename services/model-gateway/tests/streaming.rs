@@ -797,9 +797,17 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     let seqs: Vec<u64> = chunks.iter().map(|c| c.seq).collect();
     assert_eq!(seqs, (0..chunks.len() as u64).collect::<Vec<_>>());
 
-    // A "replica" that takes the call and dies: silence, then `Vanished` well before the timeout.
+    // A "replica" that takes the call, says so with a heartbeat and dies: silence, then
+    // `Vanished` well before the timeout.
     let mut sink = client.subscribe("test.silent").await.unwrap();
-    tokio::spawn(async move { while sink.next().await.is_some() {} });
+    let replier = client.clone();
+    tokio::spawn(async move {
+        while let Some(request) = sink.next().await {
+            let beat = serde_json::to_vec(&StreamChunk::heartbeat(0)).unwrap();
+            let reply = request.reply.unwrap();
+            replier.publish(reply, beat.into()).await.unwrap();
+        }
+    });
     client.flush().await.unwrap();
     let err = inbox
         .complete_stream_at(
@@ -812,5 +820,31 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
         .unwrap_err();
     assert!(matches!(err, RequestError::Vanished { .. }), "{err:?}");
     assert_eq!(err.code(), ErrorCode::Unavailable);
+
+    // A gateway from before heartbeats sends none: its slow answer (here 600 ms, more than the
+    // silence limit) is waited for, not taken for its death.
+    let mut old = client.subscribe("test.old").await.unwrap();
+    let replier = client.clone();
+    tokio::spawn(async move {
+        while let Some(request) = old.next().await {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let response: ModelResponse = serde_json::from_value(json!({"model": "m",
+                "content": "late", "message": {"role": "assistant", "content": "late"},
+                "stop_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0,
+                "total_tokens": 0, "cache_hit_tokens": 0, "cache_miss_tokens": 0,
+                "reasoning_tokens": 0, "provider": "p", "offline": false}))
+            .unwrap();
+            let done = StreamChunk::done(0, response);
+            let reply = request.reply.unwrap();
+            let payload = serde_json::to_vec(&done).unwrap();
+            replier.publish(reply, payload.into()).await.unwrap();
+        }
+    });
+    client.flush().await.unwrap();
+    let late = inbox
+        .complete_stream_at("test.old", &ask("slowly"), WAIT, |_, _| {})
+        .await
+        .unwrap();
+    assert_eq!(late.0.content, "late");
     shutdown.cancel();
 }

@@ -6,10 +6,12 @@
 //! - A gap in `seq` (a delta lost to a slow subscription) is an error of the call, never silently
 //!   skipped: the caller would show text with a hole in it.
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
-//! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and
-//!   gives up on a call that hears nothing for [`SILENT_BEATS`] intervals
-//!   ([`RequestError::Vanished`]): a replica that died mid-call is noticed in about a second,
-//!   not at the call's timeout. Heartbeats take a `seq` like any message and are skipped.
+//! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and,
+//!   once the first one came (a gateway sends it as it takes the call), gives up on a call that
+//!   hears nothing for [`SILENT_BEATS`] intervals ([`RequestError::Vanished`]): a replica that
+//!   died mid-call is noticed in about a second, not at the call's timeout. A gateway that sends
+//!   none (older than heartbeats) is waited for up to the timeout, as before. Heartbeats take a
+//!   `seq` like any message and are skipped.
 //! - [`StreamInbox`] serves many calls from one wildcard subscription (`<inbox>.*`, one token a
 //!   call), so a call costs no SUB/UNSUB on the server; a call's route is removed when it
 //!   returns, however it returns, and what arrives for a finished call is dropped.
@@ -246,10 +248,14 @@ async fn exchange(
         .await
         .map_err(|e| transport(&e))?;
     let mut expected = 0u64;
+    // Silence counts only once the responder has shown it sends heartbeats (its first message
+    // is one): a gateway from before heartbeats (a rolling upgrade) never sends any, and a slow
+    // first delta from it must not read as its death.
+    let mut armed = false;
     loop {
         let wait = match silent {
-            Some(silent) => deadline.min(Instant::now() + silent),
-            None => deadline,
+            Some(silent) if armed => deadline.min(Instant::now() + silent),
+            _ => deadline,
         };
         let message = match tokio::time::timeout_at(wait, replies.next()).await {
             Err(_) if wait < deadline => {
@@ -299,6 +305,7 @@ async fn exchange(
             return Ok((*done, chunk.replica));
         }
         if chunk.heartbeat == Some(true) {
+            armed = true;
             continue;
         }
         if let Some(delta) = chunk.delta {

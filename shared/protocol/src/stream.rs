@@ -7,8 +7,8 @@
 //!   exactly one of `delta`, `done`, `error` is set, and the last message (`done` or `error`) is
 //!   the end marker.
 //! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) also gets `heartbeat` chunks (a
-//!   `seq` of their own, nothing else set) whenever the gateway published nothing for the asked
-//!   interval; a caller that did not ask never gets one.
+//!   `seq` of their own, nothing else set): one as the gateway takes the call, then one whenever
+//!   it published nothing for the asked interval; a caller that did not ask never gets one.
 //! - `done` is the same [`ModelResponse`] the non-streamed call answers: the deltas are a preview
 //!   of it, never a second source of truth (concatenating the `text` deltas gives its `content`).
 
