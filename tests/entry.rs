@@ -558,6 +558,11 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-in-flight=7",
         "--http-addr=127.0.0.1:8088",
         "--http-keys=k1,k2",
+        "--http-max-connections=9",
+        "--http-header-timeout=3s",
+        "--http-body-timeout=4s",
+        "--http-max-requests=5",
+        "--http-body-budget=20000000",
     ])
     .unwrap()
     .into_config()
@@ -569,6 +574,18 @@ fn every_setting_of_every_service_is_a_flag() {
     let http = http.unwrap();
     assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
     assert!(!http.keys.is_empty());
+    let cyrene_model_gateway::http::HttpLimits {
+        max_connections,
+        header_timeout,
+        body_timeout,
+        max_requests,
+        body_budget,
+    } = http.limits;
+    assert_eq!(
+        (max_connections, header_timeout, body_timeout),
+        (9, s(3), s(4))
+    );
+    assert_eq!((max_requests, body_budget), (5, 20_000_000));
 }
 
 /// A free local TCP port (bound and released).
