@@ -456,8 +456,13 @@ fn every_setting_of_every_service_is_a_flag() {
         max_message_bytes,
         max_job_bytes,
         max_document_bytes,
+        document_store_bytes,
+        document_owner_bytes,
+        upload_ttl,
         ask_timeout,
         serve_agents,
+        ask_concurrency,
+        ask_queue_bytes,
         sweep_interval,
         dispatch_grace,
         db_timeout,
@@ -480,8 +485,13 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-message-bytes=100",
         "--max-job-bytes=200",
         "--max-document-bytes=300",
+        "--document-store-bytes=2000",
+        "--document-owner-bytes=1000",
+        "--upload-ttl=3s",
         "--ask-timeout=4s",
         "--no-agents",
+        "--ask-concurrency=11",
+        "--ask-queue-bytes=12",
         "--sweep-interval=5s",
         "--dispatch-grace=6s",
         "--db-timeout=7s",
@@ -519,6 +529,11 @@ fn every_setting_of_every_service_is_a_flag() {
         [s(4), s(5), s(6), s(7)]
     );
     assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
+    assert_eq!(
+        (document_store_bytes, document_owner_bytes, upload_ttl),
+        (2000, 1000, s(3))
+    );
+    assert_eq!((ask_concurrency, ask_queue_bytes), (11, 12));
 
     let cyrene_checkpoint_store::Config {
         database_url,

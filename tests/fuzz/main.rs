@@ -16,9 +16,11 @@
 //! Hostile clients of another kind run in the same stack ([`hostile_phases`]), counted in the
 //! same figures: a PDF bomb (a 40 KB file of four million empty text operations, issue 30 H2)
 //! sent in a message, with the loop worker under a memory cap ([`WORKER_MEMORY_CAP`]) — its turn
-//! is answered, the worker lives; and 320 idle sockets on the gateway's HTTP front door, run
-//! with 256 descriptors (issue 30 H3) — a bus model call and a new HTTP request are answered,
-//! the idle sockets closed.
+//! is answered, the worker lives; 320 idle sockets on the gateway's HTTP front door, run with
+//! 256 descriptors (issue 30 H3) — a bus model call and a new HTTP request are answered, the
+//! idle sockets closed; a person's fenced read of `latest` (`forbidden`, issue 30 M2); an ask
+//! flood, 100 asks of 512 KiB at once (every one answered or refused, none lost, M4/M5); a
+//! message of 3,000 image URLs (`bad_request`, M6).
 //!
 //! - `make test` runs a slice ([`a_slice_of_malformed_requests_costs_no_crash_hang_or_unstructured_reply`]).
 //! - `make fuzz` runs the full run (`#[ignore]`d here): `CYRENE_FUZZ_REQUESTS` (default 12,000)
@@ -283,13 +285,30 @@ fn capped_service(
 /// The hostile clients that are not malformed requests, each counted as one request of its
 /// own row: the answer it expects came (`ok`), or it is a hang.
 async fn hostile_phases(stack: &Stack, figures: &mut Figures) {
-    let tally = figures.by_phase.entry("pdf bomb in a message").or_default();
-    tally.sent += 1;
-    match pdf_bomb_is_answered(&stack.client).await {
-        Ok(()) => tally.ok += 1,
-        Err(why) => {
-            tally.hangs += 1;
-            tally.unstructured.push(why);
+    let phases: [(&'static str, Result<(), String>); 4] = [
+        (
+            "pdf bomb in a message",
+            pdf_bomb_is_answered(&stack.client).await,
+        ),
+        (
+            "a person raises a fence",
+            person_fence_is_forbidden(&stack.client).await,
+        ),
+        ("ask flood", ask_flood_is_answered(&stack.client).await),
+        (
+            "image amplification",
+            image_flood_is_refused(&stack.client).await,
+        ),
+    ];
+    for (name, outcome) in phases {
+        let tally = figures.by_phase.entry(name).or_default();
+        tally.sent += 1;
+        match outcome {
+            Ok(()) => tally.ok += 1,
+            Err(why) => {
+                tally.hangs += 1;
+                tally.unstructured.push(why);
+            }
         }
     }
     let tally = figures
@@ -359,6 +378,88 @@ async fn idle_flood_leaves_the_gateway_serving(stack: &Stack) -> Result<(), Stri
         Ok(Ok(0)) | Ok(Err(_)) => Ok(()),
         Ok(Ok(_)) => Err("an idle socket got bytes".to_owned()),
         Err(_) => Err("an idle socket was not closed in 30 s".to_owned()),
+    }
+}
+
+/// The error code of a reply, or `None` for a success.
+async fn code_of(
+    client: &async_nats::Client,
+    subject: &str,
+    body: &Value,
+) -> Result<Option<&'static str>, String> {
+    let payload = serde_json::to_vec(body).unwrap_or_default();
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.request(subject.to_owned(), payload.into()),
+    )
+    .await
+    .map_err(|_| format!("{subject}: no reply in 10 s"))?
+    .map_err(|e| format!("{subject}: {e}"))?;
+    classify(&reply).map_err(|why| format!("{subject}: {why}"))
+}
+
+/// issue 30, M2: a fenced read on a person's `latest` is `forbidden`, whatever turn it names.
+async fn person_fence_is_forbidden(client: &async_nats::Client) -> Result<(), String> {
+    let read = serde_json::json!({"agent_id": "alice.s1", "turn_id": "t1", "attempt": 99});
+    match code_of(client, "cyrene.person.alice.checkpoint.latest", &read).await? {
+        Some("forbidden") => Ok(()),
+        other => Err(format!("a person's fenced read answered {other:?}")),
+    }
+}
+
+/// issue 30, M4/M5: 100 asks of 512 KiB from one asker, published at once: every one is answered
+/// (its turn's answer, or a structured refusal such as `unavailable`), none lost.
+async fn ask_flood_is_answered(client: &async_nats::Client) -> Result<(), String> {
+    const ASKS: usize = 100;
+    let mut replies = client
+        .subscribe("fuzz.flood.*")
+        .await
+        .map_err(|e| e.to_string())?;
+    let blob = "x".repeat(512 * 1024);
+    for i in 0..ASKS {
+        let ask = serde_json::json!({"id": format!("f{i}"), "from": "flood", "to": "cyrene",
+            "question": format!("question {i}"), "data": blob});
+        let payload = serde_json::to_vec(&ask).unwrap_or_default();
+        client
+            .publish_with_reply(
+                "cyrene.agent.flood.cyrene.ask",
+                format!("fuzz.flood.{i}"),
+                payload.into(),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let mut answered = std::collections::BTreeSet::new();
+    let all = async {
+        while answered.len() < ASKS {
+            let Some(reply) = replies.next().await else {
+                return Err("the reply subscription ended".to_owned());
+            };
+            classify(&reply).map_err(|why| format!("ask reply: {why}"))?;
+            answered.insert(reply.subject.to_string());
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(120), all)
+        .await
+        .map_err(|_| {
+            format!(
+                "{} of {ASKS} flooded asks answered in 120 s",
+                answered.len()
+            )
+        })?
+}
+
+/// issue 30, M6: a message of 3,000 image URLs is refused (`bad_request`) before any turn.
+async fn image_flood_is_refused(client: &async_nats::Client) -> Result<(), String> {
+    let images: Vec<Value> = (0..3000)
+        .map(|i| serde_json::json!({"type": "image_url", "image_url": format!("https://example.invalid/{i}.png")}))
+        .collect();
+    let send = serde_json::json!({"session_id": "images", "message": {"role": "user",
+        "content": images}, "client_id": "fuzz", "idempotency_key": "images"});
+    match code_of(client, "cyrene.session.send", &send).await? {
+        Some("bad_request") => Ok(()),
+        other => Err(format!("a message of 3,000 images answered {other:?}")),
     }
 }
 

@@ -652,7 +652,7 @@ impl Documents {
     /// subject that JetStream accepts only while the subject is empty. Of two requests with the
     /// same `seq` racing past the `info` check, one goes on and the other is `conflict`.
     async fn claim(&self, upload_id: &str, seq: u32) -> Result<(), ErrorBody> {
-        let publish = jetstream::context::Publish::build().expected_last_subject_sequence(0);
+        let publish = jetstream::message::PublishMessage::build().expected_last_subject_sequence(0);
         let conflict = || {
             ErrorBody::new(
                 ErrorCode::Conflict,
