@@ -558,6 +558,11 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-in-flight=7",
         "--http-addr=127.0.0.1:8088",
         "--http-keys=k1,k2",
+        "--http-max-connections=16",
+        "--http-header-timeout=3s",
+        "--http-body-timeout=4s",
+        "--http-max-requests=8",
+        "--http-body-budget=100000000",
     ])
     .unwrap()
     .into_config()
@@ -566,9 +571,21 @@ fn every_setting_of_every_service_is_a_flag() {
         .unwrap();
     assert_eq!(format!("{read:?}"), format!("{want:?}"));
     assert_eq!(serve.max_in_flight, 7);
-    let http = http.unwrap();
-    assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
-    assert!(!http.keys.is_empty());
+    let cyrene_model_gateway::http::HttpConfig { addr, keys, limits } = http.unwrap();
+    assert_eq!(addr, "127.0.0.1:8088".parse().unwrap());
+    assert!(!keys.is_empty());
+    let cyrene_model_gateway::http::HttpLimits {
+        max_connections,
+        header_timeout,
+        body_timeout,
+        max_requests,
+        body_budget,
+    } = limits;
+    assert_eq!(
+        (max_connections, max_requests, body_budget),
+        (16, 8, 100_000_000)
+    );
+    assert_eq!([header_timeout, body_timeout], [s(3), s(4)]);
 }
 
 /// A free local TCP port (bound and released).
