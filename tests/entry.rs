@@ -456,8 +456,13 @@ fn every_setting_of_every_service_is_a_flag() {
         max_message_bytes,
         max_job_bytes,
         max_document_bytes,
+        document_store_bytes,
+        document_owner_bytes,
+        upload_ttl,
         ask_timeout,
         serve_agents,
+        ask_concurrency,
+        ask_queue_bytes,
         sweep_interval,
         dispatch_grace,
         db_timeout,
@@ -480,6 +485,11 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-message-bytes=100",
         "--max-job-bytes=200",
         "--max-document-bytes=300",
+        "--document-store-bytes=500",
+        "--document-owner-bytes=400",
+        "--upload-ttl=9s",
+        "--ask-concurrency=2",
+        "--ask-queue-bytes=1000",
         "--ask-timeout=4s",
         "--no-agents",
         "--sweep-interval=5s",
@@ -515,8 +525,17 @@ fn every_setting_of_every_service_is_a_flag() {
         (300, false, 10, 3)
     );
     assert_eq!(
-        [ask_timeout, sweep_interval, dispatch_grace, db_timeout],
-        [s(4), s(5), s(6), s(7)]
+        [ask_timeout, sweep_interval, dispatch_grace, db_timeout, upload_ttl],
+        [s(4), s(5), s(6), s(7), s(9)]
+    );
+    assert_eq!(
+        (
+            document_store_bytes,
+            document_owner_bytes,
+            ask_concurrency,
+            ask_queue_bytes
+        ),
+        (500, 400, 2, 1000)
     );
     assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
 
