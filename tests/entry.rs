@@ -485,13 +485,13 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-message-bytes=100",
         "--max-job-bytes=200",
         "--max-document-bytes=300",
-        "--document-store-bytes=2000",
-        "--document-owner-bytes=1000",
-        "--upload-ttl=3s",
+        "--document-store-bytes=500",
+        "--document-owner-bytes=400",
+        "--upload-ttl=9s",
+        "--ask-concurrency=2",
+        "--ask-queue-bytes=1000",
         "--ask-timeout=4s",
         "--no-agents",
-        "--ask-concurrency=11",
-        "--ask-queue-bytes=12",
         "--sweep-interval=5s",
         "--dispatch-grace=6s",
         "--db-timeout=7s",
@@ -525,15 +525,19 @@ fn every_setting_of_every_service_is_a_flag() {
         (300, false, 10, 3)
     );
     assert_eq!(
-        [ask_timeout, sweep_interval, dispatch_grace, db_timeout],
-        [s(4), s(5), s(6), s(7)]
+        [ask_timeout, sweep_interval, dispatch_grace, db_timeout, upload_ttl],
+        [s(4), s(5), s(6), s(7), s(9)]
+    );
+    assert_eq!(
+        (
+            document_store_bytes,
+            document_owner_bytes,
+            ask_concurrency,
+            ask_queue_bytes
+        ),
+        (500, 400, 2, 1000)
     );
     assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
-    assert_eq!(
-        (document_store_bytes, document_owner_bytes, upload_ttl),
-        (2000, 1000, s(3))
-    );
-    assert_eq!((ask_concurrency, ask_queue_bytes), (11, 12));
 
     let cyrene_checkpoint_store::Config {
         database_url,
@@ -573,11 +577,11 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-in-flight=7",
         "--http-addr=127.0.0.1:8088",
         "--http-keys=k1,k2",
-        "--http-max-connections=9",
+        "--http-max-connections=16",
         "--http-header-timeout=3s",
         "--http-body-timeout=4s",
-        "--http-max-requests=5",
-        "--http-body-budget=20000000",
+        "--http-max-requests=8",
+        "--http-body-budget=100000000",
     ])
     .unwrap()
     .into_config()
@@ -586,21 +590,21 @@ fn every_setting_of_every_service_is_a_flag() {
         .unwrap();
     assert_eq!(format!("{read:?}"), format!("{want:?}"));
     assert_eq!(serve.max_in_flight, 7);
-    let http = http.unwrap();
-    assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
-    assert!(!http.keys.is_empty());
+    let cyrene_model_gateway::http::HttpConfig { addr, keys, limits } = http.unwrap();
+    assert_eq!(addr, "127.0.0.1:8088".parse().unwrap());
+    assert!(!keys.is_empty());
     let cyrene_model_gateway::http::HttpLimits {
         max_connections,
         header_timeout,
         body_timeout,
         max_requests,
         body_budget,
-    } = http.limits;
+    } = limits;
     assert_eq!(
-        (max_connections, header_timeout, body_timeout),
-        (9, s(3), s(4))
+        (max_connections, max_requests, body_budget),
+        (16, 8, 100_000_000)
     );
-    assert_eq!((max_requests, body_budget), (5, 20_000_000));
+    assert_eq!([header_timeout, body_timeout], [s(3), s(4)]);
 }
 
 /// A free local TCP port (bound and released).
