@@ -8,5 +8,6 @@ mod documents;
 mod fence;
 mod harness;
 mod people;
+mod identity;
 mod policies;
 mod volume;
