@@ -43,7 +43,7 @@ type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
 async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap();
-    let cases: [Case; 4] = [
+    let cases: [Case; 5] = [
         (
             "cyrene-model-gateway",
             vec![
@@ -100,6 +100,16 @@ async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
                 "concurrency must be at least 1",
                 "max_deliver must be at least 1",
                 "ack_wait must be at least 300ms",
+            ],
+        ),
+        (
+            "cyrene-matrix-bridge",
+            vec!["--homeserver", "matrix.example.org", "--owner", "alice"],
+            vec![("CYRENE_MATRIX_BRIDGE_OWNER_PERSON", "alice")],
+            vec![
+                "CYRENE_MATRIX_BRIDGE_USER is required",
+                "is not an http(s) URL",
+                "password or an access token",
             ],
         ),
     ];
@@ -274,6 +284,10 @@ fn docs_list_every_setting_of_every_service() {
             cyrene_checkpoint_store::Args::command(),
         ),
         ("cyrene-orchestrator", cyrene_orchestrator::Args::command()),
+        (
+            "cyrene-matrix-bridge",
+            cyrene_matrix_bridge::Args::command(),
+        ),
     ];
     let mut table = String::from("| binary | flag | env | default |\n|---|---|---|---|\n");
     let mut row = |binary: &str, arg: &clap::Arg| {
