@@ -478,6 +478,7 @@ fn every_setting_of_every_service_is_a_flag() {
         pool,
         max_in_flight,
         turns_replicas,
+        owner,
     } = cyrene_orchestrator::Args::try_parse_from([
         "cyrene-orchestrator",
         "--database-url=sqlite://o.db",
@@ -503,6 +504,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-connections=9",
         "--max-in-flight=10",
         "--turns-replicas=3",
+        "--owner=alice",
     ])
     .unwrap()
     .into_config()
@@ -533,6 +535,7 @@ fn every_setting_of_every_service_is_a_flag() {
         [s(4), s(5), s(6), s(7)]
     );
     assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
+    assert_eq!(owner.as_deref(), Some("alice"));
 
     let cyrene_checkpoint_store::Config {
         database_url,
@@ -583,6 +586,66 @@ fn every_setting_of_every_service_is_a_flag() {
     let http = http.unwrap();
     assert_eq!(http.addr, "127.0.0.1:8088".parse().unwrap());
     assert!(!http.keys.is_empty());
+
+    let cyrene_matrix_bridge::Config {
+        homeserver,
+        user,
+        password,
+        access_token,
+        owner,
+        owner_person,
+        data_dir,
+        join,
+        group_answers,
+        sync_timeout,
+        max_image_bytes,
+        request_timeout,
+    } = cyrene_matrix_bridge::Args::try_parse_from([
+        "cyrene-matrix-bridge",
+        "--homeserver=https://m.example.org",
+        "--user=@cyrene:example.org",
+        "--password=pw",
+        "--owner=@alice:example.org",
+        "--owner-person=alice",
+        "--data-dir=/m",
+        "--join=any",
+        "--group-answers=all",
+        "--sync-timeout=4s",
+        "--max-image-bytes=1000",
+        "--request-timeout=5s",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(
+        (
+            homeserver.as_str(),
+            user.as_str(),
+            owner.as_str(),
+            owner_person.as_str()
+        ),
+        (
+            "https://m.example.org",
+            "@cyrene:example.org",
+            "@alice:example.org",
+            "alice"
+        )
+    );
+    assert_eq!(
+        password.map(|p| p.expose().to_owned()).as_deref(),
+        Some("pw")
+    );
+    assert!(access_token.is_none(), "the other of the two");
+    assert_eq!(data_dir, std::path::PathBuf::from("/m"));
+    assert_eq!(
+        (join, group_answers, max_image_bytes),
+        (
+            cyrene_matrix_bridge::JoinPolicy::Any,
+            cyrene_matrix_bridge::GroupAnswers::All,
+            1000
+        )
+    );
+    assert_eq!([sync_timeout, request_timeout], [s(4), s(5)]);
 }
 
 /// A free local TCP port (bound and released).

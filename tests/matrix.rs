@@ -97,7 +97,16 @@ async fn world() -> World {
 /// The bridge binary for `synapse`'s bot `@cyrene:localhost`, owner `@alice:localhost`, its
 /// state in `data`; returns once it is ready (first sync done).
 async fn bridge(world: &World, synapse: &Synapse, data: &Path) -> tokio::process::Child {
-    let port = free_port();
+    bridge_on(world, synapse, data, free_port()).await
+}
+
+/// [`bridge`] with its health and metrics on `port`.
+async fn bridge_on(
+    world: &World,
+    synapse: &Synapse,
+    data: &Path,
+    port: u16,
+) -> tokio::process::Child {
     let child = tokio::process::Command::new(common::workspace_binary("cyrene-matrix-bridge"))
         .env("NATS_URL", world.server.url())
         .env("CYRENE_MATRIX_BRIDGE_HOMESERVER", &synapse.url)
@@ -316,4 +325,46 @@ async fn the_bridge_killed_mid_turn_answers_each_message_once() {
         .map(|e| e.message.text_content())
         .collect();
     assert_eq!(users, ["a slow one, please", "second message", "last one"]);
+}
+
+/// Issue 33: the homeserver's rate limit (429) is waited out — every answer is posted, once —
+/// and counted on the bridge's `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_homeservers_rate_limits_are_waited_out() {
+    // One message every 10 s per user, a burst of 1: her second answer runs into it.
+    let synapse = Synapse::start_with(0.1).await;
+    let bot = synapse.person("cyrene").await;
+    let alice = synapse.person("alice").await;
+    synapse.unlimited(&alice.id).await;
+    let world = world().await;
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _bridge = bridge_on(&world, &synapse, data.path(), port).await;
+
+    let dm = alice.create_room(&[&bot.id], true).await;
+    let mut want = Vec::new();
+    for n in 1..=2 {
+        let text = format!("message {n}");
+        alice.say(&dm, &text, &[]).await;
+        want.push(format!("echo: {text}"));
+        let said = alice
+            .wait_for(&dm, &bot.id, n, "every answer arrives")
+            .await;
+        assert_eq!(said, want, "posted once each, in order");
+    }
+    let metrics = cyrene_matrix_bridge::matrix::http_client()
+        .unwrap()
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let waited = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("cyrene_matrix_bridge_rate_limited_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(waited >= 1.0, "a 429 was met and waited out: {metrics}");
 }

@@ -177,14 +177,52 @@ impl Synapse {
 
     /// Registers `localpart` with `password` (shared-secret registration, Synapse's admin API).
     pub async fn register(&self, localpart: &str, password: &str) {
+        self.register_as(localpart, password, false).await;
+    }
+
+    /// Lifts the message rate limit of `user` (Synapse's admin API, as a fresh admin).
+    pub async fn unlimited(&self, user: &OwnedUserId) {
+        let admin = format!("admin-{}", cyrene_protocol::ids::new_id());
+        self.register_as(&admin, "pw-admin", true).await;
+        let hs = Homeserver::new(
+            cyrene_matrix_bridge::matrix::http_client().unwrap(),
+            &self.url,
+        );
+        let request =
+            login::v3::Request::new(login::v3::LoginInfo::Password(login::v3::Password::new(
+                UserIdentifier::Matrix(MatrixUserIdentifier::new(admin)),
+                "pw-admin".into(),
+            )));
+        let token = hs.call(request).await.unwrap().access_token;
+        let url = format!(
+            "{}/_synapse/admin/v1/users/{user}/override_ratelimit",
+            self.url
+        );
+        let answer = cyrene_matrix_bridge::matrix::http_client()
+            .unwrap()
+            .post(url)
+            .bearer_auth(token)
+            .json(&json!({"messages_per_second": 0, "burst_count": 0}))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            answer.status().is_success(),
+            "override_ratelimit: {}",
+            answer.status()
+        );
+    }
+
+    async fn register_as(&self, localpart: &str, password: &str, admin: bool) {
         let http = cyrene_matrix_bridge::matrix::http_client().unwrap();
         let url = format!("{}/_synapse/admin/v1/register", self.url);
         let nonce: Value = http.get(&url).send().await.unwrap().json().await.unwrap();
         let nonce = nonce["nonce"].as_str().unwrap().to_owned();
-        let message = format!("{nonce}\0{localpart}\0{password}\0notadmin");
+        let role = if admin { "admin" } else { "notadmin" };
+        let message = format!("{nonce}\0{localpart}\0{password}\0{role}");
         let mac = hmac_sha1(SECRET.as_bytes(), message.as_bytes());
         let body = json!({"nonce": nonce, "username": localpart, "password": password,
-            "admin": false, "mac": mac});
+            "admin": admin, "mac": mac});
         let answer = http.post(&url).json(&body).send().await.unwrap();
         let status = answer.status();
         assert!(

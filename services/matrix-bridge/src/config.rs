@@ -241,6 +241,9 @@ pub struct Args {
     /// Largest image passed on to the model, in bytes.
     #[arg(long, env = "CYRENE_MATRIX_BRIDGE_MAX_IMAGE_BYTES", default_value_t = DEFAULT_MAX_IMAGE_BYTES)]
     pub max_image_bytes: usize,
+    /// How long one request to the orchestrator may take (e.g. 10s).
+    #[arg(long, env = "CYRENE_MATRIX_BRIDGE_REQUEST_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub request_timeout: Duration,
 }
 
 impl ServiceArgs for Args {
@@ -268,6 +271,7 @@ impl ServiceArgs for Args {
         config.group_answers = self.group_answers;
         config.sync_timeout = self.sync_timeout;
         config.max_image_bytes = self.max_image_bytes;
+        config.request_timeout = self.request_timeout;
         if !missing.is_empty() {
             // Every problem at once: the missing ones and whatever else is wrong.
             if let Err(Problems(more)) = config.problems() {

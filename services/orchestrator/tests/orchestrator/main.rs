@@ -7,7 +7,7 @@ mod bad_input;
 mod documents;
 mod fence;
 mod harness;
-mod people;
 mod identity;
+mod people;
 mod policies;
 mod volume;
