@@ -100,6 +100,7 @@ fn every_deployment_runs_a_built_binary_with_variables_it_reads() {
         [
             "cyrene-checkpoint-store",
             "cyrene-loop-worker",
+            "cyrene-matrix-bridge",
             "cyrene-model-gateway",
             "cyrene-orchestrator"
         ]
@@ -216,7 +217,7 @@ fn secrets_are_generated_never_committed_placeholders() {
         .filter(|l| l.contains("_PASSWORD="))
         .map(|l| l.split_once('=').unwrap().1)
         .collect();
-    assert_eq!(passwords.len(), 10);
+    assert_eq!(passwords.len(), 11);
     for p in &passwords {
         assert_eq!(p.len(), 48, "{p}");
         assert!(!p.contains("change-me"));

@@ -43,7 +43,7 @@ type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
 async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap();
-    let cases: [Case; 4] = [
+    let cases: [Case; 5] = [
         (
             "cyrene-model-gateway",
             vec![
@@ -100,6 +100,16 @@ async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
                 "concurrency must be at least 1",
                 "max_deliver must be at least 1",
                 "ack_wait must be at least 300ms",
+            ],
+        ),
+        (
+            "cyrene-matrix-bridge",
+            vec!["--homeserver", "matrix.example.org", "--owner", "alice"],
+            vec![("CYRENE_MATRIX_BRIDGE_OWNER_PERSON", "alice")],
+            vec![
+                "CYRENE_MATRIX_BRIDGE_USER is required",
+                "is not an http(s) URL",
+                "password or an access token",
             ],
         ),
     ];
@@ -274,6 +284,10 @@ fn docs_list_every_setting_of_every_service() {
             cyrene_checkpoint_store::Args::command(),
         ),
         ("cyrene-orchestrator", cyrene_orchestrator::Args::command()),
+        (
+            "cyrene-matrix-bridge",
+            cyrene_matrix_bridge::Args::command(),
+        ),
     ];
     let mut table = String::from("| binary | flag | env | default |\n|---|---|---|---|\n");
     let mut row = |binary: &str, arg: &clap::Arg| {
@@ -469,6 +483,7 @@ fn every_setting_of_every_service_is_a_flag() {
         pool,
         max_in_flight,
         turns_replicas,
+        owner,
     } = cyrene_orchestrator::Args::try_parse_from([
         "cyrene-orchestrator",
         "--database-url=sqlite://o.db",
@@ -499,6 +514,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-connections=9",
         "--max-in-flight=10",
         "--turns-replicas=3",
+        "--owner=alice",
     ])
     .unwrap()
     .into_config()
@@ -538,6 +554,7 @@ fn every_setting_of_every_service_is_a_flag() {
         (500, 400, 2, 1000)
     );
     assert_eq!((pool.max_connections, pool.acquire_timeout), (9, s(8)));
+    assert_eq!(owner.as_deref(), Some("alice"));
 
     let cyrene_checkpoint_store::Config {
         database_url,
@@ -605,6 +622,66 @@ fn every_setting_of_every_service_is_a_flag() {
         (16, 8, 100_000_000)
     );
     assert_eq!([header_timeout, body_timeout], [s(3), s(4)]);
+
+    let cyrene_matrix_bridge::Config {
+        homeserver,
+        user,
+        password,
+        access_token,
+        owner,
+        owner_person,
+        data_dir,
+        join,
+        group_answers,
+        sync_timeout,
+        max_image_bytes,
+        request_timeout,
+    } = cyrene_matrix_bridge::Args::try_parse_from([
+        "cyrene-matrix-bridge",
+        "--homeserver=https://m.example.org",
+        "--user=@cyrene:example.org",
+        "--password=pw",
+        "--owner=@alice:example.org",
+        "--owner-person=alice",
+        "--data-dir=/m",
+        "--join=any",
+        "--group-answers=all",
+        "--sync-timeout=4s",
+        "--max-image-bytes=1000",
+        "--request-timeout=5s",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(
+        (
+            homeserver.as_str(),
+            user.as_str(),
+            owner.as_str(),
+            owner_person.as_str()
+        ),
+        (
+            "https://m.example.org",
+            "@cyrene:example.org",
+            "@alice:example.org",
+            "alice"
+        )
+    );
+    assert_eq!(
+        password.map(|p| p.expose().to_owned()).as_deref(),
+        Some("pw")
+    );
+    assert!(access_token.is_none(), "the other of the two");
+    assert_eq!(data_dir, std::path::PathBuf::from("/m"));
+    assert_eq!(
+        (join, group_answers, max_image_bytes),
+        (
+            cyrene_matrix_bridge::JoinPolicy::Any,
+            cyrene_matrix_bridge::GroupAnswers::All,
+            1000
+        )
+    );
+    assert_eq!([sync_timeout, request_timeout], [s(4), s(5)]);
 }
 
 /// A free local TCP port (bound and released).

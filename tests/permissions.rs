@@ -14,9 +14,10 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use cyrene_bus::service::ServeOptions;
 use cyrene_bus::{BusConfig, ConnectMode, request_json};
 use cyrene_comm::Probe;
+use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest};
+use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv};
 use cyrene_protocol::subjects;
 use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection, subscribed};
 use futures::StreamExt;
@@ -25,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-const USERS: [(&str, &str); 10] = [
+const USERS: [(&str, &str); 11] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
@@ -36,10 +37,11 @@ const USERS: [(&str, &str); 10] = [
     ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
     ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
     ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
+    ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
 ];
 
 /// Every user of the config, in the order of [`USERS`] and of the matrix's columns.
-const MATRIX_USERS: [(&str, &str); 10] = [
+const MATRIX_USERS: [(&str, &str); 11] = [
     ("cyrene-model-gateway", "pw-gateway"),
     ("cyrene-checkpoint-store", "pw-store"),
     ("cyrene-orchestrator", "pw-orchestrator"),
@@ -50,10 +52,12 @@ const MATRIX_USERS: [(&str, &str); 10] = [
     ("agent-hoshi", "pw-hoshi"),
     ("person-alice", "pw-alice"),
     ("person-bob", "pw-bob"),
+    ("cyrene-bridge", "pw-bridge"),
 ];
 
 /// Who may publish (`pub`) and subscribe (`sub`) on what: one row per subject family (a
-/// concrete subject of it, what the row means), one cell per user of [`MATRIX_USERS`]. Replies
+/// concrete subject of it, what the row means), one cell per user of [`MATRIX_USERS`] but the
+/// last (`cyrene-bridge`, whose few permitted cells are [`BRIDGE_COLUMN`]). Replies
 /// through `allow_responses` (to the reply subject of a request the user received) are not
 /// rows: they exist only while a request is answered. docs/security.md holds this table as
 /// [`render_matrix`] prints it.
@@ -119,6 +123,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
+        ),
+        (
+            "cyrene.bridge.session.send",
+            "a chat bridge sends to the owner's session",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.bridge.session.history",
+            "a chat bridge reads the owner's transcript",
+            [N, N, S, N, N, N, N, N, N, N],
         ),
         (
             "cyrene.session.alice.s1.events",
@@ -426,6 +440,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, N, N, N, N, N, N, N, S],
         ),
         (
+            "_INBOX_cyrene-matrix-bridge.a1",
+            "replies to the bridge",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
             "_INBOX_cyrene-model-gateway.a1",
             "replies to the gateway",
             [S, N, N, N, N, N, N, N, N, N],
@@ -462,6 +481,24 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         ),
     ]
 };
+
+/// The `cyrene-bridge` column of the matrix: the subjects (rows of [`MATRIX`]) it may use, `—`
+/// on every other row. The owner of the shipped file is `alice`.
+const BRIDGE_COLUMN: &[(&str, &str)] = &[
+    ("cyrene.session.alice.s1.events", "sub"),
+    ("cyrene.bridge.session.send", "pub"),
+    ("cyrene.bridge.session.history", "pub"),
+    ("_INBOX_cyrene-matrix-bridge.a1", "sub"),
+];
+
+/// The full row of the matrix: its cells and the bridge's.
+fn full_row<'a>(subject: &str, cells: &[&'a str; 10]) -> Vec<&'a str> {
+    let bridge = BRIDGE_COLUMN
+        .iter()
+        .find(|(s, _)| *s == subject)
+        .map_or("—", |(_, cell)| *cell);
+    cells.iter().copied().chain([bridge]).collect()
+}
 
 const SERVICES: [&str; 4] = [
     "cyrene-checkpoint-store",
@@ -727,7 +764,8 @@ async fn discovered(operator: &async_nats::Client) -> Vec<String> {
 }
 
 /// The four services, each connected as its own user, and the test tools as `cyrene-tools`;
-/// returns once an operator sees every one of them (the operator, the tools, the data dir).
+/// returns once an operator sees every one of them (the operator, the tools, the data dir, what
+/// the model was asked). The owner is `alice`.
 async fn start_services(
     server: &NatsServer,
     shutdown: &CancellationToken,
@@ -735,6 +773,7 @@ async fn start_services(
     async_nats::Client,
     Arc<common::TestTools>,
     tempfile::TempDir,
+    RequestLog,
 ) {
     let data = tempfile::tempdir().unwrap();
 
@@ -743,6 +782,7 @@ async fn start_services(
                        {"contains": "count", "tool_calls": [{"name": "count"}],
                         "after_tools": "Counted: {tool_results}."}]);
     let gateway = common::scripted_gateway(rules);
+    let model = gateway.request_log("offline").unwrap();
     let client = as_service(server, "cyrene-model-gateway", "pw-gateway").await;
     tokio::spawn(cyrene_model_gateway::serve(
         Arc::new(gateway),
@@ -757,8 +797,10 @@ async fn start_services(
         shutdown.clone(),
     ));
     let client = as_service(server, "cyrene-orchestrator", "pw-orchestrator").await;
+    let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
+    orchestrator.owner = Some("alice".into());
     tokio::spawn(cyrene_orchestrator::run(
-        cyrene_orchestrator::Config::new(data.path()),
+        orchestrator,
         client,
         shutdown.clone(),
     ));
@@ -779,14 +821,14 @@ async fn start_services(
         common::wait_for_service(&operator, name).await;
     }
 
-    (operator, tools, data)
+    (operator, tools, data, model)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused() {
     let server = server();
     let shutdown = CancellationToken::new();
-    let (operator, tools, _data) = start_services(&server, &shutdown).await;
+    let (operator, tools, _data, _model) = start_services(&server, &shutdown).await;
 
     // A person's client: one full turn with a tool call, answered in the transcript.
     let cli = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
@@ -1040,7 +1082,7 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
 }
 
 /// The permission matrix as a Markdown table (docs/security.md holds it verbatim).
-fn render_matrix(matrix: &[(&str, &str, [&str; 10])]) -> String {
+fn render_matrix(matrix: &[(&str, &str, Vec<&str>)]) -> String {
     let mut table = String::from("| subject | what |");
     for (user, _) in MATRIX_USERS {
         table.push_str(&format!(" `{user}` |"));
@@ -1086,9 +1128,15 @@ async fn permitted(raw: &mut RawConnection, subject: &str, sid: u64) -> &'static
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     let server = server();
-    let mut observed: Vec<(&str, &str, [&str; 10])> = MATRIX
+    for (subject, _) in BRIDGE_COLUMN {
+        assert!(
+            MATRIX.iter().any(|(s, _, _)| s == subject),
+            "{subject}: a bridge cell names no row"
+        );
+    }
+    let mut observed: Vec<(&str, &str, Vec<&str>)> = MATRIX
         .iter()
-        .map(|(subject, what, _)| (*subject, *what, ["?"; 10]))
+        .map(|(subject, what, _)| (*subject, *what, vec!["?"; MATRIX_USERS.len()]))
         .collect();
     for (column, (user, password)) in MATRIX_USERS.into_iter().enumerate() {
         let mut raw = RawConnection::connect(server.port(), Some((user, password))).await;
@@ -1096,7 +1144,11 @@ async fn the_shipped_config_permits_exactly_the_permission_matrix() {
             observed[row].2[column] = permitted(&mut raw, subject, row as u64 + 1).await;
         }
     }
-    let expected = render_matrix(MATRIX);
+    let full: Vec<(&str, &str, Vec<&str>)> = MATRIX
+        .iter()
+        .map(|(subject, what, cells)| (*subject, *what, full_row(subject, cells)))
+        .collect();
+    let expected = render_matrix(&full);
     let observed = render_matrix(&observed);
     assert_eq!(
         observed, expected,
@@ -1171,7 +1223,7 @@ fn record(mut subscriber: async_nats::Subscriber) -> Arc<Mutex<Vec<String>>> {
 async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
     let server = server();
     let shutdown = CancellationToken::new();
-    let (_operator, _tools, _data) = start_services(&server, &shutdown).await;
+    let (_operator, _tools, _data, _model) = start_services(&server, &shutdown).await;
     let alice = person(&server, "alice").await;
     let bob = person(&server, "bob").await;
     let shared = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
@@ -1430,6 +1482,172 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
     }
     // On her own subject, a body that names someone else is refused by the persona.
     forged_ask_is_forbidden(&alice, "alice", "bob").await;
+
+    shutdown.cancel();
+}
+
+/// The third-party note of seed 001 for `name`, byte for byte.
+fn third_party_note(name: &str) -> String {
+    format!(
+        "[发言归属] 以下发言来自「{name}」——本会话里的第三方人员（非管理员账户），不是主人，也不是你说的。"
+    )
+}
+
+/// Whether the model was shown `note` as a system message.
+fn model_saw(model: &RequestLog, note: &str) -> bool {
+    model.snapshot().iter().any(|request| {
+        request
+            .messages
+            .iter()
+            .any(|m| m.role == Role::System && m.text_content() == note)
+    })
+}
+
+/// Issue 33: the owner is configuration (`alice` here) and only the bridge labels third
+/// parties. A client or a person claiming `sender_name` or `restricted` is refused; the bridge
+/// creates a restricted session of the owner's where a stranger's line reaches the model under
+/// the stranger's name; a person who is not the owner is labelled by the runtime; and the
+/// bridge reaches no session but the owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_bridge_speaks_for_third_parties_and_nobody_else_as_the_owner() {
+    let server = server();
+    let shutdown = CancellationToken::new();
+    let (_operator, _tools, _data, model) = start_services(&server, &shutdown).await;
+    let alice = person(&server, "alice").await;
+    let bob = person(&server, "bob").await;
+    let shared = connect_as(&server, "cyrene-client", "pw-client", "cyrene-cli").await;
+    let bridge = connect_as(
+        &server,
+        "cyrene-bridge",
+        "pw-bridge",
+        "cyrene-matrix-bridge",
+    )
+    .await;
+    let alice_send = subjects::person("alice", subjects::PERSON_SESSION_SEND).unwrap();
+    let alice_history = subjects::person("alice", subjects::PERSON_SESSION_HISTORY).unwrap();
+    let bob_send = subjects::person("bob", subjects::PERSON_SESSION_SEND).unwrap();
+    let bob_history = subjects::person("bob", subjects::PERSON_SESSION_HISTORY).unwrap();
+    let labelled = |session: &str, name: &str, key: &str| SendRequest {
+        env: Some(SessionEnv {
+            restricted: true,
+            persona: String::new(),
+        }),
+        ..send_request(
+            session,
+            Message::text(Role::User, "hello there").sender(name),
+            "matrix",
+            key,
+        )
+    };
+    let restricted = |session: &str| SendRequest {
+        env: Some(SessionEnv {
+            restricted: true,
+            persona: String::new(),
+        }),
+        ..send_request(session, Message::text(Role::User, "hi"), "cli", "r1")
+    };
+    let unlabelled = |session: &str| SendRequest {
+        env: None,
+        ..labelled(session, "", "u1")
+    };
+
+    // Nobody but the bridge labels a line or restricts a session: not the shared client, not
+    // the owner, not another person.
+    let send = subjects::SESSION_SEND;
+    refused_with(&shared, send, &labelled("g1", "alice", "k1"), "forbidden").await;
+    refused_with(&shared, send, &restricted("g1"), "forbidden").await;
+    refused_with(
+        &alice,
+        &alice_send,
+        &labelled("alice.g1", "阿明", "k1"),
+        "forbidden",
+    )
+    .await;
+    refused_with(&alice, &alice_send, &restricted("alice.g1"), "forbidden").await;
+    refused_with(
+        &bob,
+        &bob_send,
+        &labelled("bob.g1", "alice", "k1"),
+        "forbidden",
+    )
+    .await;
+    refused_with(&bob, &bob_send, &restricted("bob.g1"), "forbidden").await;
+    // … and the server refuses the bridge's subjects to all of them.
+    for (user, password) in [
+        ("cyrene-client", "pw-client"),
+        ("person-alice", "pw-alice"),
+        ("agent-hoshi", "pw-hoshi"),
+    ] {
+        let subjects = [
+            subjects::BRIDGE_SESSION_SEND,
+            subjects::BRIDGE_SESSION_HISTORY,
+        ];
+        publishing_refused(&server, (user, password), &subjects, user).await;
+    }
+
+    // The bridge: a stranger in a group room, one restricted session of the owner's. The model
+    // sees the stranger's line under the stranger's name.
+    let group = labelled("alice.mx-g1", "阿明", "$event-1");
+    let ack = sent(&bridge, subjects::BRIDGE_SESSION_SEND, &group).await;
+    assert!(!ack.turn_id.is_empty());
+    let history = subjects::BRIDGE_SESSION_HISTORY;
+    answered(&bridge, history, "alice.mx-g1", "the stranger is answered").await;
+    assert!(
+        model_saw(&model, &third_party_note("阿明")),
+        "{:#?}",
+        model.snapshot()
+    );
+    // The owner reads that session on her own subject: the stranger's line is labelled.
+    let page = history_on(&alice, &alice_history, "alice.mx-g1")
+        .await
+        .unwrap();
+    assert_eq!(page.messages[0].message.sender_name, "阿明");
+
+    // The bridge reaches no other session — another person's, nobody's — and labels no line of
+    // the owner's own (unrestricted) chat.
+    let other = labelled("bob.g1", "阿明", "$event-2");
+    refused_with(&bridge, subjects::BRIDGE_SESSION_SEND, &other, "forbidden").await;
+    let nobodys = labelled("g1", "阿明", "$event-2");
+    refused_with(
+        &bridge,
+        subjects::BRIDGE_SESSION_SEND,
+        &nobodys,
+        "forbidden",
+    )
+    .await;
+    sent(
+        &bridge,
+        subjects::BRIDGE_SESSION_SEND,
+        &unlabelled("alice.dm"),
+    )
+    .await;
+    let into_open = SendRequest {
+        env: None,
+        ..labelled("alice.dm", "阿明", "$event-3")
+    };
+    refused_with(
+        &bridge,
+        subjects::BRIDGE_SESSION_SEND,
+        &into_open,
+        "forbidden",
+    )
+    .await;
+    let bridge_watched = publishing_refused(
+        &server,
+        ("cyrene-bridge", "pw-bridge"),
+        &[subjects::SESSION_SEND, "cyrene.person.alice.session.send"],
+        "the bridge publishing",
+    )
+    .await;
+    drop(bridge_watched);
+
+    // Bob is not the owner: his own session is restricted and his line labelled with his id.
+    let ack = sent(&bob, &bob_send, &unlabelled("bob.s1")).await;
+    assert!(!ack.turn_id.is_empty());
+    answered(&bob, &bob_history, "bob.s1", "bob is answered").await;
+    assert!(model_saw(&model, &third_party_note("bob")));
+    let page = history_on(&bob, &bob_history, "bob.s1").await.unwrap();
+    assert_eq!(page.messages[0].message.sender_name, "bob");
 
     shutdown.cancel();
 }

@@ -30,12 +30,6 @@ pub struct SendArgs {
     /// The answering persona (when the session is created).
     #[arg(long)]
     pub persona: Option<String>,
-    /// A group/stranger session (when the session is created).
-    #[arg(long)]
-    pub restricted: bool,
-    /// Third-party sender nickname (restricted sessions).
-    #[arg(long)]
-    pub sender: Option<String>,
     /// Start a parallel leg when another client's turn is in flight (instead of waiting).
     #[arg(long)]
     pub parallel: bool,
@@ -65,12 +59,11 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
     if args.text.is_empty() && !args.files.is_empty() {
         message.content.clear();
     }
-    if let Some(sender) = &args.sender {
-        message.sender_name = sender.clone();
-    }
-    let env = (args.persona.is_some() || args.restricted).then(|| SessionEnv {
-        restricted: args.restricted,
-        persona: args.persona.clone().unwrap_or_default(),
+    // No `sender_name`, no `restricted`: the CLI speaks for its user, and only a chat bridge
+    // labels third parties (docs/security.md, "The owner and bridges").
+    let env = args.persona.as_ref().map(|persona| SessionEnv {
+        restricted: false,
+        persona: persona.clone(),
     });
     SendRequest {
         session_id: person::session(&args.session),

@@ -74,6 +74,10 @@ pub struct Config {
     /// Replicas of the `CYRENE_TURNS` stream (3 on a 3-node cluster); the same value must be
     /// given to every process that creates it (see `cyrene_bus::streams`).
     pub turns_replicas: usize,
+    /// The owner (主人): the person id whose messages are unlabelled everywhere, and whose
+    /// sessions a chat bridge reaches ([`crate::identity`]). `None`: nobody is the owner, no
+    /// person is labelled and the bridge subject answers `forbidden`.
+    pub owner: Option<String>,
 }
 
 impl Config {
@@ -102,6 +106,7 @@ impl Config {
             pool: PoolSettings::default(),
             max_in_flight: 256,
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
+            owner: None,
         }
     }
 
@@ -171,6 +176,11 @@ impl Config {
         self.busy
             .clients
             .check(IdKind::Client, "clients", &mut problems);
+        if let Some(owner) = &self.owner
+            && let Err(e) = ids::validate(IdKind::Person, owner)
+        {
+            problems.push(format!("owner: {e}"));
+        }
         self.pool.check(&mut problems);
         if let Err(err) = self.database() {
             problems.push(err.to_string());
@@ -331,6 +341,10 @@ pub struct Args {
     /// How old an unconfirmed dispatch must be before the sweeper republishes it.
     #[arg(long, env = "CYRENE_ORCHESTRATOR_DISPATCH_GRACE", default_value = "2s", value_parser = humantime::parse_duration)]
     pub dispatch_grace: Duration,
+    /// The owner's person id (主人): their messages are unlabelled; every other person's are
+    /// labelled, and a chat bridge reaches only the owner's sessions (docs/security.md).
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_OWNER")]
+    pub owner: Option<String>,
 }
 
 impl ServiceArgs for Args {
@@ -384,6 +398,12 @@ impl Args {
         config.max_job_bytes = self.max_job_bytes;
         config.sweep_interval = self.sweep_interval;
         config.dispatch_grace = self.dispatch_grace;
+        config.owner = self
+            .owner
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned);
         Ok(config)
     }
 }
@@ -488,6 +508,10 @@ mod tests {
         let mut c = Config::new("/tmp/x");
         c.max_steps = 0;
         assert!(c.validate().is_err());
+        let mut c = Config::new("/tmp/x");
+        c.owner = Some("alice.x".into());
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("owner"), "{err}");
     }
 
     #[test]
@@ -500,12 +524,15 @@ mod tests {
             "phone, watch",
             "--window",
             "10",
+            "--owner",
+            "alice",
         ]);
         let config = args.config().unwrap();
         assert_eq!(config.busy.clients.parallel, vec!["phone", "watch"]);
         assert_eq!(config.busy_policy("s", "phone"), BusyPolicy::Parallel);
         assert_eq!(config.busy_policy("s", "desk"), BusyPolicy::Steer);
         assert_eq!(config.window, 10);
+        assert_eq!(config.owner.as_deref(), Some("alice"));
         assert_eq!(
             config.database().unwrap(),
             Database::Postgres("postgres://u@h/db?sslmode=disable".into())

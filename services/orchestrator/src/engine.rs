@@ -18,6 +18,7 @@
 
 use crate::config::Config;
 use crate::documents::Documents;
+use crate::identity::{self, Caller};
 use crate::progress::Progress;
 use crate::store::{NewMessage, NewTurn, Pushed, Store};
 use async_nats::jetstream;
@@ -214,8 +215,9 @@ impl Engine {
         &self.client
     }
 
-    /// `cyrene.session.send`.
-    pub async fn send(&self, req: SendRequest) -> Result<SendAck, ErrorBody> {
+    /// `cyrene.session.send`, `cyrene.person.<id>.session.send` and
+    /// `cyrene.bridge.session.send`: `caller` is who the request subject says asks.
+    pub async fn send(&self, req: SendRequest, caller: Caller<'_>) -> Result<SendAck, ErrorBody> {
         check_id(IdKind::Session, "session_id", &req.session_id)?;
         if !req.client_id.is_empty() {
             check_id(IdKind::Client, "client_id", &req.client_id)?;
@@ -239,6 +241,7 @@ impl Engine {
                 "sender_kind agent is set by the agent endpoints only; send a person's message",
             ));
         }
+        identity::speaker(caller, &self.config, &mut req)?;
         let env = req.env.clone().unwrap_or_default();
         if !env.persona.is_empty() && self.config.personas.get(&env.persona).is_none() {
             return Err(bad(format!(

@@ -16,6 +16,7 @@
 //! - persona memory: the [`memory::MemoryStore`] interface behind `cyrene.memory.*` and its SQL
 //!   default (docs/memory.md);
 //! - the personas ([`personas`]) and their comm agents ([`agents`]);
+//! - who speaks: the owner, third parties and the chat bridge ([`identity`]);
 //! - the configuration ([`config`]).
 //!
 //! Wire shapes live in `cyrene_protocol::{session, turn}`; `docs/orchestrator.md` documents each
@@ -33,6 +34,7 @@ pub mod agents;
 pub mod config;
 pub mod documents;
 pub mod engine;
+pub mod identity;
 pub mod job;
 pub mod memory;
 pub mod people;

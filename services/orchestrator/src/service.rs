@@ -11,6 +11,8 @@
 //! | `person-history` | `cyrene.person.*.session.history` | `HistoryRequest` | `HistoryResponse` |
 //! | `person-sessions` | `cyrene.person.*.session.list` | `SessionListRequest` | `SessionListResponse` |
 //! | `person-upload` | `cyrene.person.*.document.upload` | `UploadRequest` | `UploadAck` |
+//! | `bridge-send`    | `cyrene.bridge.session.send`      | `SendRequest`    | `SendAck` |
+//! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -23,9 +25,13 @@
 //! - Replicas share the micro service queue group: each request reaches one replica.
 //! - `send`, `history`, `upload` and `person-upload` reach a session only when the request
 //!   subject's caller may touch it ([`crate::people::may_touch`]): a person their own sessions,
-//!   the shared subjects the sessions of nobody in particular.
+//!   the shared subjects the sessions of nobody in particular; the bridge subjects the owner's
+//!   ([`crate::identity`]).
+//! - Only `bridge-send` takes a third party's `sender_name` or `env.restricted`
+//!   ([`crate::identity::speaker`]).
 
 use crate::engine::Engine;
+use crate::identity::{self, Caller};
 use crate::memory::MemoryStore;
 use crate::{Error, SERVICE_NAME, people};
 use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
@@ -67,7 +73,7 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
     let send = || {
         with_state(engine, |e, req: SendRequest, ctx| async move {
             people::may_touch(&ctx.subject, &req.session_id)?;
-            e.send(req).await
+            e.send(req, Caller::of(&ctx.subject)).await
         })
     };
     let history = || {
@@ -83,6 +89,14 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
         })
     };
     let person_upload = subjects::person_all(subjects::PERSON_DOCUMENT_UPLOAD);
+    let bridge_send = with_state(engine, |e, req: SendRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
+        e.send(req, Caller::Bridge).await
+    });
+    let bridge_history = with_state(engine, |e, req: HistoryRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
+        e.history(req).await
+    });
     let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
     let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
     vec![
@@ -143,5 +157,11 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             }),
         ),
         Endpoint::json("person-upload", person_upload, upload()),
+        Endpoint::json("bridge-send", subjects::BRIDGE_SESSION_SEND, bridge_send),
+        Endpoint::json(
+            "bridge-history",
+            subjects::BRIDGE_SESSION_HISTORY,
+            bridge_history,
+        ),
     ]
 }

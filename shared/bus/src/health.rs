@@ -223,6 +223,21 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         Kind::Gauge,
         "The worker consumer's num_redelivered (sampled).",
     ),
+    (
+        "cyrene_matrix_bridge_messages_total",
+        Kind::Counter,
+        "Matrix room messages, by outcome (sent, refused, not_addressed).",
+    ),
+    (
+        "cyrene_matrix_bridge_answers_total",
+        Kind::Counter,
+        "Answers the Matrix bridge posted to a room.",
+    ),
+    (
+        "cyrene_matrix_bridge_rate_limited_total",
+        Kind::Counter,
+        "Homeserver 429s the Matrix bridge waited out.",
+    ),
 ];
 
 /// The type of a series in [`SERIES`].

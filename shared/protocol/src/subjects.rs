@@ -35,6 +35,12 @@ pub const CHECKPOINT_LIST: &str = "cyrene.checkpoint.list";
 pub const CHECKPOINT_RETAIN: &str = "cyrene.checkpoint.retain";
 pub const SESSION_SEND: &str = "cyrene.session.send";
 pub const SESSION_HISTORY: &str = "cyrene.session.history";
+/// A chat bridge sends a message (docs/security.md, "Bridges"): the one subject on which a
+/// message may carry a third party's `sender_name` or create a restricted session. Only the
+/// `cyrene-bridge` NATS user may publish it; it reaches only the owner's sessions.
+pub const BRIDGE_SESSION_SEND: &str = "cyrene.bridge.session.send";
+/// A chat bridge reads a transcript of one of the owner's sessions.
+pub const BRIDGE_SESSION_HISTORY: &str = "cyrene.bridge.session.history";
 /// Turn jobs (JetStream work queue `CYRENE_TURNS`).
 pub const TURN_RUN: &str = "cyrene.turn.run";
 pub const TURN_STEER: &str = "cyrene.turn.steer";

@@ -21,6 +21,9 @@ pub enum StoreError {
     /// Fenced off (a newer attempt already wrote) or too late (the turn already completed).
     #[error("{0}")]
     Conflict(String),
+    /// The caller may not do this to what it names (a rule the stored row decides).
+    #[error("{0}")]
+    Forbidden(String),
     /// A state is over the configured limit (the checkpoint store's `max_state_bytes`).
     #[error("state is {size} bytes; the limit is {max}")]
     TooLarge { size: usize, max: usize },
@@ -43,6 +46,7 @@ impl StoreError {
             StoreError::BadRequest(_) => ErrorCode::BadRequest,
             StoreError::NotFound(_) => ErrorCode::NotFound,
             StoreError::Conflict(_) => ErrorCode::Conflict,
+            StoreError::Forbidden(_) => ErrorCode::Forbidden,
             StoreError::TooLarge { .. } => ErrorCode::TooLarge,
             StoreError::Query(err) => err.code(),
             StoreError::Open(_) => ErrorCode::Unavailable,

@@ -6,6 +6,8 @@
 //!   one), the turn it starts and its ack commit together or not at all; a refused `reject`
 //!   send writes nothing, not even its seq.
 //! - An idempotent resend returns the stored ack and changes nothing.
+//! - A message labelled with a third party (`sender_name`, person lane) is stored only in a
+//!   restricted session; otherwise nothing is written and the caller gets `forbidden`.
 //! - A message claimed here for a running turn is pushed after the commit; a lost push is
 //!   handed back at that turn's completion (see `steer.rs`).
 
@@ -14,6 +16,7 @@ use super::{
     to_u64,
 };
 use cyrene_protocol::ids::new_id;
+use cyrene_protocol::message::SenderKind;
 use cyrene_protocol::session::{BusyPolicy, Disposition, SendAck};
 use cyrene_protocol::turn::{ParallelNotice, SteeredMessage};
 use sqlx::Row;
@@ -32,6 +35,19 @@ impl Store {
         let mut tx = self.begin().await?;
         // Created if new, locked, and this message's seq taken: one round trip.
         let (env, seq) = Self::open_session(&mut tx, &input.session_id, &env_json, now).await?;
+        if !env.restricted
+            && input.message.sender_kind == SenderKind::Person
+            && !input.message.sender_name.is_empty()
+        {
+            // A third party speaks only where unlabelled lines are known to be the owner's
+            // (docs/security.md, "The owner and bridges"); the session's env is fixed at creation.
+            tx.rollback().await?;
+            return Err(StoreError::Forbidden(format!(
+                "session {} is not restricted: a message labelled with a third party's \
+                 sender_name goes only to a restricted session (create it with env.restricted)",
+                input.session_id
+            )));
+        }
 
         if let Some(key) = &input.idempotency_key {
             let row = sqlx::query(

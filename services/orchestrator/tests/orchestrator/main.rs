@@ -7,6 +7,7 @@ mod bad_input;
 mod documents;
 mod fence;
 mod harness;
+mod identity;
 mod people;
 mod policies;
 mod volume;

@@ -1,0 +1,666 @@
+//! The bridge itself: the `/sync` loop that carries room messages into sessions, and the events
+//! listener that carries her answers (and her typing) back into the rooms.
+//!
+//! # Invariants
+//! - Inbound is at least once, stored exactly once: every `m.room.message` of a sync batch is
+//!   sent to `cyrene.bridge.session.send` with its Matrix event id as the idempotency key, and
+//!   the batch's `next_batch` token is saved only after the orchestrator acknowledged each of
+//!   them (or refused it for good). A crash anywhere re-reads the batch; a resend returns the
+//!   first ack.
+//! - Outbound is at least once, posted once: answers are read from the transcript
+//!   (`cyrene.bridge.session.history`), never from the event that announced them, and posted
+//!   with the transcript entry's id as the Matrix transaction id; the homeserver drops a second
+//!   post of the same transaction by the same device (the access token is kept in the state).
+//!   They are read when a turn ends, at start (what ended while the bridge was down), and every
+//!   [`SWEEP_EVERY`] for sessions still waiting (an event lost in a reconnect).
+//! - The bot's own messages are never sent back in; edits are not sent (the original was).
+//!
+//! # Pitfalls
+//! - The first sync of a bridge with no saved token only records where "now" is: messages from
+//!   before the bridge's first start are not answered. A sync whose timeline was `limited` (the
+//!   bridge was down long and a room was busy) skips what the homeserver left out.
+
+use crate::config::{Config, GroupAnswers, JoinPolicy};
+use crate::matrix::{Homeserver, MatrixError};
+use crate::rooms::{self, MessageEvent, RoomKind};
+use crate::state::State;
+use base64::Engine as _;
+use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::message::{Message, Part, Role};
+use cyrene_protocol::session::{
+    HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
+    SessionEventType,
+};
+use cyrene_protocol::{ErrorCode, subjects};
+use futures::StreamExt;
+use ruma::api::client::{
+    authenticated_media::get_content, membership::join_room_by_id, membership::joined_members,
+    message::send_message_event, room::get_room_event, sync::sync_events,
+    typing::create_typing_event,
+};
+use ruma::events::MessageLikeEventType;
+use ruma::serde::Raw;
+use ruma::{OwnedEventId, OwnedMxcUri, OwnedRoomId, OwnedTransactionId, OwnedUserId};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// How often sessions still waiting for an answer are read again.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(30);
+/// How long the members of a room are trusted without a member event.
+const MEMBERS_TTL: Duration = Duration::from_secs(300);
+/// How long one typing notice lasts; it is renewed every [`TYPING_RENEW`] while a turn runs.
+const TYPING_TIMEOUT: Duration = Duration::from_secs(30);
+const TYPING_RENEW: Duration = Duration::from_secs(20);
+/// The longest a typing notice is kept up for one turn.
+const TYPING_LIMIT: Duration = Duration::from_secs(600);
+/// The client id of every message the bridge sends (the double-texting policy's "client").
+pub const CLIENT_ID: &str = "matrix";
+/// The transcript page read for answers.
+const HISTORY_PAGE: u32 = 50;
+
+/// What a person in the room sees when something goes wrong: short, and saying what to do.
+pub mod notices {
+    pub const TOO_LARGE: &str =
+        "That was too large for me to take in — please send something shorter or a smaller image.";
+    pub const REFUSED: &str =
+        "I couldn't take that message in. Please rephrase it, or ask my owner to check the bridge.";
+    pub const TURN_FAILED: &str =
+        "Sorry — I couldn't finish my answer. Please try again in a moment.";
+    pub const FILE: &str = "(sent a file I cannot open here)";
+    pub const IMAGE_TOO_LARGE: &str = "(sent an image too large for me to look at)";
+    pub const UNSUPPORTED: &str = "(sent something I cannot read here)";
+}
+
+/// The members of a room as last read: user id → display name.
+#[derive(Debug, Clone)]
+struct Members {
+    read_at: Instant,
+    names: BTreeMap<String, Option<String>>,
+}
+
+/// The running bridge.
+#[derive(Debug)]
+pub struct Bridge {
+    config: Config,
+    nats: async_nats::Client,
+    hs: Homeserver,
+    bot: OwnedUserId,
+    bot_name: String,
+    owner: String,
+    state: tokio::sync::Mutex<State>,
+    members: std::sync::Mutex<HashMap<String, Members>>,
+    typing: std::sync::Mutex<HashMap<String, CancellationToken>>,
+    /// Sessions with a message sent and no answer posted since.
+    waiting: std::sync::Mutex<HashSet<String>>,
+    /// Serialises reading and posting answers (two at once would post one answer twice: the
+    /// homeserver would drop the second, but not before both were sent).
+    posting: tokio::sync::Mutex<()>,
+}
+
+/// Why a message could not be handled now: the batch is read again later.
+#[derive(Debug)]
+pub struct Retry(pub String);
+
+/// A timeline event's envelope, enough to route it.
+#[derive(Debug, Deserialize)]
+struct Envelope {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    sender: String,
+    #[serde(default)]
+    state_key: Option<String>,
+    #[serde(default)]
+    content: serde_json::Value,
+}
+
+impl Bridge {
+    pub fn new(
+        config: Config,
+        nats: async_nats::Client,
+        hs: Homeserver,
+        bot: OwnedUserId,
+        bot_name: String,
+        state: State,
+    ) -> Bridge {
+        let owner = config.owner.clone();
+        Bridge {
+            config,
+            nats,
+            hs,
+            bot,
+            bot_name,
+            owner,
+            state: tokio::sync::Mutex::new(state),
+            members: Default::default(),
+            typing: Default::default(),
+            waiting: Default::default(),
+            posting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// Syncs until `shutdown`: invitations, room messages, then the saved token. `ready` is
+    /// called after the first successful sync.
+    pub async fn sync_loop(self: &Arc<Self>, shutdown: &CancellationToken, ready: impl Fn()) {
+        let mut since = self.state.lock().await.since.clone();
+        let mut pause = Duration::from_millis(200);
+        let mut announced = false;
+        loop {
+            let mut request = sync_events::v3::Request::new();
+            request.since = since.clone();
+            request.timeout = Some(if since.is_none() {
+                Duration::ZERO
+            } else {
+                self.config.sync_timeout
+            });
+            let answer = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                answer = self.hs.call(request) => answer,
+            };
+            let response = match answer {
+                Ok(response) => response,
+                Err(err) => {
+                    tracing::warn!(error = %err, "sync failed; trying again");
+                    if sleep_or_stop(pause, shutdown).await {
+                        return;
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                    continue;
+                }
+            };
+            pause = Duration::from_millis(200);
+            let first = since.is_none();
+            match self.apply(response.rooms, first, shutdown).await {
+                Ok(()) => {}
+                Err(Retry(why)) => {
+                    tracing::warn!(%why, "a message could not be passed on; reading the batch again");
+                    if sleep_or_stop(Duration::from_secs(1), shutdown).await {
+                        return;
+                    }
+                    continue;
+                }
+            }
+            since = Some(response.next_batch);
+            {
+                let mut state = self.state.lock().await;
+                state.since = since.clone();
+                if let Err(err) = state.save(&self.config.data_dir) {
+                    tracing::error!(error = %err, "cannot save the sync token");
+                }
+            }
+            if !announced {
+                announced = true;
+                ready();
+            }
+        }
+    }
+
+    /// Handles one sync batch: joins, then every message in order.
+    async fn apply(
+        self: &Arc<Self>,
+        rooms: sync_events::v3::Rooms,
+        first: bool,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Retry> {
+        for (room_id, invited) in &rooms.invite {
+            let inviter = invited.invite_state.events.iter().find_map(|raw| {
+                let event: Envelope = serde_json::from_str(raw.json().get()).ok()?;
+                let me = event.state_key.as_deref() == Some(self.bot.as_str());
+                let invite =
+                    event.content.get("membership").and_then(|m| m.as_str()) == Some("invite");
+                (event.kind == "m.room.member" && me && invite).then_some(event.sender)
+            });
+            let accept = match self.config.join {
+                JoinPolicy::Any => true,
+                JoinPolicy::Owner => inviter.as_deref() == Some(self.owner.as_str()),
+            };
+            if !accept {
+                tracing::info!(room = %room_id, ?inviter, "invitation not from the owner; not joining");
+                continue;
+            }
+            match self
+                .hs
+                .call(join_room_by_id::v3::Request::new(room_id.clone()))
+                .await
+            {
+                Ok(_) => tracing::info!(room = %room_id, "joined"),
+                Err(err) => tracing::warn!(room = %room_id, error = %err, "cannot join"),
+            }
+        }
+        for (room_id, joined) in &rooms.join {
+            if joined.timeline.limited {
+                tracing::warn!(room = %room_id, "the homeserver left out part of this room's timeline");
+            }
+            for raw in &joined.timeline.events {
+                if shutdown.is_cancelled() {
+                    return Err(Retry("stopping".into()));
+                }
+                let json = raw.json().get();
+                let Ok(envelope) = serde_json::from_str::<Envelope>(json) else {
+                    continue;
+                };
+                if envelope.kind == "m.room.member" {
+                    self.forget_members(room_id.as_str());
+                    continue;
+                }
+                if envelope.kind != "m.room.message" || first {
+                    continue;
+                }
+                let Ok(event) = serde_json::from_str::<MessageEvent>(json) else {
+                    continue;
+                };
+                self.pass_on(room_id, &event).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one room message to its session (the module's inbound rules).
+    async fn pass_on(&self, room_id: &OwnedRoomId, event: &MessageEvent) -> Result<(), Retry> {
+        if event.sender == self.bot.as_str() || event.content.is_edit() || event.event_id.is_empty()
+        {
+            return Ok(());
+        }
+        let members = self.members(room_id).await?;
+        let kind = RoomKind::of(
+            members.keys().map(String::as_str),
+            self.bot.as_str(),
+            &self.owner,
+        );
+        let addressed = kind.direct()
+            || self.config.group_answers == GroupAnswers::All
+            || event.content.mentions(self.bot.as_str(), &self.bot_name)
+            || self.replies_to_me(room_id, &event.content).await;
+        if !addressed {
+            metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "not_addressed")
+                .increment(1);
+            return Ok(());
+        }
+        let session_id = rooms::session_id(&self.config.owner_person, room_id.as_str(), kind);
+        let mut message = self.message_of(event).await?;
+        if event.sender != self.owner {
+            let display = members.get(&event.sender).cloned().flatten();
+            message.sender_name = rooms::sender_name(display.as_deref(), &event.sender);
+        }
+        let request = SendRequest {
+            session_id: session_id.clone(),
+            message,
+            client_id: CLIENT_ID.into(),
+            idempotency_key: event.event_id.clone(),
+            env: kind.restricted().then(|| SessionEnv {
+                restricted: true,
+                persona: String::new(),
+            }),
+            parallel: false,
+            when_busy: None,
+        };
+        // Known before the send: the turn it starts may end before the ack arrives.
+        self.remember(&session_id, room_id.as_str()).await;
+        let sent: Result<SendAck, RequestError> = request_json(
+            &self.nats,
+            subjects::BRIDGE_SESSION_SEND,
+            &request,
+            self.config.request_timeout,
+        )
+        .await;
+        match sent {
+            Ok(ack) => {
+                tracing::debug!(session = %session_id, message_id = %ack.message_id, "passed on");
+                metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "sent")
+                    .increment(1);
+                lock(&self.waiting).insert(session_id);
+                Ok(())
+            }
+            Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
+                tracing::warn!(session = %session_id, code = %body.code, error = %body.message,
+                    "the orchestrator refused a message");
+                metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "refused")
+                    .increment(1);
+                let notice = if body.code == ErrorCode::TooLarge {
+                    notices::TOO_LARGE
+                } else {
+                    notices::REFUSED
+                };
+                let txn = format!("cyrene-refused-{}", txn_safe(&event.event_id));
+                if let Err(err) = self.post(room_id, &txn, "m.notice", notice).await {
+                    tracing::warn!(error = %err, "cannot tell the room");
+                }
+                Ok(())
+            }
+            Err(err) => Err(Retry(format!("{session_id}: {err}"))),
+        }
+    }
+
+    /// The user message of a room message: its text, an image part, or a note of what it was.
+    async fn message_of(&self, event: &MessageEvent) -> Result<Message, Retry> {
+        let content = &event.content;
+        let text = |t: &str| Message::text(Role::User, t);
+        Ok(match content.msgtype.as_str() {
+            "m.text" | "m.notice" => text(&content.text()),
+            "m.emote" => text(&format!("* {}", content.text())),
+            "m.image" => match self.image(content).await? {
+                Some(uri) => {
+                    Message::with_parts(Role::User, vec![Part::ImageUrl { image_url: uri }])
+                }
+                None => text(notices::IMAGE_TOO_LARGE),
+            },
+            "m.file" => text(notices::FILE),
+            _ => text(notices::UNSUPPORTED),
+        })
+    }
+
+    /// An image as a `data:` URI, or `None` when it is too large or not an image.
+    async fn image(&self, content: &rooms::MessageContent) -> Result<Option<String>, Retry> {
+        let max = self.config.max_image_bytes as u64;
+        if content
+            .info
+            .as_ref()
+            .and_then(|i| i.size)
+            .is_some_and(|size| size > max)
+        {
+            return Ok(None);
+        }
+        let Some(url) = content.url.clone() else {
+            return Ok(None);
+        };
+        let mxc = OwnedMxcUri::from(url);
+        let Ok((server, media_id)) = mxc.parts() else {
+            return Ok(None);
+        };
+        let request = get_content::v1::Request::new(media_id.to_owned(), server.to_owned());
+        let file = match self.hs.call(request).await {
+            Ok(file) => file,
+            Err(err) if err.is_transient() => return Err(Retry(err.to_string())),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot download an image");
+                return Ok(None);
+            }
+        };
+        let mime = file
+            .content_type
+            .clone()
+            .or_else(|| content.info.as_ref().and_then(|i| i.mimetype.clone()))
+            .unwrap_or_default();
+        if file.file.len() as u64 > max || !mime.starts_with("image/") {
+            return Ok(None);
+        }
+        let data = base64::engine::general_purpose::STANDARD.encode(&file.file);
+        Ok(Some(format!("data:{mime};base64,{data}")))
+    }
+
+    /// Whether `content` replies to one of the bot's messages.
+    async fn replies_to_me(&self, room_id: &OwnedRoomId, content: &rooms::MessageContent) -> bool {
+        let Some(event_id) = content.reply_to() else {
+            return false;
+        };
+        let Ok(event_id) = OwnedEventId::try_from(event_id) else {
+            return false;
+        };
+        let request = get_room_event::v3::Request::new(room_id.clone(), event_id);
+        match self.hs.call(request).await {
+            Ok(found) => serde_json::from_str::<Envelope>(found.event.json().get())
+                .is_ok_and(|e| e.sender == self.bot.as_str()),
+            Err(_) => false,
+        }
+    }
+
+    /// The joined members of a room (cached until a member event or [`MEMBERS_TTL`]).
+    async fn members(
+        &self,
+        room_id: &OwnedRoomId,
+    ) -> Result<BTreeMap<String, Option<String>>, Retry> {
+        if let Some(known) = lock(&self.members).get(room_id.as_str())
+            && known.read_at.elapsed() < MEMBERS_TTL
+        {
+            return Ok(known.names.clone());
+        }
+        let request = joined_members::v3::Request::new(room_id.clone());
+        let joined = self
+            .hs
+            .call(request)
+            .await
+            .map_err(|e| Retry(format!("members of {room_id}: {e}")))?;
+        let names: BTreeMap<String, Option<String>> = joined
+            .joined
+            .into_iter()
+            .map(|(user, member)| (user.to_string(), member.display_name))
+            .collect();
+        lock(&self.members).insert(
+            room_id.to_string(),
+            Members {
+                read_at: Instant::now(),
+                names: names.clone(),
+            },
+        );
+        Ok(names)
+    }
+
+    fn forget_members(&self, room_id: &str) {
+        lock(&self.members).remove(room_id);
+    }
+
+    async fn remember(&self, session_id: &str, room_id: &str) {
+        let mut state = self.state.lock().await;
+        state
+            .sessions
+            .entry(session_id.to_owned())
+            .or_default()
+            .room_id = room_id.to_owned();
+    }
+
+    /// Follows the owner's sessions' events until `shutdown`: typing while a turn runs, the
+    /// answer when it ends.
+    pub async fn follow(
+        self: Arc<Self>,
+        mut events: async_nats::Subscriber,
+        shutdown: CancellationToken,
+    ) {
+        let mut sweep = tokio::time::interval(SWEEP_EVERY);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let message = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = sweep.tick() => {
+                    let waiting: Vec<String> = lock(&self.waiting).iter().cloned().collect();
+                    for session in waiting {
+                        self.catch_up(&session).await;
+                    }
+                    continue;
+                }
+                message = events.next() => message,
+            };
+            let Some(message) = message else { break };
+            let Ok(event) = serde_json::from_slice::<SessionEvent>(&message.payload) else {
+                continue;
+            };
+            match event.kind {
+                SessionEventType::TurnStarted => self.typing_on(&event.session_id).await,
+                SessionEventType::TurnEnded => {
+                    self.typing_off(&event.session_id);
+                    if event.message.is_none() && event.error.is_some() {
+                        self.turn_failed(&event).await;
+                    }
+                    self.catch_up(&event.session_id).await;
+                }
+                _ => {}
+            }
+        }
+        for (_, typing) in lock(&self.typing).drain() {
+            typing.cancel();
+        }
+    }
+
+    /// Posts the answers of `session_id` not posted yet (the module's outbound rules).
+    pub async fn catch_up(&self, session_id: &str) {
+        let _posting = self.posting.lock().await;
+        let Some(known) = self.state.lock().await.sessions.get(session_id).cloned() else {
+            return;
+        };
+        let Ok(room_id) = OwnedRoomId::try_from(known.room_id.as_str()) else {
+            return;
+        };
+        let request = HistoryRequest {
+            session_id: session_id.to_owned(),
+            limit: Some(HISTORY_PAGE),
+            before_seq: None,
+        };
+        let history: HistoryResponse = match request_json(
+            &self.nats,
+            subjects::BRIDGE_SESSION_HISTORY,
+            &request,
+            self.config.request_timeout,
+        )
+        .await
+        {
+            Ok(history) => history,
+            Err(err) => {
+                tracing::warn!(session = %session_id, error = %err, "cannot read the transcript");
+                return;
+            }
+        };
+        let mut posted = known.posted_seq;
+        for entry in &history.messages {
+            if entry.seq <= posted || entry.message.role != Role::Assistant {
+                continue;
+            }
+            let text = entry.message.text_content();
+            if !text.trim().is_empty() {
+                let txn = format!("cyrene-{}", txn_safe(&entry.id));
+                if let Err(err) = self.post(&room_id, &txn, "m.text", &text).await {
+                    tracing::warn!(session = %session_id, error = %err, "cannot post an answer");
+                    break;
+                }
+                metrics::counter!("cyrene_matrix_bridge_answers_total").increment(1);
+            }
+            posted = entry.seq;
+            let mut state = self.state.lock().await;
+            if let Some(session) = state.sessions.get_mut(session_id) {
+                session.posted_seq = posted;
+            }
+            if let Err(err) = state.save(&self.config.data_dir) {
+                tracing::error!(error = %err, "cannot save what was posted");
+            }
+        }
+        let answered = history
+            .messages
+            .last()
+            .is_none_or(|last| last.message.role == Role::Assistant && last.seq <= posted);
+        if answered {
+            lock(&self.waiting).remove(session_id);
+        }
+    }
+
+    /// Tells the room a turn failed (once per turn).
+    async fn turn_failed(&self, event: &SessionEvent) {
+        let room = self
+            .state
+            .lock()
+            .await
+            .sessions
+            .get(&event.session_id)
+            .and_then(|s| OwnedRoomId::try_from(s.room_id.as_str()).ok());
+        let Some(room_id) = room else { return };
+        let txn = format!("cyrene-failed-{}", txn_safe(&event.turn_id));
+        if let Err(err) = self
+            .post(&room_id, &txn, "m.notice", notices::TURN_FAILED)
+            .await
+        {
+            tracing::warn!(error = %err, "cannot tell the room a turn failed");
+        }
+    }
+
+    /// Posts `body` as one message of `msgtype`, transaction `txn`.
+    async fn post(
+        &self,
+        room_id: &OwnedRoomId,
+        txn: &str,
+        msgtype: &str,
+        body: &str,
+    ) -> Result<(), MatrixError> {
+        let content = serde_json::json!({"msgtype": msgtype, "body": body});
+        let raw = serde_json::value::to_raw_value(&content).map_err(|e| MatrixError::Build {
+            path: "send".into(),
+            message: e.to_string(),
+        })?;
+        let request = send_message_event::v3::Request::new_raw(
+            room_id.clone(),
+            OwnedTransactionId::from(txn),
+            MessageLikeEventType::RoomMessage,
+            Raw::from_json(raw),
+        );
+        self.hs.call(request).await.map(drop)
+    }
+
+    async fn typing_on(self: &Arc<Self>, session_id: &str) {
+        let room = self
+            .state
+            .lock()
+            .await
+            .sessions
+            .get(session_id)
+            .and_then(|s| OwnedRoomId::try_from(s.room_id.as_str()).ok());
+        let Some(room_id) = room else { return };
+        let stop = CancellationToken::new();
+        if let Some(old) = lock(&self.typing).insert(session_id.to_owned(), stop.clone()) {
+            old.cancel();
+        }
+        let bridge = self.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            while started.elapsed() < TYPING_LIMIT {
+                let typing = create_typing_event::v3::Typing::Yes(
+                    create_typing_event::v3::TypingInfo::new(TYPING_TIMEOUT),
+                );
+                bridge.typing(&room_id, typing).await;
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(TYPING_RENEW) => {}
+                }
+            }
+            bridge
+                .typing(&room_id, create_typing_event::v3::Typing::No)
+                .await;
+        });
+    }
+
+    fn typing_off(&self, session_id: &str) {
+        if let Some(typing) = lock(&self.typing).remove(session_id) {
+            typing.cancel();
+        }
+    }
+
+    async fn typing(&self, room_id: &OwnedRoomId, typing: create_typing_event::v3::Typing) {
+        let request =
+            create_typing_event::v3::Request::new(self.bot.clone(), room_id.clone(), typing);
+        if let Err(err) = self.hs.call(request).await {
+            tracing::debug!(error = %err, "cannot show typing");
+        }
+    }
+
+    /// The sessions the bridge knows (read at start, for answers missed while it was down).
+    pub async fn sessions(&self) -> Vec<String> {
+        self.state.lock().await.sessions.keys().cloned().collect()
+    }
+}
+
+/// A transaction id made of an id: characters outside `[A-Za-z0-9_-]` become `_`.
+fn txn_safe(id: &str) -> String {
+    subjects::token(id)
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sleeps `pause`; `true` when `shutdown` fired first.
+async fn sleep_or_stop(pause: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = tokio::time::sleep(pause) => false,
+    }
+}
