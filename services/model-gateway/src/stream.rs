@@ -159,6 +159,13 @@ async fn forward(
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
     Option<ModelRequest>,
 ) {
+    let mut seq = 0u64;
+    // The first heartbeat goes out before the call starts (so publishing it never holds up the
+    // first delta): it tells the caller this replica took the call and sends them.
+    if heartbeat.is_some() {
+        publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
+        seq += 1;
+    }
     let (sink, mut deltas) = DeltaSink::new();
     let call = tokio::spawn({
         let (gateway, client) = (gateway.clone(), client.clone());
@@ -167,14 +174,9 @@ async fn forward(
             (result, req)
         }
     });
-    let mut seq = 0u64;
-    // A far deadline stands for "no heartbeats": the branch never fires. The first heartbeat
-    // goes out at once: it tells the caller this replica took the call and sends them.
+    // A far deadline stands for "no heartbeats": the branch never fires.
     let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
-    let mut beat = tokio::time::Instant::now();
-    if heartbeat.is_none() {
-        beat += every;
-    }
+    let mut beat = tokio::time::Instant::now() + every;
     let mut pending: Vec<Delta> = Vec::new();
     let mut last_flush = tokio::time::Instant::now();
     let mut withheld = 0u64;
