@@ -183,8 +183,9 @@ async fn a_streamed_turn_publishes_ordered_deltas_that_add_up_to_the_final_answe
     };
     let answer = final_event.message.unwrap().text_content();
     assert_eq!(answer, "done: count ran as call_1_1\ncount ran as call_2_1");
-    // Only the answering step (3) streams: the tool-call steps had no text.
-    assert!(deltas.len() > 1, "{deltas:?}");
+    // Only the answering step (3) streams: the tool-call steps had no text. (Deltas the
+    // gateway had waiting at once go out merged, so a fast answer may be one delta.)
+    assert!(!deltas.is_empty(), "{deltas:?}");
     for (i, d) in deltas.iter().enumerate() {
         assert_eq!(d.turn_id, "t9");
         assert_eq!(d.at_step, Some(3));
