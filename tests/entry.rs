@@ -541,7 +541,13 @@ fn every_setting_of_every_service_is_a_flag() {
         (300, false, 10, 3)
     );
     assert_eq!(
-        [ask_timeout, sweep_interval, dispatch_grace, db_timeout, upload_ttl],
+        [
+            ask_timeout,
+            sweep_interval,
+            dispatch_grace,
+            db_timeout,
+            upload_ttl
+        ],
         [s(4), s(5), s(6), s(7), s(9)]
     );
     assert_eq!(
