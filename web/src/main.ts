@@ -47,6 +47,7 @@ interface SessionEvent {
   delta?: string;
   seq?: number;
   attempt?: number;
+  retry?: number;
   sender_name?: string;
 }
 interface SendAck {
@@ -527,7 +528,9 @@ function onEvent(ev: SessionEvent): void {
     case "delta": {
       const turn = turnNode(turnId);
       const answer = answerOf(turn);
-      const key = `${ev.attempt ?? 1}/${ev.at_step ?? 0}`;
+      // a redelivered attempt, or a model call sent again after its gateway replica died
+      // (`retry`), streams the step's text again from the start
+      const key = `${ev.attempt ?? 1}/${ev.retry ?? 0}/${ev.at_step ?? 0}`;
       if (stepCount.get(turnId) !== key || answer.dataset.final === "true") {
         // a new step (or a redelivered attempt) streams its text anew, below what came before
         stepCount.set(turnId, key);
