@@ -1486,7 +1486,7 @@ async fn two_people_cannot_read_each_others_sessions_or_speak_as_each_other() {
     shutdown.cancel();
 }
 
-/// The third-party note of seed 001 for `name`, byte for byte.
+/// The third-party note (docs/semantics.md#attribution) for `name`, byte for byte.
 fn third_party_note(name: &str) -> String {
     format!(
         "[发言归属] 以下发言来自「{name}」——本会话里的第三方人员（非管理员账户），不是主人，也不是你说的。"
