@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-const PASSWORDS: [(&str, &str); 10] = [
+const PASSWORDS: [(&str, &str); 11] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
@@ -29,6 +29,7 @@ const PASSWORDS: [(&str, &str); 10] = [
     ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
     ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
     ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
+    ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
 ];
 
 fn repo() -> &'static Path {
