@@ -202,6 +202,12 @@ pub struct Script {
     pub rules: Vec<Rule>,
     /// Reply when no rule matches; `{input}` is replaced by the last user text.
     pub default_reply: Option<String>,
+    /// Pause between the streamed words of an answer, in milliseconds (0, the default: all at
+    /// once). The offline demo sets it so an answer arrives word by word, as from a real model;
+    /// the gateway merges deltas that are already waiting, so without it a streamed answer is
+    /// one delta.
+    #[serde(default)]
+    pub word_delay_ms: u64,
 }
 
 /// One scripted rule. Exactly one of `contains`/`equals` selects it (plain text, no regex).
@@ -309,6 +315,7 @@ impl ModelsConfig {
             script: Some(Script {
                 rules: Vec::new(),
                 default_reply: Some("(offline scripted reply) You said: {input}".to_owned()),
+                word_delay_ms: 0,
             }),
         };
         let chain = vec![Step::new("offline", "scripted")];

@@ -292,7 +292,7 @@ impl super::Provider for ScriptedProvider {
     }
 
     /// The answer's text word by word (each piece keeps its trailing whitespace, so the pieces
-    /// concatenate to `content`), then one delta per tool call.
+    /// concatenate to `content`), `word_delay_ms` apart, then one delta per tool call.
     fn stream<'a>(
         &'a self,
         request: &'a ModelRequest,
@@ -302,17 +302,27 @@ impl super::Provider for ScriptedProvider {
     ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
         self.log.push(request);
         let response = self.answer(request, &step.model);
-        for piece in response.content.split_inclusive(char::is_whitespace) {
-            sink.send(Delta::Text {
-                text: piece.to_owned(),
-            });
-        }
-        for delta in super::response_deltas(&response) {
-            if matches!(delta, Delta::ToolCall { .. }) {
-                sink.send(delta);
+        let pace = std::time::Duration::from_millis(self.script.word_delay_ms);
+        Box::pin(async move {
+            for (i, piece) in response
+                .content
+                .split_inclusive(char::is_whitespace)
+                .enumerate()
+            {
+                if i > 0 && !pace.is_zero() {
+                    tokio::time::sleep(pace).await;
+                }
+                sink.send(Delta::Text {
+                    text: piece.to_owned(),
+                });
             }
-        }
-        Box::pin(async move { Ok(response) })
+            for delta in super::response_deltas(&response) {
+                if matches!(delta, Delta::ToolCall { .. }) {
+                    sink.send(delta);
+                }
+            }
+            Ok(response)
+        })
     }
 }
 
@@ -392,6 +402,7 @@ mod tests {
                 },
             ],
             default_reply: None,
+            word_delay_ms: 0,
         })
     }
 
@@ -442,6 +453,7 @@ mod tests {
                 ..Default::default()
             }],
             default_reply: None,
+            word_delay_ms: 0,
         });
         let mut messages = vec![Message::text(Role::User, "plan it")];
         let one = p.answer(&ask(messages.clone()), "s");
