@@ -381,6 +381,17 @@ async fn a_step_whose_view_replica_is_gone_sends_the_view_whole_to_another() {
     }
     let second = tokio_util::sync::CancellationToken::new();
     let second_log = common::spawn_scripted_gateway(rules(), stack.server.connect().await, &second);
+    // The other replica answers before the tool is let go: the step must find it there (a step
+    // that finds no gateway at all is a retryable failure, which is another test's subject).
+    loop {
+        let ping = stack
+            .client
+            .request("$SRV.PING.cyrene-model-gateway", "".into());
+        match tokio::time::timeout(Duration::from_millis(200), ping).await {
+            Ok(Ok(_)) => break,
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
     *stack.tools.gate.lock().unwrap() = None;
     gate.notify_waiters();
 
