@@ -565,7 +565,7 @@ enum Admitted {
     /// Queued on a new lane: start its task.
     NewLane,
     /// Over a bound: refuse it with this error.
-    Refused(ErrorBody, Accepted),
+    Refused(ErrorBody, Box<Accepted>),
 }
 
 /// Accepts `ask` onto `asker`'s lane within `limits`, or says why not.
@@ -592,7 +592,7 @@ fn admit(lanes: &SharedLanes, limits: &AskLimits, asker: &str, ask: Accepted) ->
             ErrorCode::Unavailable,
             format!("too busy to take this ask ({why}); ask again later"),
         );
-        return Admitted::Refused(err, ask);
+        return Admitted::Refused(err, Box::new(ask));
     }
     lanes.accepted += 1;
     lanes.bytes += ask.bytes;
