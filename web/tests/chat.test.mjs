@@ -58,6 +58,8 @@ async function newPage(options = {}) {
   const page = await context.newPage();
   open.add(page);
   page.on("close", () => open.delete(page));
+  // actions (a click and the navigation it schedules) get as long as awaited conditions
+  page.setDefaultTimeout(WAIT);
   page.problems = [];
   page.on("pageerror", (e) => page.problems.push(`pageerror: ${e.message}`));
   page.sockets = 0;
