@@ -4,7 +4,6 @@
 use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
 use ruma::OwnedUserId;
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -14,26 +13,8 @@ pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// larger, inside a message the orchestrator takes up to 256 KiB of).
 pub const DEFAULT_MAX_IMAGE_BYTES: usize = 180 * 1024;
 
-/// A password or token: never printed (`Debug` shows `***`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
-    }
-
-    /// The secret itself, for the one request that needs it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
-}
+/// A password or token: never printed (`Debug` shows `***`); the bus's own type.
+pub use cyrene_bus::connect::Secret;
 
 /// Whose invitations the bot accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
