@@ -172,6 +172,10 @@ pub struct Completed {
     pub next: Option<NewTurn>,
     /// Pending messages claimed for the one leg still running, to push to it.
     pub pushed: Option<Pushed>,
+    /// The session's persona (empty: the default one).
+    pub persona: String,
+    /// From the oldest message the turn answered being stored (acknowledged) to the commit.
+    pub waited_ms: Option<i64>,
 }
 
 /// A turn that has not been confirmed as published (a row of `orch_turns`).
