@@ -296,6 +296,7 @@ impl Bridge {
             }),
             parallel: false,
             when_busy: None,
+            context_only: false,
         };
         // Known before the send: the turn it starts may end before the ack arrives.
         self.remember(&session_id, room_id.as_str()).await;
