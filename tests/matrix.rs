@@ -163,6 +163,15 @@ fn system_texts(model: &RequestLog) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The model's view of one request: each message's role and text, in order.
+fn view(request: &cyrene_protocol::model::ModelRequest) -> Vec<(Role, String)> {
+    request
+        .messages
+        .iter()
+        .map(|m| (m.role, m.text_content()))
+        .collect()
+}
+
 /// Issue 33: the owner's DM is answered unlabelled, an image reaches the model as an image
 /// part, strangers in a group room are answered when they mention her and are shown to the
 /// model under their display name — or their user id without one — and told apart.
@@ -206,6 +215,21 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         })
     });
     assert!(image, "the model was shown the image: {said:?}");
+    // A file posted in the room reaches the model as a document: its text is in the view.
+    let notes = "Meeting notes: the password for the garden shed is periwinkle-42.\n";
+    alice
+        .post_media(&dm, "m.file", notes.as_bytes(), "text/plain", "notes.txt")
+        .await;
+    let said = alice
+        .wait_for(&dm, &bot.id, 3, "the file is answered")
+        .await;
+    let read = world.model.snapshot().iter().any(|request| {
+        request
+            .messages
+            .iter()
+            .any(|m| m.role == Role::User && m.text_content().contains("periwinkle-42"))
+    });
+    assert!(read, "the model was shown the file's text: {said:?}");
 
     // A group room: she answers who mentions her, and tells the strangers apart.
     let group = alice
@@ -225,6 +249,19 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         "unaddressed lines are not answered"
     );
     let ming_note = third_party_note("阿明");
+    // What was said without addressing her is in the conversation all the same, attributed.
+    let wang_note = third_party_note("@wang:localhost");
+    let heard = [
+        (Role::System, wang_note.clone()),
+        (Role::User, "lunch anyone?".to_owned()),
+        (Role::System, ming_note.clone()),
+        (Role::User, "hello from ming".to_owned()),
+    ];
+    let views: Vec<_> = world.model.snapshot().iter().map(view).collect();
+    assert!(
+        views.iter().any(|v| v.windows(4).any(|w| w == heard)),
+        "the unaddressed line is in her view before the mention: {views:#?}"
+    );
     assert!(
         system_texts(&world.model)
             .iter()
@@ -238,7 +275,6 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         .wait_for(&group, &bot.id, 2, "her name is a mention")
         .await;
     assert_eq!(said, ["echo: hello from ming", "echo: cyrene, and me?"]);
-    let wang_note = third_party_note("@wang:localhost");
     let last = system_texts(&world.model).pop().unwrap();
     assert!(
         last.contains(&ming_note) && last.contains(&wang_note),
