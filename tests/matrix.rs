@@ -7,92 +7,16 @@
 mod common;
 mod synapse;
 
-use cyrene_bus::service::ServeOptions;
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::message::{Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse};
 use cyrene_protocol::subjects;
-use cyrene_test_support::NatsServer;
-use serde_json::json;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use synapse::world::{World, world};
 use synapse::{DOT_PNG, Synapse, free_port};
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
-
-/// The services of one test, in this process, on a nats-server of their own.
-struct World {
-    server: NatsServer,
-    client: async_nats::Client,
-    model: RequestLog,
-    tools: Arc<common::TestTools>,
-    _data: tempfile::TempDir,
-    shutdown: CancellationToken,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
-async fn world() -> World {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let shutdown = CancellationToken::new();
-    let data = tempfile::tempdir().unwrap();
-    let rules = json!([{"contains": "slow", "tool_calls": [{"name": "hold"}],
-                        "after_tools": "done after the wait"}]);
-    // The scripted model takes images itself (vision), so the view keeps them.
-    let models: ModelsConfig = serde_json::from_value(json!({
-        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {"vision": true}},
-            "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-        "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-        "active_group": "default"
-    }))
-    .unwrap();
-    let secrets = Secrets::from_pairs(Vec::<(String, String)>::new());
-    let http = cyrene_model_gateway::http_client().unwrap();
-    let gateway = Gateway::new(models, &secrets, http).unwrap();
-    let model = gateway.request_log("offline").unwrap();
-    tokio::spawn(cyrene_model_gateway::serve(
-        Arc::new(gateway),
-        server.connect().await,
-        ServeOptions::default(),
-        shutdown.clone(),
-    ));
-    tokio::spawn(cyrene_checkpoint_store::run(
-        cyrene_checkpoint_store::Config::new(data.path()),
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
-    orchestrator.owner = Some("alice".into());
-    tokio::spawn(cyrene_orchestrator::run(
-        orchestrator,
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    tokio::spawn(cyrene_loop_worker::run(
-        common::worker_config(),
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    let tools = common::TestTools::start(&server.connect().await, shutdown.clone()).await;
-    common::wait_for_the_four_services(&client).await;
-    common::wait_for_service(&client, "test-tools").await;
-    World {
-        server,
-        client,
-        model,
-        tools,
-        _data: data,
-        shutdown,
-    }
-}
 
 /// The bridge binary for `synapse`'s bot `@cyrene:localhost`, owner `@alice:localhost`, its
 /// state in `data`; returns once it is ready (first sync done).

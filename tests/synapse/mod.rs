@@ -4,6 +4,8 @@
 //! driven with ruma's client-server API through the bridge's own homeserver client.
 #![allow(dead_code)]
 
+pub mod world;
+
 use cyrene_matrix_bridge::matrix::Homeserver;
 use cyrene_matrix_bridge::ruma;
 use ruma::api::client::media::create_content;
