@@ -191,7 +191,7 @@ async fn context_only_scenario(backend: Backend) {
             ("小红".to_owned(), "Cyrene, is noon fine?".to_owned())
         ]
     );
-    assert_eq!(job.message_ids, [started.message_id.clone()]);
+    assert_eq!(job.message_ids, std::slice::from_ref(&started.message_id));
 
     // While the turn runs: context joins the transcript, is not steered, starts nothing.
     let late = said("阿明", "or one o'clock", "$c2", true);
