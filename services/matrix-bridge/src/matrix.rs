@@ -344,6 +344,38 @@ mod tests {
         assert_eq!(rate_limit_pause(&none, tiny), MIN_RATE_LIMIT_PAUSE);
     }
 
+    /// A media download is bounded by its caller's limit, whatever the sender declared: past
+    /// it the answer is `TooLarge` (docs/security.md, "Limits").
+    #[tokio::test]
+    async fn a_download_is_cut_off_past_its_limit() {
+        use ruma::api::client::authenticated_media::get_content;
+        use wiremock::{Mock, MockServer, ResponseTemplate, matchers::path_regex};
+        let server = MockServer::start().await;
+        Mock::given(path_regex(
+            "^/_matrix/client/v1/media/download/localhost/abc",
+        ))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .insert_header("content-type", "text/plain")
+                .set_body_bytes(vec![b'x'; 10_000]),
+        )
+        .mount(&server)
+        .await;
+        let hs = Homeserver::new(http_client().unwrap(), server.uri()).with_token("t");
+        let request = || {
+            let server = ruma::OwnedServerName::try_from("localhost").unwrap();
+            get_content::v1::Request::new("abc".to_owned(), server)
+        };
+        let err = hs.call_limited(request(), Some(9_999)).await.unwrap_err();
+        assert!(
+            matches!(err, MatrixError::TooLarge { limit: 9_999, .. }),
+            "{err}"
+        );
+        assert!(!err.is_transient(), "not worth a retry");
+        let file = hs.call_limited(request(), Some(10_000)).await.unwrap();
+        assert_eq!(file.file.len(), 10_000);
+    }
+
     #[test]
     fn errors_say_what_the_server_said() {
         assert_eq!(
