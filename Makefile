@@ -80,7 +80,7 @@ vendor-check: toolchain
 
 bench: toolchain tools postgres
 	$(CARGO) build --release --workspace --bins
-	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) $(CARGO) bench --workspace
 
 lint: toolchain vendor-check web
 	$(CARGO) fmt --all --check

@@ -289,6 +289,7 @@ impl Engine {
             solo: false,
             reply_to: None,
             ask_chain: Vec::new(),
+            context_only: req.context_only,
         };
         self.store_message(input).await
     }
