@@ -224,6 +224,7 @@ impl Engine {
                 Disposition::TurnStarted => "turn_started",
                 Disposition::Pending => "pending",
                 Disposition::ParallelLeg => "parallel_leg",
+                Disposition::ContextOnly => "context_only",
             },
             Err(_) => "rejected",
         };

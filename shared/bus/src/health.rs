@@ -226,7 +226,7 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
     (
         "cyrene_messages_total",
         Kind::Counter,
-        "Messages sent to sessions, by disposition (turn_started, pending, parallel_leg, rejected) and those steered into a running turn (steered).",
+        "Messages sent to sessions, by disposition (turn_started, pending, parallel_leg, context_only, rejected) and those steered into a running turn (steered).",
     ),
     (
         "cyrene_answer_seconds",

@@ -143,10 +143,11 @@ impl Store {
         )
         .fetch_one(&self.pool)
         .await?;
-        let waiting: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM orch_messages WHERE claimed_by_turn IS NULL")
-                .fetch_one(&self.pool)
-                .await?;
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM orch_messages WHERE claimed_by_turn IS NULL AND context = 0",
+        )
+        .fetch_one(&self.pool)
+        .await?;
         Ok((active, waiting))
     }
 }
