@@ -82,8 +82,6 @@ pub enum Error {
     Config(#[from] cyrene_bus::entry::Problems),
     #[error(transparent)]
     Host(#[from] cyrene_bus::host::HostError),
-    #[error("cannot set up JetStream: {0}")]
-    JetStream(String),
 }
 
 impl cyrene_bus::entry::RunError for Error {

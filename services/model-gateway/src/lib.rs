@@ -184,7 +184,7 @@ pub enum Error {
     #[error("cannot build the HTTP client: {0}")]
     HttpClient(#[source] reqwest::Error),
     #[error("cannot start the HTTP front door: {0}")]
-    Http(String),
+    Http(#[source] std::io::Error),
     #[error(transparent)]
     Host(#[from] cyrene_bus::host::HostError),
 }
@@ -381,7 +381,7 @@ pub async fn run(
         Some(http) => Some(
             http::serve(http, gateway.clone(), client.clone(), shutdown.clone())
                 .await
-                .map_err(|e| Error::Http(e.to_string()))?
+                .map_err(Error::Http)?
                 .1,
         ),
         None => None,

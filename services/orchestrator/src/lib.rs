@@ -66,8 +66,12 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("nats: {0}")]
-    Bus(String),
+    #[error("nats: {what}")]
+    Bus {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error(transparent)]
     Host(#[from] cyrene_bus::host::HostError),
 }
@@ -113,7 +117,10 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
             &js,
             config.turns_replicas,
             config.document_limits(),
-        ) => opened.map_err(Error::Bus)?,
+        ) => opened.map_err(|e| Error::Bus {
+            what: "cannot open the documents' object store",
+            source: e.into(),
+        })?,
         _ = shutdown.cancelled() => {
             tracing::info!("stopped before start-up finished");
             store.close().await;
@@ -136,10 +143,10 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         cyrene_protocol::subjects::SESSION_EVENTS_ALL,
         cyrene_protocol::subjects::SESSION_EVENTS_PERSONS_ALL,
     ] {
-        let events = client
-            .subscribe(pattern)
-            .await
-            .map_err(|e| Error::Bus(format!("cannot subscribe to session events: {e}")))?;
+        let events = client.subscribe(pattern).await.map_err(|e| Error::Bus {
+            what: "cannot subscribe to session events",
+            source: e.into(),
+        })?;
         listeners.push(progress::track(events, progress.clone(), shutdown.clone()));
     }
     let memory = Arc::new(memory::SqlMemory::new(
@@ -153,7 +160,10 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())
             .await
-            .map_err(|e| Error::Bus(format!("cannot register the agents: {e}")))?
+            .map_err(|e| Error::Bus {
+                what: "cannot register the agents",
+                source: e.into(),
+            })?
     } else {
         Vec::new()
     };

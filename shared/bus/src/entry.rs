@@ -86,7 +86,7 @@ pub trait ServiceArgs: clap::Parser + Sized {
 
 /// A service failure that may be a configuration problem found only while starting (a personas
 /// file that does not parse, a database URL of an unknown scheme).
-pub trait RunError: std::fmt::Display {
+pub trait RunError: std::error::Error + 'static {
     fn is_config(&self) -> bool {
         false
     }
@@ -191,13 +191,15 @@ where
         match run(config, client, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) if signal.is_cancelled() && !err.is_config() => {
+                let err = with_sources(&err);
                 tracing::warn!(error = %err, "{service} stopped on a signal before it was running");
                 ExitCode::SUCCESS
             }
             Err(err) => {
+                let (config, err) = (err.is_config(), with_sources(&err));
                 tracing::error!(error = %err, "{service} failed");
                 eprintln!("{service}: {err}");
-                ExitCode::from(if err.is_config() { 2 } else { 1 })
+                ExitCode::from(if config { 2 } else { 1 })
             }
         }
     })
@@ -213,5 +215,40 @@ mod tests {
         let err = Problems::check(vec!["a must be 1".into(), "b is missing".into()]).unwrap_err();
         assert_eq!(err.0.len(), 2);
         assert_eq!(err.to_string(), "a must be 1; b is missing");
+    }
+}
+
+/// `err` and each of its sources, outermost first: `a: b: c` (a source already in its
+/// wrapper's text is not repeated).
+pub fn with_sources(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text = format!("{text}: {said}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod sources_tests {
+    use super::with_sources;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("nats: cannot subscribe")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn an_error_is_told_with_its_sources_once() {
+        let io = std::io::Error::other("connection refused");
+        assert_eq!(
+            with_sources(&Outer(io)),
+            "nats: cannot subscribe: connection refused"
+        );
+        let said = std::io::Error::other("x");
+        assert_eq!(with_sources(&said), "x");
     }
 }
