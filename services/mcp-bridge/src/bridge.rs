@@ -23,7 +23,7 @@ use rmcp::transport::{
     ConfigureCommandExt, StreamableHttpClientTransport, TokioChildProcess,
     streamable_http_client::StreamableHttpClientTransportConfig,
 };
-use rmcp::{ClientHandler, Peer, ServiceExt};
+use rmcp::{ClientHandler, Peer, ServiceError, ServiceExt};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -150,7 +150,7 @@ async fn connect(
 ) -> Result<(Running, Client_, Vec<Tool>), ConnectError> {
     let handler = Client_::default();
     let running = match server {
-        Server::Stdio(stdio) => start_stdio(stdio, handler.clone()).await?,
+        Server::Stdio(stdio) => start_stdio(name, stdio, handler.clone()).await?,
         Server::Http(http) => connect_http(http, handler.clone()).await?,
     };
     let tools = running
@@ -162,7 +162,22 @@ async fn connect(
     Ok((running, handler, tools))
 }
 
-async fn start_stdio(server: &StdioServer, handler: Client_) -> Result<Running, ConnectError> {
+/// A stdio server's stderr, line by line into the bridge's log (each line cut at 2 KiB), until
+/// the server closes it.
+async fn log_stderr(server: String, stderr: tokio::process::ChildStderr) {
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(stderr).split(b'\n');
+    while let Ok(Some(line)) = lines.next_segment().await {
+        let line = String::from_utf8_lossy(&line);
+        tracing::info!(server = %server, line = %tools::cut(&line, 2048), "MCP server stderr");
+    }
+}
+
+async fn start_stdio(
+    name: &str,
+    server: &StdioServer,
+    handler: Client_,
+) -> Result<Running, ConnectError> {
     let command = tokio::process::Command::new(&server.command).configure(|cmd| {
         cmd.args(&server.args).env_clear();
         for key in INHERITED_ENV {
@@ -175,13 +190,16 @@ async fn start_stdio(server: &StdioServer, handler: Client_) -> Result<Running, 
             cmd.current_dir(cwd);
         }
     });
-    let (transport, _) = TokioChildProcess::builder(command)
-        .stderr(std::process::Stdio::inherit())
+    let (transport, stderr) = TokioChildProcess::builder(command)
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .map_err(|source| ConnectError::Spawn {
             command: server.command.clone(),
             source,
         })?;
+    if let Some(stderr) = stderr {
+        tokio::spawn(log_stderr(name.to_owned(), stderr));
+    }
     handler
         .serve(transport)
         .await
@@ -281,11 +299,12 @@ impl Calls {
         let server = &self.server;
         let started = Instant::now();
         let reply = tokio::select! {
-            _ = self.gone.cancelled() => Reply::error(format!(
-                "MCP server {server} stopped during the call of {tool}; it is being started again"
-            )),
+            _ = self.gone.cancelled() => Reply::error(stopped(server, tool)),
             answer = tokio::time::timeout(self.timeout, self.peer.call_tool(params)) => match answer {
                 Ok(Ok(result)) => tools::reply(&result),
+                Ok(Err(ServiceError::TransportClosed | ServiceError::Cancelled { .. })) => {
+                    Reply::error(stopped(server, tool))
+                }
                 Ok(Err(err)) => Reply::error(format!("MCP server {server} failed the call of {tool}: {}",
                     tools::cut(&err.to_string(), 2048))),
                 Err(_) => Reply::error(format!(
@@ -299,6 +318,10 @@ impl Calls {
             .record(started.elapsed().as_secs_f64());
         Ok(reply)
     }
+}
+
+fn stopped(server: &str, tool: &str) -> String {
+    format!("MCP server {server} stopped during the call of {tool}; it is being started again")
 }
 
 /// A server's micro service, served until [`Published::stop`].
