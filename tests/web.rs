@@ -30,6 +30,7 @@ const PASSWORDS: [(&str, &str); 11] = [
     ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
     ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
     ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
+    ("CYRENE_MCP_BRIDGE_PASSWORD", "pw-mcp-bridge"),
 ];
 
 fn repo() -> &'static Path {

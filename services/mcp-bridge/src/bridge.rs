@@ -108,8 +108,6 @@ pub async fn supervise(
         };
         match connected {
             Ok((running, handler, tools)) => {
-                metrics::counter!("cyrene_mcp_server_starts_total", "server" => name.clone())
-                    .increment(1);
                 serve(
                     &name,
                     running,
@@ -313,9 +311,8 @@ impl Calls {
                 )),
             },
         };
-        let outcome = if reply.is_error { "error" } else { "ok" };
-        metrics::histogram!("cyrene_mcp_call_duration_seconds", "server" => server.clone(), "outcome" => outcome)
-            .record(started.elapsed().as_secs_f64());
+        tracing::debug!(server = %server, tool, is_error = reply.is_error,
+            seconds = started.elapsed().as_secs_f64(), "MCP tool call");
         Ok(reply)
     }
 }

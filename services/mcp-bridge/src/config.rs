@@ -244,13 +244,17 @@ impl ServiceArgs for Args {
     type Config = Config;
 
     fn into_config(self) -> Result<Config, Problems> {
+        // Every problem at once: the file's and the other settings'.
+        let mut problems = Vec::new();
         let servers = match &self.config {
             None => {
-                return Err(Problems(vec![
-                    "CYRENE_MCP_BRIDGE_CONFIG is required".into(),
-                ]));
+                problems.push("CYRENE_MCP_BRIDGE_CONFIG is required".to_owned());
+                Servers::default()
             }
-            Some(path) => Servers::load(path).map_err(|e| Problems(vec![e.to_string()]))?,
+            Some(path) => Servers::load(path).unwrap_or_else(|e| {
+                problems.push(e.to_string());
+                Servers::default()
+            }),
         };
         let config = Config {
             servers,
@@ -258,7 +262,10 @@ impl ServiceArgs for Args {
             restart_max: self.restart_max,
             connect_timeout: self.connect_timeout,
         };
-        config.problems()?;
+        if let Err(Problems(more)) = config.problems() {
+            problems.extend(more);
+        }
+        Problems::check(problems)?;
         Ok(config)
     }
 }
