@@ -347,3 +347,96 @@ fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Where the official MCP Python SDK (`mcp` from PyPI) is installed.
+fn mcp_py() -> PathBuf {
+    let path = std::env::var_os("CYRENE_MCP_PY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/py/mcp"));
+    assert!(
+        path.join("mcp").exists(),
+        "the mcp SDK is not installed at {}: run `make test` (or scripts/py-tool.sh mcp==2.3.0 \
+         and set CYRENE_MCP_PY)",
+        path.display()
+    );
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_python_sdk_lists_asks_and_reads_through_cyrene_mcp() {
+    let server = cyrene_test_support::NatsServer::start();
+    let data = tempfile::tempdir().unwrap();
+    let _up = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["up", "--data-dir"])
+        .arg(data.path())
+        .env("NATS_URL", server.url())
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    common::wait_for_the_four_services(&server.connect().await).await;
+    let client = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    // The personas register just after the orchestrator's endpoints answer: ask again until one
+    // is answered (a refused ask is an error result, not a failure of the client).
+    let report = loop {
+        let mut child = tokio::process::Command::new("python3")
+            .arg(client)
+            .arg(env!("CARGO_BIN_EXE_cyrene"))
+            .args(["--person", "alice", "mcp"])
+            .env("PYTHONPATH", mcp_py())
+            .env("NATS_URL", server.url())
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(b"what is the weather like?\n")
+            .await
+            .unwrap();
+        drop(stdin);
+        let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
+            .await
+            .expect("the MCP client finishes")
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "the python client failed: {stdout}");
+        let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+        if report["answer_is_error"] == false {
+            break report;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{report}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(report["tools"], json!(["ask_cyrene"]), "{report}");
+    let answer = report["answer"][0].as_str().unwrap();
+    assert!(
+        answer.contains("offline scripted reply"),
+        "a real turn answered: {report}"
+    );
+    assert_eq!(
+        report["wrong_is_error"], true,
+        "a question that is not a string: {report}"
+    );
+    // The ask ran in alice's own session, which is now hers to read.
+    let resources = report["resources"].as_array().unwrap();
+    assert!(
+        !resources.is_empty()
+            && resources
+                .iter()
+                .all(|r| r.as_str().unwrap().starts_with("cyrene://session/alice.")),
+        "{report}"
+    );
+    assert!(
+        report["transcript"]
+            .as_str()
+            .unwrap()
+            .contains("offline scripted reply"),
+        "{report}"
+    );
+}
