@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 
-const PASSWORDS: [(&str, &str); 11] = [
+const PASSWORDS: [(&str, &str); 12] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
