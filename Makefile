@@ -29,8 +29,11 @@ SYNAPSE_PY = $(shell scripts/py-tool.sh matrix-synapse==1.163.2)
 MCP_TIME_PY = $(shell scripts/py-tool.sh mcp-server-time==2026.10.19)
 MCP_PY = $(shell scripts/py-tool.sh mcp==2.3.0)
 MCP_EVERYTHING = .tools/npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js
-TEST_ENV = NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) \
+TEST_ENV = NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) \
   CYRENE_MCP_TIME_PY=$(MCP_TIME_PY) CYRENE_MCP_PY=$(MCP_PY) CYRENE_MCP_EVERYTHING=$(CURDIR)/$(MCP_EVERYTHING)
+# Prometheus' rule checker (Debian's prometheus package, unpacked under .tools) for the alert
+# rules' test (tests/docs.rs, deploy/prometheus).
+PROMTOOL = $(shell scripts/promtool.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
@@ -91,7 +94,7 @@ vendor-check: toolchain
 
 bench: toolchain tools postgres
 	$(CARGO) build --release --workspace --bins
-	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) $(CARGO) bench --workspace
 
 lint: toolchain vendor-check web
 	$(CARGO) fmt --all --check
