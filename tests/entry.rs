@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::free_port;
+
 use common::workspace_binary;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::{ErrorCode, subjects};
@@ -728,15 +730,6 @@ fn every_setting_of_every_service_is_a_flag() {
         [call_timeout, restart_max, connect_timeout],
         [s(6), s(7), s(8)]
     );
-}
-
-/// A free local TCP port (bound and released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Issue 29, item 6: every binary pointed at a bus it cannot reach (a closed port) stops at once

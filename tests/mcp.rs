@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::free_port;
+
 use common::{Stack, eventually, job, service, worker_config};
 use cyrene_protocol::turn::TurnOutcome;
 use serde_json::{Value, json};
@@ -337,15 +339,6 @@ async fn two_bridge_replicas_one_sigkilled_under_calls_the_calls_go_on() {
         answered >= 190,
         "calls went on through the kill: {answered}/200"
     );
-}
-
-/// A free TCP port on 127.0.0.1.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Where the official MCP Python SDK (`mcp` from PyPI) is installed.
