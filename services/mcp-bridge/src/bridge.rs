@@ -160,16 +160,38 @@ async fn connect(
     Ok((running, handler, tools))
 }
 
-/// A stdio server's stderr, line by line into the bridge's log (each line cut at 2 KiB), until
-/// the server closes it.
+/// A stdio server's stderr, line by line into the bridge's log, until the server closes it. A
+/// line is cut at [`STDERR_LINE`] bytes (the rest logged as further lines): a server that never
+/// writes a line break costs bounded memory.
 async fn log_stderr(server: String, stderr: tokio::process::ChildStderr) {
     use tokio::io::AsyncBufReadExt;
-    let mut lines = tokio::io::BufReader::new(stderr).split(b'\n');
-    while let Ok(Some(line)) = lines.next_segment().await {
-        let line = String::from_utf8_lossy(&line);
-        tracing::info!(server = %server, line = %tools::cut(&line, 2048), "MCP server stderr");
+    let mut reader = tokio::io::BufReader::new(stderr);
+    let mut line = Vec::new();
+    loop {
+        let chunk = match reader.fill_buf().await {
+            Ok([]) | Err(_) => break,
+            Ok(chunk) => chunk,
+        };
+        let room = STDERR_LINE - line.len();
+        let (taken, ended) = match chunk.iter().take(room).position(|b| *b == b'\n') {
+            Some(at) => (at + 1, true),
+            None => (
+                chunk.len().min(room),
+                line.len() + chunk.len() >= STDERR_LINE,
+            ),
+        };
+        line.extend_from_slice(&chunk[..taken]);
+        reader.consume(taken);
+        if ended {
+            let text = String::from_utf8_lossy(&line);
+            tracing::info!(server = %server, line = %text.trim_end(), "MCP server stderr");
+            line.clear();
+        }
     }
 }
+
+/// The longest stderr line logged as one.
+const STDERR_LINE: usize = 2048;
 
 async fn start_stdio(
     name: &str,
