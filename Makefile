@@ -22,13 +22,22 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # A real Matrix homeserver (Synapse, SQLite) for the Matrix bridge's tests (tests/matrix.rs).
 SYNAPSE_PY = $(shell scripts/py-tool.sh matrix-synapse==1.163.2)
+# The official MCP servers behind the MCP bridge's tests (tests/mcp.rs): mcp-server-time from
+# PyPI (stdio) and @modelcontextprotocol/server-everything from npm (stdio and streamable HTTP,
+# pinned, under .tools/npm by `make mcp-servers`); the official MCP Python SDK as the client of
+# `cyrene mcp`.
+MCP_TIME_PY = $(shell scripts/py-tool.sh mcp-server-time==2026.10.19)
+MCP_PY = $(shell scripts/py-tool.sh mcp==2.3.0)
+MCP_EVERYTHING = .tools/npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js
+TEST_ENV = NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) \
+  CYRENE_MCP_TIME_PY=$(MCP_TIME_PY) CYRENE_MCP_PY=$(MCP_PY) CYRENE_MCP_EVERYTHING=$(CURDIR)/$(MCP_EVERYTHING)
 # Prometheus' rule checker (Debian's prometheus package, unpacked under .tools) for the alert
 # rules' test (tests/docs.rs, deploy/prometheus).
 PROMTOOL = $(shell scripts/promtool.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: help toolchain tools postgres web chromium build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
+.PHONY: help toolchain tools postgres web chromium mcp-servers build test vendor-test vendor-check bench lint run clean deploy-check secrets fuzz chaos chaos-single chaos-cluster
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -57,14 +66,19 @@ chromium:
 	@[ -x /usr/bin/chromium ] || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# server-everything, pinned (npm comes with `make web`).
+mcp-servers: web
+	@[ -f $(MCP_EVERYTHING) ] || npm install --silent --no-audit --no-fund \
+	  --prefix .tools/npm @modelcontextprotocol/server-everything@2026.8.31
+
 build: toolchain web
 	$(CARGO) build --workspace --all-targets
 
-test: toolchain tools postgres chromium build vendor-check vendor-test
+test: toolchain tools postgres chromium mcp-servers build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
-	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) $(CARGO) nextest run --workspace --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast
 else
-	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) $(CARGO) test --workspace --no-fail-fast
+	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
 
 # The unit tests of the patched async-nats' parser (vendor/async-nats/CYRENE-PATCH.md).

@@ -101,6 +101,7 @@ fn every_deployment_runs_a_built_binary_with_variables_it_reads() {
             "cyrene-checkpoint-store",
             "cyrene-loop-worker",
             "cyrene-matrix-bridge",
+            "cyrene-mcp-bridge",
             "cyrene-model-gateway",
             "cyrene-orchestrator"
         ]
@@ -217,7 +218,7 @@ fn secrets_are_generated_never_committed_placeholders() {
         .filter(|l| l.contains("_PASSWORD="))
         .map(|l| l.split_once('=').unwrap().1)
         .collect();
-    assert_eq!(passwords.len(), 11);
+    assert_eq!(passwords.len(), 12);
     for p in &passwords {
         assert_eq!(p.len(), 48, "{p}");
         assert!(!p.contains("change-me"));

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::free_port;
+
 use common::workspace_binary;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::{ErrorCode, subjects};
@@ -43,7 +45,7 @@ type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
 async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap();
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
         (
             "cyrene-model-gateway",
             vec![
@@ -110,6 +112,15 @@ async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
                 "CYRENE_MATRIX_BRIDGE_USER is required",
                 "is not an http(s) URL",
                 "password or an access token",
+            ],
+        ),
+        (
+            "cyrene-mcp-bridge",
+            vec!["--call-timeout", "0s"],
+            vec![],
+            vec![
+                "CYRENE_MCP_BRIDGE_CONFIG is required",
+                "call_timeout must be longer than zero",
             ],
         ),
     ];
@@ -288,6 +299,7 @@ fn docs_list_every_setting_of_every_service() {
             "cyrene-matrix-bridge",
             cyrene_matrix_bridge::Args::command(),
         ),
+        ("cyrene-mcp-bridge", cyrene_mcp_bridge::Args::command()),
     ];
     let mut table = String::from("| binary | flag | env | default |\n|---|---|---|---|\n");
     let mut row = |binary: &str, arg: &clap::Arg| {
@@ -691,15 +703,33 @@ fn every_setting_of_every_service_is_a_flag() {
         )
     );
     assert_eq!([sync_timeout, request_timeout], [s(4), s(5)]);
-}
 
-/// A free local TCP port (bound and released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let servers_file = dir.path().join("mcp.json");
+    std::fs::write(
+        &servers_file,
+        r#"{"mcpServers": {"time": {"command": "mcp-server-time"}}}"#,
+    )
+    .unwrap();
+    let cyrene_mcp_bridge::Config {
+        servers,
+        call_timeout,
+        restart_max,
+        connect_timeout,
+    } = cyrene_mcp_bridge::Args::try_parse_from([
+        "cyrene-mcp-bridge",
+        &format!("--config={}", servers_file.display()),
+        "--call-timeout=6s",
+        "--restart-max=7s",
+        "--connect-timeout=8s",
+    ])
+    .unwrap()
+    .into_config()
+    .unwrap();
+    assert_eq!(servers.servers.keys().collect::<Vec<_>>(), ["time"]);
+    assert_eq!(
+        [call_timeout, restart_max, connect_timeout],
+        [s(6), s(7), s(8)]
+    );
 }
 
 /// Issue 29, item 6: every binary pointed at a bus it cannot reach (a closed port) stops at once

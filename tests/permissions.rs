@@ -29,12 +29,13 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Every user of the config, in the order of `SHIPPED_PASSWORDS` and of the matrix's columns.
-const MATRIX_USERS: [(&str, &str); 11] = [
+const MATRIX_USERS: [(&str, &str); 12] = [
     ("cyrene-model-gateway", "pw-gateway"),
     ("cyrene-checkpoint-store", "pw-store"),
     ("cyrene-orchestrator", "pw-orchestrator"),
     ("cyrene-loop-worker", "pw-worker"),
     ("cyrene-tools", "pw-tools"),
+    ("cyrene-mcp-bridge", "pw-mcp-bridge"),
     ("cyrene-client", "pw-client"),
     ("cyrene-operator", "pw-operator"),
     ("agent-hoshi", "pw-hoshi"),
@@ -438,6 +439,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, N, N, N, N, N, N, N, N],
         ),
         (
+            "_INBOX_cyrene-mcp-bridge.a1",
+            "replies to the MCP bridge",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
             "_INBOX_cyrene-model-gateway.a1",
             "replies to the gateway",
             [S, N, N, N, N, N, N, N, N, N],
@@ -485,13 +491,33 @@ const BRIDGE_COLUMN: &[(&str, &str)] = &[
     ("_INBOX_cyrene-matrix-bridge.a1", "sub"),
 ];
 
-/// The full row of the matrix: its cells and the bridge's.
+/// The `cyrene-mcp-bridge` column of the matrix (after `cyrene-tools`): like [`BRIDGE_COLUMN`].
+/// It serves tools and answers discovery, nothing more.
+const MCP_BRIDGE_COLUMN: &[(&str, &str)] = &[
+    ("cyrene.tool.search_notes", "sub"),
+    ("$SRV.PING", "sub"),
+    ("$SRV.INFO", "sub"),
+    ("$SRV.STATS.cyrene-orchestrator", "sub"),
+    ("_INBOX_cyrene-mcp-bridge.a1", "sub"),
+];
+
+/// The full row of the matrix: its cells with the MCP bridge's after `cyrene-tools` and the
+/// chat bridge's last.
 fn full_row<'a>(subject: &str, cells: &[&'a str; 10]) -> Vec<&'a str> {
-    let bridge = BRIDGE_COLUMN
+    let cell = |column: &[(&str, &'static str)]| {
+        column
+            .iter()
+            .find(|(s, _)| *s == subject)
+            .map_or("—", |(_, cell)| *cell)
+    };
+    let (services, people) = cells.split_at(5);
+    services
         .iter()
-        .find(|(s, _)| *s == subject)
-        .map_or("—", |(_, cell)| *cell);
-    cells.iter().copied().chain([bridge]).collect()
+        .copied()
+        .chain([cell(MCP_BRIDGE_COLUMN)])
+        .chain(people.iter().copied())
+        .chain([cell(BRIDGE_COLUMN)])
+        .collect()
 }
 
 const SERVICES: [&str; 4] = [
@@ -1111,7 +1137,7 @@ async fn permitted(raw: &mut RawConnection, subject: &str, sid: u64) -> &'static
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     let server = server();
-    for (subject, _) in BRIDGE_COLUMN {
+    for (subject, _) in BRIDGE_COLUMN.iter().chain(MCP_BRIDGE_COLUMN) {
         assert!(
             MATRIX.iter().any(|(s, _, _)| s == subject),
             "{subject}: a bridge cell names no row"

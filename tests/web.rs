@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::free_port;
+
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::shipped::shipped_config;
 use std::path::{Path, PathBuf};
@@ -21,16 +23,6 @@ use tokio::process::Command;
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A port nobody listens on right now (the WebSocket port must be fixed in the config, so the
-/// page finds the server again after a restart).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// deploy/nats/cyrene.conf as shipped — users, permissions, websocket block — with the test's

@@ -5,6 +5,7 @@ mod chat;
 mod comm;
 mod documents;
 mod live;
+mod mcp;
 mod person;
 mod probe;
 mod session;
@@ -63,6 +64,9 @@ pub enum Command {
     Checkpoints(session::CheckpointsArgs),
     /// Serve the web chat (docs/web.md); the browser talks to NATS itself, over WebSocket.
     Web(web::WebArgs),
+    /// Serve Cyrene over MCP on stdio (docs/tools.md): a tool ask_<persona> per persona, your
+    /// sessions' transcripts as resources; speaks as --person.
+    Mcp(mcp::McpArgs),
 }
 
 /// A failed command, with the exit code it maps to.
@@ -119,6 +123,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Emit(args) => comm::emit(client.clone(), args).await,
         Command::Agent(args) => agent::run(client.clone(), args).await,
         Command::Probe(args) => probe::run(client.clone(), args).await,
+        Command::Mcp(args) => mcp::run(client.clone(), args).await,
         Command::Up(args) => up::run(&cli.bus, args).await,
         Command::Chat(args) => chat::chat(client.clone(), args).await,
         Command::Demo(args) => chat::demo(client.clone(), args).await,

@@ -1,0 +1,14 @@
+//! `cyrene-mcp-bridge`: the entry shape every Cyrene binary shares (`cyrene_bus::entry`):
+//! flags/env → checked config → NATS → run until SIGINT/SIGTERM. Exit codes: 0 clean stop,
+//! 1 failure (NATS unreachable), 2 invalid configuration (every problem listed, the servers
+//! file's included).
+
+use cyrene_mcp_bridge::{Args, SERVICE_NAME, run};
+use std::process::ExitCode;
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() -> ExitCode {
+    cyrene_bus::entry::main::<Args, _, _, _>(SERVICE_NAME, run)
+}
