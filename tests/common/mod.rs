@@ -561,7 +561,7 @@ impl TestTools {
                         .unwrap()
                         .push((id.clone(), Instant::now()));
                     Ok::<_, ErrorBody>(
-                        json!({"text": format!("{name} ran as {id}"), "is_error": false}),
+                        json!({"text": format!("{name} ran as {}", short_call_id(&id)), "is_error": false}),
                     )
                 }
             };
@@ -577,8 +577,18 @@ impl TestTools {
             .lock()
             .unwrap()
             .iter()
-            .filter(|(_, id)| id == call_id)
+            .filter(|(_, id)| short_call_id(id) == call_id)
             .count()
+    }
+}
+
+/// A scripted provider's call id without its conversation digest: `call_<turn>_<n>_<i>` →
+/// `call_<n>_<i>`, so tests can name a turn's calls by step and position. Other ids unchanged.
+pub fn short_call_id(id: &str) -> String {
+    let parts: Vec<&str> = id.split('_').collect();
+    match parts.as_slice() {
+        ["call", digest, n, i] if digest.len() == 8 => format!("call_{n}_{i}"),
+        _ => id.to_owned(),
     }
 }
 
