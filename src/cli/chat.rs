@@ -141,6 +141,7 @@ impl Session {
             env: None,
             parallel: false,
             when_busy: None,
+            persona: String::new(),
         };
         if echo {
             println!("you: {text}");

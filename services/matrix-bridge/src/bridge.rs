@@ -296,6 +296,7 @@ impl Bridge {
             }),
             parallel: false,
             when_busy: None,
+            persona: String::new(),
         };
         // Known before the send: the turn it starts may end before the ack arrives.
         self.remember(&session_id, room_id.as_str()).await;

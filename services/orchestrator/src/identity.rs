@@ -156,6 +156,7 @@ mod tests {
             env,
             parallel: false,
             when_busy: None,
+            persona: String::new(),
         }
     }
 
