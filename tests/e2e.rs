@@ -775,16 +775,7 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
     world
         .send_to("mp", "hoshi, plan the picnic", "mp-3", "hoshi")
         .await;
-    let tools = world.tools.clone();
-    common::eventually("the held tool started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    world.tools.hold_started("the held tool started").await;
     world.send("mp", "and bring tea", "mp-4").await;
     *world.tools.gate.lock().unwrap() = None;
     gate.notify_waiters();

@@ -238,15 +238,7 @@ async fn a_steered_message_is_an_event_of_the_turns_trace() {
         .await
         .unwrap();
     assert!(String::from_utf8_lossy(&ack.payload).contains("turn_started"));
-    common::eventually("the held tool started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    tools.hold_started("the held tool started").await;
     let steer = r#"{"session_id":"steered","message":{"role":"user","content":"bring tea"}}"#;
     let ack = client
         .request("cyrene.session.send", steer.into())

@@ -266,16 +266,7 @@ impl Stack {
 
     /// Waits (bounded) until the `hold` tool has started.
     pub async fn hold_started(&self, what: &str) {
-        let tools = self.tools.clone();
-        eventually(what, Duration::from_secs(30), || {
-            tools
-                .runs
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|(name, _)| name == "hold")
-        })
-        .await;
+        self.tools.hold_started(what).await;
     }
 
     /// SIGKILLs `worker`, then lets the held tool (and any later `hold`) go.
@@ -570,6 +561,18 @@ impl TestTools {
         std::mem::forget(service);
         client.flush().await.unwrap();
         tools
+    }
+
+    /// Waits (bounded) until the `hold` tool has started.
+    pub async fn hold_started(&self, what: &str) {
+        eventually(what, Duration::from_secs(30), || {
+            self.runs
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(name, _)| name == "hold")
+        })
+        .await;
     }
 
     pub fn runs_of(&self, call_id: &str) -> usize {
