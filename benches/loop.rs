@@ -126,6 +126,7 @@ impl Real {
             parallel: false,
             when_busy: None,
             persona: String::new(),
+            context_only: false,
         };
         let wait = Duration::from_secs(30);
         request_json(&self.client, subjects::SESSION_SEND, &request, wait)

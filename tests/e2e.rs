@@ -152,6 +152,7 @@ impl World {
             parallel: false,
             when_busy: None,
             persona: persona.to_owned(),
+            context_only: false,
         };
         common::send_until_acked(&self.bus.client, &request, Duration::from_secs(60))
             .await

@@ -144,6 +144,7 @@ impl Session {
             parallel: false,
             when_busy: None,
             persona,
+            context_only: false,
         };
         if echo {
             println!("you: {text}");
@@ -156,6 +157,8 @@ impl Session {
                     println!("  (a turn is running: this message will be steered into it)");
                 }
                 Disposition::ParallelLeg => println!("  (answered in a parallel leg)"),
+                // Only the bridge sends context-only messages; the CLI never does.
+                Disposition::ContextOnly => {}
                 Disposition::TurnStarted => {
                     p.running.insert(ack.turn_id.clone());
                 }

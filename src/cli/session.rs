@@ -71,6 +71,7 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
         parallel: args.parallel,
         when_busy: args.when_busy,
         persona: args.persona.clone().unwrap_or_default(),
+        context_only: false,
     }
 }
 

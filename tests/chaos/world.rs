@@ -514,6 +514,7 @@ pub fn send_request(
         parallel,
         when_busy: None,
         persona: String::new(),
+        context_only: false,
     }
 }
 

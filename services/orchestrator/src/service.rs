@@ -13,6 +13,7 @@
 //! | `person-upload` | `cyrene.person.*.document.upload` | `UploadRequest` | `UploadAck` |
 //! | `bridge-send`    | `cyrene.bridge.session.send`      | `SendRequest`    | `SendAck` |
 //! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
+//! | `bridge-upload`  | `cyrene.bridge.document.upload`   | `UploadRequest`  | `UploadAck` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -97,6 +98,10 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
         identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
         e.history(req).await
     });
+    let bridge_upload = with_state(engine, |e, req: UploadRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
+        e.documents().upload(req).await
+    });
     let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
     let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
     vec![
@@ -162,6 +167,11 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             "bridge-history",
             subjects::BRIDGE_SESSION_HISTORY,
             bridge_history,
+        ),
+        Endpoint::json(
+            "bridge-upload",
+            subjects::BRIDGE_DOCUMENT_UPLOAD,
+            bridge_upload,
         ),
     ]
 }

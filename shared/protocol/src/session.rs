@@ -42,6 +42,11 @@ pub struct SendRequest {
     /// used (initially its env's, else the default). A restricted session refuses a switch.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub persona: String,
+    /// Context only (`cyrene.bridge.session.send` alone): the message enters the session's
+    /// transcript — the next turn's view shows it in order — but starts no turn and is never
+    /// steered into a running one (docs/orchestrator.md, "Context-only messages").
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub context_only: bool,
 }
 
 /// The double-texting policy: what a message sent while a turn of its session is in flight
@@ -73,6 +78,8 @@ pub enum Disposition {
     Pending,
     /// The parallel policy started another leg for it.
     ParallelLeg,
+    /// A context-only message (the bridge's): stored in the transcript, no turn.
+    ContextOnly,
 }
 
 /// `cyrene.session.send` reply.
@@ -245,6 +252,7 @@ mod tests {
             (Disposition::TurnStarted, "turn_started"),
             (Disposition::Pending, "pending"),
             (Disposition::ParallelLeg, "parallel_leg"),
+            (Disposition::ContextOnly, "context_only"),
         ] {
             let ack = SendAck {
                 message_id: "m".into(),

@@ -26,6 +26,10 @@
 //!   never take it, so it stays pending until the job of the next turn claims it (I2 holds: it
 //!   is claimed once, by that job). Under `reject` the decision is read under the session lock
 //!   *before* anything is written: a refused send rolls back and leaves no row, no seq.
+//! - **Context only.** A context-only message is stored `context = 1`, `queued = 1`, claimed by
+//!   no turn, ever: it is never pending (no batch takes it, no steer claims it, it starts no
+//!   turn), and the window of every later turn reads it beside the answered transcript, in seq
+//!   order (docs/orchestrator.md, "Context-only messages").
 //!
 //! # Pitfalls
 //! - SQLite must start write transactions with `BEGIN IMMEDIATE`: a deferred transaction that
@@ -128,6 +132,8 @@ pub struct NewMessage {
     /// The configured persona this message addresses (checked by the caller); `None` = the one
     /// the session last used (docs/orchestrator.md, "Several personas").
     pub persona: Option<String>,
+    /// Context only (the bridge's): stored in the transcript, no turn, never steered.
+    pub context_only: bool,
 }
 
 /// A turn that was created and must now be dispatched (and announced).
@@ -175,6 +181,10 @@ pub struct Completed {
     pub next: Option<NewTurn>,
     /// Pending messages claimed for the one leg still running, to push to it.
     pub pushed: Option<Pushed>,
+    /// The session's persona (empty: the default one).
+    pub persona: String,
+    /// From the oldest message the turn answered being stored (acknowledged) to the commit.
+    pub waited_ms: Option<i64>,
 }
 
 /// A turn that has not been confirmed as published (a row of `orch_turns`).
@@ -410,7 +420,7 @@ impl Store {
     ) -> Result<i64, StoreError> {
         let row = sqlx::query(
             "SELECT COUNT(*) FROM orch_messages \
-             WHERE session_id = $1 AND claimed_by_turn IS NULL",
+             WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0",
         )
         .bind(session_id)
         .fetch_one(&mut **tx)

@@ -330,6 +330,7 @@ pub fn send_req(session: &str, text: &str, key: &str, client_id: &str) -> SendRe
         parallel: false,
         when_busy: None,
         persona: String::new(),
+        context_only: false,
     }
 }
 
