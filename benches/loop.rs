@@ -125,6 +125,7 @@ impl Real {
             env: None,
             parallel: false,
             when_busy: None,
+            persona: String::new(),
             context_only: false,
         };
         let wait = Duration::from_secs(30);

@@ -138,6 +138,11 @@ impl World {
 
     /// Sends until acknowledged (idempotent by key: a retry after a lost ack is safe).
     async fn send(&self, session: &str, text: &str, key: &str) -> SendAck {
+        self.send_to(session, text, key, "").await
+    }
+
+    /// [`World::send`] addressed to `persona` (empty: the one the session last used).
+    async fn send_to(&self, session: &str, text: &str, key: &str, persona: &str) -> SendAck {
         let request = SendRequest {
             session_id: session.to_owned(),
             message: Message::text(Role::User, text),
@@ -146,6 +151,7 @@ impl World {
             env: None,
             parallel: false,
             when_busy: None,
+            persona: persona.to_owned(),
             context_only: false,
         };
         common::send_until_acked(&self.bus.client, &request, Duration::from_secs(60))
@@ -675,4 +681,144 @@ async fn a_message_sent_into_a_turn_past_its_deadline_gets_a_turn_of_its_own() {
         answered.expect("the second message is answered by a turn");
     assert_ne!(first_turn, second_turn, "taken in by the cancelled turn");
     assert_eq!(answer, "echo: and the weather?");
+}
+
+/// The answers of session `mp` as (persona, text), once there are at least `n`.
+async fn answers(world: &World, n: usize) -> Vec<(String, String)> {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let said: Vec<(String, String)> = world
+                .history("mp")
+                .await
+                .messages
+                .iter()
+                .filter(|e| e.message.role == Role::Assistant)
+                .map(|e| (e.message.sender_name.clone(), e.message.text_content()))
+                .collect();
+            if said.len() >= n {
+                return said;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{n} answers"))
+}
+
+/// Several personas in one session, end to end (docs/orchestrator.md, "Several personas";
+/// docs/semantics.md#attribution): cyrene twice (one persona: no lead, no notes), hoshi with a
+/// tool and a message steered in while it runs, nova, cyrene again. Each persona's view carries
+/// the reference's attribution byte for byte for the other personas' lines, and the transcript
+/// keeps who said each answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_what() {
+    const LEAD_TAIL: &str = "的身份对话。本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";
+    let lead = |label: &str| format!("[会话角色] 你正以{label}{LEAD_TAIL}");
+    let other = |label: &str| format!("[发言归属] 以下发言来自{label}，不是你说的。");
+    let me = |label: &str| format!("[发言归属] 以下发言来自你自己——{label}。");
+    let (cyrene, hoshi, nova) = ("「昔涟」（cyrene）", "「星」（hoshi）", "「nova」");
+
+    let rules = json!([{"contains": "picnic", "tool_calls": [{"name": "hold"}],
+        "after_tools": "found: {tool_results}"}]);
+    let world = World::scripted(None, rules).await;
+    let personas = world.data.path().join("personas.json");
+    let document = json!({"default": "cyrene", "personas": [
+        {"id": "cyrene", "name": "昔涟"}, {"id": "hoshi", "name": "星"}, {"id": "nova", "name": "nova"}]});
+    std::fs::write(&personas, document.to_string()).unwrap();
+    let personas = personas.display().to_string();
+    let _orchestrator = world
+        .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
+        .await;
+    // The views the model was asked with for a user text, as (role, text) lines.
+    let views_for = |text: &str| -> Vec<Vec<(Role, String)>> {
+        world
+            .bus
+            .log
+            .snapshot()
+            .iter()
+            .filter(|r| {
+                r.messages
+                    .iter()
+                    .any(|m| m.role == Role::User && m.text_content() == text)
+            })
+            .map(|r| {
+                r.messages
+                    .iter()
+                    .map(|m| (m.role, m.text_content()))
+                    .collect()
+            })
+            .collect()
+    };
+    let notes = |view: &[(Role, String)]| -> Vec<String> {
+        view.iter()
+            .filter(|(role, t)| {
+                *role == Role::System
+                    && (t.starts_with("[会话角色]") || t.starts_with("[发言归属]"))
+            })
+            .map(|(_, t)| t.clone())
+            .collect()
+    };
+
+    world.send("mp", "hi", "mp-1").await;
+    answers(&world, 1).await;
+    world.send("mp", "how are you", "mp-2").await;
+    answers(&world, 2).await;
+    let one = views_for("how are you");
+    assert!(!one.is_empty());
+    assert!(
+        one.iter().all(|v| notes(v).is_empty()),
+        "one persona: no lead, no notes"
+    );
+
+    // hoshi, with a tool that holds; a message steered in while it runs.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *world.tools.gate.lock().unwrap() = Some(gate.clone());
+    world
+        .send_to("mp", "hoshi, plan the picnic", "mp-3", "hoshi")
+        .await;
+    world.tools.hold_started("the held tool started").await;
+    world.send("mp", "and bring tea", "mp-4").await;
+    *world.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+    answers(&world, 3).await;
+    let hoshi_views = views_for("hoshi, plan the picnic");
+    assert!(hoshi_views.len() >= 2, "a tool step and the answer");
+    for view in &hoshi_views {
+        let n = notes(view);
+        assert_eq!(n[..2], [lead(hoshi), other(cyrene)], "{n:?}");
+    }
+    let last = hoshi_views.last().unwrap();
+    assert!(
+        last.iter()
+            .any(|(role, t)| *role == Role::User && t == "and bring tea"),
+        "the steered message is in hoshi's view"
+    );
+
+    world.send_to("mp", "nova, your turn", "mp-5", "nova").await;
+    answers(&world, 4).await;
+    let nova_view = views_for("nova, your turn").pop().unwrap();
+    assert_eq!(notes(&nova_view), [lead(nova), other(cyrene), other(hoshi)]);
+
+    world
+        .send_to("mp", "cyrene, sum up", "mp-6", "cyrene")
+        .await;
+    let said = answers(&world, 5).await;
+    let cyrene_view = views_for("cyrene, sum up").pop().unwrap();
+    assert_eq!(
+        notes(&cyrene_view),
+        [lead(cyrene), me(cyrene), other(hoshi), other(nova)]
+    );
+    // Each note stands right before the line it announces.
+    let before = |note: &str| {
+        let i = cyrene_view.iter().position(|(_, t)| t == note).unwrap();
+        cyrene_view[i + 1].clone()
+    };
+    assert_eq!(
+        before(&other(nova)),
+        (Role::Assistant, "echo: nova, your turn".into())
+    );
+    assert_eq!(before(&me(cyrene)), (Role::Assistant, "echo: hi".into()));
+
+    let speakers: Vec<&str> = said.iter().map(|(who, _)| who.as_str()).collect();
+    assert_eq!(speakers, ["cyrene", "cyrene", "hoshi", "nova", "cyrene"]);
 }

@@ -496,6 +496,7 @@ fn every_setting_of_every_service_is_a_flag() {
         max_in_flight,
         turns_replicas,
         owner,
+        people,
     } = cyrene_orchestrator::Args::try_parse_from([
         "cyrene-orchestrator",
         "--database-url=sqlite://o.db",
@@ -527,10 +528,12 @@ fn every_setting_of_every_service_is_a_flag() {
         "--max-in-flight=10",
         "--turns-replicas=3",
         "--owner=alice",
+        "--people=bob, carol",
     ])
     .unwrap()
     .into_config()
     .unwrap();
+    assert_eq!(people, ["bob", "carol"]);
     assert_eq!(database_url.as_deref(), Some("sqlite://o.db"));
     assert_eq!(data_dir, std::path::PathBuf::from("/o"));
     assert_eq!(personas.default, "zed");

@@ -187,6 +187,7 @@ async fn send(client: &async_nats::Client, session: &str, text: &str) {
         env: None,
         parallel: false,
         when_busy: None,
+        persona: String::new(),
         context_only: false,
     };
     let _: SendAck = request_json(

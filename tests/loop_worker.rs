@@ -120,10 +120,10 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
     assert_eq!(checkpoints[0].turn_id.as_deref(), Some("t1"));
     assert_eq!(stack.tools.runs.lock().unwrap().len(), 2);
 
-    // The model saw the whole view every step. Step 3 sent only what step 2 added, to the
-    // gateway replica holding the rest (docs/model-gateway.md, "Held views"); step 2 went whole,
-    // as its view is no continuation of step 1's: the persona's first message of the session
-    // brings the session-roles block, placed before the user's message.
+    // The model saw the whole view every step. Steps 2 and 3 sent only what the step before
+    // added, to the gateway replica holding the rest (docs/model-gateway.md, "Held views"): with
+    // one persona in the session no attribution block appears (docs/semantics.md#attribution),
+    // so each view continues the one before.
     let views: Vec<usize> = stack
         .log
         .snapshot()
@@ -146,8 +146,8 @@ async fn a_multi_step_tool_turn_runs_over_the_bus_and_checkpoints_every_step() {
             .find(|e| e["name"] == name)
             .map(|e| e["num_requests"].as_u64().unwrap())
     };
-    assert_eq!(served("complete_stream"), Some(2), "{stats}");
-    assert_eq!(served("complete_stream_replica"), Some(1), "{stats}");
+    assert_eq!(served("complete_stream"), Some(1), "{stats}");
+    assert_eq!(served("complete_stream_replica"), Some(2), "{stats}");
 
     let mut kinds = Vec::new();
     while kinds.last() != Some(&SessionEventType::Final) {

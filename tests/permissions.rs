@@ -690,6 +690,7 @@ fn send_request(session: &str, message: Message, client_id: &str, key: &str) -> 
         env: None,
         parallel: false,
         when_busy: None,
+        persona: String::new(),
         context_only: false,
     }
 }

@@ -177,3 +177,110 @@ async fn one_turn_is_one_trace_across_the_four_services() {
         );
     }
 }
+
+/// D14 (issue 34): "input steered" is a span event of the turn (docs/operations.md): a message
+/// steered into a running turn shows in the turn's trace, exported by the loop worker, in the
+/// same export as a span of that trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steered_message_is_an_event_of_the_turns_trace() {
+    const TURN_TRACE: &str = "5c1e3b7a9d2f4e6a8b0c1d2e3f4a5b6c";
+    let collector = otlp::collector().await;
+    let nats = NatsServer::start();
+    let client = nats.connect().await;
+    // The `hold` tool is up before the worker discovers its tools.
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let tools = common::TestTools::start(&client, shutdown.clone()).await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    *tools.gate.lock().unwrap() = Some(gate.clone());
+    let data = tempfile::tempdir().unwrap();
+    let models = data.path().join("models.json");
+    std::fs::write(
+        &models,
+        r#"{"providers":{"offline":{"protocol":"scripted","models":{"scripted":{}},
+            "script":{"rules":[{"contains":"picnic","tool_calls":[{"name":"hold"}],
+            "after_tools":"found {tool_results}"}],"default_reply":"{input}"}}},
+            "groups":{"default":[{"provider":"offline","model":"scripted"}]},
+            "active_group":"default"}"#,
+    )
+    .unwrap();
+    let dir = data.path().to_str().unwrap();
+    let otlp = collector.uri();
+    let mut children = Vec::new();
+    for (binary, extra) in [
+        (
+            "cyrene-model-gateway",
+            ("CYRENE_GATEWAY_MODELS", models.to_str().unwrap()),
+        ),
+        ("cyrene-checkpoint-store", ("CYRENE_STORE_DATA_DIR", dir)),
+        ("cyrene-orchestrator", ("CYRENE_ORCHESTRATOR_DATA_DIR", dir)),
+        ("cyrene-loop-worker", ("CYRENE_WORKER_CONCURRENCY", "2")),
+    ] {
+        let child = service(
+            binary,
+            &nats.url(),
+            &[
+                extra,
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
+                ("OTEL_SERVICE_NAME", "steer-under-test"),
+            ],
+        );
+        children.push((binary, child));
+    }
+    common::wait_for_the_four_services(&client).await;
+    let mut events = client
+        .subscribe("cyrene.session.steered.events")
+        .await
+        .unwrap();
+    let headers = common::traceparent(TURN_TRACE, "b7ad6b7169203332");
+    let send = r#"{"session_id":"steered","message":{"role":"user","content":"plan the picnic"}}"#;
+    let ack = client
+        .request_with_headers("cyrene.session.send", headers, send.into())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&ack.payload).contains("turn_started"));
+    tools.hold_started("the held tool started").await;
+    let steer = r#"{"session_id":"steered","message":{"role":"user","content":"bring tea"}}"#;
+    let ack = client
+        .request("cyrene.session.send", steer.into())
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&ack.payload).contains("pending"));
+    *tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+    let mut steered = false;
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        use futures::StreamExt;
+        while let Some(m) = events.next().await {
+            let text = String::from_utf8_lossy(&m.payload).into_owned();
+            steered |= text.contains("\"steer_ack\"");
+            if text.contains("\"turn_ended\"") {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the turn did not end");
+    assert!(steered, "the message was steered into the turn");
+
+    for (_, child) in &children {
+        common::terminate(child);
+    }
+    for (name, child) in &mut children {
+        let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{name} did not stop"))
+            .unwrap();
+        assert!(status.success(), "{name}: {status}");
+    }
+    shutdown.cancel();
+    let trace = hex_bytes(TURN_TRACE);
+    let event = b"input steered";
+    let requests = collector.received_requests().await.unwrap_or_default();
+    assert!(
+        requests.iter().any(|r| {
+            r.body.windows(trace.len()).any(|w| w == trace.as_slice())
+                && r.body.windows(event.len()).any(|w| w == event)
+        }),
+        "no export holds the turn's trace and the \"input steered\" event"
+    );
+}

@@ -118,14 +118,16 @@ impl Session {
 
     /// Sends `text`; `echo` prints it first (the demo; a terminal already shows what was typed).
     async fn say(&self, text: &str, echo: bool) -> Result<(), CliError> {
-        self.say_with(text, Vec::new(), echo).await
+        self.say_with(text, Vec::new(), String::new(), echo).await
     }
 
-    /// Sends `text` with `attachments` (document parts) after it.
+    /// Sends `text` with `attachments` (document parts) after it, addressed to `persona` (empty:
+    /// the persona the session last used; docs/orchestrator.md, "Several personas").
     async fn say_with(
         &self,
         text: &str,
         attachments: Vec<Part>,
+        persona: String,
         echo: bool,
     ) -> Result<(), CliError> {
         let mut message = Message::text(Role::User, text);
@@ -141,6 +143,7 @@ impl Session {
             env: None,
             parallel: false,
             when_busy: None,
+            persona,
             context_only: false,
         };
         if echo {
@@ -189,9 +192,11 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
     let session = Session::open(client, id.clone(), args.client, args.verbose).await?;
     eprintln!(
         "cyrene: chatting in session {id} (Ctrl-D to leave). Type while she works: it is steered in. \
-         /attach PATH uploads a file; it goes with your next message."
+         /attach PATH uploads a file; it goes with your next message. /persona ID: your next \
+         message (and the session from then on) is answered by that persona."
     );
     let mut attachments: Vec<Part> = Vec::new();
+    let mut persona = String::new();
     let interactive = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
@@ -201,6 +206,15 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
         };
         match line {
             Ok(Some(text)) if text.trim().is_empty() => continue,
+            Ok(Some(text)) if text.trim_start().starts_with("/persona") => {
+                let id = text.trim_start().trim_start_matches("/persona").trim();
+                if id.is_empty() {
+                    eprintln!("cyrene: /persona ID");
+                    continue;
+                }
+                persona = id.to_owned();
+                eprintln!("cyrene: your next message goes to persona {id}");
+            }
             Ok(Some(text)) if text.trim_start().starts_with("/attach") => {
                 let path = text.trim_start().trim_start_matches("/attach").trim();
                 if path.is_empty() {
@@ -230,7 +244,10 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
             }
             Ok(Some(text)) => {
                 let parts = std::mem::take(&mut attachments);
-                session.say_with(text.trim(), parts, !interactive).await?;
+                let to = std::mem::take(&mut persona);
+                session
+                    .say_with(text.trim(), parts, to, !interactive)
+                    .await?;
             }
             Ok(None) | Err(_) => break,
         }

@@ -8,7 +8,7 @@ use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::checkpoint::{CheckpointState, ListRequest, ListResponse};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
-    BusyPolicy, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
+    BusyPolicy, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
     SessionEventType,
 };
 use cyrene_protocol::{ids, subjects};
@@ -27,7 +27,8 @@ pub struct SendArgs {
     /// Idempotency key: resending with the same key gets the first ack back (default: fresh).
     #[arg(long)]
     pub key: Option<String>,
-    /// The answering persona (when the session is created).
+    /// The persona this message addresses: the session answers as it from this message on
+    /// (absent: the persona the session last used; docs/orchestrator.md, "Several personas").
     #[arg(long)]
     pub persona: Option<String>,
     /// Start a parallel leg when another client's turn is in flight (instead of waiting).
@@ -61,18 +62,15 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
     }
     // No `sender_name`, no `restricted`: the CLI speaks for its user, and only a chat bridge
     // labels third parties (docs/security.md, "The owner and bridges").
-    let env = args.persona.as_ref().map(|persona| SessionEnv {
-        restricted: false,
-        persona: persona.clone(),
-    });
     SendRequest {
         session_id: person::session(&args.session),
         message,
         client_id: args.client.clone(),
         idempotency_key: args.key.clone().unwrap_or_else(ids::new_id),
-        env,
+        env: None,
         parallel: args.parallel,
         when_busy: args.when_busy,
+        persona: args.persona.clone().unwrap_or_default(),
         context_only: false,
     }
 }

@@ -266,16 +266,7 @@ impl Stack {
 
     /// Waits (bounded) until the `hold` tool has started.
     pub async fn hold_started(&self, what: &str) {
-        let tools = self.tools.clone();
-        eventually(what, Duration::from_secs(30), || {
-            tools
-                .runs
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|(name, _)| name == "hold")
-        })
-        .await;
+        self.tools.hold_started(what).await;
     }
 
     /// SIGKILLs `worker`, then lets the held tool (and any later `hold`) go.
@@ -561,7 +552,7 @@ impl TestTools {
                         .unwrap()
                         .push((id.clone(), Instant::now()));
                     Ok::<_, ErrorBody>(
-                        json!({"text": format!("{name} ran as {id}"), "is_error": false}),
+                        json!({"text": format!("{name} ran as {}", short_call_id(&id)), "is_error": false}),
                     )
                 }
             };
@@ -572,13 +563,35 @@ impl TestTools {
         tools
     }
 
+    /// Waits (bounded) until the `hold` tool has started.
+    pub async fn hold_started(&self, what: &str) {
+        eventually(what, Duration::from_secs(30), || {
+            self.runs
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(name, _)| name == "hold")
+        })
+        .await;
+    }
+
     pub fn runs_of(&self, call_id: &str) -> usize {
         self.runs
             .lock()
             .unwrap()
             .iter()
-            .filter(|(_, id)| id == call_id)
+            .filter(|(_, id)| short_call_id(id) == call_id)
             .count()
+    }
+}
+
+/// A scripted provider's call id without its conversation digest: `call_<turn>_<n>_<i>` →
+/// `call_<n>_<i>`, so tests can name a turn's calls by step and position. Other ids unchanged.
+pub fn short_call_id(id: &str) -> String {
+    let parts: Vec<&str> = id.split('_').collect();
+    match parts.as_slice() {
+        ["call", digest, n, i] if digest.len() == 8 => format!("call_{n}_{i}"),
+        _ => id.to_owned(),
     }
 }
 

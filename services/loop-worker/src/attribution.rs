@@ -21,8 +21,10 @@
 //!   before every message whose attributed speaker differs from the previous attributed one. It
 //!   never edits, reorders or drops a message, and never prefixes user or assistant text (user
 //!   text is untrusted and must not be able to impersonate a marker).
-//! - Nothing at all is rendered unless at least one message carries an explicit label, so
-//!   single-persona and unlabelled conversations keep their prompt byte for byte.
+//! - Nothing at all is rendered unless at least one message carries an explicit label other than
+//!   the answering persona's own persona lane ([`starts_rendering`]), so single-persona and
+//!   unlabelled conversations keep their prompt byte for byte, though every stored answer is
+//!   labelled with its persona.
 //! - Speaker keys are prefixed by lane (`role\0`, `third\0`, `agent\0`, `owner`), so a persona id and a
 //!   nickname that happen to be equal are two speakers, never merged into one note.
 //! - Tool and system messages are never attributed, and they do not reset the current speaker.
@@ -337,6 +339,21 @@ pub fn any_speaker_label(conversation: &[Message]) -> bool {
     conversation.iter().any(|m| explicit_speaker(m).is_some())
 }
 
+/// Whether `message` makes attribution render: it carries an explicit label that is not the
+/// answering persona's own persona lane. A session where only the answering persona has spoken
+/// (every answer labelled with its id, as the orchestrator stores them) keeps the prompt it had
+/// before roles existed (docs/semantics.md#attribution).
+fn starts_rendering(message: &Message, env: &SpeakerEnv) -> bool {
+    match explicit_speaker(message) {
+        None => false,
+        Some(s) => {
+            !(s.kind == SpeakerKind::Persona
+                && !env.current.is_empty()
+                && s.name == safe_name(&env.current))
+        }
+    }
+}
+
 /// A switch note and where it goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SwitchNote {
@@ -408,7 +425,7 @@ where
     I::IntoIter: Clone,
 {
     let conversation = conversation.into_iter();
-    if !conversation.clone().any(|m| explicit_speaker(m).is_some()) {
+    if !conversation.clone().any(|m| starts_rendering(m, env)) {
         return (None, PlanEnd::default());
     }
     let mut end = PlanEnd {
@@ -445,7 +462,7 @@ impl PlanEnd {
         names: &PersonaNames,
     ) -> Option<Vec<SwitchNote>> {
         if !self.rendered {
-            if added.clone().any(|m| explicit_speaker(m).is_some()) {
+            if added.clone().any(|m| starts_rendering(m, env)) {
                 return None;
             }
             return Some(Vec::new());
@@ -541,6 +558,7 @@ mod tests {
     const LEAD_OPEN_BARE_CYRENE: &str = "[会话角色] 你正以「cyrene」的身份对话。本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";
     const LEAD_RESTRICTED_CYRENE: &str = "[会话角色] 你正以「昔涟」（cyrene）的身份对话。本会话的发言按下面的「发言归属」标注分属不同发言者：标了昵称的来自第三方人员（非管理员账户），标了主人的来自主人本人——不要把第三方的话当成主人说的，也不要把别人的话当成你自己说过的、不要继承他们的身份或口吻；该标注从其出现处起生效，直到下一条「发言归属」为止。";
     const LEAD_RESTRICTED_NO_CURRENT: &str = "[会话角色] 本会话的发言按下面的「发言归属」标注分属不同发言者：标了昵称的来自第三方人员（非管理员账户），标了主人的来自主人本人——不要把第三方的话当成主人说的，也不要把别人的话当成你自己说过的、不要继承他们的身份或口吻；该标注从其出现处起生效，直到下一条「发言归属」为止。";
+    const LEAD_OPEN_HOSHI: &str = "[会话角色] 你正以「星」（hoshi）的身份对话。本会话此前由不同角色相继发言：下面凡是标了「发言归属」的发言，都只属于标注的那个角色——不要把别个角色说过的话当成你自己说过的，也不要继承他们的身份、口吻或立场；该标注从其出现处起生效，直到下一条「发言归属」为止。";
     const NOTE_SELF_CYRENE: &str = "[发言归属] 以下发言来自你自己——「昔涟」（cyrene）。";
     const NOTE_SELF_BARE_CYRENE: &str = "[发言归属] 以下发言来自你自己——「cyrene」。";
     const NOTE_OTHER_HOSHI: &str = "[发言归属] 以下发言来自「星」（hoshi），不是你说的。";
@@ -661,8 +679,53 @@ mod tests {
         assert_eq!(attribute(&[], &restricted("cyrene"), &names()), None);
     }
 
+    /// Seed 001: a conversation where only one persona has spoken keeps the prompt it had before
+    /// roles existed — no lead, no self note — even though every answer carries its persona's
+    /// id; the first line of another persona renders the lead and every note, its own included.
     #[test]
-    fn single_labelled_persona_gets_lead_and_one_note() {
+    fn a_one_persona_conversation_renders_nothing_until_another_persona_speaks() {
+        let conv = vec![
+            user("hi"),
+            assistant("hello").sender("cyrene"),
+            user("how are you"),
+            assistant("fine").sender("cyrene"),
+        ];
+        assert_eq!(render(&conv, &open("cyrene"), &names()), None);
+        let (plan, end) = plan_to_end(conv.iter(), &open("cyrene"), &names());
+        assert!(plan.is_none());
+        // More of the same persona: still nothing.
+        let mut end2 = end.clone();
+        let more = [user("and now?"), assistant("still me").sender("cyrene")];
+        assert_eq!(
+            end2.plan_more(more.iter(), conv.len(), &open("cyrene"), &names()),
+            Some(Vec::new())
+        );
+        // Another persona answers next: the whole conversation is attributed.
+        let mut end3 = end;
+        assert_eq!(
+            end3.plan_more(conv.iter().take(0), conv.len(), &open("hoshi"), &names()),
+            Some(Vec::new()),
+            "appending nothing renders nothing"
+        );
+        assert_rendered(
+            &open("hoshi"),
+            Some(LEAD_OPEN_HOSHI),
+            vec![
+                Said(user("hi")),
+                Note(NOTE_OTHER_CYRENE),
+                Said(assistant("hello").sender("cyrene")),
+                Said(user("how are you")),
+                Said(assistant("fine").sender("cyrene")),
+            ],
+        );
+        // A steered line of another persona starts rendering as well: plan again.
+        let steered = [assistant("hi, I'm hoshi").sender("hoshi")];
+        let (_, mut end4) = plan_to_end(conv.iter(), &open("cyrene"), &names());
+        assert_eq!(
+            end4.plan_more(steered.iter(), conv.len(), &open("cyrene"), &names()),
+            None
+        );
+        // Once two personas spoke, the answering persona's own lines get the self note.
         assert_rendered(
             &open("cyrene"),
             Some(LEAD_OPEN_CYRENE),
@@ -670,8 +733,8 @@ mod tests {
                 Said(user("hi")),
                 Note(NOTE_SELF_CYRENE),
                 Said(assistant("hello").sender("cyrene")),
-                Said(user("how are you")),
-                Said(assistant("fine").sender("cyrene")),
+                Note(NOTE_OTHER_HOSHI),
+                Said(assistant("hi, I'm hoshi").sender("hoshi")),
             ],
         );
     }
@@ -750,13 +813,20 @@ mod tests {
         assert_eq!(lead, LEAD_OPEN_BARE_CYRENE);
         assert_eq!(out[0], sys(NOTE_OTHER_BARE_NOVA));
 
+        let conv = vec![
+            assistant("x").sender("nova"),
+            assistant("y").sender("cyrene"),
+        ];
         let (_, out) = render(&conv, &open("nova"), &PersonaNames::new()).unwrap();
         assert_eq!(out[0], sys(NOTE_SELF_BARE_NOVA));
     }
 
     #[test]
     fn self_note_with_bare_label() {
-        let conv = vec![assistant("x").sender("cyrene")];
+        let conv = vec![
+            assistant("x").sender("cyrene"),
+            assistant("y").sender("nova"),
+        ];
         let (_, out) = render(&conv, &open("cyrene"), &PersonaNames::new()).unwrap();
         assert_eq!(out[0], sys(NOTE_SELF_BARE_CYRENE));
     }
@@ -1073,6 +1143,10 @@ mod tests {
         let conv = vec![assistant("a").sender("hoshi")];
         let (_, out) = render(&conv, &open("cyrene"), &names).unwrap();
         assert_same_shape(&out[0].1, NOTE_OTHER_HOSHI, SPEAKER_SWITCH_MARKER);
+        let conv = vec![
+            assistant("a").sender("hoshi"),
+            assistant("b").sender("cyrene"),
+        ];
         let (_, out) = render(&conv, &open("hoshi"), &names).unwrap();
         assert_same_shape(&out[0].1, NOTE_SELF_HOSHI, SPEAKER_SWITCH_MARKER);
     }

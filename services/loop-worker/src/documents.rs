@@ -17,10 +17,17 @@
 //!   thread, a panic there is a failed extraction, and [`EXTRACT_TIMEOUT`] is a last backstop.
 //! - A PDF whose extraction stopped workers before is not extracted again
 //!   ([`crate::extractions`]: recorded before, cleared after).
+//! - What replaces a document is deterministic: a read that fails for a reason that may pass
+//!   (`unavailable`, `timeout`: the document service is down or slow) is tried again
+//!   ([`READ_TRIES`] times in all) and, still failing, is an error of the attempt, which hands
+//!   the job back ([`DocumentTexts::fill`]) — never "could not extract" for a document that is
+//!   there. Only a lasting answer (`not_found`, `forbidden`, too large, an unreadable type or
+//!   text) gives the manifest line, and is cached for the attempt.
 
 use crate::assemble::{DocumentExtractor, DocumentRef};
 use crate::extractions::Start;
 use crate::ports::TurnPorts;
+use cyrene_protocol::ErrorBody;
 use cyrene_protocol::document;
 use cyrene_protocol::message::{Message, Part};
 use cyrene_protocol::names::display_name;
@@ -33,6 +40,11 @@ pub const MAX_FETCH_BYTES: u64 = 8 * 1024 * 1024;
 /// The longest the worker waits for one extraction (a backstop: the budgets of
 /// [`crate::pdf::PdfLimits`] already bound the work; a timed-out thread finishes within them).
 pub const EXTRACT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How many times a document read that failed for a passing reason is tried, in all.
+pub const READ_TRIES: u32 = 3;
+/// The wait before the second read; each further one waits twice as long.
+pub const READ_RETRY_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: docs/semantics.md#our-wording).
 pub const TRUNCATED_NOTE: &str = "[文档过长，以上只是开头部分]";
 
@@ -126,13 +138,15 @@ pub struct DocumentTexts {
 }
 
 impl DocumentTexts {
-    /// Resolves every document part of `messages` not resolved yet.
+    /// Resolves every document part of `messages` not resolved yet. `Err` when a document
+    /// could not be read for a reason that may pass ([`READ_TRIES`] tries): the attempt hands
+    /// its job back rather than show "could not extract" for a document that is there.
     pub async fn fill<'m, P: TurnPorts>(
         &mut self,
         ports: &P,
         session_id: &str,
         messages: impl Iterator<Item = &'m Message>,
-    ) {
+    ) -> Result<(), ErrorBody> {
         for message in messages {
             for part in &message.content {
                 let Part::Document { url, mime, .. } = part else {
@@ -141,10 +155,11 @@ impl DocumentTexts {
                 if self.texts.contains_key(url) {
                     continue;
                 }
-                let text = self.resolve(ports, session_id, url, mime).await;
+                let text = self.resolve(ports, session_id, url, mime).await?;
                 self.texts.insert(url.clone(), text);
             }
         }
+        Ok(())
     }
 
     async fn resolve<P: TurnPorts>(
@@ -153,20 +168,34 @@ impl DocumentTexts {
         session_id: &str,
         url: &str,
         mime: &str,
-    ) -> Option<String> {
+    ) -> Result<Option<String>, ErrorBody> {
         let Some(name) = document::name_of_url(url) else {
             // Never fetched: only server-issued references are resolved.
             tracing::warn!(%url, "document part without a server-issued reference");
-            return None;
+            return Ok(None);
         };
         if !readable(mime) {
-            return None;
+            return Ok(None);
         }
-        let fetched = match ports.document(session_id, url).await {
-            Ok(fetched) => fetched,
-            Err(err) => {
-                tracing::warn!(%url, error = %err, "cannot read a document");
-                return None;
+        let mut wait = READ_RETRY_WAIT;
+        let mut tries = 1;
+        let fetched = loop {
+            match ports.document(session_id, url).await {
+                Ok(fetched) => break fetched,
+                Err(err) if err.code.is_retryable() && tries < READ_TRIES => {
+                    tracing::warn!(%url, error = %err, tries, "document read failed; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                    tries += 1;
+                }
+                Err(err) if err.code.is_retryable() => {
+                    tracing::warn!(%url, error = %err, tries, "document service unreachable; the attempt hands its job back");
+                    return Err(err);
+                }
+                Err(err) => {
+                    tracing::warn!(%url, error = %err, "cannot read a document");
+                    return Ok(None);
+                }
             }
         };
         // The stored type decides, not the part's. Only PDF parsing is risky enough to record
@@ -178,17 +207,19 @@ impl DocumentTexts {
                 earlier,
                 "document stopped workers before; not extracted again"
             );
-            return None;
+            return Ok(None);
         }
         let text = extract_text(&fetched.mime, fetched.bytes.clone()).await;
         if risky {
             ports.extraction_end(name).await;
         }
-        let text = text?;
+        let Some(text) = text else {
+            return Ok(None);
+        };
         if text.trim().is_empty() {
-            return None;
+            return Ok(None);
         }
-        Some(render(&fetched, &text))
+        Ok(Some(render(&fetched, &text)))
     }
 }
 

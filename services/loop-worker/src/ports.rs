@@ -184,7 +184,7 @@ pub trait TurnPorts: Send + Sync {
     ) -> impl Future<Output = Result<FetchedDocument, ErrorBody>> + Send {
         async {
             Err(ErrorBody::new(
-                cyrene_protocol::ErrorCode::Unavailable,
+                cyrene_protocol::ErrorCode::NotFound,
                 "no document service",
             ))
         }

@@ -318,7 +318,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Err(Exit::Deadline);
         }
-        self.resolve_documents().await;
+        self.resolve_documents().await?;
         let request = self.step_request(config);
         let request = self.resolve_images(request).await;
         let seen = self.steered.len();
@@ -373,7 +373,9 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         if self.past_deadline() {
             return Exit::Deadline;
         }
-        self.resolve_documents().await;
+        if let Err(exit) = self.resolve_documents().await {
+            return exit;
+        }
         let mut request = self.resolve_images(self.request(config)).await;
         request
             .messages
@@ -545,15 +547,17 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 
     /// Reads and extracts every document of the window and the steered messages not read yet
-    /// this turn (docs/loop-worker.md, "Documents").
-    async fn resolve_documents(&mut self) {
+    /// this turn (docs/loop-worker.md, "Documents"). A document service that stays unreachable
+    /// is a retryable exit: the job is handed back, never answered with "could not extract".
+    async fn resolve_documents(&mut self) -> Result<(), Exit> {
         let messages = self
             .window
             .iter()
             .chain(self.steered.iter().map(|s| &s.message));
         self.documents
             .fill(self.ports, &self.job.session_id, messages)
-            .await;
+            .await
+            .map_err(Exit::Retry)
     }
 
     /// The view's images, described for a main model without vision (crate::images).
@@ -852,9 +856,25 @@ pub(crate) mod tests {
         window: Mutex<Vec<Message>>,
         /// Pushed input: `None` = no subscription (every boundary asks).
         pushes: Mutex<Option<futures::channel::mpsc::UnboundedReceiver<SteeredMessage>>>,
+        /// The document service's next answers (then `not_found`), and how often it was asked.
+        documents: Mutex<VecDeque<Result<crate::documents::FetchedDocument, ErrorBody>>>,
+        document_reads: Mutex<usize>,
     }
 
     impl TurnPorts for Fake {
+        async fn document(
+            &self,
+            _session_id: &str,
+            _url: &str,
+        ) -> Result<crate::documents::FetchedDocument, ErrorBody> {
+            *self.document_reads.lock().unwrap() += 1;
+            self.documents
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or_else(|| Err(ErrorBody::new(ErrorCode::NotFound, "no such document")))
+        }
+
         /// Like the store: the turn's own latest row, fenced by the attempts that wrote it.
         async fn turn_checkpoint(
             &self,
@@ -1102,18 +1122,16 @@ pub(crate) mod tests {
             requests[0].messages[0],
             Message::text(Role::System, "You are Cyrene.")
         );
-        // instructions, time block, attribution lead, user, switch note, assistant calls, two
-        // results: the persona-labelled assistant message makes attribution render
+        // instructions, time block, user, assistant calls, two results: the assistant message is
+        // labelled with its persona, but only one persona spoke, so attribution renders nothing
         // (docs/semantics.md#attribution).
-        assert_eq!(requests[1].messages.len(), 8);
+        assert_eq!(requests[1].messages.len(), 6);
         assert!(
-            requests[1].messages[2]
-                .text_content()
-                .starts_with("[会话角色] ")
-        );
-        assert_eq!(
-            requests[1].messages[4].text_content(),
-            "[发言归属] 以下发言来自你自己——「昔涟」（cyrene）。"
+            requests[1]
+                .messages
+                .iter()
+                .all(|m| !m.text_content().starts_with("[会话角色]")
+                    && !m.text_content().starts_with("[发言归属]"))
         );
         assert_eq!(requests[0].persona_id, "cyrene");
 
@@ -1374,6 +1392,89 @@ pub(crate) mod tests {
         let done = completed(run_turn(&fake, &next, 1, &CFG).await);
         assert_eq!((done.steps, done.turn_id.as_str()), (1, "t2"));
         assert_eq!(fake.saved.lock().unwrap()[0].id, "s1:t2:1");
+    }
+
+    /// A job whose message carries a text document.
+    fn job_with_a_document() -> TurnJob {
+        let mut job = job();
+        let message = job.messages.last_mut().unwrap();
+        message.content.push(Part::Document {
+            name: "d-1".into(),
+            mime: "text/plain".into(),
+            url: "cyrene-doc://d-1".into(),
+            size: 5,
+        });
+        job
+    }
+
+    fn stored_document() -> crate::documents::FetchedDocument {
+        crate::documents::FetchedDocument {
+            name: "d-1".into(),
+            mime: "text/plain".into(),
+            size: 5,
+            title: String::new(),
+            bytes: b"hello".to_vec(),
+        }
+    }
+
+    /// D23 (issue 34): a document service that fails for a passing reason is asked again; the
+    /// model sees the document's text, never "could not extract".
+    #[tokio::test(start_paused = true)]
+    async fn a_passing_document_service_failure_is_tried_again() {
+        let fake = Fake::scripted([reply_text("read it")]);
+        fake.documents.lock().unwrap().extend([
+            Err(ErrorBody::new(ErrorCode::Unavailable, "no responders")),
+            Err(ErrorBody::new(ErrorCode::Timeout, "slow")),
+            Ok(stored_document()),
+        ]);
+        let done = completed(run_turn(&fake, &job_with_a_document(), 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        assert_eq!(*fake.document_reads.lock().unwrap(), 3);
+        let requests = fake.requests.lock().unwrap();
+        let user = requests[0]
+            .messages
+            .iter()
+            .rev()
+            .find(|m| m.role == Role::User)
+            .unwrap()
+            .text_content();
+        assert!(
+            user.contains("[文档] d-1（text/plain，5 字节）：\nhello"),
+            "{user}"
+        );
+        assert!(!user.contains("未能提取文字内容"), "{user}");
+    }
+
+    /// D23: still failing after every try, the attempt hands its job back (the model is not
+    /// asked); a lasting answer (`not_found`) is the manifest line.
+    #[tokio::test(start_paused = true)]
+    async fn a_document_service_that_stays_down_hands_the_job_back() {
+        let fake = Fake::scripted([reply_text("never")]);
+        fake.documents.lock().unwrap().extend(
+            (0..crate::documents::READ_TRIES)
+                .map(|_| Err(ErrorBody::new(ErrorCode::Unavailable, "no responders"))),
+        );
+        let end = run_turn(&fake, &job_with_a_document(), 1, &CFG).await;
+        assert!(
+            matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
+            "{end:?}"
+        );
+        assert!(
+            fake.requests.lock().unwrap().is_empty(),
+            "the model was asked"
+        );
+
+        let gone = Fake::scripted([reply_text("answered")]);
+        let done = completed(run_turn(&gone, &job_with_a_document(), 1, &CFG).await);
+        assert_eq!(done.outcome, TurnOutcome::Final);
+        let requests = gone.requests.lock().unwrap();
+        assert!(
+            requests[0]
+                .messages
+                .iter()
+                .any(|m| m.text_content().contains("未能提取文字内容")),
+            "the manifest line"
+        );
     }
 
     #[tokio::test]

@@ -299,6 +299,7 @@ impl Bridge {
             }),
             parallel: false,
             when_busy: None,
+            persona: String::new(),
             context_only,
         };
         // Known before the send: the turn it starts may end before the ack arrives.

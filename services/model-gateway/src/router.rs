@@ -365,9 +365,6 @@ pub fn check_request(req: &ModelRequest) -> Result<(), ErrorBody> {
     if req.messages.is_empty() {
         return Err(bad_request("messages must not be empty"));
     }
-    if req.max_tokens == Some(0) {
-        return Err(bad_request("max_tokens must be positive"));
-    }
     if let Some(t) = req.temperature
         && !(0.0..=2.0).contains(&t)
     {
@@ -547,14 +544,12 @@ mod tests {
                 .message
                 .contains("tool_result part cannot appear on a user message")
         );
-        let mut zero = ok.clone();
-        zero.max_tokens = Some(0);
-        assert!(check_request(&zero).is_err());
-        // A per-call timeout of 0 is the provider's default (docs/semantics.md#model-vocabulary),
-        // not an error.
+        // A per-call timeout of 0 and a `max_tokens` of 0 are the provider's default
+        // (docs/semantics.md#model-vocabulary), not an error.
         let mut default_timeout = ok;
         default_timeout.timeout_ms = Some(0);
         default_timeout.total_timeout_ms = Some(0);
+        default_timeout.max_tokens = Some(0);
         assert!(check_request(&default_timeout).is_ok());
     }
 

@@ -1119,3 +1119,25 @@ async fn scripted_responses_are_marked_offline() {
     assert_eq!(resp.content, "(offline scripted reply) You said: ping");
     assert_eq!(log.len(), 1);
 }
+
+/// `max_tokens: 0` is the provider's default (docs/semantics.md#model-vocabulary): OpenAI's
+/// dialect sends no limit, Anthropic's the default it sends when none is given.
+#[tokio::test]
+async fn zero_max_tokens_is_the_providers_default_in_both_dialects() {
+    let server = answering("/chat/completions", openai_text_reply("hello")).await;
+    let gw = openai_gateway(&server, json!({}));
+    let mut req = ask(vec![user("hi")]);
+    req.max_tokens = Some(0);
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    assert_eq!(
+        sent[0],
+        json!({"model":"m","messages":[{"role":"user","content":"hi"}]})
+    );
+
+    let server = answering("/v1/messages", anthropic_text_reply("ok")).await;
+    let gw = anthropic_gateway(&server, json!({}), "claude");
+    gw.complete(&req).await.unwrap();
+    let sent = bodies(&server).await;
+    assert_eq!(sent[0]["max_tokens"], json!(4096));
+}

@@ -22,7 +22,9 @@
 //!   subject's sender `forbidden` before it reaches [`PersonaAgent::on_ask`]. Its name is stored
 //!   as `sender_name` in its normalised form ([`display_name`]), never raw, in the **agent lane**
 //!   (`sender_kind: agent`): an asking agent is not a person, so in a restricted ask session it
-//!   is neither a third party nor the owner.
+//!   is neither a third party nor the owner. A configured person (`Config::people`, the owner
+//!   included) asks as a person: the owner's line is unlabelled, another person's is labelled
+//!   with their id in a restricted ask session, like their own sends (crate::identity).
 //! - An ask's `data` reaches the turn as a second text part of its message ([`ask_message`]);
 //!   its `chain`, followed by the persona, becomes the job's `ask_chain`, which the worker's
 //!   `ask_agent` passes on, so an ask back along the chain is refused at once by the probe
@@ -152,17 +154,32 @@ impl Handler for PersonaAgent {
             .map(|id| subjects::token(id).chars().take(MAX_ID_LEN).collect())
             .collect();
         ask_chain.push(self.persona.clone());
-        let message = ask_message(ask.question, &ask.data).from_agent(asker);
+        // Who asks decides the lane (docs/comm.md, "People asking"): a configured person's
+        // NATS user is the only one that may publish as that id, so their ask is a person's
+        // line — the owner's unlabelled, another person's labelled with their id in a
+        // restricted session (as on their own send subject) — and anyone else is an agent.
+        let config = self.engine.config();
+        let mut env = self.engine.ask_env(&self.persona);
+        let message = ask_message(ask.question, &ask.data);
+        let message = if config.owner.as_deref() == Some(ask.from.as_str()) {
+            message
+        } else if config.is_person(&ask.from) {
+            env.restricted = true;
+            message.sender(asker)
+        } else {
+            message.from_agent(asker)
+        };
         let input = NewMessage {
             session_id,
             message,
             client_id: ASK_CLIENT_ID.to_owned(),
             idempotency_key: None,
-            env: self.engine.ask_env(&self.persona),
+            env,
             policy: BusyPolicy::Steer,
             solo: true,
             reply_to: Some(done_subject),
             ask_chain,
+            persona: None,
             context_only: false,
         };
         crate::engine::check_user_message(&input.message, self.engine.config().max_message_bytes)?;

@@ -78,6 +78,10 @@ pub struct Config {
     /// sessions a chat bridge reaches ([`crate::identity`]). `None`: nobody is the owner, no
     /// person is labelled and the bridge subject answers `forbidden`.
     pub owner: Option<String>,
+    /// The person ids (besides the owner) whose NATS users ask as themselves over the comm
+    /// protocol (`cyrene --person <id> ask`): their asks are a person's lines, labelled as a
+    /// person — the owner's unlabelled — never "another agent" (docs/comm.md, "People asking").
+    pub people: Vec<String>,
 }
 
 impl Config {
@@ -107,7 +111,13 @@ impl Config {
             max_in_flight: 256,
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
             owner: None,
+            people: Vec::new(),
         }
+    }
+
+    /// Whether `id` asks as a person over the comm protocol: the owner or one of [`Config::people`].
+    pub fn is_person(&self, id: &str) -> bool {
+        self.owner.as_deref() == Some(id) || self.people.iter().any(|p| p == id)
     }
 
     /// The document store's bounds.
@@ -180,6 +190,11 @@ impl Config {
             && let Err(e) = ids::validate(IdKind::Person, owner)
         {
             problems.push(format!("owner: {e}"));
+        }
+        for person in &self.people {
+            if let Err(e) = ids::validate(IdKind::Person, person) {
+                problems.push(format!("people: {e}"));
+            }
         }
         self.pool.check(&mut problems);
         if let Err(err) = self.database() {
@@ -345,6 +360,10 @@ pub struct Args {
     /// labelled, and a chat bridge reaches only the owner's sessions (docs/security.md).
     #[arg(long, env = "CYRENE_ORCHESTRATOR_OWNER")]
     pub owner: Option<String>,
+    /// Person ids (comma-separated) besides the owner: their asks over the comm protocol are
+    /// labelled as a person's, not as another agent's (docs/comm.md, "People asking").
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_PEOPLE", value_delimiter = ',')]
+    pub people: Vec<String>,
 }
 
 impl ServiceArgs for Args {
@@ -404,6 +423,7 @@ impl Args {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(str::to_owned);
+        config.people = clean(&self.people);
         Ok(config)
     }
 }

@@ -268,6 +268,12 @@ impl Engine {
                 env.persona
             )));
         }
+        // Several personas in one session (docs/orchestrator.md, "Several personas"): the
+        // addressed persona must be configured; whether the session may switch is the store's
+        // to say, under the session's lock.
+        if !req.persona.is_empty() && self.config.personas.get(&req.persona).is_none() {
+            return Err(bad(format!("persona: unknown persona {:?}", req.persona)));
+        }
         // The message's own choice first (`parallel: true` is `when_busy: parallel`), then the
         // configured lists of its client and its session.
         let policy = match (req.when_busy, req.parallel) {
@@ -290,6 +296,7 @@ impl Engine {
             solo: false,
             reply_to: None,
             ask_chain: Vec::new(),
+            persona: (!req.persona.is_empty()).then_some(req.persona),
             context_only: req.context_only,
         };
         self.store_message(input).await

@@ -164,6 +164,7 @@ mod tests {
             env,
             parallel: false,
             when_busy: None,
+            persona: String::new(),
             context_only: false,
         }
     }

@@ -37,6 +37,11 @@ pub struct SendRequest {
     /// is in flight. Absent = the configured policy of its client or session (default `steer`).
     /// `parallel: true` is the same as `"when_busy":"parallel"`; the two may not disagree.
     pub when_busy: Option<BusyPolicy>,
+    /// The configured persona this message addresses (docs/orchestrator.md, "Several personas"):
+    /// the session's turns run as it from this message on. Empty = the persona the session last
+    /// used (initially its env's, else the default). A restricted session refuses a switch.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona: String,
     /// Context only (`cyrene.bridge.session.send` alone): the message enters the session's
     /// transcript — the next turn's view shows it in order — but starts no turn and is never
     /// steered into a running one (docs/orchestrator.md, "Context-only messages").

@@ -92,7 +92,8 @@ impl HttpDialect for AnthropicProvider {
             .and_then(|t| t.get("budget_tokens"))
             .and_then(Value::as_u64)
             .and_then(|b| u32::try_from(b).ok());
-        let max_tokens = match (req.max_tokens, budget) {
+        // 0 is "the provider's default" (docs/semantics.md#model-vocabulary), like absent.
+        let max_tokens = match (req.max_tokens.filter(|&m| m > 0), budget) {
             (Some(m), _) => m,
             (None, Some(b)) if b >= DEFAULT_MAX_TOKENS => b.saturating_add(DEFAULT_MAX_TOKENS),
             (None, _) => DEFAULT_MAX_TOKENS,

@@ -130,7 +130,8 @@ impl HttpDialect for OpenAiProvider {
         if let Some(t) = req.temperature {
             body.insert("temperature".into(), json!(t));
         }
-        if let Some(max) = req.max_tokens {
+        // 0 is "the provider's default" (docs/semantics.md#model-vocabulary): not sent.
+        if let Some(max) = req.max_tokens.filter(|&m| m > 0) {
             let key = if self.vendor == Vendor::Openai {
                 "max_completion_tokens"
             } else {

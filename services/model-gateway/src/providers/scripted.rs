@@ -11,8 +11,12 @@
 //! texts of the tool results after it, one per line).
 //!
 //! # Invariants
-//! - Same request in, same response out: ids are `call_<n>_<i>` with `n` the number of assistant
-//!   turns so far plus one, `i` the call's position from 1; token counts are word counts.
+//! - Same request in, same response out: ids are `call_<turn>_<n>_<i>` with `<turn>` 8 hex digits
+//!   of a digest of the conversation up to the message being answered (its user, assistant and
+//!   tool messages, not the system blocks, which hold the time), `n` the number of assistant
+//!   messages so far plus one, `i` the call's position from 1; token counts are word counts. The
+//!   id is a tool's idempotency key (docs/loop-worker.md), so it differs from turn to turn even
+//!   when a window is cut, and stays the same when a step is asked again after a crash.
 //! - Every request received is appended to the [`RequestLog`], which tests read, once someone
 //!   watches it ([`RequestLog::watch`], what [`crate::Gateway::request_log`] hands out): before
 //!   that nothing is copied, so a provider nobody reads (`make run`, a benchmark) does not copy
@@ -100,6 +104,20 @@ impl RequestLog {
 pub struct ScriptedProvider {
     script: Script,
     log: RequestLog,
+}
+
+/// 8 hex digits of SHA-256 over the user, assistant and tool messages of `messages` (the
+/// system blocks hold the time and would change the ids of a step asked again).
+fn conversation_digest(messages: &[Message]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for m in messages.iter().filter(|m| m.role != Role::System) {
+        // Serialising a message cannot fail (no maps with non-string keys).
+        hasher.update(serde_json::to_vec(m).unwrap_or_default());
+        hasher.update([0]);
+    }
+    let digest = hasher.finalize();
+    digest[..4].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl ScriptedProvider {
@@ -193,12 +211,13 @@ impl ScriptedProvider {
                     .filter(|m| m.role == Role::Assistant)
                     .count()
                     + 1;
+                let conversation = conversation_digest(&req.messages[..after]);
                 let calls = round(r)
                     .unwrap_or_default()
                     .iter()
                     .enumerate()
                     .map(|(i, c)| ToolCall {
-                        id: format!("call_{turn}_{}", i + 1),
+                        id: format!("call_{conversation}_{turn}_{}", i + 1),
                         name: c.name.clone(),
                         args: c.args.clone(),
                         args_error: None,
@@ -423,13 +442,14 @@ mod tests {
         assert!(first.offline);
         assert_eq!(first.stop_reason, "tool_calls");
         assert_eq!(first.tool_calls.len(), 1);
-        assert_eq!(first.tool_calls[0].id, "call_1_1");
+        let id = first.tool_calls[0].id.clone();
+        assert!(id.starts_with("call_") && id.ends_with("_1_1"), "{id}");
         assert_eq!(first.tool_calls[0].args["tz"], "UTC");
         let second = p.answer(
             &ask(vec![
                 Message::text(Role::User, "what time is it"),
                 first.message.clone(),
-                Message::tool_result("call_1_1", "get_time", "12:00", false),
+                Message::tool_result(&id, "get_time", "12:00", false),
             ]),
             "s",
         );
@@ -465,20 +485,64 @@ mod tests {
             ["first"]
         );
         messages.push(one.message.clone());
-        messages.push(Message::tool_result("call_1_1", "first", "a", false));
+        let turn = one.tool_calls[0].id.split('_').nth(1).unwrap().to_owned();
+        messages.push(Message::tool_result(
+            &one.tool_calls[0].id,
+            "first",
+            "a",
+            false,
+        ));
         let two = p.answer(&ask(messages.clone()), "s");
         let names: Vec<_> = two
             .tool_calls
             .iter()
-            .map(|c| (c.id.as_str(), c.name.as_str()))
+            .map(|c| (c.id.clone(), c.name.as_str()))
             .collect();
-        assert_eq!(names, [("call_2_1", "second"), ("call_2_2", "third")]);
+        assert_eq!(
+            names,
+            [
+                (format!("call_{turn}_2_1"), "second"),
+                (format!("call_{turn}_2_2"), "third")
+            ],
+            "one turn, one conversation digest"
+        );
         messages.push(two.message.clone());
-        messages.push(Message::tool_result("call_2_1", "second", "b", false));
-        messages.push(Message::tool_result("call_2_2", "third", "c", false));
+        messages.push(Message::tool_result(&names[0].0, "second", "b", false));
+        messages.push(Message::tool_result(&names[1].0, "third", "c", false));
         let three = p.answer(&ask(messages), "s");
         assert!(three.tool_calls.is_empty());
         assert_eq!(three.content, "done: a\nb\nc");
+    }
+
+    /// Tool-call ids are tools' idempotency keys: two turns never share one, even when the
+    /// window is cut to the same length, and a step asked again (a new time block) keeps them.
+    #[test]
+    fn tool_call_ids_differ_per_turn_and_stay_when_a_step_is_asked_again() {
+        let p = provider();
+        let id = |messages: Vec<Message>| p.answer(&ask(messages), "s").tool_calls[0].id.clone();
+        let time = |t: &str| Message::text(Role::System, format!("[当前时间] {t}"));
+        let turn1 = id(vec![
+            time("03:01"),
+            Message::text(Role::User, "what time is it"),
+        ]);
+        let again = id(vec![
+            time("03:02"),
+            Message::text(Role::User, "what time is it"),
+        ]);
+        assert_eq!(turn1, again, "the same step asked again");
+        // Turn 2 of the session, its window cut to the same number of messages.
+        let turn2 = id(vec![
+            time("03:05"),
+            Message::text(Role::User, "what time is it now"),
+        ]);
+        assert_ne!(turn1, turn2);
+        let turn3 = id(vec![
+            Message::text(Role::User, "hi"),
+            Message::text(Role::Assistant, "hello"),
+            Message::text(Role::User, "what time is it"),
+        ]);
+        assert_ne!(turn1, turn3, "the same question later in a conversation");
+        assert!(turn3.ends_with("_2_1"), "{turn3}");
     }
 
     #[test]
@@ -507,7 +571,12 @@ mod tests {
         assert_eq!(round.tool_calls[0].name, "get_time");
         let steered = view.pop().unwrap();
         view.push(round.message.clone());
-        view.push(Message::tool_result("call_2_1", "get_time", "12:00", false));
+        view.push(Message::tool_result(
+            &round.tool_calls[0].id,
+            "get_time",
+            "12:00",
+            false,
+        ));
         view.push(steered);
         let answer = p.answer(&ask(view), "s");
         assert!(answer.tool_calls.is_empty(), "no endless rounds");

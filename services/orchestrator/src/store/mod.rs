@@ -129,6 +129,9 @@ pub struct NewMessage {
     /// An ask's chain including the asked persona (empty for a person's message): the job of
     /// the turn answering it carries it as `ask_chain`.
     pub ask_chain: Vec<String>,
+    /// The configured persona this message addresses (checked by the caller); `None` = the one
+    /// the session last used (docs/orchestrator.md, "Several personas").
+    pub persona: Option<String>,
     /// Context only (the bridge's): stored in the transcript, no turn, never steered.
     pub context_only: bool,
 }
@@ -211,6 +214,8 @@ struct RunningTurn {
     client_id: String,
     first_message_id: String,
     base_seq: i64,
+    /// The persona it runs as (empty for turns written before personas were recorded).
+    persona: String,
 }
 
 impl RunningTurn {
@@ -401,7 +406,7 @@ impl Store {
         session_id: &str,
     ) -> Result<Vec<RunningTurn>, StoreError> {
         Ok(sqlx::query_as(
-            "SELECT turn_id, client_id, first_message_id, base_seq FROM orch_turns \
+            "SELECT turn_id, client_id, first_message_id, base_seq, persona FROM orch_turns \
              WHERE session_id = $1 AND status = 'running' ORDER BY created_at, turn_id",
         )
         .bind(session_id)

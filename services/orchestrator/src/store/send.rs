@@ -36,7 +36,32 @@ impl Store {
         let now = now_ms();
         let mut tx = self.begin().await?;
         // Created if new, locked, and this message's seq taken: one round trip.
-        let (env, seq) = Self::open_session(&mut tx, &input.session_id, &env_json, now).await?;
+        let (mut env, seq) = Self::open_session(&mut tx, &input.session_id, &env_json, now).await?;
+        // A message addressing another persona switches the session to it (docs/orchestrator.md,
+        // "Several personas"): recorded in the session's env under its lock, so every later turn
+        // runs as it until the next switch. Whether it is steered into a running turn is
+        // decided below, by the persona that turn runs as.
+        match &input.persona {
+            Some(persona)
+                if self.settings.personas.resolve(&env.persona).map(|p| &p.id) != Some(persona) =>
+            {
+                if env.restricted {
+                    tx.rollback().await?;
+                    return Err(StoreError::Forbidden(format!(
+                        "session {} is restricted (a group or a stranger): it always answers as \
+                         its own persona; persona {persona:?} cannot be addressed here",
+                        input.session_id
+                    )));
+                }
+                env.persona = persona.clone();
+                sqlx::query("UPDATE orch_sessions SET env = $1 WHERE id = $2")
+                    .bind(encode(&env)?)
+                    .bind(&input.session_id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            _ => {}
+        }
         if !env.restricted
             && input.message.sender_kind == SenderKind::Person
             && !input.message.sender_name.is_empty()
@@ -133,6 +158,17 @@ impl Store {
             true => None,
             false => RunningTurn::taker(&running, &input.client_id),
         };
+        // Only a message for the persona a turn runs as is steered into it; one for another
+        // persona (a switch, or a plain message after one) waits for the next turn, which runs
+        // as the persona the session last used (docs/orchestrator.md, "Several personas").
+        let addressed = self
+            .settings
+            .personas
+            .resolve(&env.persona)
+            .map(|p| p.id.as_str())
+            .unwrap_or_default();
+        let elsewhere = taker.is_some_and(|t| !t.persona.is_empty() && t.persona != addressed);
+        let taker = if elsewhere { None } else { taker };
         // This message as the job of a turn it starts would carry it. Its row is written last,
         // with its claim and its ack: one statement instead of an insert and two updates.
         let this = Pending {
@@ -240,7 +276,7 @@ impl Store {
         .bind(i64::from(input.solo))
         .bind(input.reply_to.clone())
         .bind(now)
-        .bind(i64::from(input.policy == BusyPolicy::Enqueue))
+        .bind(i64::from(input.policy == BusyPolicy::Enqueue || elsewhere))
         .bind(ask_chain)
         .bind(claimed_by)
         .bind(i64::from(taker.is_some()))

@@ -129,8 +129,8 @@ impl Store {
         // read (`nothing_to_steer`) instead of raising the record under the session's lock.
         sqlx::query(
             "INSERT INTO orch_turns (turn_id, session_id, leg_id, client_id, status, attempt, \
-             base_seq, first_message_id, job, dispatched, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, 'running', 1, $5, $6, $7, 0, $8, $8)",
+             base_seq, first_message_id, job, dispatched, created_at, updated_at, persona) \
+             VALUES ($1, $2, $3, $4, 'running', 1, $5, $6, $7, 0, $8, $8, $9)",
         )
         .bind(&turn_id)
         .bind(session_id)
@@ -140,6 +140,7 @@ impl Store {
         .bind(&first_message_id)
         .bind(&job_json)
         .bind(now)
+        .bind(&built.job.env.persona)
         .execute(&mut **tx)
         .await?;
         Ok(NewTurn {

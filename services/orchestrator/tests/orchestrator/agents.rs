@@ -114,6 +114,59 @@ async fn an_ask_to_a_persona_is_answered_by_its_turn() {
     worker.stop().await;
 }
 
+/// D8 (issue 34): a person asking over the comm protocol (their own NATS user, `cyrene
+/// --person <id> ask`) is labelled as a person, not as "another agent, identity unverified":
+/// the owner's ask is unlabelled, another configured person's is a third-party person's line in
+/// a restricted ask session; an id nobody configured stays in the agent lane.
+#[tokio::test(flavor = "multi_thread")]
+async fn people_asking_are_labelled_as_people_and_agents_as_agents() {
+    let world = World::new(Backend::Sqlite).await;
+    let mut config = world.config();
+    config.owner = Some("alice".into());
+    config.people = vec!["bob".into()];
+    let _orch = Replica::start(&world, config).await;
+    let worker = FakeWorker::start(&world, Duration::from_millis(5), 1).await;
+    for (who, question) in [
+        ("alice", "from the owner"),
+        ("bob", "from bob"),
+        ("robo", "from a bot"),
+    ] {
+        let probe = Probe::new(world.client.clone(), who);
+        assert_eq!(
+            ask(&probe, "cyrene", question).await.text,
+            format!("echo: {question}")
+        );
+    }
+    let jobs: Vec<_> = {
+        let log = worker.log.lock().unwrap();
+        log.turns.values().filter_map(|t| t.job.clone()).collect()
+    };
+    let asked = |who: &str| {
+        let job = jobs
+            .iter()
+            .find(|j| j.session_id == ask_session_id("cyrene", who))
+            .unwrap_or_else(|| panic!("{who}'s ask"));
+        let m = job.messages.last().unwrap();
+        (m.sender_name.clone(), m.sender_kind, job.env.restricted)
+    };
+    assert_eq!(
+        asked("alice"),
+        (String::new(), SenderKind::Person, false),
+        "the owner"
+    );
+    assert_eq!(
+        asked("bob"),
+        ("bob".into(), SenderKind::Person, true),
+        "a person"
+    );
+    assert_eq!(
+        asked("robo"),
+        ("robo".into(), SenderKind::Agent, false),
+        "an agent"
+    );
+    worker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_asker_never_sees_another_askers_questions_or_answers() {
     let (world, _orch, worker) = with_a_fake_worker(Duration::from_millis(5)).await;

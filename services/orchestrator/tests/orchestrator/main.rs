@@ -9,5 +9,6 @@ mod fence;
 mod harness;
 mod identity;
 mod people;
+mod personas;
 mod policies;
 mod volume;
