@@ -345,8 +345,14 @@ async function route(): Promise<void> {
   await open(sessionId(decodeURIComponent(m[1])));
 }
 
+/** The message box, Send and Attach take input only once a session is open. */
+function enableComposer(): void {
+  for (const id of ["message", "send", "attach"]) ($(id) as HTMLInputElement).disabled = false;
+}
+
 async function open(id: string): Promise<void> {
   openSession = id;
+  enableComposer();
   shownMessages.clear();
   turnNodes.clear();
   stepCount.clear();
@@ -576,12 +582,16 @@ function onEvent(ev: SessionEvent): void {
 
 // ---- sending ----
 
-function send(text: string): void {
+/** Queues `text` (and the session's uploaded documents) for the open session; false when
+ *  nothing was taken, so the caller keeps what was typed. The composer is disabled until a
+ *  session is open (enableComposer), so a message typed right after the login is never
+ *  dropped for want of a session. */
+function send(text: string): boolean {
   const documents = attached.filter((a) => a.session === openSession && a.part).map((a) => a.part as Part);
-  if ((!text.trim() && !documents.length) || !openSession) return;
+  if ((!text.trim() && !documents.length) || !openSession) return false;
   if (attached.some((a) => a.session === openSession && !a.part && !a.failed)) {
     setAttachNote("wait for the upload to finish");
-    return;
+    return false;
   }
   clearAttachments();
   const node = userBubble(text, documents);
@@ -598,6 +608,7 @@ function send(text: string): void {
   node.dataset.key = o.key;
   outbox.push(o);
   void flush();
+  return true;
 }
 
 /** Sends what the outbox holds, in order. A send whose fate is unknown (timeout, lost
@@ -975,14 +986,12 @@ async function main(): Promise<void> {
   const box = $("message") as HTMLTextAreaElement;
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
-    send(box.value);
-    box.value = "";
+    if (send(box.value)) box.value = "";
   });
   box.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
-      send(box.value);
-      box.value = "";
+      if (send(box.value)) box.value = "";
     }
   });
   const saved = localStorage.getItem(REMEMBER_KEY);
