@@ -959,7 +959,12 @@ async function logout(): Promise<void> {
 }
 
 async function main(): Promise<void> {
-  config = (await (await fetch("/config.json")).json()) as WebConfig;
+  try {
+    config = (await (await fetch("/config.json")).json()) as WebConfig;
+  } catch (e) {
+    $("login-error").textContent = `cannot load the page's settings: ${describe(e)}`;
+    return;
+  }
   const picker = $("persona") as HTMLSelectElement;
   for (const p of config.personas ?? []) {
     const o = el("option", "", p) as HTMLOptionElement;
@@ -973,6 +978,10 @@ async function main(): Promise<void> {
     const remember = ($("login-remember") as HTMLInputElement).checked;
     void login(who, password, remember);
   });
+  // The button is disabled in the HTML until the script handles the form: a click before that
+  // would be the browser's own form submission (refused by the CSP's form-action 'none', and a
+  // navigation that never ends), and the login would be lost.
+  ($("login-button") as HTMLButtonElement).disabled = false;
   $("logout").addEventListener("click", () => void logout());
   $("new-session").addEventListener("click", () => newSession());
   window.addEventListener("hashchange", () => {

@@ -13,6 +13,7 @@
 //! | `person-upload` | `cyrene.person.*.document.upload` | `UploadRequest` | `UploadAck` |
 //! | `bridge-send`    | `cyrene.bridge.session.send`      | `SendRequest`    | `SendAck` |
 //! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
+//! | `turns-running`  | `cyrene.turns.running` | `RunningTurnsRequest` | `RunningTurnsResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -29,6 +30,8 @@
 //!   ([`crate::identity`]).
 //! - Only `bridge-send` takes a third party's `sender_name` or `env.restricted`
 //!   ([`crate::identity::speaker`]).
+//! - `turns-running` is read-only and names sessions of every person: only the operator's NATS
+//!   user may publish on its subject (deploy/nats/users.conf, docs/security.md).
 
 use crate::engine::Engine;
 use crate::identity::{self, Caller};
@@ -40,7 +43,7 @@ use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest, SessionListRequest};
 use cyrene_protocol::subjects;
-use cyrene_protocol::turn::{SteerRequest, TurnComplete};
+use cyrene_protocol::turn::{RunningTurnsRequest, SteerRequest, TurnComplete};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -162,6 +165,13 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             "bridge-history",
             subjects::BRIDGE_SESSION_HISTORY,
             bridge_history,
+        ),
+        Endpoint::json(
+            "turns-running",
+            subjects::TURNS_RUNNING,
+            with_state(engine, |e, req: RunningTurnsRequest, _| async move {
+                e.running_turns(req).await
+            }),
         ),
     ]
 }
