@@ -497,12 +497,15 @@ scenario("a message from another tab under \"a parallel leg\" runs beside the tu
   await answered(other, `You said: hello from the other tab (${leg})`);
 
   // a failed turn (the offline demo fails a message that says "please fail") shows its reason
+  // (sent once no turn runs: else it would be steered into the turn still finishing)
+  await other.waitForFunction(() => !document.querySelector('.turn[data-running="true"]'), null, { timeout: WAIT });
   await other.getByLabel("When busy", { exact: true }).selectOption("");
   await sendMessage(other, "please fail");
   const failed = other.locator(".notice.failed", { hasText: "turn failed" });
-  await failed.waitFor({ timeout: WAIT });
-  assert.match(await failed.innerText(), /^turn failed: [a-z_]+: .*the offline demo fails on purpose when asked to/);
-  await other.locator('.turn[data-running="false"]').last().waitFor({ timeout: WAIT });
+  await failed.first().waitFor({ timeout: WAIT });
+  assert.match(await failed.first().innerText(), /^turn failed: [a-z_]+: .*the offline demo fails on purpose when asked to/);
+  await other.waitForFunction(() => !document.querySelector('.turn[data-running="true"]'), null, { timeout: WAIT });
+  assert.equal(await failed.count(), 1, "one failed turn for one message");
   assert.deepEqual(other.problems, []);
   assert.deepEqual(tab.problems, []);
   await other.context().close();
