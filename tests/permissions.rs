@@ -19,28 +19,16 @@ use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, Upl
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv};
 use cyrene_protocol::subjects;
+use cyrene_test_support::shipped::shipped_config;
 use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection, subscribed};
 use futures::StreamExt;
 use serde_json::json;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-const USERS: [(&str, &str); 11] = [
-    ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
-    ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
-    ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
-    ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
-    ("CYRENE_TOOLS_PASSWORD", "pw-tools"),
-    ("CYRENE_CLIENT_PASSWORD", "pw-client"),
-    ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
-    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
-    ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
-    ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
-    ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
-];
-
-/// Every user of the config, in the order of [`USERS`] and of the matrix's columns.
+/// Every user of the config, in the order of `SHIPPED_PASSWORDS` and of the matrix's columns.
 const MATRIX_USERS: [(&str, &str); 11] = [
     ("cyrene-model-gateway", "pw-gateway"),
     ("cyrene-checkpoint-store", "pw-store"),
@@ -531,20 +519,8 @@ fn users_conf() -> String {
 }
 
 fn server() -> NatsServer {
-    let mut config = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/deploy/nats/cyrene.conf"
-    ))
-    .unwrap();
-    // The harness gives the server its own store dir (a flag) in place of the deployed one, and
-    // writes the config to a directory of its own: users.conf goes in its place.
-    config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
     // The WebSocket listener on a port of its own (tests run side by side).
-    config = config.replace("websocket {\n  port: 8080\n", "websocket {\n  port: -1\n");
-    config = config.replace("include ./users.conf\n", &users_conf());
-    for (var, password) in USERS {
-        config = config.replace(&format!("${var}"), &format!("\"{password}\""));
-    }
+    let config = shipped_config(Path::new(env!("CARGO_MANIFEST_DIR")), -1, &[]);
     NatsServer::builder().config(config).start()
 }
 

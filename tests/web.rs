@@ -12,25 +12,12 @@
 mod common;
 
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::shipped::shipped_config;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
-
-const PASSWORDS: [(&str, &str); 11] = [
-    ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
-    ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
-    ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
-    ("CYRENE_LOOP_WORKER_PASSWORD", "pw-worker"),
-    ("CYRENE_TOOLS_PASSWORD", "pw-tools"),
-    ("CYRENE_CLIENT_PASSWORD", "pw-client"),
-    ("CYRENE_OPERATOR_PASSWORD", "pw-operator"),
-    ("CYRENE_AGENT_HOSHI_PASSWORD", "pw-hoshi"),
-    ("CYRENE_PERSON_ALICE_PASSWORD", "pw-alice"),
-    ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
-    ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
-];
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -51,23 +38,7 @@ fn free_port() -> u16 {
 /// runs every service on one bus login. The browser logs in as the shipped person and operator
 /// users only.
 fn server(ws_port: u16) -> NatsServer {
-    let read = |name: &str| std::fs::read_to_string(repo().join("deploy/nats").join(name)).unwrap();
-    let mut config = read("cyrene.conf");
-    config = config.replace("  store_dir: \"/data/jetstream\"\n", "");
-    assert!(config.contains("websocket {\n  port: 8080\n"), "{config}");
-    config = config.replace(
-        "websocket {\n  port: 8080\n",
-        &format!("websocket {{\n  port: {ws_port}\n"),
-    );
-    let users = read("users.conf").replacen(
-        "  users = [\n",
-        "  users = [\n    {user: cyrene-up, password: \"pw-up\"}\n",
-        1,
-    );
-    config = config.replace("include ./users.conf\n", &users);
-    for (var, password) in PASSWORDS {
-        config = config.replace(&format!("${var}"), &format!("\"{password}\""));
-    }
+    let config = shipped_config(repo(), i32::from(ws_port), &[("cyrene-up", "pw-up")]);
     NatsServer::builder().config(config).start()
 }
 

@@ -18,25 +18,29 @@
 //!   and decoding is deterministic, so a request decodes to exactly what the plain decoder gives.
 //!   Whenever this path cannot decode a request, it is decoded again by
 //!   [`cyrene_bus::service::decode`], so every error is word for word the plain decoder's.
-//! - **Bounded memory.** Each kind is kept in two generations of at most [`GENERATION_BYTES`] of
-//!   JSON text (as it came on the bus): new and used entries go to the current one; when it is
-//!   full it becomes the old one and the one before is dropped. A message over [`LARGEST_KEPT`]
-//!   is decoded every time, not kept; a view is not continued past [`LARGEST_VIEW`].
+//! - **Bounded memory.** Each kind is kept in two generations of at most [`GENERATION_BYTES`]:
+//!   new and used entries go to the current one; when it is full it becomes the old one and the
+//!   one before is dropped. An entry counts for what it takes in memory, decoded, with its key
+//!   and its map slot ([`footprint`], an upper bound: many tiny messages or deeply nested tool
+//!   arguments take many times their JSON text), so the caches together stay under
+//!   4 × [`GENERATION_BYTES`] whatever they are sent. A message over [`LARGEST_KEPT`] is decoded
+//!   every time, not kept; a view is not continued past [`LARGEST_VIEW`] of request JSON.
 //!
 //! # Pitfalls
 //! - A held view is taken out while its call runs and put back after, so two calls naming one
 //!   view at once: the second is `not_found` (a turn makes one call at a time).
 
 use cyrene_bus::service::decode;
-use cyrene_protocol::message::Message;
+use cyrene_protocol::message::{Message, Part};
 use cyrene_protocol::model::{ModelRequest, ViewRef};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde::Deserialize;
+use serde_json::Value;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-/// JSON text kept per generation, of each kind (decoded, they take about as much again).
+/// Memory kept per generation, of each kind, as [`footprint`] counts it.
 pub const GENERATION_BYTES: usize = 16 << 20;
 
 /// The most request JSON one held view may grow to over its calls: continuing it further is
@@ -49,7 +53,8 @@ pub const LARGEST_KEPT: usize = 64 << 10;
 /// The messages decoded recently (by their JSON text) and the views held (by id).
 pub struct Views {
     decoded: Mutex<Generations<Box<str>, Message>>,
-    held: Mutex<Generations<String, Vec<Message>>>,
+    /// Each view with the request JSON it grew from (what [`LARGEST_VIEW`] bounds).
+    held: Mutex<Generations<String, (Vec<Message>, usize)>>,
 }
 
 impl Default for Views {
@@ -190,7 +195,7 @@ impl Views {
         if !decoded.is_empty() {
             let mut kept = self.decoded.lock().ok()?;
             for (text, message) in decoded {
-                let bytes = text.len();
+                let bytes = DECODED_SLOT + text.len() + ALLOCATION + footprint(&message);
                 kept.insert(text, message, bytes);
             }
         }
@@ -233,7 +238,7 @@ impl Views {
         }
         let taken = self.held.lock().ok().and_then(|mut g| g.take(&view.id));
         match taken {
-            Some((_, _, bytes)) if bytes + payload_len > LARGEST_VIEW => Err(ErrorBody::new(
+            Some((_, (_, bytes), _)) if bytes + payload_len > LARGEST_VIEW => Err(ErrorBody::new(
                 ErrorCode::NotFound,
                 format!(
                     "view {} would grow past {LARGEST_VIEW} bytes, more than a view is held for; \
@@ -241,7 +246,7 @@ impl Views {
                     view.id
                 ),
             )),
-            Some((id, mut messages, bytes)) if messages.len() == view.base as usize => {
+            Some((id, (mut messages, bytes), _)) if messages.len() == view.base as usize => {
                 messages.append(&mut request.messages);
                 request.messages = messages;
                 Ok(Some(Held {
@@ -261,9 +266,106 @@ impl Views {
 
     /// Holds `messages` (the whole view of a call) as `held`'s view.
     pub fn hold(&self, held: Held, messages: Vec<Message>) {
+        let memory = HELD_SLOT
+            + held.id.capacity()
+            + ALLOCATION
+            + messages.capacity() * size_of::<Message>()
+            + ALLOCATION
+            + messages
+                .iter()
+                .map(|m| footprint(m) - size_of::<Message>())
+                .sum::<usize>();
         if let Ok(mut g) = self.held.lock() {
-            g.insert(held.id, messages, held.bytes);
+            g.insert(held.id, (messages, held.bytes), memory);
         }
+    }
+}
+
+/// What the allocator may add to each allocation (its header and rounding), counted generously.
+const ALLOCATION: usize = 32;
+
+/// A decoded cache entry's place in its map: key, value, weight and the map's control byte.
+const DECODED_SLOT: usize = size_of::<(Box<str>, (Message, usize))>() + 1;
+
+/// A held view's place in its map.
+const HELD_SLOT: usize = size_of::<(String, ((Vec<Message>, usize), usize))>() + 1;
+
+/// What `message` takes in memory, itself included: an upper bound of its heap (every string's
+/// and vector's capacity, each allocation counted with [`ALLOCATION`]) and its own size.
+pub fn footprint(message: &Message) -> usize {
+    let text = text_heap;
+    let parts = message.content.iter().map(|part| match part {
+        Part::Text { text: t } => text(t),
+        Part::ImageUrl { image_url } => text(image_url),
+        Part::ToolCall {
+            id,
+            name,
+            args,
+            args_error,
+        } => text(id) + text(name) + object(args) + args_error.as_ref().map_or(0, text_heap),
+        Part::ToolResult {
+            tool_call_id,
+            text: t,
+            ..
+        } => text(tool_call_id) + text(t),
+        Part::Document {
+            name, mime, url, ..
+        } => text(name) + text(mime) + text(url),
+        Part::Reasoning {
+            text: t,
+            signature,
+            redacted,
+            ..
+        } => {
+            text(t)
+                + signature.as_ref().map_or(0, text_heap)
+                + redacted.as_ref().map_or(0, text_heap)
+        }
+    });
+    size_of::<Message>()
+        + message.content.capacity() * size_of::<Part>()
+        + ALLOCATION
+        + parts.sum::<usize>()
+        + text(&message.sender_name)
+        + text(&message.tool_call_id)
+        + text(&message.tool_call_name)
+}
+
+/// The heap under a JSON object's entries. The map is a B-tree whose nodes are allocated whole
+/// (room for eleven entries and twelve edges) and, but for the root, at least half full: a
+/// one-entry object takes a whole node.
+fn object(map: &serde_json::Map<String, Value>) -> usize {
+    const NODE: usize = 11 * (size_of::<String>() + size_of::<Value>()) + 12 * 8 + 16 + ALLOCATION;
+    if map.is_empty() {
+        return 0;
+    }
+    NODE * (1 + map.len() / 5)
+        + map
+            .iter()
+            .map(|(key, value)| text_heap(key) + value_heap(value))
+            .sum::<usize>()
+}
+
+/// The heap under a string.
+fn text_heap(s: &String) -> usize {
+    match s.capacity() {
+        0 => 0,
+        n => n + ALLOCATION,
+    }
+}
+
+/// The heap under one JSON value.
+fn value_heap(value: &Value) -> usize {
+    match value {
+        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+        Value::String(s) => text_heap(s),
+        Value::Array(items) if items.capacity() == 0 => 0,
+        Value::Array(items) => {
+            items.capacity() * size_of::<Value>()
+                + ALLOCATION
+                + items.iter().map(value_heap).sum::<usize>()
+        }
+        Value::Object(map) => object(map),
     }
 }
 

@@ -719,7 +719,7 @@ async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
 /// Issue 29, item 4: a caller that asks for heartbeats gets them while a slow provider thinks,
 /// so a call far longer than the silence limit still ends with its answer; a responder that
 /// takes the call and then says nothing is given up on after five silent intervals
-/// (`Vanished`), not at the call's timeout.
+/// (`Vanished`), not at the call's timeout; so is one that never says it took the call.
 #[tokio::test]
 async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone() {
     let upstream = MockServer::start().await;
@@ -824,30 +824,26 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     assert!(matches!(err, RequestError::Vanished { .. }), "{err:?}");
     assert_eq!(err.code(), ErrorCode::Unavailable);
 
-    // A gateway from before heartbeats sends none: its slow answer (here 600 ms, more than the
-    // silence limit) is waited for, not taken for its death.
-    let mut old = client.subscribe("test.old").await.unwrap();
-    let replier = client.clone();
-    tokio::spawn(async move {
-        while let Some(request) = old.next().await {
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            let response: ModelResponse = serde_json::from_value(json!({"model": "m",
-                "content": "late", "message": {"role": "assistant", "content": "late"},
-                "stop_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0,
-                "total_tokens": 0, "cache_hit_tokens": 0, "cache_miss_tokens": 0,
-                "reasoning_tokens": 0, "provider": "p", "offline": false}))
-            .unwrap();
-            let done = StreamChunk::done(0, response);
-            let reply = request.reply.unwrap();
-            let payload = serde_json::to_vec(&done).unwrap();
-            replier.publish(reply, payload.into()).await.unwrap();
-        }
-    });
+    // A replica that NATS handed the call to but that died before reading it (or never says it
+    // took it): no first heartbeat, and `Vanished` well before the timeout, not at it.
+    let _swallow = client.subscribe("test.swallowed").await.unwrap();
     client.flush().await.unwrap();
-    let late = inbox
-        .complete_stream_at("test.old", &ask("slowly"), WAIT, |_, _| {})
+    let err = inbox
+        .complete_stream_at(
+            "test.swallowed",
+            &ask("anyone there?"),
+            Duration::from_secs(60),
+            |_, _| {},
+        )
         .await
-        .unwrap();
-    assert_eq!(late.0.content, "late");
+        .unwrap_err();
+    match err {
+        RequestError::Vanished { silent, .. } => assert_eq!(
+            silent,
+            every * cyrene_bus::model_stream::FIRST_BEAT_BEATS,
+            "the first heartbeat's grace, not the call's timeout"
+        ),
+        other => panic!("{other:?}"),
+    }
     shutdown.cancel();
 }

@@ -6,12 +6,14 @@
 //! - A gap in `seq` (a delta lost to a slow subscription) is an error of the call, never silently
 //!   skipped: the caller would show text with a hole in it.
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
-//! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and,
-//!   once the first one came (a gateway sends it as it takes the call), gives up on a call that
-//!   hears nothing for [`SILENT_BEATS`] intervals ([`RequestError::Vanished`]): a replica that
-//!   died mid-call is noticed in about a second, not at the call's timeout. A gateway that sends
-//!   none (older than heartbeats) is waited for up to the timeout, as before. Heartbeats take a
-//!   `seq` like any message and are skipped.
+//! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and
+//!   gives up on a call that hears nothing for [`SILENT_BEATS`] intervals
+//!   ([`RequestError::Vanished`]), or that hears no first heartbeat (a gateway sends it as it
+//!   takes the call) within [`FIRST_BEAT_BEATS`] intervals: a replica that died mid-call, or
+//!   after NATS handed it the request but before it read it, is noticed in about a second, not at
+//!   the call's timeout. So a caller asking for heartbeats needs gateways that send them (every
+//!   gateway since issue 29; docs/operations.md says to upgrade gateways before workers).
+//!   Heartbeats take a `seq` like any message and are skipped.
 //! - [`StreamInbox`] serves many calls from one wildcard subscription (`<inbox>.*`, one token a
 //!   call), so a call costs no SUB/UNSUB on the server; a call's route is removed when it
 //!   returns, however it returns, and what arrives for a finished call is dropped.
@@ -33,6 +35,11 @@ use tokio::time::Instant;
 
 /// How many heartbeat intervals of silence make a call's responder count as gone.
 pub const SILENT_BEATS: u32 = 5;
+
+/// How many heartbeat intervals a call waits for its first heartbeat (the gateway's "taken")
+/// before its responder counts as gone: longer than [`SILENT_BEATS`], since the gateway decodes
+/// the request (a whole view, perhaps) before it says so.
+pub const FIRST_BEAT_BEATS: u32 = 10;
 
 /// Streams `request` through the gateway, calling `on_delta` for each delta in order, and
 /// returns the whole response, all within `timeout`. One subscription of its own for the call;
@@ -235,6 +242,7 @@ async fn exchange(
     let deadline = Instant::now() + timeout;
     let mut headers = trace::current_headers();
     let silent = heartbeat.map(|every| every * SILENT_BEATS);
+    let first = heartbeat.map(|every| every * FIRST_BEAT_BEATS);
     if let Some(every) = heartbeat {
         // A fixed name and digits: always a valid header.
         let _ = crate::headers::insert(
@@ -248,20 +256,20 @@ async fn exchange(
         .await
         .map_err(|e| transport(&e))?;
     let mut expected = 0u64;
-    // Silence counts only once the responder has shown it sends heartbeats (its first message
-    // is one): a gateway from before heartbeats (a rolling upgrade) never sends any, and a slow
-    // first delta from it must not read as its death.
-    let mut armed = false;
+    // Until the first message (the gateway's first heartbeat) the responder has longer: it
+    // decodes the request before it says it took it.
+    let mut heard = false;
     loop {
-        let wait = match silent {
-            Some(silent) if armed => deadline.min(Instant::now() + silent),
-            _ => deadline,
+        let quiet = if heard { silent } else { first };
+        let wait = match quiet {
+            Some(quiet) => deadline.min(Instant::now() + quiet),
+            None => deadline,
         };
         let message = match tokio::time::timeout_at(wait, replies.next()).await {
             Err(_) if wait < deadline => {
                 return Err(RequestError::Vanished {
                     subject: subject.to_owned(),
-                    silent: silent.unwrap_or(timeout),
+                    silent: quiet.unwrap_or(timeout),
                 });
             }
             Err(_) => {
@@ -298,6 +306,7 @@ async fn exchange(
             )));
         }
         expected += 1;
+        heard = true;
         if let Some(error) = chunk.error {
             return Err(RequestError::Remote(error));
         }
@@ -305,7 +314,6 @@ async fn exchange(
             return Ok((*done, chunk.replica));
         }
         if chunk.heartbeat == Some(true) {
-            armed = true;
             continue;
         }
         if let Some(delta) = chunk.delta {

@@ -17,7 +17,8 @@
 //! - [`fixtures`]: protocol values (a turn job) the tests of several crates start from;
 //! - [`otlp::collector`]: an OTLP/HTTP trace collector that keeps every export;
 //! - [`process::success_stdout`]: the output of a child process that must have succeeded;
-//! - [`subscribed`]: a subscription the server already has when the test goes on.
+//! - [`subscribed`]: a subscription the server already has when the test goes on;
+//! - [`shipped::shipped_config`]: `deploy/nats/cyrene.conf` as shipped, with the tests' passwords.
 //!
 //! Starting, stopping and restarting are synchronous and need no Tokio
 //! runtime: readiness is checked with plain TCP (the server's `INFO` line) and
@@ -90,6 +91,7 @@ pub mod process;
 pub mod raw;
 pub mod rng;
 mod server;
+pub mod shipped;
 mod subscribe;
 
 pub use binary::nats_server_binary;
