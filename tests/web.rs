@@ -103,8 +103,9 @@ async fn demo_tool_offered(port: u16) {
     panic!("no turn was offered the demo tool search_notes");
 }
 
-/// `cyrene up` (every service, the offline demo, the page) on `server`, and the page's URL once
-/// it has printed it; its stderr goes on to this test's stderr.
+/// `cyrene up` (every service, the offline demo, the page) on `server`, and the page's URL, once
+/// it has printed it and an operator sees the four services; its stderr goes on to this test's
+/// stderr.
 async fn cyrene_up(
     server: &NatsServer,
     ws_port: u16,
@@ -148,6 +149,13 @@ async fn cyrene_up(
             eprintln!("up: {line}");
         }
     });
+    let operator = async_nats::ConnectOptions::new()
+        .user_and_password("cyrene-operator".into(), "pw-operator".into())
+        .custom_inbox_prefix("_INBOX_cyrene-operator")
+        .connect(server.url())
+        .await
+        .unwrap();
+    common::wait_for_the_four_services(&operator).await;
     (up, url)
 }
 
@@ -161,13 +169,6 @@ async fn the_web_chat_in_a_real_browser() {
     std::fs::create_dir_all(&shots).unwrap();
 
     let (mut up, url) = cyrene_up(&server, ws_port, data.path()).await;
-    let operator = async_nats::ConnectOptions::new()
-        .user_and_password("cyrene-operator".into(), "pw-operator".into())
-        .custom_inbox_prefix("_INBOX_cyrene-operator")
-        .connect(server.url())
-        .await
-        .unwrap();
-    common::wait_for_the_four_services(&operator).await;
     demo_tool_offered(server.port()).await;
 
     let mut node = Command::new("node")
@@ -366,13 +367,6 @@ async fn cyrene_up_answers_again_after_nats_restarts() {
     let mut server = server(ws_port);
     let data = tempfile::tempdir().unwrap();
     let (up, _url) = cyrene_up(&server, ws_port, data.path()).await;
-    let operator = async_nats::ConnectOptions::new()
-        .user_and_password("cyrene-operator".into(), "pw-operator".into())
-        .custom_inbox_prefix("_INBOX_cyrene-operator")
-        .connect(server.url())
-        .await
-        .unwrap();
-    common::wait_for_the_four_services(&operator).await;
     alice_is_answered(server.port(), "alice.restarts", "before any restart").await;
     let rounds: usize = std::env::var("CYRENE_RESTART_ROUNDS")
         .ok()
