@@ -718,7 +718,7 @@ model = "claude-sonnet-4-5"
         let msg = config.validate(&|_| true).unwrap_err().to_string();
         assert!(msg.contains("active_group \"nope\""), "{msg}");
         assert!(msg.contains("exactly one of contains/equals"), "{msg}");
-        assert!(msg.contains("a reply or tool_calls"), "{msg}");
+        assert!(msg.contains("a reply, tool_calls or fail"), "{msg}");
     }
 
     #[test]
