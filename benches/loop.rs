@@ -125,6 +125,7 @@ impl Real {
             env: None,
             parallel: false,
             when_busy: None,
+            context_only: false,
         };
         let wait = Duration::from_secs(30);
         request_json(&self.client, subjects::SESSION_SEND, &request, wait)

@@ -246,3 +246,106 @@ fn every_cited_semantics_anchor_exists() {
     }
     assert!(cited > 30, "only {cited} citations found");
 }
+
+/// The metric names a PromQL text uses: each `cyrene_…` word, a histogram's `_bucket`, `_count`
+/// and `_sum` read as the histogram.
+fn queried_series(promql: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = promql;
+    while let Some(at) = rest.find("cyrene_") {
+        let word: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        rest = &rest[at + word.len()..];
+        let name = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| word.strip_suffix(suffix))
+            .unwrap_or(&word);
+        names.push(name.to_owned());
+    }
+    names
+}
+
+/// Issue 37: deploy/grafana/cyrene.json and deploy/prometheus/cyrene-rules.yml query only series
+/// the binaries export (`cyrene_bus::health::SERIES`, which every binary describes and
+/// tests/health.rs finds in `/metrics`) and docs/operations.md documents; the rules pass
+/// `promtool check rules` (Prometheus' own checker, from Debian: scripts/promtool.sh).
+#[test]
+fn the_dashboard_and_the_alert_rules_query_only_exported_series() {
+    let exported: Vec<&str> = cyrene_bus::health::SERIES
+        .iter()
+        .map(|(name, _, _)| *name)
+        .collect();
+    let operations = include_str!("../docs/operations.md");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../deploy/grafana/cyrene.json")).unwrap();
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            exprs.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    let rules = include_str!("../deploy/prometheus/cyrene-rules.yml");
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let queried: Vec<String> = exprs
+        .iter()
+        .map(String::as_str)
+        .chain([rules])
+        .flat_map(queried_series)
+        .collect();
+    for wanted in [
+        "cyrene_answer_seconds",
+        "cyrene_turn_redeliveries_total",
+        "cyrene_provider_cooldowns_total",
+        "cyrene_turns_pending",
+        "cyrene_checkpoint_save_duration_seconds",
+    ] {
+        assert!(
+            queried.iter().any(|q| q == wanted),
+            "nothing shows {wanted}"
+        );
+    }
+    for name in &queried {
+        assert!(
+            exported.contains(&name.as_str()),
+            "{name} is queried but no binary exports it"
+        );
+        assert!(
+            operations.contains(&format!("`{name}`")),
+            "{name} is not documented in docs/operations.md"
+        );
+    }
+
+    let promtool = std::env::var("CYRENE_PROMTOOL").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/.tools/prometheus/promtool").to_owned()
+    });
+    assert!(
+        std::path::Path::new(&promtool).exists(),
+        "no promtool at {promtool}: run `make test` (scripts/promtool.sh installs it)"
+    );
+    let out = std::process::Command::new(&promtool)
+        .args(["check", "rules"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/prometheus/cyrene-rules.yml"
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check rules failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn the_series_scan_reads_histograms_as_their_name() {
+    assert_eq!(
+        queried_series(
+            "histogram_quantile(0.9, rate(cyrene_answer_seconds_bucket[5m])) / cyrene_x_total"
+        ),
+        ["cyrene_answer_seconds", "cyrene_x_total"]
+    );
+}

@@ -137,6 +137,7 @@ impl World {
             env: None,
             parallel: false,
             when_busy: None,
+            context_only: false,
         };
         request_json(&self.bus.client, subjects::SESSION_SEND, &request, WAIT)
             .await

@@ -146,6 +146,7 @@ impl World {
             env: None,
             parallel: false,
             when_busy: None,
+            context_only: false,
         };
         common::send_until_acked(&self.bus.client, &request, Duration::from_secs(60))
             .await

@@ -641,6 +641,7 @@ fn every_setting_of_every_service_is_a_flag() {
         group_answers,
         sync_timeout,
         max_image_bytes,
+        max_file_bytes,
         request_timeout,
     } = cyrene_matrix_bridge::Args::try_parse_from([
         "cyrene-matrix-bridge",
@@ -654,6 +655,7 @@ fn every_setting_of_every_service_is_a_flag() {
         "--group-answers=all",
         "--sync-timeout=4s",
         "--max-image-bytes=1000",
+        "--max-file-bytes=2000",
         "--request-timeout=5s",
     ])
     .unwrap()
@@ -680,11 +682,12 @@ fn every_setting_of_every_service_is_a_flag() {
     assert!(access_token.is_none(), "the other of the two");
     assert_eq!(data_dir, std::path::PathBuf::from("/m"));
     assert_eq!(
-        (join, group_answers, max_image_bytes),
+        (join, group_answers, max_image_bytes, max_file_bytes),
         (
             cyrene_matrix_bridge::JoinPolicy::Any,
             cyrene_matrix_bridge::GroupAnswers::All,
-            1000
+            1000,
+            2000
         )
     );
     assert_eq!([sync_timeout, request_timeout], [s(4), s(5)]);

@@ -187,6 +187,7 @@ async fn send(client: &async_nats::Client, session: &str, text: &str) {
         env: None,
         parallel: false,
         when_busy: None,
+        context_only: false,
     };
     let _: SendAck = request_json(
         client,
@@ -248,6 +249,19 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
         reply.headers.is_some(),
         "an error reply carries the error headers"
     );
+    // A message that decodes but is refused (the agent lane is the ask path's only): a
+    // `rejected` disposition.
+    let refused = client
+        .request(
+            subjects::SESSION_SEND,
+            serde_json::to_vec(&serde_json::json!({"session_id": "health-s2",
+                "message": {"role": "user", "content": "hi", "sender_kind": "agent"}}))
+            .unwrap()
+            .into(),
+        )
+        .await
+        .unwrap();
+    assert!(refused.headers.is_some(), "refused: {refused:?}");
     let stats = micro::answer(&client, "STATS", "cyrene-orchestrator").await;
     let errors: u64 = stats["endpoints"]
         .as_array()
@@ -279,6 +293,11 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
             &[
                 "cyrene_requests_total",
                 "cyrene_request_duration_seconds_count",
+                "cyrene_messages_total",
+                "cyrene_answer_seconds_bucket",
+                "cyrene_dispatch_lag_seconds_bucket",
+                "cyrene_sessions_active",
+                "cyrene_messages_waiting",
             ],
         ),
         (
@@ -315,6 +334,21 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
                 body.lines().any(|l| l.starts_with("cyrene_requests_total")
                     && l.contains("code=\"bad_request\"")),
                 "the bad request is not counted:\n{body}"
+            );
+            // The tool turn's message started a turn; the bad one was rejected; the answer's
+            // latency is counted under the persona that gave it.
+            for line in [
+                "cyrene_messages_total{disposition=\"turn_started\"}",
+                "cyrene_messages_total{disposition=\"rejected\"}",
+            ] {
+                assert!(body.contains(line), "{line} is missing:\n{body}");
+            }
+            assert!(
+                body.lines()
+                    .any(|l| l.starts_with("cyrene_answer_seconds_count")
+                        && l.contains("outcome=\"final\"")
+                        && l.contains("persona=\"")),
+                "no answer latency by persona:\n{body}"
             );
         }
     }

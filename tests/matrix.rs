@@ -7,92 +7,16 @@
 mod common;
 mod synapse;
 
-use cyrene_bus::service::ServeOptions;
-use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::message::{Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse};
 use cyrene_protocol::subjects;
-use cyrene_test_support::NatsServer;
-use serde_json::json;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use synapse::world::{World, world};
 use synapse::{DOT_PNG, Synapse, free_port};
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
-
-/// The services of one test, in this process, on a nats-server of their own.
-struct World {
-    server: NatsServer,
-    client: async_nats::Client,
-    model: RequestLog,
-    tools: Arc<common::TestTools>,
-    _data: tempfile::TempDir,
-    shutdown: CancellationToken,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
-async fn world() -> World {
-    let server = NatsServer::start();
-    let client = server.connect().await;
-    let shutdown = CancellationToken::new();
-    let data = tempfile::tempdir().unwrap();
-    let rules = json!([{"contains": "slow", "tool_calls": [{"name": "hold"}],
-                        "after_tools": "done after the wait"}]);
-    // The scripted model takes images itself (vision), so the view keeps them.
-    let models: ModelsConfig = serde_json::from_value(json!({
-        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {"vision": true}},
-            "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-        "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-        "active_group": "default"
-    }))
-    .unwrap();
-    let secrets = Secrets::from_pairs(Vec::<(String, String)>::new());
-    let http = cyrene_model_gateway::http_client().unwrap();
-    let gateway = Gateway::new(models, &secrets, http).unwrap();
-    let model = gateway.request_log("offline").unwrap();
-    tokio::spawn(cyrene_model_gateway::serve(
-        Arc::new(gateway),
-        server.connect().await,
-        ServeOptions::default(),
-        shutdown.clone(),
-    ));
-    tokio::spawn(cyrene_checkpoint_store::run(
-        cyrene_checkpoint_store::Config::new(data.path()),
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
-    orchestrator.owner = Some("alice".into());
-    tokio::spawn(cyrene_orchestrator::run(
-        orchestrator,
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    tokio::spawn(cyrene_loop_worker::run(
-        common::worker_config(),
-        server.connect().await,
-        shutdown.clone(),
-    ));
-    let tools = common::TestTools::start(&server.connect().await, shutdown.clone()).await;
-    common::wait_for_the_four_services(&client).await;
-    common::wait_for_service(&client, "test-tools").await;
-    World {
-        server,
-        client,
-        model,
-        tools,
-        _data: data,
-        shutdown,
-    }
-}
 
 /// The bridge binary for `synapse`'s bot `@cyrene:localhost`, owner `@alice:localhost`, its
 /// state in `data`; returns once it is ready (first sync done).
@@ -163,6 +87,15 @@ fn system_texts(model: &RequestLog) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The model's view of one request: each message's role and text, in order.
+fn view(request: &cyrene_protocol::model::ModelRequest) -> Vec<(Role, String)> {
+    request
+        .messages
+        .iter()
+        .map(|m| (m.role, m.text_content()))
+        .collect()
+}
+
 /// Issue 33: the owner's DM is answered unlabelled, an image reaches the model as an image
 /// part, strangers in a group room are answered when they mention her and are shown to the
 /// model under their display name — or their user id without one — and told apart.
@@ -206,6 +139,21 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         })
     });
     assert!(image, "the model was shown the image: {said:?}");
+    // A file posted in the room reaches the model as a document: its text is in the view.
+    let notes = "Meeting notes: the password for the garden shed is periwinkle-42.\n";
+    alice
+        .post_media(&dm, "m.file", notes.as_bytes(), "text/plain", "notes.txt")
+        .await;
+    let said = alice
+        .wait_for(&dm, &bot.id, 3, "the file is answered")
+        .await;
+    let read = world.model.snapshot().iter().any(|request| {
+        request
+            .messages
+            .iter()
+            .any(|m| m.role == Role::User && m.text_content().contains("periwinkle-42"))
+    });
+    assert!(read, "the model was shown the file's text: {said:?}");
 
     // A group room: she answers who mentions her, and tells the strangers apart.
     let group = alice
@@ -225,6 +173,19 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         "unaddressed lines are not answered"
     );
     let ming_note = third_party_note("阿明");
+    // What was said without addressing her is in the conversation all the same, attributed.
+    let wang_note = third_party_note("@wang:localhost");
+    let heard = [
+        (Role::System, wang_note.clone()),
+        (Role::User, "lunch anyone?".to_owned()),
+        (Role::System, ming_note.clone()),
+        (Role::User, "hello from ming".to_owned()),
+    ];
+    let views: Vec<_> = world.model.snapshot().iter().map(view).collect();
+    assert!(
+        views.iter().any(|v| v.windows(4).any(|w| w == heard)),
+        "the unaddressed line is in her view before the mention: {views:#?}"
+    );
     assert!(
         system_texts(&world.model)
             .iter()
@@ -238,7 +199,6 @@ async fn a_person_talks_to_her_from_matrix_alone_or_in_a_group() {
         .wait_for(&group, &bot.id, 2, "her name is a mention")
         .await;
     assert_eq!(said, ["echo: hello from ming", "echo: cyrene, and me?"]);
-    let wang_note = third_party_note("@wang:localhost");
     let last = system_texts(&world.model).pop().unwrap();
     assert!(
         last.contains(&ming_note) && last.contains(&wang_note),

@@ -88,6 +88,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
                 env: None,
                 parallel: false,
                 when_busy: None,
+                context_only: false,
             };
             let _: SendAck = request_json(&client, subjects::SESSION_SEND, &request, WAIT)
                 .await

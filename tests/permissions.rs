@@ -123,6 +123,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, S, N, N, N, N, N, N, N],
         ),
         (
+            "cyrene.bridge.document.upload",
+            "a chat bridge uploads a file posted in a room",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
             "cyrene.session.alice.s1.events",
             "a person's session's live events",
             [N, N, PS, P, N, N, N, N, S, N],
@@ -481,6 +486,7 @@ const BRIDGE_COLUMN: &[(&str, &str)] = &[
     ("cyrene.session.alice.s1.events", "sub"),
     ("cyrene.bridge.session.send", "pub"),
     ("cyrene.bridge.session.history", "pub"),
+    ("cyrene.bridge.document.upload", "pub"),
     ("_INBOX_cyrene-matrix-bridge.a1", "sub"),
 ];
 
@@ -663,6 +669,7 @@ fn send_request(session: &str, message: Message, client_id: &str, key: &str) -> 
         env: None,
         parallel: false,
         when_busy: None,
+        context_only: false,
     }
 }
 

@@ -141,6 +141,7 @@ impl Session {
             env: None,
             parallel: false,
             when_busy: None,
+            context_only: false,
         };
         if echo {
             println!("you: {text}");
@@ -153,6 +154,8 @@ impl Session {
                     println!("  (a turn is running: this message will be steered into it)");
                 }
                 Disposition::ParallelLeg => println!("  (answered in a parallel leg)"),
+                // Only the bridge sends context-only messages; the CLI never does.
+                Disposition::ContextOnly => {}
                 Disposition::TurnStarted => {
                     p.running.insert(ack.turn_id.clone());
                 }

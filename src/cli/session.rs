@@ -73,6 +73,7 @@ pub fn send_request(args: &SendArgs) -> SendRequest {
         env,
         parallel: args.parallel,
         when_busy: args.when_busy,
+        context_only: false,
     }
 }
 

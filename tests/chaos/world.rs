@@ -513,6 +513,7 @@ pub fn send_request(
         env: None,
         parallel,
         when_busy: None,
+        context_only: false,
     }
 }
 

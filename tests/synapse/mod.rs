@@ -4,6 +4,8 @@
 //! driven with ruma's client-server API through the bridge's own homeserver client.
 #![allow(dead_code)]
 
+pub mod world;
+
 use cyrene_matrix_bridge::matrix::Homeserver;
 use cyrene_matrix_bridge::ruma;
 use ruma::api::client::media::create_content;
@@ -346,14 +348,28 @@ impl Person {
 
     /// Uploads `png` and posts it as an image.
     pub async fn post_image(&self, room: &OwnedRoomId, png: &[u8]) -> String {
-        let mut upload = create_content::v3::Request::new(png.to_vec());
-        upload.content_type = Some("image/png".into());
-        upload.filename = Some("dot.png".into());
+        self.post_media(room, "m.image", png, "image/png", "dot.png")
+            .await
+    }
+
+    /// Uploads `bytes` (type `mime`, file name `name`) to the media repository and posts it
+    /// as an `msgtype` message (`m.image`, `m.file`); returns the event id.
+    pub async fn post_media(
+        &self,
+        room: &OwnedRoomId,
+        msgtype: &str,
+        bytes: &[u8],
+        mime: &str,
+        name: &str,
+    ) -> String {
+        let mut upload = create_content::v3::Request::new(bytes.to_vec());
+        upload.content_type = Some(mime.into());
+        upload.filename = Some(name.into());
         let uri = self.hs.call(upload).await.unwrap().content_uri;
         self.send(
             room,
-            json!({"msgtype": "m.image", "body": "dot.png", "url": uri.to_string(),
-                "info": {"mimetype": "image/png", "size": png.len()}}),
+            json!({"msgtype": msgtype, "body": name, "filename": name, "url": uri.to_string(),
+                "info": {"mimetype": mime, "size": bytes.len()}}),
         )
         .await
     }

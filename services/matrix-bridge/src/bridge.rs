@@ -7,6 +7,9 @@
 //!   the batch's `next_batch` token is saved only after the orchestrator acknowledged each of
 //!   them (or refused it for good). A crash anywhere re-reads the batch; a resend returns the
 //!   first ack.
+//! - A group message that does not address her is sent `context_only`: it enters the session's
+//!   transcript (the next turn's view shows it, attributed) without starting a turn or being
+//!   steered; it is never answered, and a refusal of it is not told to the room.
 //! - Outbound is at least once, posted once: answers are read from the transcript
 //!   (`cyrene.bridge.session.history`), never from the event that announced them, and posted
 //!   with the transcript entry's id as the Matrix transaction id; the homeserver drops a second
@@ -26,6 +29,7 @@ use crate::rooms::{self, MessageEvent, RoomKind};
 use crate::state::State;
 use base64::Engine as _;
 use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::document::{MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
@@ -70,6 +74,7 @@ pub mod notices {
     pub const TURN_FAILED: &str =
         "Sorry — I couldn't finish my answer. Please try again in a moment.";
     pub const FILE: &str = "(sent a file I cannot open here)";
+    pub const FILE_TOO_LARGE: &str = "(sent a file too large for me to read)";
     pub const IMAGE_TOO_LARGE: &str = "(sent an image too large for me to look at)";
     pub const UNSUPPORTED: &str = "(sent something I cannot read here)";
 }
@@ -274,13 +279,11 @@ impl Bridge {
             || self.config.group_answers == GroupAnswers::All
             || event.content.mentions(self.bot.as_str(), &self.bot_name)
             || self.replies_to_me(room_id, &event.content).await;
-        if !addressed {
-            metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "not_addressed")
-                .increment(1);
-            return Ok(());
-        }
+        // Not addressed to her: still said in her hearing, so it enters the conversation as
+        // context only (no turn; docs/matrix-bridge.md, "Group rooms").
+        let context_only = !addressed;
         let session_id = rooms::session_id(&self.config.owner_person, room_id.as_str(), kind);
-        let mut message = self.message_of(event).await?;
+        let mut message = self.message_of(&session_id, event).await?;
         if event.sender != self.owner {
             let display = members.get(&event.sender).cloned().flatten();
             message.sender_name = rooms::sender_name(display.as_deref(), &event.sender);
@@ -296,6 +299,7 @@ impl Bridge {
             }),
             parallel: false,
             when_busy: None,
+            context_only,
         };
         // Known before the send: the turn it starts may end before the ack arrives.
         self.remember(&session_id, room_id.as_str()).await;
@@ -307,6 +311,13 @@ impl Bridge {
         )
         .await;
         match sent {
+            Ok(ack) if context_only => {
+                tracing::debug!(session = %session_id, message_id = %ack.message_id,
+                    "passed on as context");
+                metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "context")
+                    .increment(1);
+                Ok(())
+            }
             Ok(ack) => {
                 tracing::debug!(session = %session_id, message_id = %ack.message_id, "passed on");
                 metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "sent")
@@ -319,6 +330,10 @@ impl Bridge {
                     "the orchestrator refused a message");
                 metrics::counter!("cyrene_matrix_bridge_messages_total", "outcome" => "refused")
                     .increment(1);
+                if context_only {
+                    // Nobody asked her anything: no notice in the room (logged and counted).
+                    return Ok(());
+                }
                 let notice = if body.code == ErrorCode::TooLarge {
                     notices::TOO_LARGE
                 } else {
@@ -334,8 +349,9 @@ impl Bridge {
         }
     }
 
-    /// The user message of a room message: its text, an image part, or a note of what it was.
-    async fn message_of(&self, event: &MessageEvent) -> Result<Message, Retry> {
+    /// The user message of a room message: its text, an image part, a document part (a file,
+    /// uploaded into `session_id`), or a note of what it was.
+    async fn message_of(&self, session_id: &str, event: &MessageEvent) -> Result<Message, Retry> {
         let content = &event.content;
         let text = |t: &str| Message::text(Role::User, t);
         Ok(match content.msgtype.as_str() {
@@ -347,19 +363,27 @@ impl Bridge {
                 }
                 None => text(notices::IMAGE_TOO_LARGE),
             },
-            "m.file" => text(notices::FILE),
+            "m.file" => match self.document(session_id, content).await? {
+                Ok(part) => Message::with_parts(Role::User, vec![part]),
+                Err(note) => text(note),
+            },
             _ => text(notices::UNSUPPORTED),
         })
     }
 
-    /// An image as a `data:` URI, or `None` when it is too large or not an image.
-    async fn image(&self, content: &rooms::MessageContent) -> Result<Option<String>, Retry> {
-        let max = self.config.max_image_bytes as u64;
+    /// The media of `content` (`mxc://…`, authenticated media), its bytes and type, when it is
+    /// at most `max` bytes (declared and actual: the download is cut off past it). `None` when
+    /// it is too large, missing or refused; a transient failure retries the batch.
+    async fn download(
+        &self,
+        content: &rooms::MessageContent,
+        max: usize,
+    ) -> Result<Option<(Vec<u8>, String)>, Retry> {
         if content
             .info
             .as_ref()
             .and_then(|i| i.size)
-            .is_some_and(|size| size > max)
+            .is_some_and(|size| size > max as u64)
         {
             return Ok(None);
         }
@@ -371,11 +395,11 @@ impl Bridge {
             return Ok(None);
         };
         let request = get_content::v1::Request::new(media_id.to_owned(), server.to_owned());
-        let file = match self.hs.call(request).await {
+        let file = match self.hs.call_limited(request, Some(max)).await {
             Ok(file) => file,
             Err(err) if err.is_transient() => return Err(Retry(err.to_string())),
             Err(err) => {
-                tracing::warn!(error = %err, "cannot download an image");
+                tracing::warn!(error = %err, "cannot download a file posted in a room");
                 return Ok(None);
             }
         };
@@ -384,11 +408,97 @@ impl Bridge {
             .clone()
             .or_else(|| content.info.as_ref().and_then(|i| i.mimetype.clone()))
             .unwrap_or_default();
-        if file.file.len() as u64 > max || !mime.starts_with("image/") {
+        if file.file.len() > max {
             return Ok(None);
         }
-        let data = base64::engine::general_purpose::STANDARD.encode(&file.file);
+        Ok(Some((file.file, mime)))
+    }
+
+    /// An image as a `data:` URI, or `None` when it is too large or not an image.
+    async fn image(&self, content: &rooms::MessageContent) -> Result<Option<String>, Retry> {
+        let Some((bytes, mime)) = self.download(content, self.config.max_image_bytes).await? else {
+            return Ok(None);
+        };
+        if !mime.starts_with("image/") {
+            return Ok(None);
+        }
+        let data = base64::engine::general_purpose::STANDARD.encode(&bytes);
         Ok(Some(format!("data:{mime};base64,{data}")))
+    }
+
+    /// A file posted in a room, uploaded as a document of `session_id`
+    /// (`cyrene.bridge.document.upload`): its `document` part, or the note of why not.
+    ///
+    /// At least once: a crash between the upload and the send uploads it again when the batch
+    /// is read again (the first copy is then referenced by nothing).
+    async fn document(
+        &self,
+        session_id: &str,
+        content: &rooms::MessageContent,
+    ) -> Result<Result<Part, &'static str>, Retry> {
+        let Some((bytes, mime)) = self.download(content, self.config.max_file_bytes).await? else {
+            return Ok(Err(notices::FILE_TOO_LARGE));
+        };
+        if bytes.is_empty() {
+            return Ok(Err(notices::FILE));
+        }
+        let name = content
+            .filename
+            .clone()
+            .filter(|n| !n.trim().is_empty())
+            .unwrap_or_else(|| content.body.clone());
+        let mut chunks = bytes.chunks(MAX_CHUNK_BYTES).peekable();
+        let mut upload_id = String::new();
+        let mut seq = 0;
+        while let Some(chunk) = chunks.next() {
+            let last = chunks.peek().is_none();
+            let request = UploadRequest {
+                session_id: session_id.to_owned(),
+                name: if seq == 0 {
+                    name.clone()
+                } else {
+                    String::new()
+                },
+                mime: if seq == 0 {
+                    mime.clone()
+                } else {
+                    String::new()
+                },
+                upload_id: upload_id.clone(),
+                seq,
+                data: base64::engine::general_purpose::STANDARD.encode(chunk),
+                last,
+            };
+            let sent: Result<UploadAck, RequestError> = request_json(
+                &self.nats,
+                subjects::BRIDGE_DOCUMENT_UPLOAD,
+                &request,
+                self.config.request_timeout,
+            )
+            .await;
+            let ack = match sent {
+                Ok(ack) => ack,
+                Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
+                    tracing::warn!(session = %session_id, code = %body.code, error = %body.message,
+                        "the orchestrator refused a file");
+                    return Ok(Err(if body.code == ErrorCode::TooLarge {
+                        notices::FILE_TOO_LARGE
+                    } else {
+                        notices::FILE
+                    }));
+                }
+                Err(err) => return Err(Retry(format!("upload to {session_id}: {err}"))),
+            };
+            if last {
+                return Ok(match ack.document {
+                    Some(document) => Ok(document.part),
+                    None => Err(notices::FILE),
+                });
+            }
+            upload_id = ack.upload_id;
+            seq += 1;
+        }
+        Ok(Err(notices::FILE))
     }
 
     /// Whether `content` replies to one of the bot's messages.

@@ -12,6 +12,9 @@ pub const DEFAULT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default largest image passed on to the model (raw bytes; it travels as a `data:` URI, a third
 /// larger, inside a message the orchestrator takes up to 256 KiB of).
 pub const DEFAULT_MAX_IMAGE_BYTES: usize = 180 * 1024;
+/// Default largest file downloaded from a room and uploaded as a document (the orchestrator's
+/// default largest document).
+pub const DEFAULT_MAX_FILE_BYTES: usize = 8 * 1024 * 1024;
 
 /// A password or token: never printed (`Debug` shows `***`); the bus's own type.
 pub use cyrene_bus::connect::Secret;
@@ -62,6 +65,9 @@ pub struct Config {
     pub sync_timeout: Duration,
     /// Largest image (raw bytes) passed on as an image part; larger ones become a text note.
     pub max_image_bytes: usize,
+    /// Largest file (bytes) downloaded from a room and uploaded as a document; a larger one
+    /// becomes a text note, and a download is cut off past it.
+    pub max_file_bytes: usize,
     /// How long one request to the orchestrator may take.
     pub request_timeout: Duration,
 }
@@ -87,6 +93,7 @@ impl Config {
             group_answers: GroupAnswers::Mentions,
             sync_timeout: DEFAULT_SYNC_TIMEOUT,
             max_image_bytes: DEFAULT_MAX_IMAGE_BYTES,
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             request_timeout: Duration::from_secs(10),
         }
     }
@@ -141,6 +148,9 @@ impl Config {
         }
         if self.sync_timeout.is_zero() || self.sync_timeout > Duration::from_secs(300) {
             problems.push("sync_timeout must be longer than zero and at most 5 minutes".into());
+        }
+        if self.max_file_bytes == 0 {
+            problems.push("max_file_bytes must be at least 1".into());
         }
         if self.request_timeout.is_zero() {
             problems.push("request_timeout must be longer than zero".into());
@@ -222,6 +232,9 @@ pub struct Args {
     /// Largest image passed on to the model, in bytes.
     #[arg(long, env = "CYRENE_MATRIX_BRIDGE_MAX_IMAGE_BYTES", default_value_t = DEFAULT_MAX_IMAGE_BYTES)]
     pub max_image_bytes: usize,
+    /// Largest file posted in a room that is passed on as a document, in bytes.
+    #[arg(long, env = "CYRENE_MATRIX_BRIDGE_MAX_FILE_BYTES", default_value_t = DEFAULT_MAX_FILE_BYTES)]
+    pub max_file_bytes: usize,
     /// How long one request to the orchestrator may take (e.g. 10s).
     #[arg(long, env = "CYRENE_MATRIX_BRIDGE_REQUEST_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub request_timeout: Duration,
@@ -252,6 +265,7 @@ impl ServiceArgs for Args {
         config.group_answers = self.group_answers;
         config.sync_timeout = self.sync_timeout;
         config.max_image_bytes = self.max_image_bytes;
+        config.max_file_bytes = self.max_file_bytes;
         config.request_timeout = self.request_timeout;
         if !missing.is_empty() {
             // Every problem at once: the missing ones and whatever else is wrong.

@@ -8,6 +8,8 @@
 //!   then the same request is sent again — up to [`MAX_ATTEMPTS`] times.
 //! - A connection failure or a `5xx` is retried with exponential backoff and jitter, up to
 //!   [`MAX_ATTEMPTS`]; any other answer is returned as it is.
+//! - A caller's body limit ([`Homeserver::call_limited`], media downloads) is kept while
+//!   reading: a longer answer is never held in memory past it.
 //! - The access token is never logged: errors carry the endpoint's path, never its headers.
 
 use ruma::api::auth_scheme::{AuthScheme, SendAccessToken};
@@ -49,6 +51,9 @@ pub enum MatrixError {
     /// The answer did not decode.
     #[error("cannot decode the answer of {path}: {message}")]
     Decode { path: String, message: String },
+    /// The answer's body was longer than the caller's limit (it was not read further).
+    #[error("the answer of {path} is larger than {limit} bytes")]
+    TooLarge { path: String, limit: usize },
 }
 
 impl MatrixError {
@@ -65,7 +70,9 @@ impl MatrixError {
         match self {
             MatrixError::Transport { .. } => true,
             MatrixError::Status { status, .. } => *status == 429 || *status >= 500,
-            MatrixError::Build { .. } | MatrixError::Decode { .. } => false,
+            MatrixError::Build { .. }
+            | MatrixError::Decode { .. }
+            | MatrixError::TooLarge { .. } => false,
         }
     }
 }
@@ -137,6 +144,21 @@ impl Homeserver {
         for<'a> R::Authentication: AuthScheme<Input<'a> = SendAccessToken<'a>>,
         for<'a> R::PathBuilder: PathBuilder<Input<'a> = Cow<'a, SupportedVersions>>,
     {
+        self.call_limited(request, None).await
+    }
+
+    /// [`Homeserver::call`] reading at most `limit` bytes of the answer's body: a longer one is
+    /// [`MatrixError::TooLarge`], cut off there (media downloads).
+    pub async fn call_limited<R>(
+        &self,
+        request: R,
+        limit: Option<usize>,
+    ) -> Result<R::IncomingResponse, MatrixError>
+    where
+        R: OutgoingRequest,
+        for<'a> R::Authentication: AuthScheme<Input<'a> = SendAccessToken<'a>>,
+        for<'a> R::PathBuilder: PathBuilder<Input<'a> = Cow<'a, SupportedVersions>>,
+    {
         let token = match &self.token {
             Some(token) => SendAccessToken::IfRequired(token),
             None => SendAccessToken::None,
@@ -172,14 +194,20 @@ impl Homeserver {
             };
             let status = answer.status();
             let headers = answer.headers().clone();
-            let bytes = match answer.bytes().await {
+            let bytes = match read_body(answer, limit).await {
                 Ok(bytes) => bytes,
-                Err(source) if attempt < MAX_ATTEMPTS => {
+                Err(BodyError::TooLarge) => {
+                    let limit = limit.unwrap_or_default();
+                    return Err(MatrixError::TooLarge { path, limit });
+                }
+                Err(BodyError::Transport(source)) if attempt < MAX_ATTEMPTS => {
                     tracing::debug!(%path, error = %source, "answer cut off; retrying");
                     tokio::time::sleep(jittered(backoff)).await;
                     continue;
                 }
-                Err(source) => return Err(MatrixError::Transport { path, source }),
+                Err(BodyError::Transport(source)) => {
+                    return Err(MatrixError::Transport { path, source });
+                }
             };
             if status.as_u16() == 429 && attempt < MAX_ATTEMPTS {
                 let pause = rate_limit_pause(&headers, &bytes);
@@ -208,7 +236,7 @@ impl Homeserver {
                 response = response.header(name, value);
             }
             let response = response
-                .body(bytes.as_ref())
+                .body(bytes.as_slice())
                 .map_err(|e| MatrixError::Decode {
                     path: path.clone(),
                     message: e.to_string(),
@@ -222,6 +250,36 @@ impl Homeserver {
             });
         }
     }
+}
+
+/// Why a body could not be read.
+enum BodyError {
+    TooLarge,
+    Transport(reqwest::Error),
+}
+
+/// The body of `answer`, at most `limit` bytes (all of it without a limit).
+async fn read_body(
+    mut answer: reqwest::Response,
+    limit: Option<usize>,
+) -> Result<Vec<u8>, BodyError> {
+    let Some(limit) = limit else {
+        return Ok(answer.bytes().await.map_err(BodyError::Transport)?.to_vec());
+    };
+    if answer
+        .content_length()
+        .is_some_and(|length| length > limit as u64)
+    {
+        return Err(BodyError::TooLarge);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = answer.chunk().await.map_err(BodyError::Transport)? {
+        if body.len() + chunk.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 /// How long a `429` asks to wait: `retry_after_ms` of the body, else `Retry-After` (seconds),
@@ -284,6 +342,38 @@ mod tests {
         assert_eq!(rate_limit_pause(&none, huge), MAX_RATE_LIMIT_PAUSE);
         let tiny = br#"{"retry_after_ms":1}"#;
         assert_eq!(rate_limit_pause(&none, tiny), MIN_RATE_LIMIT_PAUSE);
+    }
+
+    /// A media download is bounded by its caller's limit, whatever the sender declared: past
+    /// it the answer is `TooLarge` (docs/security.md, "Limits").
+    #[tokio::test]
+    async fn a_download_is_cut_off_past_its_limit() {
+        use ruma::api::client::authenticated_media::get_content;
+        use wiremock::{Mock, MockServer, ResponseTemplate, matchers::path_regex};
+        let server = MockServer::start().await;
+        Mock::given(path_regex(
+            "^/_matrix/client/v1/media/download/localhost/abc",
+        ))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .insert_header("content-type", "text/plain")
+                .set_body_bytes(vec![b'x'; 10_000]),
+        )
+        .mount(&server)
+        .await;
+        let hs = Homeserver::new(http_client().unwrap(), server.uri()).with_token("t");
+        let request = || {
+            let server = ruma::OwnedServerName::try_from("localhost").unwrap();
+            get_content::v1::Request::new("abc".to_owned(), server)
+        };
+        let err = hs.call_limited(request(), Some(9_999)).await.unwrap_err();
+        assert!(
+            matches!(err, MatrixError::TooLarge { limit: 9_999, .. }),
+            "{err}"
+        );
+        assert!(!err.is_transient(), "not worth a retry");
+        let file = hs.call_limited(request(), Some(10_000)).await.unwrap();
+        assert_eq!(file.file.len(), 10_000);
     }
 
     #[test]

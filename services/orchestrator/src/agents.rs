@@ -163,6 +163,7 @@ impl Handler for PersonaAgent {
             solo: true,
             reply_to: Some(done_subject),
             ask_chain,
+            context_only: false,
         };
         crate::engine::check_user_message(&input.message, self.engine.config().max_message_bytes)?;
         let ack = self.engine.store_message(input).await?;

@@ -29,9 +29,9 @@ use cyrene_bus::trace;
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
-    BusyPolicy, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest, HistoryResponse,
-    SESSION_LIST_DEFAULT_LIMIT, SESSION_LIST_MAX_LIMIT, SendAck, SendRequest, SessionEnv,
-    SessionEvent, SessionEventType, SessionListRequest, SessionListResponse,
+    BusyPolicy, Disposition, HISTORY_DEFAULT_LIMIT, HISTORY_MAX_LIMIT, HistoryRequest,
+    HistoryResponse, SESSION_LIST_DEFAULT_LIMIT, SESSION_LIST_MAX_LIMIT, SendAck, SendRequest,
+    SessionEnv, SessionEvent, SessionEventType, SessionListRequest, SessionListResponse,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
@@ -219,6 +219,25 @@ impl Engine {
     /// `cyrene.session.send`, `cyrene.person.<id>.session.send` and
     /// `cyrene.bridge.session.send`: `caller` is who the request subject says asks.
     pub async fn send(&self, req: SendRequest, caller: Caller<'_>) -> Result<SendAck, ErrorBody> {
+        let sent = self.send_checked(req, caller).await;
+        let disposition = match &sent {
+            Ok(ack) => match ack.disposition {
+                Disposition::TurnStarted => "turn_started",
+                Disposition::Pending => "pending",
+                Disposition::ParallelLeg => "parallel_leg",
+                Disposition::ContextOnly => "context_only",
+            },
+            Err(_) => "rejected",
+        };
+        metrics::counter!("cyrene_messages_total", "disposition" => disposition).increment(1);
+        sent
+    }
+
+    async fn send_checked(
+        &self,
+        req: SendRequest,
+        caller: Caller<'_>,
+    ) -> Result<SendAck, ErrorBody> {
         check_id(IdKind::Session, "session_id", &req.session_id)?;
         if !req.client_id.is_empty() {
             check_id(IdKind::Client, "client_id", &req.client_id)?;
@@ -272,6 +291,7 @@ impl Engine {
             solo: false,
             reply_to: None,
             ask_chain: Vec::new(),
+            context_only: req.context_only,
         };
         self.store_message(input).await
     }
@@ -315,6 +335,8 @@ impl Engine {
     pub async fn steer(&self, req: SteerRequest) -> Result<SteerResponse, ErrorBody> {
         check_turn_ref(&req.session_id, &req.turn_id, &req.leg_id)?;
         let messages = bounded(self.config.db_timeout, self.store.steer(&req)).await?;
+        metrics::counter!("cyrene_messages_total", "disposition" => "steered")
+            .increment(messages.len() as u64);
         Ok(SteerResponse { messages })
     }
 
@@ -324,6 +346,20 @@ impl Engine {
         let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
         if !done.first {
             return Ok(TurnCompleteAck { first: false });
+        }
+        if let Some(waited) = done.waited_ms {
+            let persona = match done.persona.as_str() {
+                "" => self.config.personas.default.clone(),
+                id => id.to_owned(),
+            };
+            let outcome = match req.outcome {
+                TurnOutcome::Final => "final",
+                TurnOutcome::BudgetExhausted => "budget_exhausted",
+                TurnOutcome::Cancelled => "cancelled",
+                TurnOutcome::Error => "error",
+            };
+            metrics::histogram!("cyrene_answer_seconds", "persona" => persona, "outcome" => outcome)
+                .record(waited as f64 / 1000.0);
         }
         let mut ended = SessionEvent::new(SessionEventType::TurnEnded, &done.session_id);
         ended.turn_id = req.turn_id.clone();
@@ -492,6 +528,9 @@ impl Engine {
             Ok(Ok(ack)) => {
                 if ack.duplicate {
                     tracing::debug!(turn_id, "turn job was already in the stream");
+                } else if let Some(created) = cyrene_protocol::ids::id_unix_ms(turn_id) {
+                    let lag = cyrene_protocol::ids::unix_ms().saturating_sub(created);
+                    metrics::histogram!("cyrene_dispatch_lag_seconds").record(lag as f64 / 1000.0);
                 }
                 match bounded(self.config.db_timeout, self.store.mark_dispatched(turn_id)).await {
                     Ok(()) => true,
@@ -536,6 +575,18 @@ impl Engine {
             }
         }
         published
+    }
+
+    /// Sets `cyrene_sessions_active` and `cyrene_messages_waiting` from the database (every
+    /// replica reports the same figures: take their max, not their sum).
+    pub async fn sample_gauges(&self) {
+        match bounded(self.config.db_timeout, self.store.gauges()).await {
+            Ok((active, waiting)) => {
+                metrics::gauge!("cyrene_sessions_active").set(active as f64);
+                metrics::gauge!("cyrene_messages_waiting").set(waiting as f64);
+            }
+            Err(err) => tracing::debug!(error = %err.message, "gauges not sampled"),
+        }
     }
 
     /// The env an ask session of `persona` runs with.

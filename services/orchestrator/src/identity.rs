@@ -12,7 +12,8 @@
 //!   their id and creates their sessions restricted, so the model never takes them for the owner;
 //! - the bridge's subject (`cyrene.bridge.session.send`, published only by the `cyrene-bridge`
 //!   NATS user) reaches only the owner's sessions (`<owner>.<name>`) and is the one place a
-//!   message may carry a third party's `sender_name` or create a restricted session.
+//!   message may carry a third party's `sender_name`, create a restricted session, or be
+//!   `context_only` (in the conversation without starting a turn).
 //!
 //! # Invariants
 //! - A third-party label lives only in a restricted session: the store refuses a labelled
@@ -107,6 +108,13 @@ pub fn speaker(
                     subjects::BRIDGE_SESSION_SEND
                 )));
             }
+            if req.context_only {
+                return Err(forbidden(format!(
+                    "context_only: only a chat bridge passes on what was said without asking \
+                     for an answer, on {}",
+                    subjects::BRIDGE_SESSION_SEND
+                )));
+            }
         }
     }
     if let (Caller::Person(person), Some(owner)) = (caller, config.owner.as_deref())
@@ -156,6 +164,7 @@ mod tests {
             env,
             parallel: false,
             when_busy: None,
+            context_only: false,
         }
     }
 
@@ -192,7 +201,15 @@ mod tests {
             let err = speaker(caller, &config, &mut claimed).unwrap_err();
             assert_eq!(err.code, ErrorCode::Forbidden, "{caller:?}");
             assert!(err.message.contains("restricted"), "{}", err.message);
+            let mut context = send("s1", "", None);
+            context.context_only = true;
+            let err = speaker(caller, &config, &mut context).unwrap_err();
+            assert_eq!(err.code, ErrorCode::Forbidden, "{caller:?}");
+            assert!(err.message.contains("context_only"), "{}", err.message);
         }
+        let mut context = send("alice.g1", "阿明", restricted(""));
+        context.context_only = true;
+        speaker(Caller::Bridge, &config, &mut context).unwrap();
         let mut bridged = send("alice.g1", "阿明", restricted(""));
         speaker(Caller::Bridge, &config, &mut bridged).unwrap();
         assert_eq!(bridged.message.sender_name, "阿明");

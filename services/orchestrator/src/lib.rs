@@ -210,7 +210,11 @@ async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
     }
 }
 
-/// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`.
+/// How often the session gauges are read from the database (two counting statements).
+const GAUGES_EVERY: Duration = Duration::from_secs(10);
+
+/// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`; reads
+/// the session gauges every [`GAUGES_EVERY`].
 async fn sweeper(
     engine: Arc<Engine>,
     progress: Arc<progress::Progress>,
@@ -218,6 +222,7 @@ async fn sweeper(
 ) {
     let mut tick = tokio::time::interval(engine.config().sweep_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sampled: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -225,5 +230,9 @@ async fn sweeper(
         }
         engine.sweep().await;
         progress.prune(Duration::from_secs(3600));
+        if sampled.is_none_or(|at| at.elapsed() >= GAUGES_EVERY) {
+            engine.sample_gauges().await;
+            sampled = Some(tokio::time::Instant::now());
+        }
     }
 }

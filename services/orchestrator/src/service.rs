@@ -13,6 +13,7 @@
 //! | `person-upload` | `cyrene.person.*.document.upload` | `UploadRequest` | `UploadAck` |
 //! | `bridge-send`    | `cyrene.bridge.session.send`      | `SendRequest`    | `SendAck` |
 //! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
+//! | `bridge-upload`  | `cyrene.bridge.document.upload`   | `UploadRequest`  | `UploadAck` |
 //! | `turns-running`  | `cyrene.turns.running` | `RunningTurnsRequest` | `RunningTurnsResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
@@ -100,6 +101,10 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
         identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
         e.history(req).await
     });
+    let bridge_upload = with_state(engine, |e, req: UploadRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
+        e.documents().upload(req).await
+    });
     let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
     let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
     vec![
@@ -165,6 +170,11 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             "bridge-history",
             subjects::BRIDGE_SESSION_HISTORY,
             bridge_history,
+        ),
+        Endpoint::json(
+            "bridge-upload",
+            subjects::BRIDGE_DOCUMENT_UPLOAD,
+            bridge_upload,
         ),
         Endpoint::json(
             "turns-running",

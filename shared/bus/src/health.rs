@@ -224,6 +224,31 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "The worker consumer's num_redelivered (sampled).",
     ),
     (
+        "cyrene_messages_total",
+        Kind::Counter,
+        "Messages sent to sessions, by disposition (turn_started, pending, parallel_leg, context_only, rejected) and those steered into a running turn (steered).",
+    ),
+    (
+        "cyrene_answer_seconds",
+        Kind::Histogram,
+        "From the oldest message a turn answers being acknowledged to the turn's completion, by persona and outcome.",
+    ),
+    (
+        "cyrene_dispatch_lag_seconds",
+        Kind::Histogram,
+        "From a turn's creation to its job confirmed in the CYRENE_TURNS stream.",
+    ),
+    (
+        "cyrene_sessions_active",
+        Kind::Gauge,
+        "Sessions with a turn running (sampled every 10 s from the database).",
+    ),
+    (
+        "cyrene_messages_waiting",
+        Kind::Gauge,
+        "Messages stored but not yet taken by a turn (sampled every 10 s from the database).",
+    ),
+    (
         "cyrene_matrix_bridge_messages_total",
         Kind::Counter,
         "Matrix room messages, by outcome (sent, refused, not_addressed).",

@@ -90,6 +90,20 @@ pub fn new_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
 }
 
+/// When a [`new_id`] was made (Unix milliseconds, its first 48 bits); `None` for any other id.
+pub fn id_unix_ms(id: &str) -> Option<u64> {
+    let uuid = uuid::Uuid::try_parse(id).ok()?;
+    let (secs, nanos) = uuid.get_timestamp()?.to_unix();
+    Some(secs * 1000 + u64::from(nanos) / 1_000_000)
+}
+
+/// The Unix time now, in milliseconds.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +144,15 @@ mod tests {
         // only session ids have an owner part
         assert!(validate(IdKind::Leg, "alice.s1").is_err());
         assert!(validate(IdKind::Agent, "alice.s1").is_err());
+    }
+
+    #[test]
+    fn a_new_id_says_when_it_was_made_and_other_ids_say_nothing() {
+        let before = unix_ms();
+        let at = id_unix_ms(&new_id()).unwrap();
+        assert!(before <= at && at <= unix_ms(), "{before} {at}");
+        assert_eq!(id_unix_ms("s-1"), None);
+        assert_eq!(id_unix_ms("0123456789ab4def8123456789abcdef"), None);
     }
 
     #[test]

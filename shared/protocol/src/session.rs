@@ -37,6 +37,11 @@ pub struct SendRequest {
     /// is in flight. Absent = the configured policy of its client or session (default `steer`).
     /// `parallel: true` is the same as `"when_busy":"parallel"`; the two may not disagree.
     pub when_busy: Option<BusyPolicy>,
+    /// Context only (`cyrene.bridge.session.send` alone): the message enters the session's
+    /// transcript — the next turn's view shows it in order — but starts no turn and is never
+    /// steered into a running one (docs/orchestrator.md, "Context-only messages").
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub context_only: bool,
 }
 
 /// The double-texting policy: what a message sent while a turn of its session is in flight
@@ -68,6 +73,8 @@ pub enum Disposition {
     Pending,
     /// The parallel policy started another leg for it.
     ParallelLeg,
+    /// A context-only message (the bridge's): stored in the transcript, no turn.
+    ContextOnly,
 }
 
 /// `cyrene.session.send` reply.
@@ -240,6 +247,7 @@ mod tests {
             (Disposition::TurnStarted, "turn_started"),
             (Disposition::Pending, "pending"),
             (Disposition::ParallelLeg, "parallel_leg"),
+            (Disposition::ContextOnly, "context_only"),
         ] {
             let ack = SendAck {
                 message_id: "m".into(),

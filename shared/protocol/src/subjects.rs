@@ -41,6 +41,9 @@ pub const SESSION_HISTORY: &str = "cyrene.session.history";
 pub const BRIDGE_SESSION_SEND: &str = "cyrene.bridge.session.send";
 /// A chat bridge reads a transcript of one of the owner's sessions.
 pub const BRIDGE_SESSION_HISTORY: &str = "cyrene.bridge.session.history";
+/// A chat bridge uploads a file posted in a room as a document of one of the owner's sessions
+/// (the shape of `cyrene.document.upload`, docs/documents.md).
+pub const BRIDGE_DOCUMENT_UPLOAD: &str = "cyrene.bridge.document.upload";
 /// Turn jobs (JetStream work queue `CYRENE_TURNS`).
 pub const TURN_RUN: &str = "cyrene.turn.run";
 pub const TURN_STEER: &str = "cyrene.turn.steer";

@@ -78,6 +78,8 @@ impl Store {
                     reply_to: Vec::new(),
                     next: None,
                     pushed: None,
+                    persona: env.persona,
+                    waited_ms: None,
                 });
             }
         };
@@ -99,19 +101,24 @@ impl Store {
         // One read of what the turn claimed: the messages claimed at a boundary that the turn
         // never took in go back to pending; the others' `reply_to` are the asks answered.
         let claimed = sqlx::query(
-            "SELECT id, steered, reply_to FROM orch_messages WHERE claimed_by_turn = $1 \
-             ORDER BY seq",
+            "SELECT id, steered, reply_to, created_at FROM orch_messages \
+             WHERE claimed_by_turn = $1 ORDER BY seq",
         )
         .bind(&req.turn_id)
         .fetch_all(&mut *tx)
         .await?;
         let mut reply_to = Vec::new();
+        // The oldest message this turn answers (the answer itself is the newest row).
+        let mut oldest_ms = None;
         for row in &claimed {
             let id: String = row.try_get(0)?;
             let steered: i64 = row.try_get(1)?;
             if steered == 1 && !req.steered_ids.contains(&id) {
                 Self::release_unsteered(&mut tx, &req.turn_id, &id).await?;
-            } else if let Some(to) = row.try_get::<Option<String>, _>(2)? {
+                continue;
+            }
+            oldest_ms = oldest_ms.or(Some(row.try_get::<i64, _>(3)?));
+            if let Some(to) = row.try_get::<Option<String>, _>(2)? {
                 reply_to.push(to);
             }
         }
@@ -144,6 +151,8 @@ impl Store {
             reply_to,
             next,
             pushed,
+            persona: env.persona,
+            waited_ms: oldest_ms.map(|at| (now_ms() - at).max(0)),
         })
     }
 }

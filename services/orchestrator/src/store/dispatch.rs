@@ -133,6 +133,23 @@ impl Store {
         .fetch_all(&self.pool)
         .await?)
     }
+
+    /// Sessions with a turn running, and messages stored but not yet claimed by a turn (for the
+    /// `cyrene_sessions_active` and `cyrene_messages_waiting` gauges).
+    pub async fn gauges(&self) -> Result<(i64, i64), StoreError> {
+        let active: i64 = sqlx::query_scalar(
+            "SELECT COUNT(DISTINCT session_id) FROM orch_turns \
+             WHERE dispatched IN (0, 1) AND status = 'running'",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM orch_messages WHERE claimed_by_turn IS NULL AND context = 0",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((active, waiting))
+    }
 }
 
 #[cfg(test)]

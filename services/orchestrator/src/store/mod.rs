@@ -26,6 +26,10 @@
 //!   never take it, so it stays pending until the job of the next turn claims it (I2 holds: it
 //!   is claimed once, by that job). Under `reject` the decision is read under the session lock
 //!   *before* anything is written: a refused send rolls back and leaves no row, no seq.
+//! - **Context only.** A context-only message is stored `context = 1`, `queued = 1`, claimed by
+//!   no turn, ever: it is never pending (no batch takes it, no steer claims it, it starts no
+//!   turn), and the window of every later turn reads it beside the answered transcript, in seq
+//!   order (docs/orchestrator.md, "Context-only messages").
 //!
 //! # Pitfalls
 //! - SQLite must start write transactions with `BEGIN IMMEDIATE`: a deferred transaction that
@@ -125,6 +129,8 @@ pub struct NewMessage {
     /// An ask's chain including the asked persona (empty for a person's message): the job of
     /// the turn answering it carries it as `ask_chain`.
     pub ask_chain: Vec<String>,
+    /// Context only (the bridge's): stored in the transcript, no turn, never steered.
+    pub context_only: bool,
 }
 
 /// A turn that was created and must now be dispatched (and announced).
@@ -172,6 +178,10 @@ pub struct Completed {
     pub next: Option<NewTurn>,
     /// Pending messages claimed for the one leg still running, to push to it.
     pub pushed: Option<Pushed>,
+    /// The session's persona (empty: the default one).
+    pub persona: String,
+    /// From the oldest message the turn answered being stored (acknowledged) to the commit.
+    pub waited_ms: Option<i64>,
 }
 
 /// A turn that has not been confirmed as published (a row of `orch_turns`).
@@ -405,7 +415,7 @@ impl Store {
     ) -> Result<i64, StoreError> {
         let row = sqlx::query(
             "SELECT COUNT(*) FROM orch_messages \
-             WHERE session_id = $1 AND claimed_by_turn IS NULL",
+             WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0",
         )
         .bind(session_id)
         .fetch_one(&mut **tx)

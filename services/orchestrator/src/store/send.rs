@@ -10,6 +10,8 @@
 //!   restricted session; otherwise nothing is written and the caller gets `forbidden`.
 //! - A message claimed here for a running turn is pushed after the commit; a lost push is
 //!   handed back at that turn's completion (see `steer.rs`).
+//! - A context-only message is stored with its seq and ack and nothing else: whatever runs, it
+//!   starts no turn, is claimed by none and pushed to none (see `mod.rs`, "Context only").
 
 use super::{
     NewMessage, Pending, ProgressOf, Pushed, RunningTurn, Sent, Store, StoreError, encode, now_ms,
@@ -70,6 +72,37 @@ impl Store {
                     pushed: None,
                 });
             }
+        }
+
+        if input.context_only {
+            let ack = SendAck {
+                message_id: new_id(),
+                seq: to_u64(seq),
+                disposition: Disposition::ContextOnly,
+                turn_id: String::new(),
+            };
+            sqlx::query(
+                "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
+                 message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
+                 context) VALUES ($1, $2, $3, $4, $5, 'user', $6, NULL, 0, 0, NULL, $7, $8, 1, 1)",
+            )
+            .bind(&ack.message_id)
+            .bind(&input.session_id)
+            .bind(seq)
+            .bind(&input.client_id)
+            .bind(input.idempotency_key.clone())
+            .bind(&message_json)
+            .bind(encode(&ack)?)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            return Ok(Sent {
+                ack,
+                duplicate: false,
+                started: None,
+                pushed: None,
+            });
         }
 
         let running = Self::running_turns(&mut tx, &input.session_id).await?;

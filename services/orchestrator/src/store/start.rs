@@ -26,7 +26,8 @@ impl Store {
     ) -> Result<Vec<Pending>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, seq, message, solo, client_id, ask_chain FROM orch_messages \
-             WHERE session_id = $1 AND claimed_by_turn IS NULL ORDER BY seq LIMIT $2",
+             WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0 \
+             ORDER BY seq LIMIT $2",
         )
         .bind(session_id)
         .bind(super::MAX_BATCH)
@@ -86,12 +87,13 @@ impl Store {
         }
 
         // The window's candidates: the newest answered transcript (user messages of completed
-        // turns and the answers), newest first; the job takes what fits its budget.
+        // turns, the answers, and context-only messages), newest first; the job takes what fits
+        // its budget.
         let window = i64::try_from(self.settings.window).unwrap_or(i64::MAX);
         let rows = sqlx::query(
             "SELECT m.seq, m.message FROM orch_messages m \
-             JOIN orch_turns t ON t.turn_id = m.claimed_by_turn \
-             WHERE m.session_id = $1 AND t.status = 'completed' \
+             LEFT JOIN orch_turns t ON t.turn_id = m.claimed_by_turn \
+             WHERE m.session_id = $1 AND (t.status = 'completed' OR m.context = 1) \
              ORDER BY m.seq DESC LIMIT $2",
         )
         .bind(session_id)

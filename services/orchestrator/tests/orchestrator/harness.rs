@@ -329,6 +329,7 @@ pub fn send_req(session: &str, text: &str, key: &str, client_id: &str) -> SendRe
         env: None,
         parallel: false,
         when_busy: None,
+        context_only: false,
     }
 }
 

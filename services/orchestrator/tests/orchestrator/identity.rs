@@ -140,3 +140,100 @@ async fn without_an_owner_the_bridge_is_refused_and_nobody_is_labelled() {
     assert!(!job.env.restricted);
     assert_eq!(job.messages.last().unwrap().sender_name, "");
 }
+
+/// A context-only message from the bridge (docs/orchestrator.md, "Context-only messages"):
+/// stored with its sender, idempotent by its key, no turn and no steer; every later turn's view
+/// holds it in seq order. Only the bridge subject takes it.
+async fn context_only_scenario(backend: Backend) {
+    let (world, _replica, mut jobs) =
+        one_replica_with(backend, |c| c.owner = Some("alice".into())).await;
+    let c = &world.client;
+    let bridge = subjects::BRIDGE_SESSION_SEND;
+    let session = "alice.mxr-room1";
+    let said = |name: &str, text: &str, key: &str, context_only: bool| SendRequest {
+        message: user(text).sender(name),
+        env: restricted(),
+        context_only,
+        ..send_req(session, "", key, "matrix")
+    };
+
+    // Nobody but the bridge passes something on as context.
+    let alice = subjects::person("alice", subjects::PERSON_SESSION_SEND).unwrap();
+    for (subject, to) in [(subjects::SESSION_SEND, "c1"), (alice.as_str(), "alice.c1")] {
+        let mut req = send_req(to, "psst", "k1", "cli");
+        req.context_only = true;
+        assert_eq!(refused(c, subject, &req).await, ErrorCode::Forbidden);
+        assert!(history(c, to).await.is_empty(), "{to}");
+    }
+
+    let lunch = said("阿明", "lunch at noon?", "$c1", true);
+    let ack = send_on(c, bridge, &lunch).await.unwrap();
+    assert_eq!(ack.disposition, Disposition::ContextOnly);
+    assert!(ack.turn_id.is_empty());
+    assert_eq!(send_on(c, bridge, &lunch).await.unwrap(), ack, "idempotent");
+
+    // The next addressed message starts the next turn: had the context line started one, that
+    // turn's job would come first, holding it alone.
+    let ask = said("小红", "Cyrene, is noon fine?", "$a1", false);
+    let started = send_on(c, bridge, &ask).await.unwrap();
+    assert_eq!(started.disposition, Disposition::TurnStarted);
+    let (job, attempt) = jobs.next().await;
+    assert_eq!(job.turn_id, started.turn_id);
+    let view: Vec<(String, String)> = job
+        .messages
+        .iter()
+        .map(|m| (m.sender_name.clone(), m.text_content()))
+        .collect();
+    assert_eq!(
+        view,
+        [
+            ("阿明".to_owned(), "lunch at noon?".to_owned()),
+            ("小红".to_owned(), "Cyrene, is noon fine?".to_owned())
+        ]
+    );
+    assert_eq!(job.message_ids, std::slice::from_ref(&started.message_id));
+
+    // While the turn runs: context joins the transcript, is not steered, starts nothing.
+    let late = said("阿明", "or one o'clock", "$c2", true);
+    let late_ack = send_on(c, bridge, &late).await.unwrap();
+    assert_eq!(late_ack.disposition, Disposition::ContextOnly);
+    let steered = steer(c, &job, attempt, job.base_seq).await.unwrap();
+    assert!(steered.messages.is_empty(), "{:?}", steered.messages);
+    complete(c, &completion(&job, attempt, "Noon is fine."))
+        .await
+        .unwrap();
+
+    // Nothing runs now (the next message starts a turn), and its view has everything in order.
+    let again = said("小红", "Cyrene, and tomorrow?", "$a2", false);
+    let next = send_on(c, bridge, &again).await.unwrap();
+    assert_eq!(next.disposition, Disposition::TurnStarted);
+    let (job, _) = jobs.next().await;
+    assert_eq!(job.turn_id, next.turn_id);
+    let texts: Vec<String> = job.messages.iter().map(|m| m.text_content()).collect();
+    assert_eq!(
+        texts,
+        [
+            "lunch at noon?",
+            "Cyrene, is noon fine?",
+            "or one o'clock",
+            "Noon is fine.",
+            "Cyrene, and tomorrow?"
+        ]
+    );
+    assert_eq!(job.messages[2].sender_name, "阿明");
+    // The transcript lists the context lines with no turn.
+    let transcript = history(c, session).await;
+    let context: Vec<&str> = transcript
+        .iter()
+        .filter(|e| e.turn_id.is_empty())
+        .map(|e| e.id.as_str())
+        .collect();
+    assert_eq!(
+        context,
+        [ack.message_id.as_str(), late_ack.message_id.as_str()]
+    );
+}
+
+on_both_backends!(context_only_scenario:
+    a_context_only_message_joins_the_view_without_a_turn_sqlite,
+    a_context_only_message_joins_the_view_without_a_turn_postgres);

@@ -233,6 +233,7 @@ async fn sweeper_publishes_a_turn_whose_dispatch_was_lost() {
         solo: false,
         reply_to: None,
         ask_chain: Vec::new(),
+        context_only: false,
     };
     let sent = store.send(input, &|_: &str| (0, Vec::new())).await.unwrap();
     assert_eq!(sent.ack.disposition, Disposition::TurnStarted);
