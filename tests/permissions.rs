@@ -219,6 +219,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, S, N, N, N, N, P, N, N, N],
         ),
         (
+            "cyrene.turns.running",
+            "the turns in flight are listed",
+            [N, N, S, N, N, N, P, N, N, N],
+        ),
+        (
             "cyrene.model.complete",
             "a model call",
             [S, N, N, P, N, N, N, N, N, N],

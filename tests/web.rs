@@ -95,18 +95,17 @@ async fn demo_tool_offered(port: u16) {
     panic!("no turn was offered the demo tool search_notes");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_web_chat_in_a_real_browser() {
-    let chromium = chromium();
-    let ws_port = free_port();
-    let mut server = server(ws_port);
-    let data = tempfile::tempdir().unwrap();
-    let shots = repo().join("target/web-screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-
+/// `cyrene up` (every service, the offline demo, the page) on `server`, and the page's URL, once
+/// it has printed it and an operator sees the four services; its stderr goes on to this test's
+/// stderr.
+async fn cyrene_up(
+    server: &NatsServer,
+    ws_port: u16,
+    data: &Path,
+) -> (tokio::process::Child, String) {
     let mut up = Command::new(env!("CARGO_BIN_EXE_cyrene"))
         .args(["up", "--web-addr", "127.0.0.1:0", "--data-dir"])
-        .arg(data.path())
+        .arg(data)
         .env(
             "NATS_URL",
             format!("nats://cyrene-up:pw-up@127.0.0.1:{}", server.port()),
@@ -115,7 +114,10 @@ async fn the_web_chat_in_a_real_browser() {
             "CYRENE_WEB_NATS_WS_URL",
             format!("ws://127.0.0.1:{ws_port}"),
         )
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("CYRENE_UP_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -146,6 +148,19 @@ async fn the_web_chat_in_a_real_browser() {
         .await
         .unwrap();
     common::wait_for_the_four_services(&operator).await;
+    (up, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_web_chat_in_a_real_browser() {
+    let chromium = chromium();
+    let ws_port = free_port();
+    let mut server = server(ws_port);
+    let data = tempfile::tempdir().unwrap();
+    let shots = repo().join("target/web-screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+
+    let (mut up, url) = cyrene_up(&server, ws_port, data.path()).await;
     demo_tool_offered(server.port()).await;
 
     let mut node = Command::new("node")
@@ -279,4 +294,86 @@ async fn cyrene_web_serves_the_page_and_its_config_without_nats() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("must be one URL"), "{stderr}");
+}
+
+/// One person's turn after `cyrene up` has lived through nats-server restarts: a fresh
+/// connection as alice (as a fresh login in the page makes), her events subscribed, one message
+/// sent with a new idempotency key, and its answer awaited.
+async fn alice_is_answered(port: u16, session: &str, text: &str) {
+    let alice = async_nats::ConnectOptions::new()
+        .user_and_password("person-alice".into(), "pw-alice".into())
+        .custom_inbox_prefix("_INBOX_person-alice")
+        .connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let mut events = alice
+        .subscribe(format!("cyrene.session.{session}.events"))
+        .await
+        .unwrap();
+    alice.flush().await.unwrap();
+    let send = serde_json::json!({"session_id": session,
+        "idempotency_key": format!("k-{text}"),
+        "message": {"role": "user", "content": text}});
+    // Until the services have reconnected too, nobody answers: sent again with the same key,
+    // as the page's outbox does.
+    let ack = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match alice
+                .request(
+                    "cyrene.person.alice.session.send",
+                    serde_json::to_vec(&send).unwrap().into(),
+                )
+                .await
+            {
+                Ok(ack) => return ack,
+                Err(err) if err.kind() == async_nats::client::RequestErrorKind::NoResponders => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(err) => panic!("sending {text:?}: {err}"),
+            }
+        }
+    })
+    .await
+    .expect("the orchestrator answers a send within 30 s of the restart");
+    let ack: serde_json::Value = serde_json::from_slice(&ack.payload).unwrap();
+    assert!(ack.get("error").is_none(), "{ack}");
+    let answer = tokio::time::timeout(Duration::from_secs(45), async {
+        while let Some(m) = futures::StreamExt::next(&mut events).await {
+            let event: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+            if event["type"] == "turn_ended" {
+                return event["message"].to_string();
+            }
+        }
+        panic!("alice's events ended");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no answer to {text:?} within 45 s"));
+    assert!(answer.contains(&format!("You said: {text}")), "{answer}");
+}
+
+/// The stack under `cyrene up` answers a person after nats-server was killed and started again,
+/// several times over (issue 32's flake: a turn after the restart went unanswered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cyrene_up_answers_again_after_nats_restarts() {
+    let ws_port = free_port();
+    let mut server = server(ws_port);
+    let data = tempfile::tempdir().unwrap();
+    let (up, _url) = cyrene_up(&server, ws_port, data.path()).await;
+    alice_is_answered(server.port(), "alice.restarts", "before any restart").await;
+    let rounds: usize = std::env::var("CYRENE_RESTART_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3);
+    for round in 1..=rounds {
+        server.kill();
+        server.start_again();
+        alice_is_answered(
+            server.port(),
+            "alice.restarts",
+            &format!("after restart {round}"),
+        )
+        .await;
+        eprintln!("round {round}: answered");
+    }
+    common::terminate(&up);
 }

@@ -156,6 +156,8 @@ interface Outgoing {
   documents: Part[];
   node: HTMLElement;
   persona: string;
+  /** The double-texting policy picked for it ("" = the session's, which steers by default). */
+  whenBusy: string;
 }
 const outbox: Outgoing[] = [];
 let flushing = false;
@@ -345,8 +347,14 @@ async function route(): Promise<void> {
   await open(sessionId(decodeURIComponent(m[1])));
 }
 
+/** The message box, Send and Attach take input only once a session is open. */
+function enableComposer(): void {
+  for (const id of ["message", "send", "attach"]) ($(id) as HTMLInputElement).disabled = false;
+}
+
 async function open(id: string): Promise<void> {
   openSession = id;
+  enableComposer();
   shownMessages.clear();
   turnNodes.clear();
   stepCount.clear();
@@ -508,10 +516,12 @@ function onEvent(ev: SessionEvent): void {
   switch (ev.type) {
     case "turn_started": {
       const turn = turnNode(turnId);
+      // a message that started a parallel leg keeps saying so; one that started a turn, nothing
+      const status = ev.leg_id ? "its own parallel leg" : "";
       for (const id of ev.message_ids ?? []) {
         const node = shownMessages.get(id);
-        if (node) setStatus(node, "");
-        else fateOf.set(id, "");
+        if (node) setStatus(node, status);
+        else fateOf.set(id, status);
       }
       turn.dataset.running = "true";
       if (ev.leg_id) notice(turnId, `parallel leg ${ev.leg_id} started`);
@@ -576,12 +586,16 @@ function onEvent(ev: SessionEvent): void {
 
 // ---- sending ----
 
-function send(text: string): void {
+/** Queues `text` (and the session's uploaded documents) for the open session; false when
+ *  nothing was taken, so the caller keeps what was typed. The composer is disabled until a
+ *  session is open (enableComposer), so a message typed right after the login is never
+ *  dropped for want of a session. */
+function send(text: string): boolean {
   const documents = attached.filter((a) => a.session === openSession && a.part).map((a) => a.part as Part);
-  if ((!text.trim() && !documents.length) || !openSession) return;
+  if ((!text.trim() && !documents.length) || !openSession) return false;
   if (attached.some((a) => a.session === openSession && !a.part && !a.failed)) {
     setAttachNote("wait for the upload to finish");
-    return;
+    return false;
   }
   clearAttachments();
   const node = userBubble(text, documents);
@@ -594,10 +608,12 @@ function send(text: string): void {
     documents,
     node,
     persona: ($("persona") as HTMLSelectElement).value,
+    whenBusy: ($("when-busy") as HTMLSelectElement).value,
   };
   node.dataset.key = o.key;
   outbox.push(o);
   void flush();
+  return true;
 }
 
 /** Sends what the outbox holds, in order. A send whose fate is unknown (timeout, lost
@@ -620,6 +636,7 @@ async function flush(): Promise<void> {
           client_id: clientId,
           idempotency_key: o.key,
           ...(o.persona ? { env: { persona: o.persona } } : {}),
+          ...(o.whenBusy ? { when_busy: o.whenBusy } : {}),
         });
       } catch (e) {
         if (e instanceof ServiceError && e.code !== "offline" && e.code !== "unavailable") {
@@ -855,7 +872,7 @@ async function refreshServices(): Promise<void> {
   const stats = await gather<ServiceStats>("STATS");
   stats.sort((a, b) => a.name.localeCompare(b.name) || a.id.localeCompare(b.id));
   const rows: HTMLElement[] = [];
-  let running = 0;
+  let workers = 0;
   for (const s of stats) {
     // a service without request endpoints (the loop worker takes its turns from JetStream)
     // still shows, with one empty row
@@ -872,10 +889,50 @@ async function refreshServices(): Promise<void> {
       );
       rows.push(tr);
     }
-    if (s.name === "cyrene-loop-worker") running += 1;
+    if (s.name === "cyrene-loop-worker") workers += 1;
   }
   $("services-table").querySelector("tbody")?.replaceChildren(...rows);
-  $("turns-in-flight").textContent = `${running} loop worker(s) on the bus`;
+  loopWorkers = workers;
+}
+
+/** One turn of `cyrene.turns.running` (docs/orchestrator.md, "Turns in flight"). */
+interface RunningTurn {
+  turn_id: string;
+  session_id: string;
+  leg_id?: string;
+  persona?: string;
+  attempt: number;
+  step: number;
+  started_at_ms: number;
+}
+let loopWorkers = 0;
+
+/** The turns running now, from the orchestrator (operators only). */
+async function refreshTurns(): Promise<void> {
+  let reply: { turns?: RunningTurn[]; more?: boolean };
+  try {
+    reply = await request<{ turns?: RunningTurn[]; more?: boolean }>("cyrene.turns.running", { limit: 50 });
+  } catch (e) {
+    $("turns-in-flight").textContent = `cannot list the turns in flight: ${describe(e)}`;
+    return;
+  }
+  const turns = reply.turns ?? [];
+  const rows = turns.map((t) => {
+    const tr = el("tr");
+    tr.dataset.turn = t.turn_id;
+    tr.append(
+      el("td", "session", t.leg_id ? `${t.session_id} (leg)` : t.session_id),
+      el("td", "", t.persona || "default"),
+      el("td", "", t.turn_id.slice(-8)),
+      el("td", "step", String(t.step)),
+      el("td", "", String(t.attempt)),
+      el("td", "", new Date(t.started_at_ms).toLocaleTimeString()),
+    );
+    return tr;
+  });
+  $("turns-table").querySelector("tbody")?.replaceChildren(...rows);
+  const more = reply.more ? "+" : "";
+  $("turns-in-flight").textContent = `${turns.length}${more} turn(s) in flight · ${loopWorkers} loop worker(s) on the bus`;
 }
 
 const calls: CallRecord[] = [];
@@ -894,7 +951,7 @@ function drawCalls(): void {
     r.setAttribute("width", "10");
     r.setAttribute("height", String(h));
     const title = document.createElementNS(ns, "title");
-    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.tokens} tokens, ${c.took_ms} ms`;
+    title.textContent = `${c.provider ?? ""} ${c.model}: ${c.tokens} tokens (${c.cache_hit_tokens ?? 0} from the cache), ${c.took_ms} ms`;
     r.append(title);
     return r;
   });
@@ -909,6 +966,7 @@ function drawCalls(): void {
         el("td", "", c.model),
         el("td", "", c.purpose ?? ""),
         el("td", "", String(c.tokens)),
+        el("td", "cache", String(c.cache_hit_tokens ?? 0)),
         el("td", "", `${c.took_ms} ms`),
       );
       return tr;
@@ -930,9 +988,11 @@ async function startOperator(): Promise<void> {
       drawCalls();
     }
   })();
-  for (;;) {
-    if (online) await refreshServices();
-    await new Promise((r) => setTimeout(r, 3000));
+  // the services every 3 s, the turns in flight every second (a turn often lasts a few)
+  for (let tick = 0; ; tick += 1) {
+    if (online && tick % 3 === 0) await refreshServices();
+    if (online) await refreshTurns();
+    await new Promise((r) => setTimeout(r, 1000));
     if (!nc || nc.isClosed()) return;
   }
 }
@@ -948,7 +1008,12 @@ async function logout(): Promise<void> {
 }
 
 async function main(): Promise<void> {
-  config = (await (await fetch("/config.json")).json()) as WebConfig;
+  try {
+    config = (await (await fetch("/config.json")).json()) as WebConfig;
+  } catch (e) {
+    $("login-error").textContent = `cannot load the page's settings: ${describe(e)}`;
+    return;
+  }
   const picker = $("persona") as HTMLSelectElement;
   for (const p of config.personas ?? []) {
     const o = el("option", "", p) as HTMLOptionElement;
@@ -962,6 +1027,10 @@ async function main(): Promise<void> {
     const remember = ($("login-remember") as HTMLInputElement).checked;
     void login(who, password, remember);
   });
+  // The button is disabled in the HTML until the script handles the form: a click before that
+  // would be the browser's own form submission (refused by the CSP's form-action 'none', and a
+  // navigation that never ends), and the login would be lost.
+  ($("login-button") as HTMLButtonElement).disabled = false;
   $("logout").addEventListener("click", () => void logout());
   $("new-session").addEventListener("click", () => newSession());
   window.addEventListener("hashchange", () => {
@@ -975,14 +1044,12 @@ async function main(): Promise<void> {
   const box = $("message") as HTMLTextAreaElement;
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
-    send(box.value);
-    box.value = "";
+    if (send(box.value)) box.value = "";
   });
   box.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
-      send(box.value);
-      box.value = "";
+      if (send(box.value)) box.value = "";
     }
   });
   const saved = localStorage.getItem(REMEMBER_KEY);

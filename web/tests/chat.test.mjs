@@ -95,6 +95,16 @@ async function answered(page, text) {
   return turn.first();
 }
 
+/** How many elements match `selector` in the page now. */
+const countOf = (page, selector) => page.locator(selector).count();
+
+/** Waits until more than `before` elements match `selector`. */
+async function moreThan(page, selector, before) {
+  await page.waitForFunction(([sel, n]) => document.querySelectorAll(sel).length > n, [selector, before], { timeout: WAIT });
+}
+
+const FINAL = '.answer[data-final="true"]';
+
 /** A test whose failure leaves a screenshot and the text of every page it had open. */
 function scenario(name, body) {
   test(name, async () => {
@@ -382,6 +392,29 @@ scenario("the operator sees the services on the bus and the model calls", async 
   }
   await page.waitForFunction(() => document.querySelectorAll("#calls-chart rect").length >= 3, null, { timeout: WAIT });
   assert.ok((await page.locator("#calls-table td", { hasText: "scripted" }).count()) >= 3);
+  // each call's cache hits (the scripted provider reports none)
+  await page.locator("#calls-table th", { hasText: "cache hits" }).waitFor({ timeout: WAIT });
+  assert.ok((await page.locator("#calls-table td.cache", { hasText: /^0$/ }).count()) >= 3);
+
+  // the turns in flight (cyrene.turns.running, read every second): alice's turn while the demo
+  // tool runs shows with her session. What the table ever held is recorded as it changes, so
+  // a turn that ends between two looks at the page is still seen; a turn that ends between
+  // two reads of the page is asked again, up to five times.
+  await page.evaluate(() => {
+    window.__turnsSeen = [];
+    new MutationObserver(() => {
+      for (const td of document.querySelectorAll("#turns-table td.session")) window.__turnsSeen.push(td.textContent);
+    }).observe(document.getElementById("turns-table"), { childList: true, subtree: true });
+  });
+  const sessionId = `alice.${aliceSession.slice("#/s/".length)}`;
+  for (let attempt = 1; attempt <= 5; attempt += 1) {
+    const before = await countOf(alice, FINAL);
+    await sendMessage(alice, `search my notes for the operator (${attempt})`);
+    await moreThan(alice, FINAL, before);
+    if (await page.evaluate((id) => window.__turnsSeen.includes(id), sessionId)) break;
+  }
+  assert.ok(await page.evaluate((id) => window.__turnsSeen.includes(id), sessionId), "alice's turn was listed in flight");
+  await page.locator("#turns-in-flight", { hasText: /turn\(s\) in flight · 1 loop worker\(s\) on the bus/ }).waitFor({ timeout: WAIT });
   await page.screenshot({ path: join(SHOTS, "operator.png"), fullPage: true });
   assert.deepEqual(page.problems, []);
   await alice.context().close();
@@ -429,4 +462,52 @@ scenario("New session opens a fresh session at once; its first message sets the 
   );
   assert.equal(await page.locator("#session-list a", { hasText: fresh.slice("#/s/".length) }).count(), 1);
   await page.context().close();
+});
+
+scenario("a message from another tab under \"a parallel leg\" runs beside the turn; a failed turn shows its reason", async () => {
+  // two tabs of alice in one session: each is a client of its own (client_id)
+  const tab = await newPage();
+  await loggedIn(tab, "alice", aliceSession);
+  await answered(tab, "It is");
+  const other = await newPage();
+  await loggedIn(other, "alice", aliceSession);
+  await answered(other, "It is");
+  await other.getByLabel("When busy", { exact: true }).selectOption("parallel");
+  let leg = null;
+  // the other tab sends while the first tab's turn waits on the demo tool (1.5 s); should that
+  // turn end first, the message starts a turn of its own instead, and the pair is sent again
+  for (let attempt = 1; attempt <= 3 && !leg; attempt += 1) {
+    const [tools, finals] = [await countOf(tab, "details.tool"), await countOf(tab, FINAL)];
+    await sendMessage(tab, `search my notes, tab one (${attempt})`);
+    await moreThan(tab, "details.tool", tools);
+    await sendMessage(other, `hello from the other tab (${attempt})`);
+    const sent = other.locator(".msg.user", { hasText: `hello from the other tab (${attempt})` });
+    await other.waitForFunction(
+      (text) => [...document.querySelectorAll(".msg.user")].some((m) => m.textContent.includes(text) && m.dataset.id),
+      `hello from the other tab (${attempt})`,
+      { timeout: WAIT },
+    );
+    if ((await sent.getAttribute("data-status")) === "its own parallel leg") leg = attempt;
+    await moreThan(tab, FINAL, finals);
+    await answered(other, `You said: hello from the other tab (${attempt})`);
+  }
+  assert.ok(leg, "a message was sent while the other tab's turn ran");
+  // the leg is announced in the transcript, and its answer comes beside the running turn's
+  await other.locator(".notice", { hasText: /^parallel leg \S+ started$/ }).first().waitFor({ timeout: WAIT });
+  await answered(other, `You said: hello from the other tab (${leg})`);
+
+  // a failed turn (the offline demo fails a message that says "please fail") shows its reason
+  // (sent once no turn runs: else it would be steered into the turn still finishing)
+  await other.waitForFunction(() => !document.querySelector('.turn[data-running="true"]'), null, { timeout: WAIT });
+  await other.getByLabel("When busy", { exact: true }).selectOption("");
+  await sendMessage(other, "please fail");
+  const failed = other.locator(".notice.failed", { hasText: "turn failed" });
+  await failed.first().waitFor({ timeout: WAIT });
+  assert.match(await failed.first().innerText(), /^turn failed: [a-z_]+: .*the offline demo fails on purpose when asked to/);
+  await other.waitForFunction(() => !document.querySelector('.turn[data-running="true"]'), null, { timeout: WAIT });
+  assert.equal(await failed.count(), 1, "one failed turn for one message");
+  assert.deepEqual(other.problems, []);
+  assert.deepEqual(tab.problems, []);
+  await other.context().close();
+  await tab.context().close();
 });

@@ -32,6 +32,7 @@ use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use futures::StreamExt;
 use serde::Deserialize;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -39,6 +40,9 @@ use tokio_util::sync::CancellationToken;
 
 /// How long one pull request waits for jobs.
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
+/// How often a waiting pull looks whether the connection was made anew (docs/loop-worker.md,
+/// "Reconnects").
+const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 
 /// Consumer config of the shared durable consumer.
 pub fn consumer_config(config: &Config) -> pull::Config {
@@ -92,9 +96,23 @@ pub(crate) async fn pull_loop(
                 }
             },
         };
+        // The pull request lives on the server it was sent to: after a reconnect nobody will
+        // answer it (neither jobs nor the end-of-batch status), so the batch is given up at once
+        // rather than at the client's own timer (expiry + 5 s), and a new pull goes out.
+        let connects = client.statistics().connects.load(Ordering::Relaxed);
+        let mut watch = tokio::time::interval(RECONNECT_CHECK);
         loop {
             // Jobs already delivered to this batch are run even when shutdown fires meanwhile.
-            let next = batch.next().await;
+            let next = tokio::select! {
+                next = batch.next() => next,
+                _ = watch.tick() => {
+                    if client.statistics().connects.load(Ordering::Relaxed) != connects {
+                        tracing::debug!("reconnected: the pull request died with the connection");
+                        break;
+                    }
+                    continue;
+                }
+            };
             let message = match next {
                 None => break,
                 Some(Err(err)) => {

@@ -228,6 +228,9 @@ pub struct Rule {
     pub more_rounds: Vec<Vec<ScriptedCall>>,
     /// Final text once tool results arrived (`{tool_results}` = their texts, `{input}` too).
     pub after_tools: Option<String>,
+    /// The call fails instead, with this message (not retryable): how the offline demo shows a
+    /// failed turn (docs/model-gateway.md).
+    pub fail: Option<String>,
 }
 
 /// A tool call the scripted provider asks for.
@@ -438,9 +441,10 @@ impl ModelsConfig {
                                 "{at}.script.rules[{i}]: give exactly one of contains/equals"
                             ));
                         }
-                        if rule.reply.is_none() && rule.tool_calls.is_empty() {
+                        if rule.reply.is_none() && rule.tool_calls.is_empty() && rule.fail.is_none()
+                        {
                             problems.push(format!(
-                                "{at}.script.rules[{i}]: give a reply or tool_calls"
+                                "{at}.script.rules[{i}]: give a reply, tool_calls or fail"
                             ));
                         }
                     }
@@ -714,7 +718,7 @@ model = "claude-sonnet-4-5"
         let msg = config.validate(&|_| true).unwrap_err().to_string();
         assert!(msg.contains("active_group \"nope\""), "{msg}");
         assert!(msg.contains("exactly one of contains/equals"), "{msg}");
-        assert!(msg.contains("a reply or tool_calls"), "{msg}");
+        assert!(msg.contains("a reply, tool_calls or fail"), "{msg}");
     }
 
     #[test]

@@ -320,6 +320,7 @@ impl Gateway {
             tokens: response.total_tokens,
             took_ms: started.elapsed().as_millis() as u64,
             provider: response.provider.clone(),
+            cache_hit_tokens: response.cache_hit_tokens,
         };
         publish_record(client, &record).await;
         Ok(response)

@@ -397,7 +397,8 @@ async fn start_bus() -> Running {
         openai_chunk(json!({"content":"one "}), None),
         openai_chunk(json!({"content":"two "}), None),
         openai_chunk(json!({"content":"three"}), Some("stop")),
-        json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}),
+        json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6,
+            "prompt_tokens_details":{"cached_tokens":2}}}),
         json!("[DONE]"),
     ])
     .await;
@@ -477,9 +478,11 @@ async fn the_streamed_endpoint_publishes_ordered_deltas_then_the_response_and_a_
         (
             record.provider.as_str(),
             record.purpose.as_str(),
-            record.tokens
+            record.tokens,
+            record.cache_hit_tokens
         ),
-        ("http", "chat", 6)
+        // the provider's cached prompt tokens go into the record (issue 32: the operator view)
+        ("http", "chat", 6, 2)
     );
 
     // The scripted provider streams word by word; the words add up to its reply.

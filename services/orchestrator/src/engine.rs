@@ -35,7 +35,8 @@ use cyrene_protocol::session::{
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
-    SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnOutcome,
+    RUNNING_TURNS_DEFAULT_LIMIT, RUNNING_TURNS_MAX_LIMIT, RunningTurnsRequest,
+    RunningTurnsResponse, SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnOutcome,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_sql::bounded;
@@ -443,6 +444,35 @@ impl Engine {
     }
 
     /// The sessions of `person`, the newest first (`cyrene.person.<person>.session.list`).
+    /// `cyrene.turns.running` (operators only, by NATS permission): the turns running now, the
+    /// oldest first, each with the last step its events named (docs/orchestrator.md, "Turns in
+    /// flight").
+    pub async fn running_turns(
+        &self,
+        req: RunningTurnsRequest,
+    ) -> Result<RunningTurnsResponse, ErrorBody> {
+        let limit = match req.limit {
+            None => RUNNING_TURNS_DEFAULT_LIMIT,
+            Some(0) => return Err(bad("limit must be at least 1")),
+            Some(n) => n.min(RUNNING_TURNS_MAX_LIMIT),
+        };
+        // One more than asked tells whether more run.
+        let mut turns = bounded(
+            self.config.db_timeout,
+            self.store.turns_in_flight(limit + 1),
+        )
+        .await?;
+        let mut more = turns.len() > limit as usize;
+        turns.truncate(limit as usize);
+        for turn in &mut turns {
+            turn.step = self.progress.snapshot(&turn.turn_id).0;
+        }
+        // Every reply fits the bus: the oldest turns that fit, and `more` says some were left.
+        let (turns, cut) = page_within(turns, reply_budget(&self.client));
+        more |= cut;
+        Ok(RunningTurnsResponse { turns, more })
+    }
+
     pub async fn sessions(
         &self,
         person: &str,

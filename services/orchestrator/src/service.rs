@@ -14,6 +14,7 @@
 //! | `bridge-send`    | `cyrene.bridge.session.send`      | `SendRequest`    | `SendAck` |
 //! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
 //! | `bridge-upload`  | `cyrene.bridge.document.upload`   | `UploadRequest`  | `UploadAck` |
+//! | `turns-running`  | `cyrene.turns.running` | `RunningTurnsRequest` | `RunningTurnsResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -30,6 +31,8 @@
 //!   ([`crate::identity`]).
 //! - Only `bridge-send` takes a third party's `sender_name` or `env.restricted`
 //!   ([`crate::identity::speaker`]).
+//! - `turns-running` is read-only and names sessions of every person: only the operator's NATS
+//!   user may publish on its subject (deploy/nats/users.conf, docs/security.md).
 
 use crate::engine::Engine;
 use crate::identity::{self, Caller};
@@ -41,7 +44,7 @@ use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest, SessionListRequest};
 use cyrene_protocol::subjects;
-use cyrene_protocol::turn::{SteerRequest, TurnComplete};
+use cyrene_protocol::turn::{RunningTurnsRequest, SteerRequest, TurnComplete};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
@@ -172,6 +175,13 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             "bridge-upload",
             subjects::BRIDGE_DOCUMENT_UPLOAD,
             bridge_upload,
+        ),
+        Endpoint::json(
+            "turns-running",
+            subjects::TURNS_RUNNING,
+            with_state(engine, |e, req: RunningTurnsRequest, _| async move {
+                e.running_turns(req).await
+            }),
         ),
     ]
 }

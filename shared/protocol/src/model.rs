@@ -186,6 +186,11 @@ pub struct CallRecord {
     pub took_ms: u64,
     #[serde(default)]
     pub provider: String,
+    /// Prompt tokens the provider served from its prompt cache ([`ModelResponse::cache_hit_tokens`]:
+    /// OpenAI's `prompt_tokens_details.cached_tokens`, DeepSeek's `prompt_cache_hit_tokens`,
+    /// Anthropic's `cache_read_input_tokens`); 0 when the provider reports none.
+    #[serde(default)]
+    pub cache_hit_tokens: u64,
 }
 
 #[cfg(test)]
@@ -278,9 +283,13 @@ mod tests {
 
     #[test]
     fn call_record_matches_design() {
-        let doc =
-            json!({"model":"m","purpose":"chat","tokens":15,"took_ms":12,"provider":"primary"});
+        let doc = json!({"model":"m","purpose":"chat","tokens":15,"took_ms":12,"provider":"primary",
+            "cache_hit_tokens":8});
         let rec: CallRecord = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(serde_json::to_value(&rec).unwrap(), doc);
+        // a record from before cache hits were carried reads as none
+        let old = json!({"model":"m","tokens":15,"took_ms":12});
+        let rec: CallRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(rec.cache_hit_tokens, 0);
     }
 }

@@ -48,6 +48,9 @@ pub const BRIDGE_DOCUMENT_UPLOAD: &str = "cyrene.bridge.document.upload";
 pub const TURN_RUN: &str = "cyrene.turn.run";
 pub const TURN_STEER: &str = "cyrene.turn.steer";
 pub const TURN_COMPLETE: &str = "cyrene.turn.complete";
+/// Operators list the turns running now (docs/orchestrator.md, "Turns in flight"): only the
+/// `cyrene-operator` NATS user may publish it.
+pub const TURNS_RUNNING: &str = "cyrene.turns.running";
 /// Subscribe pattern for every running turn's input (see [`turn_input`]).
 pub const TURN_INPUT_ALL: &str = "cyrene.turn.input.*";
 /// Subscribe pattern for the events of every session of nobody in particular (`s1`).

@@ -276,3 +276,45 @@ mod tests {
         assert!(serde_json::from_value::<ParallelNotice>(json!({"step":-1})).is_err());
     }
 }
+
+/// `cyrene.turns.running` request (operators only): the turns running now, the oldest first.
+#[skip_serializing_none]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunningTurnsRequest {
+    pub limit: Option<u32>,
+}
+
+/// The default page of `cyrene.turns.running`.
+pub const RUNNING_TURNS_DEFAULT_LIMIT: u32 = 100;
+/// The most turns one `cyrene.turns.running` reply names.
+pub const RUNNING_TURNS_MAX_LIMIT: u32 = 1000;
+
+/// One turn in flight, as `cyrene.turns.running` names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunningTurn {
+    pub turn_id: String,
+    pub session_id: String,
+    /// The parallel leg it runs on (empty: the session's main line).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub leg_id: String,
+    /// The answering persona of its session (empty: the default).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub persona: String,
+    /// The JetStream delivery running it (0 before a worker has taken it; above 1: redelivered).
+    pub attempt: u32,
+    /// The last step its events named (0 when none was seen by the answering replica yet).
+    pub step: u32,
+    /// When the turn was started, unix milliseconds.
+    pub started_at_ms: i64,
+}
+
+/// `cyrene.turns.running` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RunningTurnsResponse {
+    #[serde(default)]
+    pub turns: Vec<RunningTurn>,
+    /// More turns run than the reply names (raise `limit`, up to the maximum).
+    #[serde(default)]
+    pub more: bool,
+}

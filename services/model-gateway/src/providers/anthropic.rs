@@ -635,4 +635,25 @@ mod tests {
                                                   {"type":"text","text":"hello"}]})]
         );
     }
+
+    /// Cache hits (issue 32: they go into the call records the operator view shows):
+    /// `cache_read_input_tokens` are hits; fresh input and cache writes are misses.
+    #[test]
+    fn cache_reads_are_cache_hits() {
+        let resp = decode(
+            &json!({"content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn",
+                "usage":{"input_tokens":50,"output_tokens":7,"cache_read_input_tokens":900,
+                    "cache_creation_input_tokens":30}}),
+            "m",
+        )
+        .unwrap();
+        assert_eq!((resp.cache_hit_tokens, resp.cache_miss_tokens), (900, 80));
+        assert_eq!(resp.prompt_tokens, 980);
+        let none = decode(
+            &json!({"content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":5}}),
+            "m",
+        )
+        .unwrap();
+        assert_eq!(none.cache_hit_tokens, 0);
+    }
 }

@@ -617,4 +617,34 @@ mod tests {
             Err(ProviderError::BadResponse(_))
         ));
     }
+
+    /// Cache hits (issue 32: they go into the call records the operator view shows): OpenAI's
+    /// `prompt_tokens_details.cached_tokens` are hits inside the prompt count, the rest misses;
+    /// DeepSeek's two tiers are taken as they are; a wrong type counts as none.
+    #[test]
+    fn cached_prompt_tokens_are_cache_hits() {
+        let with = |usage: Value| {
+            decode(
+                &json!({"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}],
+                    "usage":usage}),
+                "m",
+            )
+            .unwrap()
+        };
+        let openai = with(json!({"prompt_tokens":2000,"completion_tokens":5,
+            "prompt_tokens_details":{"cached_tokens":1536}}));
+        assert_eq!(
+            (openai.cache_hit_tokens, openai.cache_miss_tokens),
+            (1536, 464)
+        );
+        let deepseek = with(json!({"prompt_tokens":100,"prompt_cache_hit_tokens":80,
+            "prompt_cache_miss_tokens":20}));
+        assert_eq!(
+            (deepseek.cache_hit_tokens, deepseek.cache_miss_tokens),
+            (80, 20)
+        );
+        let wrong =
+            with(json!({"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":"many"}}));
+        assert_eq!((wrong.cache_hit_tokens, wrong.cache_miss_tokens), (0, 0));
+    }
 }

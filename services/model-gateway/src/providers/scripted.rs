@@ -7,7 +7,7 @@
 //! answers `after_tools` once results arrived — so one rule drives a whole tool round trip
 //! (`more_rounds` adds further rounds: round k is asked for when k assistant messages follow the
 //! last user message, so a script can drive a multi-step turn). No
-//! match → `default_reply`. Templates: `{input}` (the last user text), `{tool_results}` (the
+//! match → `default_reply`. A rule with `fail` makes the call fail (not retryable). Templates: `{input}` (the last user text), `{tool_results}` (the
 //! texts of the tool results after it, one per line).
 //!
 //! # Invariants
@@ -131,6 +131,18 @@ impl ScriptedProvider {
     /// The log of received requests (shared with the provider).
     pub fn log(&self) -> RequestLog {
         self.log.clone()
+    }
+
+    /// The failure a matching rule's `fail` scripts for `req`, if any (not retryable).
+    fn scripted_failure(&self, req: &ModelRequest) -> Option<ProviderError> {
+        let input = req
+            .messages
+            .iter()
+            .rfind(|m| m.role == Role::User)
+            .map(Message::text_content)
+            .unwrap_or_default();
+        let rule = self.script.rules.iter().find(|r| matches(r, &input))?;
+        rule.fail.clone().map(ProviderError::Invalid)
     }
 
     /// The deterministic answer to `req`.
@@ -306,6 +318,9 @@ impl super::Provider for ScriptedProvider {
         _deadline: Instant,
     ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
         self.log.push(request);
+        if let Some(failure) = self.scripted_failure(request) {
+            return Box::pin(async move { Err(failure) });
+        }
         let response = self.answer(request, &step.model);
         Box::pin(async move { Ok(response) })
     }
@@ -320,6 +335,9 @@ impl super::Provider for ScriptedProvider {
         sink: &'a super::DeltaSink,
     ) -> BoxFuture<'a, Result<ModelResponse, ProviderError>> {
         self.log.push(request);
+        if let Some(failure) = self.scripted_failure(request) {
+            return Box::pin(async move { Err(failure) });
+        }
         let response = self.answer(request, &step.model);
         let pace = std::time::Duration::from_millis(self.script.word_delay_ms);
         Box::pin(async move {
@@ -456,6 +474,29 @@ mod tests {
         assert_eq!(second.content, "It is 12:00.");
         assert_eq!(second.stop_reason, "stop");
         assert!(second.tool_calls.is_empty());
+    }
+
+    /// A rule's `fail` makes the call fail, not retryable (the offline demo's failed turn).
+    #[test]
+    fn a_fail_rule_fails_the_call() {
+        let p = ScriptedProvider::new(Script {
+            rules: vec![Rule {
+                contains: Some("please fail".into()),
+                fail: Some("on purpose".into()),
+                ..Default::default()
+            }],
+            default_reply: None,
+            word_delay_ms: 0,
+        });
+        let failure = p
+            .scripted_failure(&ask(vec![Message::text(Role::User, "please fail now")]))
+            .expect("the rule matches");
+        assert_eq!(failure.to_string(), "on purpose");
+        assert!(!failure.is_retryable());
+        assert!(
+            p.scripted_failure(&ask(vec![Message::text(Role::User, "hello")]))
+                .is_none()
+        );
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The transcript as the `history` endpoint reads it (docs/orchestrator.md, "`history`").
+//! The transcript as the `history` endpoint reads it (docs/orchestrator.md, "`history`"), a
+//! person's sessions (`session.list`) and the turns running now (`cyrene.turns.running`).
 //!
 //! # Invariants
 //! - A read-only query outside any transaction: it never takes the session lock, so it never
@@ -6,6 +7,7 @@
 
 use super::{Store, StoreError, decode_env, decode_message, to_i64, to_u64};
 use cyrene_protocol::session::{HistoryEntry, SessionSummary};
+use cyrene_protocol::turn::RunningTurn;
 use sqlx::Row;
 use sqlx::any::AnyRow;
 
@@ -70,6 +72,34 @@ impl Store {
                     session_id: r.try_get(0)?,
                     persona: env.persona,
                     created_at_ms: r.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+
+    /// The turns whose status is `running`, the oldest first: at most `limit`, each with its
+    /// session's persona. Their step is not in the database (the caller adds it).
+    pub async fn turns_in_flight(&self, limit: u32) -> Result<Vec<RunningTurn>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT t.turn_id, t.session_id, t.leg_id, t.attempt, t.created_at, s.env \
+             FROM orch_turns t JOIN orch_sessions s ON s.id = t.session_id \
+             WHERE t.status = 'running' ORDER BY t.created_at, t.turn_id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r: &AnyRow| {
+                let env = decode_env(&r.try_get::<String, _>(5)?)?;
+                let attempt: i64 = r.try_get(3)?;
+                Ok(RunningTurn {
+                    turn_id: r.try_get(0)?,
+                    session_id: r.try_get(1)?,
+                    leg_id: r.try_get(2)?,
+                    persona: env.persona,
+                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
+                    step: 0,
+                    started_at_ms: r.try_get(4)?,
                 })
             })
             .collect()

@@ -8,6 +8,7 @@ mod documents;
 mod fence;
 mod harness;
 mod identity;
+mod operators;
 mod people;
 mod personas;
 mod policies;
