@@ -159,20 +159,29 @@ impl World {
             .unwrap_or_else(|err| panic!("send {key} never acknowledged: {err}"))
     }
 
+    /// The session's transcript; asked again while no orchestrator answers (a test that killed
+    /// one may read before its replacement has subscribed).
     async fn history(&self, session: &str) -> HistoryResponse {
         let request = HistoryRequest {
             session_id: session.to_owned(),
             limit: Some(1000),
             before_seq: None,
         };
-        request_json(
-            &self.bus.client,
-            subjects::SESSION_HISTORY,
-            &request,
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap()
+        loop {
+            match request_json(
+                &self.bus.client,
+                subjects::SESSION_HISTORY,
+                &request,
+                Duration::from_secs(5),
+            )
+            .await
+            {
+                Err(cyrene_bus::RequestError::NoResponders { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => return other.unwrap(),
+            }
+        }
     }
 
     /// Sends PER_SESSION messages into each of SESSIONS sessions, all sessions at once.
