@@ -164,7 +164,11 @@ async fn a_turn_calling_an_mcp_tool_gets_the_real_result() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_of_the_everything_server_over_streamable_http_keep_images_and_errors() {
-    let stack = Stack::start(json!([]), None).await;
+    // A model that takes images, so the worker sends the tool's image as it is.
+    let rules = json!({"vision": true, "rules": [{"contains": "tiny image",
+        "tool_calls": [{"name": "everything__get-tiny-image", "args": {}}],
+        "after_tools": "seen: {tool_results}"}]});
+    let stack = Stack::start(rules, None).await;
     let port = free_port();
     let mut http = tokio::process::Command::new("node")
         .arg(everything_js())
@@ -184,6 +188,45 @@ async fn results_of_the_everything_server_over_streamable_http_keep_images_and_e
     assert_eq!(image["is_error"], false, "{image}");
     let uri = image["images"][0].as_str().expect("an image part");
     assert!(uri.starts_with("data:image/png;base64,"), "{uri}");
+
+    // In a turn, the image reaches the model: the tool's message carries it as an image part.
+    let mut requests = stack
+        .client
+        .subscribe("cyrene.model.complete.>")
+        .await
+        .unwrap();
+    stack.client.flush().await.unwrap();
+    stack.spawn_worker(worker_config()).await;
+    stack
+        .dispatch(&job("t-img", "alice.s2", "show me the tiny image"))
+        .await;
+    let done = stack.orchestrator.wait_completed("t-img").await;
+    assert_eq!(done.outcome, TurnOutcome::Final, "{done:?}");
+    let mut tool_images = Vec::new();
+    while let Ok(Some(request)) = tokio::time::timeout(
+        Duration::from_millis(500),
+        futures::StreamExt::next(&mut requests),
+    )
+    .await
+    {
+        let Ok(body) = serde_json::from_slice::<Value>(&request.payload) else {
+            continue;
+        };
+        for message in body["messages"].as_array().into_iter().flatten() {
+            if message["role"] == "tool" {
+                for part in message["content"].as_array().into_iter().flatten() {
+                    if part["type"] == "image_url" {
+                        tool_images.push(part["image_url"].as_str().unwrap_or("").to_owned());
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(
+        tool_images,
+        [uri],
+        "the model's view holds the tool's image"
+    );
     let sum = call(
         &stack.client,
         "everything__get-sum",

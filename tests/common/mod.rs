@@ -41,10 +41,19 @@ impl Drop for Stack {
     }
 }
 
-/// The scripted model config: `rules` as in docs/model-gateway.md.
+/// The scripted model config: `rules` as in docs/model-gateway.md, or
+/// `{"rules": […], "vision": true}` for a scripted model that takes images (so the loop worker
+/// sends them as they are instead of describing them first).
 pub fn models(rules: Value) -> ModelsConfig {
+    let (rules, caps) = match rules {
+        Value::Object(mut o) => (
+            o.remove("rules").unwrap_or_default(),
+            json!({"vision": o.get("vision") == Some(&json!(true))}),
+        ),
+        rules => (rules, json!({})),
+    };
     serde_json::from_value(json!({
-        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
+        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": caps},
             "script": {"rules": rules, "default_reply": "echo: {input}"}}},
         "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
         "active_group": "default"

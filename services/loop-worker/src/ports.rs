@@ -34,6 +34,9 @@ pub struct ToolContext {
 pub struct ToolOutput {
     pub text: String,
     pub is_error: bool,
+    /// Images the tool returned (`data:image/…;base64,…` URIs, checked and bounded by the
+    /// caller): they ride on the tool's message as image parts (docs/tools.md, "Results").
+    pub images: Vec<String>,
 }
 
 impl ToolOutput {
@@ -41,6 +44,7 @@ impl ToolOutput {
         ToolOutput {
             text: text.into(),
             is_error: false,
+            images: Vec::new(),
         }
     }
 
@@ -48,6 +52,7 @@ impl ToolOutput {
         ToolOutput {
             text: text.into(),
             is_error: true,
+            images: Vec::new(),
         }
     }
 }

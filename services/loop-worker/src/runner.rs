@@ -611,7 +611,16 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         calls
             .iter()
             .zip(outputs)
-            .map(|(call, out)| Message::tool_result(&call.id, &call.name, out.text, out.is_error))
+            .map(|(call, out)| {
+                let mut message =
+                    Message::tool_result(&call.id, &call.name, out.text, out.is_error);
+                message.content.extend(
+                    out.images
+                        .into_iter()
+                        .map(|image_url| Part::ImageUrl { image_url }),
+                );
+                message
+            })
             .collect()
     }
 

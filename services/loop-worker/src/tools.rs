@@ -234,9 +234,15 @@ impl Tools {
         let payload = serde_json::to_vec(&call.args).unwrap_or_else(|_| b"{}".to_vec());
         match request_raw(&self.client, &subject, headers, payload, self.timeout).await {
             Ok(message) => match serde_json::from_slice::<ToolReply>(&message.payload) {
-                Ok(reply) => ToolOutput {
-                    text: reply.text,
-                    is_error: reply.is_error,
+                Ok(reply) => match tool_images(reply.images) {
+                    Ok(images) => ToolOutput {
+                        text: reply.text,
+                        is_error: reply.is_error,
+                        images,
+                    },
+                    Err(why) => {
+                        ToolOutput::error(format!("tool {name} sent an invalid reply: {why}"))
+                    }
                 },
                 Err(err) => ToolOutput::error(format!("tool {name} sent an invalid reply: {err}")),
             },
@@ -254,6 +260,54 @@ struct ToolReply {
     text: String,
     #[serde(default)]
     is_error: bool,
+    /// Images as `data:image/<type>;base64,…` URIs (docs/tools.md, "Results").
+    #[serde(default)]
+    images: Vec<String>,
+}
+
+/// The most images one tool result may carry.
+pub const MAX_TOOL_IMAGES: usize = 4;
+
+/// The largest image URI one tool result may carry (a checkpoint holds it until the turn ends).
+pub const MAX_TOOL_IMAGE_BYTES: usize = 512 << 10;
+
+/// A tool's images, if each is an image `data:` URI within the bounds.
+fn tool_images(images: Vec<String>) -> Result<Vec<String>, String> {
+    if images.len() > MAX_TOOL_IMAGES {
+        return Err(format!(
+            "{} images, more than the {MAX_TOOL_IMAGES} a result may carry",
+            images.len()
+        ));
+    }
+    for (i, uri) in images.iter().enumerate() {
+        let Some(rest) = uri.strip_prefix("data:image/") else {
+            return Err(format!("images[{i}] is not a data:image/… URI"));
+        };
+        let Some((kind, data)) = rest.split_once(";base64,") else {
+            return Err(format!("images[{i}] is not base64"));
+        };
+        if kind.is_empty()
+            || !kind
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))
+        {
+            return Err(format!("images[{i}] has no image type"));
+        }
+        if uri.len() > MAX_TOOL_IMAGE_BYTES {
+            return Err(format!(
+                "images[{i}] is {} bytes, more than {MAX_TOOL_IMAGE_BYTES}",
+                uri.len()
+            ));
+        }
+        if data.is_empty()
+            || !data
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b))
+        {
+            return Err(format!("images[{i}] is not base64"));
+        }
+    }
+    Ok(images)
 }
 
 #[derive(Deserialize)]
@@ -307,4 +361,28 @@ async fn discover(
         }
     }
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tools_images_must_be_a_few_bounded_base64_image_uris() {
+        let png = "data:image/png;base64,iVBORw0K".to_owned();
+        assert_eq!(tool_images(vec![png.clone()]), Ok(vec![png.clone()]));
+        assert_eq!(tool_images(Vec::new()), Ok(Vec::new()));
+        for bad in [
+            "https://example.com/cat.png".to_owned(),
+            "data:text/html;base64,PHNjcmlwdD4=".to_owned(),
+            "data:image/png,raw".to_owned(),
+            "data:image/;base64,AAAA".to_owned(),
+            "data:image/png;base64,<script>".to_owned(),
+            format!("data:image/png;base64,{}", "A".repeat(MAX_TOOL_IMAGE_BYTES)),
+        ] {
+            assert!(tool_images(vec![bad.clone()]).is_err(), "{bad}");
+        }
+        let err = tool_images(vec![png; MAX_TOOL_IMAGES + 1]).unwrap_err();
+        assert!(err.contains("more than the 4"), "{err}");
+    }
 }

@@ -397,7 +397,8 @@ pub fn check_request(req: &ModelRequest) -> Result<(), ErrorBody> {
                             "messages[{i}]: image_url must be a data: URI or an http(s) URL"
                         )));
                     }
-                    m.role == Role::User
+                    // A person's image, or one a tool returned (docs/tools.md, "Results").
+                    matches!(m.role, Role::User | Role::Tool)
                 }
                 Part::ToolCall { .. } | Part::Reasoning { .. } => m.role == Role::Assistant,
                 Part::ToolResult { .. } => m.role == Role::Tool,
@@ -543,6 +544,25 @@ mod tests {
             refused(&result_on_user)
                 .message
                 .contains("tool_result part cannot appear on a user message")
+        );
+        // An image a tool returned rides on its message; on an assistant message it is refused.
+        let mut tool_image = ok.clone();
+        let mut result = Message::tool_result("c", "t", "x", false);
+        result.content.push(Part::ImageUrl {
+            image_url: "data:image/png;base64,AAAA".into(),
+        });
+        tool_image.messages.push(result);
+        assert!(check_request(&tool_image).is_ok());
+        let mut assistant_image = ok.clone();
+        assistant_image.messages.push(Message::image(
+            Role::Assistant,
+            "",
+            "data:image/png;base64,AAAA",
+        ));
+        assert!(
+            refused(&assistant_image)
+                .message
+                .contains("image_url part cannot appear on a assistant message")
         );
         // A per-call timeout of 0 and a `max_tokens` of 0 are the provider's default
         // (docs/semantics.md#model-vocabulary), not an error.

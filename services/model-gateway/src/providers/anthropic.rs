@@ -371,7 +371,7 @@ fn encode_messages(messages: &[Message]) -> Result<(String, Vec<Value>), Provide
             }
             Role::System => ("user", system_note_blocks(m)),
             Role::User => ("user", user_blocks(m)?),
-            Role::Tool => ("user", tool_blocks(m)),
+            Role::Tool => ("user", tool_blocks(m)?),
             Role::Assistant => ("assistant", assistant_blocks(m)),
         };
         conversation_started = true;
@@ -407,22 +407,21 @@ fn user_blocks(m: &Message) -> Result<Vec<Value>, ProviderError> {
             Part::Text { text } if !text.is_empty() => {
                 blocks.push(json!({"type": "text", "text": text}));
             }
-            Part::ImageUrl { image_url } => {
-                let source = match parse_data_uri(image_url).map_err(ProviderError::Invalid)? {
-                    Some(d) => {
-                        json!({"type": "base64", "media_type": d.media_type, "data": d.data})
-                    }
-                    None => json!({"type": "url", "url": image_url}),
-                };
-                blocks.push(json!({"type": "image", "source": source}));
-            }
+            Part::ImageUrl { image_url } => blocks.push(image_block(image_url)?),
             _ => {}
         }
     }
     Ok(blocks)
 }
 
-fn tool_blocks(m: &Message) -> Vec<Value> {
+fn tool_blocks(m: &Message) -> Result<Vec<Value>, ProviderError> {
+    // Images a tool returned go inside its result, after its text (docs/tools.md, "Results").
+    let mut images = Vec::new();
+    for part in &m.content {
+        if let Part::ImageUrl { image_url } = part {
+            images.push(image_block(image_url)?);
+        }
+    }
     let mut blocks = Vec::new();
     for part in &m.content {
         if let Part::ToolResult {
@@ -440,6 +439,11 @@ fn tool_blocks(m: &Message) -> Vec<Value> {
             if *is_error {
                 block["is_error"] = json!(true);
             }
+            if !images.is_empty() {
+                let mut content = vec![json!({"type": "text", "text": text})];
+                content.append(&mut images);
+                block["content"] = Value::Array(content);
+            }
             blocks.push(block);
         }
     }
@@ -447,7 +451,16 @@ fn tool_blocks(m: &Message) -> Vec<Value> {
         blocks.push(json!({"type": "tool_result", "tool_use_id": m.tool_call_id,
                            "content": m.text_content()}));
     }
-    blocks
+    Ok(blocks)
+}
+
+/// An image block for a `data:` URI or an http(s) URL.
+fn image_block(image_url: &str) -> Result<Value, ProviderError> {
+    let source = match parse_data_uri(image_url).map_err(ProviderError::Invalid)? {
+        Some(d) => json!({"type": "base64", "media_type": d.media_type, "data": d.data}),
+        None => json!({"type": "url", "url": image_url}),
+    };
+    Ok(json!({"type": "image", "source": source}))
 }
 
 fn assistant_blocks(m: &Message) -> Vec<Value> {
@@ -613,6 +626,23 @@ mod tests {
                    {"type":"tool_result","tool_use_id":"c2","content":"two","is_error":true},
                    {"type":"text","text":"and?"},
                    {"type":"text","text":"late note"}])
+        );
+    }
+
+    /// Issue 36: an image a tool returned goes inside its `tool_result`, after the text.
+    #[test]
+    fn a_tool_results_image_goes_inside_the_result() {
+        let mut result = Message::tool_result("c1", "t", "here it is", false);
+        result.content.push(Part::ImageUrl {
+            image_url: "data:image/png;base64,iVBORw0K".into(),
+        });
+        let (_, turns) = encode_messages(&[result]).unwrap();
+        assert_eq!(
+            turns[0]["content"],
+            json!([{"type":"tool_result","tool_use_id":"c1","content":[
+                {"type":"text","text":"here it is"},
+                {"type":"image","source":{"type":"base64","media_type":"image/png",
+                    "data":"iVBORw0K"}}]}])
         );
     }
 

@@ -337,15 +337,49 @@ fn tool_choice(choice: &Value) -> Value {
 
 fn encode_messages(messages: &[Message]) -> Result<Vec<Value>, ProviderError> {
     let mut out = Vec::with_capacity(messages.len());
-    for m in messages {
+    // Images tools returned: a tool message carries text only in this dialect, and the tool
+    // messages of one batch must follow their call together, so the images go in one user
+    // message after the batch, each call's under a line naming it.
+    let mut tool_images = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
         match m.role {
             Role::System => out.push(json!({"role": "system", "content": joined_text(m)})),
             Role::User => out.push(json!({"role": "user", "content": user_content(m)})),
             Role::Assistant => out.push(assistant(m)?),
-            Role::Tool => tool_messages(m, &mut out),
+            Role::Tool => {
+                tool_messages(m, &mut out);
+                if m.has_image() {
+                    let id = tool_call_id_of(m);
+                    tool_images.push(json!({"type": "text",
+                        "text": format!("(the images tool call {id} returned)")}));
+                    tool_images.extend(m.content.iter().filter_map(|p| match p {
+                        Part::ImageUrl { image_url } => {
+                            Some(json!({"type": "image_url", "image_url": {"url": image_url}}))
+                        }
+                        _ => None,
+                    }));
+                }
+            }
+        }
+        let batch_goes_on = messages.get(i + 1).is_some_and(|n| n.role == Role::Tool);
+        if !tool_images.is_empty() && !batch_goes_on {
+            out.push(json!({"role": "user", "content": std::mem::take(&mut tool_images)}));
         }
     }
     Ok(out)
+}
+
+/// The call a tool message answers: its first result's id, else the message's own.
+fn tool_call_id_of(m: &Message) -> &str {
+    m.content
+        .iter()
+        .find_map(|p| match p {
+            Part::ToolResult { tool_call_id, .. } if !tool_call_id.is_empty() => {
+                Some(tool_call_id.as_str())
+            }
+            _ => None,
+        })
+        .unwrap_or(&m.tool_call_id)
 }
 
 fn joined_text(m: &Message) -> String {
@@ -572,6 +606,26 @@ pub(crate) fn u64_at(v: &Value, path: &[&str]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 36: a tool message carries text only in this dialect, so the images of a batch's
+    /// results follow the whole batch in one user message, each call's under a line naming it.
+    #[test]
+    fn a_tool_batchs_images_follow_the_batch() {
+        let mut first = Message::tool_result("c1", "t", "one", false);
+        first.content.push(Part::ImageUrl {
+            image_url: "data:image/png;base64,AAAA".into(),
+        });
+        let second = Message::tool_result("c2", "t", "two", false);
+        let out = encode_messages(&[first, second, Message::text(Role::User, "and?")]).unwrap();
+        let roles: Vec<&str> = out.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(roles, ["tool", "tool", "user", "user"]);
+        assert_eq!(out[0]["content"], "one");
+        assert_eq!(
+            out[2]["content"],
+            json!([{"type":"text","text":"(the images tool call c1 returned)"},
+                   {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}])
+        );
+    }
 
     #[test]
     fn arguments_decode_to_objects_or_an_args_error() {
