@@ -412,17 +412,57 @@ async fn the_official_python_sdk_lists_asks_and_reads_through_cyrene_mcp() {
         .spawn()
         .unwrap();
     common::wait_for_the_four_services(&server.connect().await).await;
+    let stdio = python_report(
+        &server.url(),
+        &[env!("CARGO_BIN_EXE_cyrene"), "--person", "alice", "mcp"],
+    )
+    .await;
+    check_report(&stdio);
+
+    // The same over streamable HTTP, with its key; without the key, 401 before MCP.
+    let port = free_port();
+    let key = "a-key-of-sixteen-or-more";
+    let _http = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["--person", "alice", "mcp", "--http"])
+        .arg(format!("127.0.0.1:{port}"))
+        .env("CYRENE_MCP_KEY", key)
+        .env("NATS_URL", server.url())
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/mcp");
+    let http = cyrene_model_gateway::http_client().unwrap();
+    let refused = loop {
+        match http.post(&url).body("{}").send().await {
+            Ok(response) => break response,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    assert_eq!(refused.status(), 401);
+    let wrong = http
+        .post(&url)
+        .header("Authorization", "Bearer not-the-key-at-all")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    check_report(&python_report(&server.url(), &["--http", &url, key]).await);
+}
+
+/// Runs tests/mcp/client.py with `args` until ask_cyrene is answered (the personas register just
+/// after the orchestrator's endpoints answer: a refused ask is an error result, asked again);
+/// its report.
+async fn python_report(nats_url: &str, args: &[&str]) -> Value {
     let client = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    // The personas register just after the orchestrator's endpoints answer: ask again until one
-    // is answered (a refused ask is an error result, not a failure of the client).
-    let report = loop {
+    loop {
         let mut child = tokio::process::Command::new("python3")
             .arg(client)
-            .arg(env!("CARGO_BIN_EXE_cyrene"))
-            .args(["--person", "alice", "mcp"])
+            .args(args)
             .env("PYTHONPATH", mcp_py())
-            .env("NATS_URL", server.url())
+            .env("NATS_URL", nats_url)
             .env("RUST_LOG", "warn")
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -444,11 +484,16 @@ async fn the_official_python_sdk_lists_asks_and_reads_through_cyrene_mcp() {
         assert!(out.status.success(), "the python client failed: {stdout}");
         let report: Value = serde_json::from_str(stdout.trim()).unwrap();
         if report["answer_is_error"] == false {
-            break report;
+            return report;
         }
         assert!(tokio::time::Instant::now() < deadline, "{report}");
         tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    }
+}
+
+/// What the client saw: the one ask tool, a real turn's answer, a wrong argument refused, and
+/// alice's own session readable as a resource.
+fn check_report(report: &Value) {
     assert_eq!(report["tools"], json!(["ask_cyrene"]), "{report}");
     let answer = report["answer"][0].as_str().unwrap();
     assert!(

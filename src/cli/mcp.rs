@@ -48,7 +48,26 @@ pub struct McpArgs {
     /// How long one ask may take (the comm protocol caps every ask at 30 s).
     #[arg(long, env = "CYRENE_MCP_ASK_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub ask_timeout: Duration,
+    /// Serve MCP over streamable HTTP on this address (`http://<addr>/mcp`) instead of stdio;
+    /// every request must carry `Authorization: Bearer <key>` (--key).
+    #[arg(long, env = "CYRENE_MCP_HTTP_ADDR")]
+    pub http: Option<std::net::SocketAddr>,
+    /// The key HTTP clients must present (at least 16 characters); required with --http.
+    #[arg(long, env = "CYRENE_MCP_KEY", hide_env_values = true)]
+    pub key: Option<String>,
+    /// Host names the HTTP server answers to (its DNS-rebinding guard); behind a proxy, the name
+    /// clients use.
+    #[arg(
+        long,
+        env = "CYRENE_MCP_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        default_value = "localhost,127.0.0.1,::1"
+    )]
+    pub allowed_hosts: Vec<String>,
 }
+
+/// The shortest key `--http` accepts.
+const MIN_KEY_CHARS: usize = 16;
 
 /// Serves MCP on stdio until the client closes it.
 pub async fn run(client: async_nats::Client, args: McpArgs) -> Result<(), CliError> {
@@ -69,6 +88,15 @@ pub async fn run(client: async_nats::Client, args: McpArgs) -> Result<(), CliErr
         personas: Arc::new(args.personas),
         ask_timeout: args.ask_timeout,
     };
+    if let Some(addr) = args.http {
+        let key = args.key.unwrap_or_default();
+        if key.chars().count() < MIN_KEY_CHARS {
+            return Err(CliError::Usage(format!(
+                "--http needs --key (CYRENE_MCP_KEY) of at least {MIN_KEY_CHARS} characters"
+            )));
+        }
+        return serve_http(server, addr, key, args.allowed_hosts).await;
+    }
     let running = server
         .serve(rmcp::transport::stdio())
         .await
@@ -78,6 +106,71 @@ pub async fn run(client: async_nats::Client, args: McpArgs) -> Result<(), CliErr
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     Ok(())
+}
+
+/// Serves MCP over streamable HTTP at `/mcp` until Ctrl-C; a request without the key is `401`
+/// before MCP sees it.
+async fn serve_http(
+    server: CyreneMcp,
+    addr: std::net::SocketAddr,
+    key: String,
+    allowed_hosts: Vec<String>,
+) -> Result<(), CliError> {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let config = StreamableHttpServerConfig::default().with_allowed_hosts(allowed_hosts);
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    let expected = Arc::new(format!("Bearer {key}"));
+    let app = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let expected = expected.clone();
+                async move {
+                    let given = request
+                        .headers()
+                        .get(axum::http::header::AUTHORIZATION)
+                        .map(|v| v.as_bytes())
+                        .unwrap_or_default();
+                    if !same_key(given, expected.as_bytes()) {
+                        return axum::http::Response::builder()
+                            .status(axum::http::StatusCode::UNAUTHORIZED)
+                            .body(axum::body::Body::from("missing or wrong key\n"))
+                            .unwrap_or_default();
+                    }
+                    next.run(request).await
+                }
+            },
+        ));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| CliError::Failed(format!("cannot listen on {addr}: {e}")))?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    eprintln!("cyrene mcp: MCP over streamable HTTP on http://{bound}/mcp");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| CliError::Failed(e.to_string()))
+}
+
+/// Compares a presented key with the expected one in time independent of where they differ.
+fn same_key(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
 }
 
 #[derive(Debug, Clone)]
