@@ -241,6 +241,17 @@ async fn every_binary_serves_probes_and_the_documented_metrics_after_a_tool_turn
     wait_status(&binaries.addrs, "/readyz", 200, Duration::from_secs(20)).await;
 
     run_turn(&client, "health-s1", "what time is it?").await;
+    // The turn's worker asked the store for a checkpoint the fresh turn did not have yet: an
+    // expected `not_found`, which is no error of the store's (issue 37).
+    let store = micro::answer(&client, "STATS", "cyrene-checkpoint-store").await;
+    let endpoints = store["endpoints"].as_array().unwrap();
+    let latest = endpoints.iter().find(|e| e["name"] == "latest").unwrap();
+    assert!(latest["num_requests"].as_u64().unwrap() >= 1, "{store}");
+    let errors: u64 = endpoints
+        .iter()
+        .map(|e| e["num_errors"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(errors, 0, "a healthy turn counts no store error: {store}");
     // A bad request: answered bad_request and counted as an error by $SRV.STATS and /metrics.
     let reply = client
         .request(subjects::SESSION_SEND, "{not json".into())

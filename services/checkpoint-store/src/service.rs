@@ -89,6 +89,12 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
     let save_options = ServeOptions {
         max_in_flight: config.max_in_flight,
         max_payload: config.max_state_bytes.saturating_add(SAVE_ENVELOPE_SLACK),
+        expected: &[],
+    };
+    // A fresh turn has no checkpoint yet: its `latest` is `not_found`, a normal answer.
+    let latest_options = ServeOptions {
+        expected: &[ErrorCode::NotFound],
+        ..small
     };
     let person = |what: &str| subjects::person_all(what);
     let save = with_state(store, move |s, cp: Checkpoint, _| async move {
@@ -148,7 +154,7 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
     });
     vec![
         Endpoint::json("save", subjects::CHECKPOINT_SAVE, save).options(save_options),
-        Endpoint::json("latest", subjects::CHECKPOINT_LATEST, latest()).options(small),
+        Endpoint::json("latest", subjects::CHECKPOINT_LATEST, latest()).options(latest_options),
         Endpoint::json("get", subjects::CHECKPOINT_GET, get()).options(small),
         Endpoint::json("list", subjects::CHECKPOINT_LIST, list()).options(small),
         Endpoint::json("retain", subjects::CHECKPOINT_RETAIN, retain).options(small),
@@ -157,7 +163,7 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
             person(subjects::PERSON_CHECKPOINT_LATEST),
             latest(),
         )
-        .options(small),
+        .options(latest_options),
         Endpoint::json("person-get", person(subjects::PERSON_CHECKPOINT_GET), get()).options(small),
         Endpoint::json(
             "person-list",

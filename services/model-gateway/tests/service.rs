@@ -71,6 +71,7 @@ async fn start() -> Running {
     let options = ServeOptions {
         max_in_flight: 16,
         max_payload: MAX_PAYLOAD,
+        ..ServeOptions::default()
     };
     let task = tokio::spawn({
         let (gateway, client, shutdown) = (gateway.clone(), client.clone(), shutdown.clone());

@@ -227,11 +227,16 @@ pub struct RequestContext {
     pub headers: HeaderMap,
 }
 
-/// Limits for [`serve_json`].
+/// Limits for [`serve_json`], and the answers that are not failures.
 #[derive(Debug, Clone, Copy)]
 pub struct ServeOptions {
     pub max_in_flight: usize,
     pub max_payload: usize,
+    /// Error codes this endpoint answers as a normal outcome (the checkpoint store's `latest` of
+    /// a turn with no checkpoint yet is `not_found`): the reply is the same on the wire —
+    /// error headers and envelope — but it is not counted in `$SRV.STATS` errors, and
+    /// `cyrene_requests_total` counts it as `ok` (docs/operations.md, "Metrics").
+    pub expected: &'static [ErrorCode],
 }
 
 impl Default for ServeOptions {
@@ -239,6 +244,7 @@ impl Default for ServeOptions {
         ServeOptions {
             max_in_flight: 256,
             max_payload: guard::DEFAULT_MAX_PAYLOAD,
+            expected: &[],
         }
     }
 }
@@ -260,7 +266,12 @@ pub async fn serve_json<Req, Resp, F, Fut>(
 {
     let handler = Arc::new(handler);
     serve_requests(endpoint, options.max_in_flight, shutdown, move |request| {
-        handle(request, handler.clone(), options.max_payload)
+        handle(
+            request,
+            handler.clone(),
+            options.max_payload,
+            options.expected,
+        )
     })
     .await;
 }
@@ -317,8 +328,12 @@ pub async fn serve_requests<F, Fut>(
 /// How long shutdown waits for requests already on their way to this process.
 const DRAIN_WAIT: Duration = Duration::from_millis(200);
 
-async fn handle<Req, Resp, F, Fut>(request: Request, handler: Arc<F>, max_payload: usize)
-where
+async fn handle<Req, Resp, F, Fut>(
+    request: Request,
+    handler: Arc<F>,
+    max_payload: usize,
+    expected: &'static [ErrorCode],
+) where
     Req: DeserializeOwned,
     Resp: Serialize,
     F: Fn(Req, RequestContext) -> Fut,
@@ -336,10 +351,21 @@ where
             }
             Err(err) => Err(err),
         };
-        if let Err(err) = &result {
-            tracing::debug!(code = %err.code, message = %err.message, "request failed");
-        }
-        let (code, sent) = respond_coded(&request, result).await;
+        let (code, sent) = match result {
+            Err(err) if expected.contains(&err.code) => {
+                let headers = error_headers(&err);
+                let sent = request
+                    .respond_with_headers(Ok(error_payload(&err)), headers)
+                    .await;
+                (None, sent)
+            }
+            result => {
+                if let Err(err) = &result {
+                    tracing::debug!(code = %err.code, message = %err.message, "request failed");
+                }
+                respond_coded(&request, result).await
+            }
+        };
         if let Err(err) = sent {
             tracing::warn!(error = %err, "could not send the reply");
         }
