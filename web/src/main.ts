@@ -635,7 +635,9 @@ async function flush(): Promise<void> {
           },
           client_id: clientId,
           idempotency_key: o.key,
-          ...(o.persona ? { env: { persona: o.persona } } : {}),
+          // The persona picked addresses this message, in a new session or an existing one:
+          // the session's turns run as it from here on (docs/orchestrator.md, "Several personas").
+          ...(o.persona ? { persona: o.persona } : {}),
           ...(o.whenBusy ? { when_busy: o.whenBusy } : {}),
         });
       } catch (e) {

@@ -439,7 +439,7 @@ scenario('"remember me" keeps the login in this browser until Log out', async ()
   await page.context().close();
 });
 
-scenario("New session opens a fresh session at once; its first message sets the persona picked", async () => {
+scenario("New session opens a fresh session at once; the persona picked answers, and picking another switches the session", async () => {
   const page = await newPage();
   await loggedIn(page, "alice", aliceSession);
   await page.getByRole("button", { name: "New session" }).click();
@@ -451,6 +451,11 @@ scenario("New session opens a fresh session at once; its first message sets the 
   await sendMessage(page, "hello hoshi");
   const turn = await answered(page, "You said: hello hoshi");
   assert.equal(await turn.locator(".answer .who").innerText(), "hoshi");
+  // the picker addresses another persona in the same session: she answers the next message
+  await page.getByLabel("Persona", { exact: true }).selectOption("cyrene");
+  await sendMessage(page, "hello cyrene");
+  const next = await answered(page, "You said: hello cyrene");
+  assert.equal(await next.locator(".answer .who").innerText(), "cyrene");
   // both sessions are listed, the new one first (newest first), once the list is read again
   await page.waitForFunction(
     ([a, b]) => {
