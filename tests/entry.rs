@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::free_port;
+use cyrene_test_support::free_port;
 
 use common::workspace_binary;
 use cyrene_protocol::checkpoint::Checkpoint;

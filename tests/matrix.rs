@@ -11,11 +11,12 @@ use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::message::{Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse};
 use cyrene_protocol::subjects;
+use cyrene_test_support::free_port;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use synapse::world::{World, world};
-use synapse::{DOT_PNG, Synapse, free_port};
+use synapse::{DOT_PNG, Synapse};
 use tokio::sync::Notify;
 
 /// The bridge binary for `synapse`'s bot `@cyrene:localhost`, owner `@alice:localhost`, its

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::free_port;
+use cyrene_test_support::free_port;
 
 use common::{Stack, eventually, job, service, worker_config};
 use cyrene_protocol::turn::TurnOutcome;

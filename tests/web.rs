@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::free_port;
+use cyrene_test_support::free_port;
 
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::shipped::shipped_config;

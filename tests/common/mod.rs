@@ -646,12 +646,3 @@ pub fn service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::proc
     cmd.stdout(std::process::Stdio::null());
     cmd.spawn().unwrap()
 }
-
-/// A free TCP port on 127.0.0.1 (bound and released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}

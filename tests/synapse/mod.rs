@@ -57,15 +57,6 @@ fn synapse_py() -> PathBuf {
     path
 }
 
-/// A free TCP port on 127.0.0.1.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The config of a throwaway server. `messages_per_second`: the homeserver's message rate
 /// limit per user (a low one makes it answer 429).
 fn config(dir: &std::path::Path, port: u16, messages_per_second: f64) -> String {
@@ -124,7 +115,7 @@ impl Synapse {
     pub async fn start_with(messages_per_second: f64) -> Synapse {
         let py = synapse_py();
         let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
+        let port = cyrene_test_support::free_port();
         let path = dir.path().join("homeserver.yaml");
         std::fs::write(&path, config(dir.path(), port, messages_per_second)).unwrap();
         let python = |args: &[&str]| {

@@ -100,3 +100,12 @@ pub use echo::EchoProcess;
 pub use raw::{MALFORMED_HEADER_BLOCKS, RawConnection};
 pub use server::{NatsServer, NatsServerBuilder};
 pub use subscribe::subscribed;
+
+/// A free TCP port on 127.0.0.1 (bound and released: another process may take it meanwhile).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
