@@ -489,15 +489,7 @@ async fn askers_of_one_persona_do_not_see_each_other() {
 async fn cyrene_up_and_demo_show_a_tool_call_a_steered_message_and_checkpoints() {
     let server = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let _up = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
-        .args(["up", "--data-dir"])
-        .arg(data.path())
-        .env("NATS_URL", server.url())
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _up = common::cyrene_up(&server.url(), data.path());
     let out = tokio::time::timeout(
         Duration::from_secs(120),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
@@ -646,16 +638,7 @@ async fn a_message_sent_into_a_turn_past_its_deadline_gets_a_turn_of_its_own() {
     let first = world
         .send("sd", "search my notes about the picnic", "sd-1")
         .await;
-    let tools = world.tools.clone();
-    common::eventually("the held tool started", Duration::from_secs(30), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    world.tools.hold_started("the held tool started").await;
     let second = world.send("sd", "and the weather?", "sd-2").await;
     // The turn's deadline (counted from before its tool started) passes; then the tool ends.
     tokio::time::sleep(Duration::from_millis(timeout_ms + 200)).await;

@@ -223,16 +223,7 @@ async fn the_bridge_killed_mid_turn_answers_each_message_once() {
     let gate = Arc::new(Notify::new());
     *world.tools.gate.lock().unwrap() = Some(gate.clone());
     alice.say(&dm, "a slow one, please", &[]).await;
-    let tools = world.tools.clone();
-    common::eventually("the turn holds", Duration::from_secs(60), || {
-        tools
-            .runs
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|(name, _)| name == "hold")
-    })
-    .await;
+    world.tools.hold_started("the turn holds").await;
     first.start_kill().unwrap(); // SIGKILL, mid-turn
     first.wait().await.unwrap();
     alice.say(&dm, "second message", &[]).await;

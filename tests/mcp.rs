@@ -402,15 +402,7 @@ fn mcp_py() -> PathBuf {
 async fn the_official_python_sdk_lists_asks_and_reads_through_cyrene_mcp() {
     let server = cyrene_test_support::NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let _up = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
-        .args(["up", "--data-dir"])
-        .arg(data.path())
-        .env("NATS_URL", server.url())
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _up = common::cyrene_up(&server.url(), data.path());
     common::wait_for_the_four_services(&server.connect().await).await;
     let stdio = python_report(
         &server.url(),

@@ -574,7 +574,7 @@ impl TestTools {
 
     /// Waits (bounded) until the `hold` tool has started.
     pub async fn hold_started(&self, what: &str) {
-        eventually(what, Duration::from_secs(30), || {
+        eventually(what, Duration::from_secs(60), || {
             self.runs
                 .lock()
                 .unwrap()
@@ -645,4 +645,18 @@ pub fn service(name: &str, nats_url: &str, envs: &[(&str, &str)]) -> tokio::proc
     }
     cmd.stdout(std::process::Stdio::null());
     cmd.spawn().unwrap()
+}
+
+/// `cyrene up` (every service in one process) on `nats_url` with its data in `data`, killed on
+/// drop; its log is quiet.
+pub fn cyrene_up(nats_url: &str, data: &std::path::Path) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["up", "--data-dir"])
+        .arg(data)
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
 }
