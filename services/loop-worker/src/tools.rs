@@ -268,7 +268,8 @@ struct ToolReply {
 /// The most images one tool result may carry.
 pub const MAX_TOOL_IMAGES: usize = 4;
 
-/// The largest image URI one tool result may carry (a checkpoint holds it until the turn ends).
+/// The most image URI bytes one tool result may carry, all its images together (the MCP
+/// bridge's own cap; a checkpoint and every later view of the turn hold them).
 pub const MAX_TOOL_IMAGE_BYTES: usize = 512 << 10;
 
 /// A tool's images, if each is an image `data:` URI within the bounds.
@@ -293,12 +294,7 @@ fn tool_images(images: Vec<String>) -> Result<Vec<String>, String> {
         {
             return Err(format!("images[{i}] has no image type"));
         }
-        if uri.len() > MAX_TOOL_IMAGE_BYTES {
-            return Err(format!(
-                "images[{i}] is {} bytes, more than {MAX_TOOL_IMAGE_BYTES}",
-                uri.len()
-            ));
-        }
+
         if data.is_empty()
             || !data
                 .bytes()
@@ -306,6 +302,12 @@ fn tool_images(images: Vec<String>) -> Result<Vec<String>, String> {
         {
             return Err(format!("images[{i}] is not base64"));
         }
+    }
+    let total: usize = images.iter().map(String::len).sum();
+    if total > MAX_TOOL_IMAGE_BYTES {
+        return Err(format!(
+            "its images take {total} bytes, more than the {MAX_TOOL_IMAGE_BYTES} a result may carry"
+        ));
     }
     Ok(images)
 }
