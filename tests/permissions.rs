@@ -194,6 +194,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, P, N, N, N, N, N, N, N],
         ),
         (
+            "cyrene.memory.extract.t1",
+            "a memory extraction is queued (JetStream)",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
             "cyrene.checkpoint.save",
             "a step is checkpointed",
             [N, S, N, P, N, N, N, N, N, N],
@@ -226,7 +231,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.model.complete",
             "a model call",
-            [S, N, N, P, N, N, N, N, N, N],
+            [S, N, P, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.model.complete.stream",
@@ -382,6 +387,26 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             "$JS.API.STREAM.DELETE.OBJ_CYRENE_DOCUMENTS",
             "the document bucket is deleted",
             [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.CREATE.CYRENE_MEMORY",
+            "the memory extraction queue is created",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.PURGE.CYRENE_MEMORY",
+            "the memory extraction queue is purged",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.CONSUMER.MSG.NEXT.CYRENE_MEMORY.cyrene-memory",
+            "an orchestrator pulls a memory extraction",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.ACK.CYRENE_MEMORY.cyrene-memory.1.1.1.1.0",
+            "an orchestrator acknowledges a memory extraction",
+            [N, N, P, N, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.MSG.GET.CYRENE_TURNS",

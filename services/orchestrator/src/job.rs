@@ -220,6 +220,8 @@ mod tests {
             restricted: true,
             tools: Some(vec!["current_time".into()]),
             turn_timeout_ms: Some(5_000),
+            memory_extraction: None,
+            memory_model: None,
         });
         p
     }

@@ -44,6 +44,12 @@ pub struct Persona {
     /// How long one of its turns may run, in milliseconds from the turn's creation: absent = no
     /// limit. Sent as the turn job's `deadline_unix_ms`.
     pub turn_timeout_ms: Option<u64>,
+    /// Whether memory extraction runs after its turns (docs/memory.md, "Memory she gathers
+    /// herself"): absent = on for the default persona, off for the others.
+    pub memory_extraction: Option<bool>,
+    /// The model the extraction asks (the gateway's explicit model route); absent = the
+    /// persona's own chain.
+    pub memory_model: Option<String>,
 }
 
 /// The `CYRENE_ORCHESTRATOR_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
@@ -78,6 +84,8 @@ impl Personas {
                 restricted: false,
                 tools: None,
                 turn_timeout_ms: None,
+                memory_extraction: None,
+                memory_model: None,
             }],
         }
     }
@@ -115,6 +123,15 @@ impl Personas {
                 ids::validate(IdKind::Tool, tool)
                     .map_err(|e| PersonasError(format!("persona {:?}: tools: {e}", p.id)))?;
             }
+            if p.memory_model
+                .as_deref()
+                .is_some_and(|m| m.trim().is_empty())
+            {
+                return Err(PersonasError(format!(
+                    "persona {:?}: memory_model must name a model",
+                    p.id
+                )));
+            }
             if p.turn_timeout_ms == Some(0) {
                 return Err(PersonasError(format!(
                     "persona {:?}: turn_timeout_ms must be at least 1",
@@ -143,6 +160,14 @@ impl Personas {
         } else {
             self.get(id)
         }
+    }
+
+    /// Whether the turns of persona `id` have their memory extracted: its `memory_extraction`,
+    /// else on for the default persona only.
+    pub fn extracts_memory(&self, id: &str) -> bool {
+        let id = if id.is_empty() { &self.default } else { id };
+        self.get(id)
+            .is_some_and(|p| p.memory_extraction.unwrap_or(*id == self.default))
     }
 
     /// Persona id → display name (for attribution labels in turn jobs).
@@ -200,6 +225,28 @@ mod tests {
     }
 
     #[test]
+    fn memory_extraction_is_on_for_the_default_persona_unless_set() {
+        let p = Personas::from_json(
+            r#"{"default":"a","personas":[{"id":"a","name":"x"},{"id":"b","name":"y"},
+               {"id":"c","name":"z","memory_extraction":true,"memory_model":"small"},
+               {"id":"d","name":"w","memory_extraction":false}]}"#,
+        )
+        .unwrap();
+        assert!(p.extracts_memory("a"));
+        assert!(p.extracts_memory(""), "empty: the default persona");
+        assert!(!p.extracts_memory("b"));
+        assert!(p.extracts_memory("c"));
+        assert_eq!(p.get("c").unwrap().memory_model.as_deref(), Some("small"));
+        assert!(!p.extracts_memory("nobody"));
+        let off = Personas::from_json(
+            r#"{"default":"d","personas":[{"id":"d","name":"w","memory_extraction":false}]}"#,
+        )
+        .unwrap();
+        assert!(!off.extracts_memory("d"));
+        assert!(Personas::builtin().extracts_memory("cyrene"));
+    }
+
+    #[test]
     fn refuses_bad_documents() {
         for bad in [
             r#"{"default":"a","personas":[]}"#,
@@ -210,6 +257,7 @@ mod tests {
             r#"{"default":"a","personas":[{"id":"a","name":"x","colour":"red"}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","tools":["a.b"]}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","turn_timeout_ms":0}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","memory_model":" "}]}"#,
         ] {
             assert!(Personas::from_json(bad).is_err(), "{bad}");
         }

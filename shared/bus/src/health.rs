@@ -239,6 +239,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "From a turn's creation to its job confirmed in the CYRENE_TURNS stream.",
     ),
     (
+        "cyrene_memory_extractions_total",
+        Kind::Counter,
+        "Memory extraction deliveries, by outcome (written, already_done, skipped, malformed, retry, dropped).",
+    ),
+    (
         "cyrene_sessions_active",
         Kind::Gauge,
         "Sessions with a turn running (sampled every 10 s from the database).",

@@ -9,7 +9,7 @@ use crate::ids::{self, IdError, IdKind};
 
 // Defined beside their shapes; named here too so that this file lists every subject.
 pub use crate::document::{DOCUMENT_READ, DOCUMENT_UPLOAD};
-pub use crate::memory::{MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
+pub use crate::memory::{MEMORY_EXTRACT_ALL, MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
 
 /// Model completions (micro endpoint `complete`).
 pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
@@ -191,6 +191,13 @@ pub fn speaks_as(subject: &str, from: &str) -> bool {
 pub fn session_events(session_id: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Session, session_id)?;
     Ok(format!("cyrene.session.{session_id}.events"))
+}
+
+/// `cyrene.memory.extract.<turn_id>`: the memory extraction job of a turn that ended with an
+/// answer (JetStream stream `CYRENE_MEMORY`; docs/memory.md).
+pub fn memory_extract(turn_id: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Leg, turn_id)?;
+    Ok(format!("cyrene.memory.extract.{turn_id}"))
 }
 
 /// `cyrene.turn.input.<turn_id>`: the messages the orchestrator claimed for a running turn,

@@ -25,6 +25,8 @@ fn two_personas() -> Personas {
                 restricted: false,
                 tools: None,
                 turn_timeout_ms: None,
+                memory_extraction: None,
+                memory_model: None,
             },
             Persona {
                 id: "hoshi".into(),
@@ -33,6 +35,8 @@ fn two_personas() -> Personas {
                 restricted: true,
                 tools: Some(vec!["current_time".into()]),
                 turn_timeout_ms: Some(60_000),
+                memory_extraction: None,
+                memory_model: None,
             },
         ],
     }

@@ -147,6 +147,8 @@ fn two_personas() -> Personas {
         restricted: false,
         tools: None,
         turn_timeout_ms: None,
+        memory_extraction: None,
+        memory_model: None,
     };
     Personas {
         default: "cyrene".into(),
