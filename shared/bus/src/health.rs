@@ -253,6 +253,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "Messages stored but not yet taken by a turn (sampled every 10 s from the database).",
     ),
     (
+        "cyrene_http_accept_errors_total",
+        Kind::Counter,
+        "Accepts an HTTP listener could not make (out of descriptors), by listener (health, http).",
+    ),
+    (
         "cyrene_matrix_bridge_messages_total",
         Kind::Counter,
         "Matrix room messages, by outcome (sent, refused, not_addressed).",

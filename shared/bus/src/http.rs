@@ -36,7 +36,7 @@ pub struct ConnLimits {
 
 /// Accepts connections on `listener` and serves `app` on each within `limits` until
 /// `shutdown`; then waits for the open connections to finish their requests. `name` labels the
-/// accept-error log line.
+/// accept-error log line and `cyrene_http_accept_errors_total`.
 pub async fn serve_connections(
     name: &'static str,
     listener: TcpListener,
@@ -61,6 +61,8 @@ pub async fn serve_connections(
                 Ok((stream, _)) => stream,
                 Err(err) => {
                     tracing::warn!(listener = name, error = %err, "cannot accept; pausing");
+                    metrics::counter!("cyrene_http_accept_errors_total", "listener" => name)
+                        .increment(1);
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
