@@ -1,6 +1,7 @@
 //! The front door's connections (docs/model-gateway.md, "Limits of the front door";
-//! docs/security.md, "The HTTP front door"): its own accept loop, so that no number of sockets a
-//! client opens can take the descriptors the bus path needs (issue 30, H3).
+//! docs/security.md, "The HTTP front door"): its bounds, served by the bounded accept loop of
+//! `cyrene_bus::http`, so that no number of sockets a client opens can take the descriptors the
+//! bus path needs.
 //!
 //! # Invariants
 //! - At most [`HttpLimits::max_connections`] client connections are open, and never more than a
