@@ -25,8 +25,7 @@ fn two_personas() -> Personas {
                 restricted: false,
                 tools: None,
                 turn_timeout_ms: None,
-                memory_extraction: None,
-                memory_model: None,
+                ..Default::default()
             },
             Persona {
                 id: "hoshi".into(),
@@ -35,8 +34,7 @@ fn two_personas() -> Personas {
                 restricted: true,
                 tools: Some(vec!["current_time".into()]),
                 turn_timeout_ms: Some(60_000),
-                memory_extraction: None,
-                memory_model: None,
+                ..Default::default()
             },
         ],
     }

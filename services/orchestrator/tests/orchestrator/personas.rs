@@ -18,8 +18,7 @@ fn persona(id: &str, name: &str) -> Persona {
         restricted: false,
         tools: None,
         turn_timeout_ms: None,
-        memory_extraction: None,
-        memory_model: None,
+        ..Default::default()
     }
 }
 

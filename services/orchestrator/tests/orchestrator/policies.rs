@@ -147,8 +147,7 @@ fn two_personas() -> Personas {
         restricted: false,
         tools: None,
         turn_timeout_ms: None,
-        memory_extraction: None,
-        memory_model: None,
+        ..Default::default()
     };
     Personas {
         default: "cyrene".into(),
