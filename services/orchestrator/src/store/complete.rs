@@ -6,7 +6,7 @@
 //!   back, and the next turn (or the claims for the one leg left) commit together.
 //! - A second completion of a turn changes nothing and reports `first = false`.
 //! - A completion with a final answer in a session that is not restricted, answering no ask,
-//!   names a memory extraction job (`Completed::memory_job`), on a repeated completion too.
+//!   not stopped by a guard, names a memory extraction job (`Completed::memory_job`), on a repeated completion too.
 //! - The common completion checks the fence and completes the turn in one conditional UPDATE;
 //!   only when it matches nothing does the fence's read say why (`not_found`, `bad_request`,
 //!   `conflict`) or that the turn was already completed.
@@ -18,6 +18,9 @@ use cyrene_protocol::memory::MemoryExtractJob;
 use cyrene_protocol::message::Role;
 use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::{TurnComplete, TurnOutcome};
+
+/// The stop reason of a turn its persona's guard ended (docs/loop-worker.md, "Guardrails").
+const GUARDRAIL_STOP: &str = "guardrail";
 use sqlx::Row;
 
 impl Store {
@@ -184,9 +187,13 @@ impl Store {
 
     /// Whether a completion may ask for memory extraction (before the persona's own setting and
     /// whether it answers an ask): a final answer in a session that is not restricted — a
-    /// person's restricted sessions (groups, strangers) never write into the owner's memory.
+    /// person's restricted sessions (groups, strangers) never write into the owner's memory —
+    /// that the persona's guard did not stop (what a guard refused is not remembered either).
     fn extraction_wanted(&self, req: &TurnComplete, env: &SessionEnv) -> bool {
-        req.outcome == TurnOutcome::Final && req.message.is_some() && !env.restricted
+        req.outcome == TurnOutcome::Final
+            && req.message.is_some()
+            && !env.restricted
+            && req.stop_reason != GUARDRAIL_STOP
     }
 
     /// The job for `req`'s turn, run as `turn_persona` (else the session's, else the default).

@@ -229,8 +229,8 @@ on_both_backends!(extracted_once_with_provenance:
     memory_is_extracted_once_with_provenance_sqlite,
     memory_is_extracted_once_with_provenance_postgres);
 
-/// A stranger's turn in a restricted session publishes no job; neither does a persona whose
-/// extraction is off. The owner's own turn does.
+/// A stranger's turn in a restricted session publishes no job; neither does the owner's turn
+/// that a guard stopped. The owner's own answered turn does.
 async fn restricted_sessions_write_nothing(backend: Backend) {
     let (world, _replica, mut jobs) = one_replica_with(backend, |c| {
         fast(c);
@@ -250,8 +250,21 @@ async fn restricted_sessions_write_nothing(backend: Backend) {
     assert!(job.env.restricted);
     assert!(completes_first(c, &job, 1, "ok").await);
 
-    // The owner's turn comes after, and its extraction is the first the model sees.
+    // The owner's turn that her persona's guard stopped: nothing of it is remembered either.
     let alice = subjects::person("alice", subjects::PERSON_SESSION_SEND).unwrap();
+    let req = send_req("alice.s0", "something the guard refuses", "a0", "cli");
+    let _: cyrene_protocol::session::SendAck = cyrene_bus::request_json(c, &alice, &req, TIMEOUT)
+        .await
+        .unwrap();
+    let (job, _) = jobs.next().await;
+    assert!(!job.env.restricted);
+    let stopped = cyrene_protocol::turn::TurnComplete {
+        stop_reason: "guardrail".into(),
+        ..completion(&job, 1, "I can't help with that.")
+    };
+    assert!(complete(c, &stopped).await.unwrap().first);
+
+    // The owner's turn comes after, and its extraction is the first the model sees.
     let req = send_req("alice.s1", "I moved to Kyoto", "a1", "cli");
     let _: cyrene_protocol::session::SendAck = cyrene_bus::request_json(c, &alice, &req, TIMEOUT)
         .await
