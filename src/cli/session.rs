@@ -235,6 +235,16 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
             };
             format!("{who}: {}{leg}", m.text_content())
         }
+        SessionEventType::ToolOutcomeUnknown => format!(
+            "? outcome unknown: {}({}) call {} was running when the runtime stopped; not run again{leg}",
+            event.tool.as_deref().unwrap_or_default(),
+            event
+                .arguments
+                .clone()
+                .map(Value::Object)
+                .unwrap_or(Value::Null),
+            event.call_id.as_deref().unwrap_or_default()
+        ),
         SessionEventType::Error => format!(
             "error: {}{leg}",
             event
