@@ -15,8 +15,8 @@
 //! - **idempotent re-run under a new id**: a logical step of the idempotent tool that ran under
 //!   two call ids (a re-run must keep the step's id);
 //! - **stuck**: a turn that started and neither ended on the wire nor answered in a transcript;
-//! - **failover**: a worker's SIGKILL → the first model request of a turn it was running, from
-//!   another worker.
+//! - **failover**: a worker's SIGKILL → the first model request or tool execution of a turn it
+//!   was running, from another worker.
 
 use crate::script;
 use crate::tools::Execution;
@@ -346,11 +346,30 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                     && !killed(&r.inbox)
                     && turn_of_primary(&r.primary).as_deref() == Some(turn)
             });
+            // A turn killed while its tool batch ran continues that batch (its calls were
+            // durable) before any model request: its first tool execution elsewhere counts too.
+            let next_tool = inputs
+                .executions
+                .iter()
+                .filter(|e| {
+                    e.started > kill.at
+                        && !killed(&e.inbox)
+                        && turn_of_primary(script::primary_of_key(&e.key)).as_deref() == Some(turn)
+                })
+                .map(|e| e.started)
+                .min();
+            let taken = match (next.map(|r| r.at), next_tool) {
+                (Some(a), Some(b)) => a.min(b),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => {
+                    unmeasured += 1;
+                    continue;
+                }
+            };
+            f.failovers.push(taken - kill.at);
             let Some(next) = next else {
-                unmeasured += 1;
                 continue;
             };
-            f.failovers.push(next.at - kill.at);
             let checkpointed = inputs
                 .wire
                 .saves
@@ -429,7 +448,7 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     let _ = writeln!(t, "STUCK {}", f.stuck.len());
     let _ = writeln!(
         t,
-        "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request)",
+        "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request or tool execution)",
         secs(f.failover_p50()),
         secs(max),
         f.interrupted,
