@@ -87,6 +87,7 @@ fn started_row(step: u32, calls: &[(&str, &str)], recorded: &[&str]) -> Checkpoi
         finish_reason: String::new(),
         turn_id: "t1".into(),
         steered_ids: vec![],
+        guard_reason: Default::default(),
     };
     Checkpoint {
         id: checkpoint_id("s1", Some("t1"), step),
