@@ -25,7 +25,9 @@ fn rules() -> Value {
          "after_tools": "survived: {tool_results}"},
         {"contains": "slow", "tool_calls": [{"name": "slow"}], "after_tools": "slow done"},
         {"contains": "leg", "tool_calls": [{"name": "count"}], "after_tools": "leg done"},
-        {"contains": "broken", "tool_calls": [{"name": "broken"}], "after_tools": "saw: {tool_results}"}
+        {"contains": "broken", "tool_calls": [{"name": "broken"}], "after_tools": "saw: {tool_results}"},
+        {"contains": "repeatable", "tool_calls": [{"name": "hold"}], "after_tools": "after: {tool_results}"},
+        {"contains": "only once", "tool_calls": [{"name": "hold_once"}], "after_tools": "after: {tool_results}"}
     ])
 }
 
@@ -246,18 +248,125 @@ async fn a_worker_process_killed_after_a_step_is_resumed_by_another_without_reru
     let mut first = stack.worker_process("first");
     stack.dispatch(&job("t3", "s3", "crash test")).await;
 
-    // Step 1 (count) is checkpointed and step 2's tool (hold) is running in the first worker.
+    // Step 1 (count) is checkpointed and step 2's tool (hold) is running in the first worker,
+    // its intent saved as step 2's started row.
     stack.hold_started("step 2's tool started").await;
-    assert_eq!(stack.checkpoints("s3").await[0].step, 1);
+    let latest = &stack.checkpoints("s3").await[0];
+    assert_eq!(
+        (latest.step, state(latest).stop_reason.as_str()),
+        (2, "tool_calls_started")
+    );
     stack.kill_and_release(&mut first, &gate).await;
 
     let (_second, done) = finished_by_a_second_worker(&stack, "t3", "completed").await;
     assert_eq!(done.steps, 3);
-    // Step 1's tool ran exactly once; step 2's was in flight at the crash (at least once).
+    // Step 1's tool ran exactly once; step 2's (idempotent) was in flight at the crash and ran
+    // again under the same id.
     assert_eq!(stack.tools.runs_of("call_1_1"), 1);
-    assert!(stack.tools.runs_of("call_2_1") >= 1);
+    let held = stack.tools.ids_of("hold");
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert_eq!(held[0], held[1]);
     let steps = checkpointed_steps(&stack, "s3").await;
     assert_eq!(steps, [3, 2, 1]);
+}
+
+/// A worker SIGKILLed between a tool call's `started` intent and its result: the next delivery
+/// continues that step's batch with the same call instead of asking the model again.
+async fn killed_while(
+    tool: &str,
+    text: &str,
+    turn: &str,
+    session: &str,
+) -> (Stack, Vec<SessionEvent>, TurnComplete) {
+    let stack = Stack::start(rules(), None).await;
+    let mut events = session_events(&stack, session).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *stack.tools.gate.lock().unwrap() = Some(gate.clone());
+    let mut first = stack.worker_process("first");
+    stack.dispatch(&job(turn, session, text)).await;
+    stack.tools.tool_started(tool, "the tool started").await;
+    // The intent is durable: the step's started row holds the call, no result.
+    let latest = &stack.checkpoints(session).await[0];
+    let started = state(latest);
+    assert_eq!(
+        (latest.step, started.stop_reason.as_str()),
+        (1, "tool_calls_started")
+    );
+    let calls: Vec<&str> = started
+        .messages
+        .iter()
+        .flat_map(|m| &m.content)
+        .filter_map(|p| match p {
+            Part::ToolCall { id, .. } => Some(id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls, stack.tools.ids_of(tool));
+    stack.kill_and_release(&mut first, &gate).await;
+    let (_second, done) = finished_by_a_second_worker(&stack, turn, "finished").await;
+    let mut seen = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), events.next()).await {
+        seen.extend(serde_json::from_slice::<SessionEvent>(&m.payload).ok());
+    }
+    (stack, seen, done)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotent_tool_running_at_a_kill_runs_again_once_under_the_same_call_id() {
+    let (stack, events, done) = killed_while("hold", "repeatable", "ti", "si").await;
+    let ids = stack.tools.ids_of("hold");
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert_eq!(ids[0], ids[1], "the same Cyrene-Tool-Call-Id");
+    assert_eq!(done.steps, 2);
+    assert_eq!(
+        done.message.unwrap().text_content(),
+        "after: hold ran as call_1_1"
+    );
+    // The model was asked once for step 1 (by the first worker) and once for step 2.
+    assert_eq!(stack.log.len(), 2);
+    assert!(
+        events
+            .iter()
+            .all(|e| e.kind != SessionEventType::ToolOutcomeUnknown)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_idempotent_tool_running_at_a_kill_is_never_run_again_and_its_outcome_is_unknown() {
+    let (stack, events, done) = killed_while("hold_once", "only once", "tu", "su").await;
+    let ids = stack.tools.ids_of("hold_once");
+    assert_eq!(ids.len(), 1, "never run twice: {ids:?}");
+    assert_eq!(done.steps, 2);
+    // The model got the deterministic outcome-unknown result for that call.
+    let requests = stack.log.snapshot();
+    assert_eq!(requests.len(), 2, "step 1 was not asked again");
+    let result = first_tool_result(&requests[1].messages);
+    assert_eq!(
+        result,
+        Some((cyrene_loop_worker::runner::OUTCOME_UNKNOWN.to_owned(), true))
+    );
+    // The session was told, with the call's id, tool and arguments.
+    let unknown: Vec<&SessionEvent> = events
+        .iter()
+        .filter(|e| e.kind == SessionEventType::ToolOutcomeUnknown)
+        .collect();
+    assert_eq!(unknown.len(), 1, "{events:?}");
+    assert_eq!(unknown[0].call_id.as_deref(), Some(ids[0].as_str()));
+    assert_eq!(unknown[0].tool.as_deref(), Some("hold_once"));
+    assert_eq!(unknown[0].arguments, Some(serde_json::Map::new()));
+    // The checkpoints show the intent's outcome: step 1's row holds the unknown result.
+    let step1 = stack
+        .checkpoints("su")
+        .await
+        .into_iter()
+        .find(|c| c.step == 1)
+        .unwrap();
+    assert_eq!(state(&step1).stop_reason, "tool_calls");
+    assert_eq!(
+        first_tool_result(&state(&step1).messages),
+        Some((cyrene_loop_worker::runner::OUTCOME_UNKNOWN.to_owned(), true))
+    );
+    assert_eq!(checkpointed_steps(&stack, "su").await, [2, 1]);
 }
 
 /// Issue 10's bug: a session's second turn, killed after its step 1, must resume from its own
@@ -281,11 +390,11 @@ async fn a_second_turn_killed_after_its_first_step_resumes_it(database_url: Opti
     stack.hold_started("turn 2's step 2 started").await;
     let rows = stack.checkpoints("s").await;
     assert_eq!(
-        (rows[0].id.as_str(), rows[0].step),
-        ("s:turn2:1", 1),
-        "the latest is the last write: turn 2's step 1"
+        (rows[0].id.as_str(), rows[1].id.as_str()),
+        ("s:turn2:2", "s:turn2:1"),
+        "the latest is the last write: turn 2's started step 2, after its step 1"
     );
-    assert_eq!(rows.len(), 4, "turn 1's three rows are all still there");
+    assert_eq!(rows.len(), 5, "turn 1's three rows are all still there");
     stack.kill_and_release(&mut first, &gate).await;
 
     let (_second, done) = finished_by_a_second_worker(&stack, "turn2", "finished").await;

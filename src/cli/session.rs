@@ -235,6 +235,16 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
             };
             format!("{who}: {}{leg}", m.text_content())
         }
+        SessionEventType::ToolOutcomeUnknown => format!(
+            "? outcome unknown: {}({}) call {} was running when the runtime stopped; not run again{leg}",
+            event.tool.as_deref().unwrap_or_default(),
+            event
+                .arguments
+                .clone()
+                .map(Value::Object)
+                .unwrap_or(Value::Null),
+            event.call_id.as_deref().unwrap_or_default()
+        ),
         SessionEventType::Error => format!(
             "error: {}{leg}",
             event
@@ -341,11 +351,16 @@ pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), Cl
             continue;
         }
         let state: Option<CheckpointState> = cp.state.parse().ok();
+        let calls = state.as_ref().map(|s| calls_of_step(&s.messages));
         let (stop, messages) = state
             .map(|s| (s.stop_reason, s.messages.len()))
             .unwrap_or_default();
+        let calls = match calls.flatten() {
+            Some(c) if stop.starts_with("tool_calls") => c.to_string(),
+            _ => String::new(),
+        };
         println!(
-            "{:<24} step {:>3}  {:<16} {:>3} messages  turn {} attempt {}  {}",
+            "{:<24} step {:>3}  {:<18} {:>3} messages  turn {} attempt {}  {}{calls}",
             cp.id,
             cp.step,
             stop,
@@ -360,9 +375,101 @@ pub async fn checkpoints(client: Client, args: CheckpointsArgs) -> Result<(), Cl
     Ok(())
 }
 
+/// The calls of a window's last tool-call message and what became of them: what `cyrene
+/// checkpoints` shows of a step's intent (docs/loop-worker.md, "Tool calls with a durable
+/// intent").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCalls {
+    pub calls: usize,
+    pub answered: usize,
+    /// Answered with the outcome-unknown result: started, not run again.
+    pub unknown: usize,
+}
+
+impl std::fmt::Display for StepCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pending = self.calls - self.answered - self.unknown;
+        write!(
+            f,
+            "  calls {}: {} answered, {} outcome unknown, {} started without a result",
+            self.calls, self.answered, self.unknown, pending
+        )
+    }
+}
+
+/// [`StepCalls`] of `window`, `None` when it holds no tool call.
+pub fn calls_of_step(window: &[Message]) -> Option<StepCalls> {
+    let at = window.iter().rposition(|m| {
+        m.role == Role::Assistant && m.content.iter().any(|p| matches!(p, Part::ToolCall { .. }))
+    })?;
+    let ids: Vec<&str> = window[at]
+        .content
+        .iter()
+        .filter_map(|p| match p {
+            Part::ToolCall { id, .. } => Some(id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let mut counts = StepCalls {
+        calls: ids.len(),
+        answered: 0,
+        unknown: 0,
+    };
+    for part in window[at + 1..].iter().flat_map(|m| &m.content) {
+        if let Part::ToolResult {
+            tool_call_id, text, ..
+        } = part
+            && ids.contains(&tool_call_id.as_str())
+        {
+            if text == cyrene_loop_worker::runner::OUTCOME_UNKNOWN {
+                counts.unknown += 1;
+            } else {
+                counts.answered += 1;
+            }
+        }
+    }
+    Some(counts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_steps_calls_show_their_intent_and_outcome() {
+        use cyrene_protocol::message::ToolCall;
+        let call = |id: &str| ToolCall {
+            id: id.into(),
+            name: "send_mail".into(),
+            args: serde_json::Map::new(),
+            args_error: None,
+        };
+        let mut window = vec![
+            Message::text(Role::User, "mail them"),
+            Message::assistant_tool_calls(&[call("c1"), call("c2"), call("c3")]),
+        ];
+        assert_eq!(
+            calls_of_step(&window),
+            Some(StepCalls {
+                calls: 3,
+                answered: 0,
+                unknown: 0
+            })
+        );
+        window.push(Message::tool_result("c1", "send_mail", "sent", false));
+        window.push(Message::tool_result(
+            "c2",
+            "send_mail",
+            cyrene_loop_worker::runner::OUTCOME_UNKNOWN,
+            true,
+        ));
+        let counts = calls_of_step(&window).unwrap();
+        assert_eq!(
+            counts.to_string(),
+            "  calls 3: 1 answered, 1 outcome unknown, 1 started without a result"
+        );
+        assert_eq!(calls_of_step(&window[..1]), None);
+    }
 
     #[test]
     fn when_busy_takes_the_wire_names() {

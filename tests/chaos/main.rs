@@ -324,16 +324,20 @@ fn figures_of(
     figures
 }
 
-/// Fails the test when lost, duplicated, re-run or stuck is not zero, or (when
-/// `CHAOS_FAILOVER_P50_MAX` is set) when the failover median is above it.
+/// Fails the test when lost, duplicated, re-run, not-idempotent executed twice, idempotent
+/// re-run under a new id or stuck is not zero, or (when `CHAOS_FAILOVER_P50_MAX` is set) when
+/// the failover median is above it.
 fn assert_clean(figures: &Figures) {
     let mut problems = Vec::new();
     if figures.failed() {
         problems.push(format!(
-            "lost {}, duplicated {}, tool re-runs {}, stuck {} (all must be 0)",
+            "lost {}, duplicated {}, tool re-runs {}, not-idempotent executed twice {}, \
+             idempotent re-runs under a new id {}, stuck {} (all must be 0)",
             figures.lost.len(),
             figures.duplicated.len(),
             figures.reruns.len(),
+            figures.once_twice.len(),
+            figures.new_id_reruns.len(),
             figures.stuck.len()
         ));
     }

@@ -18,8 +18,11 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 
-/// The name of the external tool the model calls.
+/// The name of the external tool the model calls: idempotent (`cyrene.tool.idempotent` = `true`).
 pub const TOOL: &str = "chaos_tool";
+/// The tool that must not run twice (`cyrene.tool.idempotent` = `false`), called for one step
+/// in three ([`script::calls_once_tool`]).
+pub const ONCE_TOOL: &str = "chaos_once";
 
 /// One request the provider answered.
 #[derive(Debug, Clone)]
@@ -253,7 +256,12 @@ async fn answer(state: &State, body: &[u8]) -> Value {
             .iter()
             .map(|(id, key)| {
                 let ms = script::tool_duration(key).as_millis() as u64;
-                json!({"id": id, "type": "function", "function": {"name": TOOL,
+                let tool = if script::calls_once_tool(key) {
+                    ONCE_TOOL
+                } else {
+                    TOOL
+                };
+                json!({"id": id, "type": "function", "function": {"name": tool,
                     "arguments": json!({"key": key, "ms": ms}).to_string()}})
             })
             .collect();

@@ -10,9 +10,13 @@
 //!   acknowledged — a *completed* step's tool ran again;
 //! - **in-flight re-run**: an execution of a step whose earlier execution was never checkpointed
 //!   (the worker died mid-step): at-least-once, counted but not a failure;
+//! - **not-idempotent executed twice**: a logical step of the tool declared not idempotent that
+//!   ran more than once, under any call id;
+//! - **idempotent re-run under a new id**: a logical step of the idempotent tool that ran under
+//!   two call ids (a re-run must keep the step's id);
 //! - **stuck**: a turn that started and neither ended on the wire nor answered in a transcript;
-//! - **failover**: a worker's SIGKILL → the first model request of a turn it was running, from
-//!   another worker.
+//! - **failover**: a worker's SIGKILL → the first model request or tool execution of a turn it
+//!   was running, from another worker.
 
 use crate::script;
 use crate::tools::Execution;
@@ -55,6 +59,12 @@ pub struct Figures {
     pub reruns: Vec<String>,
     pub rerun_turns: BTreeSet<String>,
     pub inflight_reruns: usize,
+    /// Steps of the not-idempotent tool executed more than once.
+    pub once_twice: Vec<String>,
+    /// Steps of the idempotent tool executed under more than one call id.
+    pub new_id_reruns: Vec<String>,
+    /// `tool_outcome_unknown` events seen on the wire.
+    pub outcome_unknown: usize,
     pub stuck: Vec<String>,
     pub interrupted: usize,
     pub failovers: Vec<Duration>,
@@ -68,6 +78,8 @@ impl Figures {
         !(self.lost.is_empty()
             && self.duplicated.is_empty()
             && self.reruns.is_empty()
+            && self.once_twice.is_empty()
+            && self.new_id_reruns.is_empty()
             && self.stuck.is_empty())
     }
 
@@ -219,6 +231,27 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     for e in inputs.executions {
         by_key.entry(e.key.as_str()).or_default().push(e);
     }
+    for (key, runs) in &by_key {
+        let ids: BTreeSet<&str> = runs.iter().map(|e| e.call_id.as_str()).collect();
+        match runs[0].tool {
+            crate::provider::ONCE_TOOL if runs.len() > 1 => f.once_twice.push(format!(
+                "{key}: {} executions under {}",
+                runs.len(),
+                ids.iter().copied().collect::<Vec<_>>().join(", ")
+            )),
+            crate::provider::TOOL if ids.len() > 1 => f.new_id_reruns.push(format!(
+                "{key}: ran under {}",
+                ids.iter().copied().collect::<Vec<_>>().join(", ")
+            )),
+            _ => {}
+        }
+    }
+    f.outcome_unknown = inputs
+        .wire
+        .events
+        .iter()
+        .filter(|e| e.event.kind == SessionEventType::ToolOutcomeUnknown)
+        .count();
     for (key, mut runs) in by_key {
         runs.sort_by_key(|e| e.started);
         for (i, e) in runs.iter().enumerate().skip(1) {
@@ -313,11 +346,30 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                     && !killed(&r.inbox)
                     && turn_of_primary(&r.primary).as_deref() == Some(turn)
             });
+            // A turn killed while its tool batch ran continues that batch (its calls were
+            // durable) before any model request: its first tool execution elsewhere counts too.
+            let next_tool = inputs
+                .executions
+                .iter()
+                .filter(|e| {
+                    e.started > kill.at
+                        && !killed(&e.inbox)
+                        && turn_of_primary(script::primary_of_key(&e.key)).as_deref() == Some(turn)
+                })
+                .map(|e| e.started)
+                .min();
+            let taken = match (next.map(|r| r.at), next_tool) {
+                (Some(a), Some(b)) => a.min(b),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => {
+                    unmeasured += 1;
+                    continue;
+                }
+            };
+            f.failovers.push(taken - kill.at);
             let Some(next) = next else {
-                unmeasured += 1;
                 continue;
             };
-            f.failovers.push(next.at - kill.at);
             let checkpointed = inputs
                 .wire
                 .saves
@@ -378,10 +430,25 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         "in-flight tool re-runs {} (at-least-once: the step was not checkpointed when its worker died)",
         f.inflight_reruns
     );
+    let _ = writeln!(
+        t,
+        "NON-IDEMPOTENT TOOLS EXECUTED TWICE {}",
+        f.once_twice.len()
+    );
+    let _ = writeln!(
+        t,
+        "IDEMPOTENT RE-RUNS UNDER A DIFFERENT CALL ID {}",
+        f.new_id_reruns.len()
+    );
+    let _ = writeln!(
+        t,
+        "outcome-unknown results {} (not-idempotent calls in flight at a crash or whose reply was lost: never run again)",
+        f.outcome_unknown
+    );
     let _ = writeln!(t, "STUCK {}", f.stuck.len());
     let _ = writeln!(
         t,
-        "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request)",
+        "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request or tool execution)",
         secs(f.failover_p50()),
         secs(max),
         f.interrupted,
@@ -397,6 +464,8 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         ("lost", &f.lost),
         ("duplicated", &f.duplicated),
         ("re-run", &f.reruns),
+        ("executed twice", &f.once_twice),
+        ("new call id", &f.new_id_reruns),
         ("stuck", &f.stuck),
     ] {
         for line in list.iter().take(10) {

@@ -104,6 +104,12 @@ pub fn round_keys(primary: &str, round: usize) -> Vec<String> {
         .collect()
 }
 
+/// Whether the step `key` calls the tool that must not run twice (one key in three) rather than
+/// the idempotent one (docs/chaos.md).
+pub fn calls_once_tool(key: &str) -> bool {
+    hash(&format!("{key}/once")).is_multiple_of(3)
+}
+
 /// The turn's primary marker of a logical tool key.
 pub fn primary_of_key(key: &str) -> &str {
     key.split('/').next().unwrap_or_default()

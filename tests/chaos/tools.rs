@@ -1,9 +1,10 @@
-//! The external tool the mock model calls: a micro endpoint `cyrene.tool.chaos_tool` with the
-//! metadata the loop workers discover, recording every execution by `Cyrene-Tool-Call-Id` and by
-//! logical key, with start and finish times and the caller's inbox (which worker asked).
+//! The external tools the mock model calls: micro endpoints `cyrene.tool.chaos_tool` (declared
+//! idempotent) and `cyrene.tool.chaos_once` (declared not idempotent) with the metadata the loop
+//! workers discover, recording every execution by tool, `Cyrene-Tool-Call-Id` and logical key,
+//! with start and finish times and the caller's inbox (which worker asked).
 
-use crate::provider::TOOL;
-use cyrene_test_support::micro::{add_tool, start_described_service};
+use crate::provider::{ONCE_TOOL, TOOL};
+use cyrene_test_support::micro::{add_tool_declaring, start_described_service};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,8 @@ use std::time::{Duration, Instant};
 /// One execution of the tool.
 #[derive(Debug, Clone)]
 pub struct Execution {
+    /// Which tool ran.
+    pub tool: &'static str,
     pub key: String,
     pub call_id: String,
     /// The caller's request inbox (`_INBOX_<service>.<id>`): one per worker connection.
@@ -48,48 +51,23 @@ impl ToolService {
         let description = "Looks something up (chaos suite; counts its executions)";
         let parameters = json!({"type": "object", "properties": {"key": {"type": "string"},
             "ms": {"type": "integer"}}});
-        let mut endpoint = add_tool(&service, TOOL, description, &parameters.to_string()).await;
         let executions: Arc<Mutex<Vec<Execution>>> = Arc::default();
-        let log = executions.clone();
-        tokio::spawn(async move {
-            while let Some(request) = endpoint.next().await {
-                let log = log.clone();
-                tokio::spawn(async move {
-                    let args: Value =
-                        serde_json::from_slice(&request.message.payload).unwrap_or(Value::Null);
-                    let key = args["key"].as_str().unwrap_or_default().to_owned();
-                    let ms = args["ms"].as_u64().unwrap_or(0);
-                    let call_id = request
-                        .message
-                        .headers
-                        .as_ref()
-                        .and_then(|h| h.get("Cyrene-Tool-Call-Id"))
-                        .map(|v| v.as_str().to_owned())
-                        .unwrap_or_default();
-                    let inbox = request
-                        .message
-                        .reply
-                        .as_ref()
-                        .map(|r| inbox_of(r.as_str()))
-                        .unwrap_or_default();
-                    let index = {
-                        let mut log = log.lock().unwrap();
-                        log.push(Execution {
-                            key: key.clone(),
-                            call_id,
-                            inbox,
-                            started: Instant::now(),
-                            finished: None,
-                        });
-                        log.len() - 1
-                    };
-                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                    log.lock().unwrap()[index].finished = Some(Instant::now());
-                    let reply = json!({"text": format!("done {key}"), "is_error": false});
-                    let _ = request.respond(Ok(reply.to_string().into())).await;
-                });
-            }
-        });
+        for (tool, idempotent) in [(TOOL, "true"), (ONCE_TOOL, "false")] {
+            let mut endpoint = add_tool_declaring(
+                &service,
+                tool,
+                description,
+                &parameters.to_string(),
+                &[("cyrene.tool.idempotent", idempotent)],
+            )
+            .await;
+            let log = executions.clone();
+            tokio::spawn(async move {
+                while let Some(request) = endpoint.next().await {
+                    tokio::spawn(execute(tool, request, log.clone()));
+                }
+            });
+        }
         client.flush().await.unwrap();
         ToolService {
             executions,
@@ -101,4 +79,44 @@ impl ToolService {
     pub fn executions(&self) -> Vec<Execution> {
         self.executions.lock().unwrap().clone()
     }
+}
+
+/// Runs one request: records it, waits the `ms` it asks for, answers `done <key>`.
+async fn execute(
+    tool: &'static str,
+    request: async_nats::service::Request,
+    log: Arc<Mutex<Vec<Execution>>>,
+) {
+    let args: Value = serde_json::from_slice(&request.message.payload).unwrap_or(Value::Null);
+    let key = args["key"].as_str().unwrap_or_default().to_owned();
+    let ms = args["ms"].as_u64().unwrap_or(0);
+    let call_id = request
+        .message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get("Cyrene-Tool-Call-Id"))
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default();
+    let inbox = request
+        .message
+        .reply
+        .as_ref()
+        .map(|r| inbox_of(r.as_str()))
+        .unwrap_or_default();
+    let index = {
+        let mut log = log.lock().unwrap();
+        log.push(Execution {
+            tool,
+            key: key.clone(),
+            call_id,
+            inbox,
+            started: Instant::now(),
+            finished: None,
+        });
+        log.len() - 1
+    };
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    log.lock().unwrap()[index].finished = Some(Instant::now());
+    let reply = json!({"text": format!("done {key}"), "is_error": false});
+    let _ = request.respond(Ok(reply.to_string().into())).await;
 }

@@ -15,7 +15,7 @@ use cyrene_protocol::turn::{
 };
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
-use cyrene_test_support::micro::{add_endpoint, add_tool, start_service};
+use cyrene_test_support::micro::{add_endpoint, add_tool_declaring, start_service};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -526,13 +526,31 @@ impl TestTools {
     pub async fn start(client: &async_nats::Client, shutdown: CancellationToken) -> Arc<TestTools> {
         let tools = Arc::new(TestTools::default());
         let service = start_service(client, "test-tools", "0.0.0").await;
-        for (name, description) in [
-            ("count", "counts its executions"),
-            ("hold", "waits until the test releases it"),
-            ("slow", "takes 300 ms"),
-            ("broken", "always fails with a micro error"),
+        // `hold` may run again under its call id; `hold_once` must not run twice (docs/tools.md,
+        // "Semantics"); the others declare nothing.
+        for (name, description, idempotent) in [
+            ("count", "counts its executions", None),
+            ("hold", "waits until the test releases it", Some("true")),
+            (
+                "hold_once",
+                "waits until released; never twice",
+                Some("false"),
+            ),
+            ("slow", "takes 300 ms", None),
+            ("broken", "always fails with a micro error", None),
         ] {
-            let endpoint = add_tool(&service, name, description, r#"{"type":"object"}"#).await;
+            let declared: Vec<(&str, &str)> = idempotent
+                .map(|v| ("cyrene.tool.idempotent", v))
+                .into_iter()
+                .collect();
+            let endpoint = add_tool_declaring(
+                &service,
+                name,
+                description,
+                r#"{"type":"object"}"#,
+                &declared,
+            )
+            .await;
             let t = tools.clone();
             let name = name.to_owned();
             let on_call = move |_args: Value, ctx: RequestContext| {
@@ -544,7 +562,7 @@ impl TestTools {
                         .map(|v| v.as_str().to_owned())
                         .unwrap_or_default();
                     t.runs.lock().unwrap().push((name.clone(), id.clone()));
-                    if name == "hold" {
+                    if name == "hold" || name == "hold_once" {
                         let gate = t.gate.lock().unwrap().clone();
                         if let Some(gate) = gate {
                             gate.notified().await;
@@ -574,14 +592,30 @@ impl TestTools {
 
     /// Waits (bounded) until the `hold` tool has started.
     pub async fn hold_started(&self, what: &str) {
+        self.tool_started("hold", what).await;
+    }
+
+    /// Waits (bounded) until tool `tool` has started.
+    pub async fn tool_started(&self, tool: &str, what: &str) {
         eventually(what, Duration::from_secs(60), || {
             self.runs
                 .lock()
                 .unwrap()
                 .iter()
-                .any(|(name, _)| name == "hold")
+                .any(|(name, _)| name == tool)
         })
         .await;
+    }
+
+    /// The call ids `tool` ran with, in order (full ids).
+    pub fn ids_of(&self, tool: &str) -> Vec<String> {
+        self.runs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(name, _)| name == tool)
+            .map(|(_, id)| id.clone())
+            .collect()
     }
 
     pub fn runs_of(&self, call_id: &str) -> usize {

@@ -2,7 +2,7 @@
 
 use crate::deltas::{DeltaTag, SentView};
 use crate::documents::{FetchedDocument, MAX_FETCH_BYTES};
-use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
+use crate::ports::{Idempotence, ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
 use async_nats::Client;
 use base64::Engine as _;
@@ -312,6 +312,10 @@ impl TurnPorts for NatsPorts {
 
     fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec> {
         self.tools.specs(allowed)
+    }
+
+    fn tool_idempotence(&self, name: &str) -> Idempotence {
+        self.tools.idempotence(name)
     }
 
     async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {

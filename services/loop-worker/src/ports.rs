@@ -37,6 +37,25 @@ pub struct ToolOutput {
     /// Images the tool returned (`data:image/…;base64,…` URIs, checked and bounded by the
     /// caller): they ride on the tool's message as image parts (docs/tools.md, "Results").
     pub images: Vec<String>,
+    /// The request went out but no reply came within the tool's timeout (a slow tool, or a
+    /// reply lost while the connection was down): the tool may or may not have run. The runner
+    /// calls an idempotent tool again under the same id and reports any other tool's outcome as
+    /// unknown (docs/reliability.md, "Tool calls in flight").
+    pub unanswered: bool,
+}
+
+/// What may be done with a tool call that was started and whose result was lost, as the tool
+/// declares it (`cyrene.tool.idempotent` endpoint metadata; docs/tools.md, "Semantics").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idempotence {
+    /// No effect outside its answer (the built-in `current_time`): running it again under any id
+    /// changes nothing, so a batch of only such calls records no intent.
+    ReadOnly,
+    /// May run again under the same `Cyrene-Tool-Call-Id` (the tool de-duplicates by it, or
+    /// repeating it does no harm).
+    Idempotent,
+    /// Never run again by itself; also every tool that declares nothing.
+    NotIdempotent,
 }
 
 impl ToolOutput {
@@ -45,6 +64,7 @@ impl ToolOutput {
             text: text.into(),
             is_error: false,
             images: Vec::new(),
+            unanswered: false,
         }
     }
 
@@ -53,6 +73,7 @@ impl ToolOutput {
             text: text.into(),
             is_error: true,
             images: Vec::new(),
+            unanswered: false,
         }
     }
 }
@@ -169,6 +190,12 @@ pub trait TurnPorts: Send + Sync {
     /// The tools offered to the model: every built-in and discovered tool, only those in
     /// `allowed` when there is a list.
     fn tool_specs(&self, allowed: Option<&[String]>) -> Vec<ToolSpec>;
+
+    /// How `name` may be run again when a started call's result was lost; the default (and any
+    /// tool that declares nothing) is [`Idempotence::NotIdempotent`].
+    fn tool_idempotence(&self, _name: &str) -> Idempotence {
+        Idempotence::NotIdempotent
+    }
 
     /// Runs one tool call (never fails: a failure is an `is_error` output). A call outside
     /// `context.allowed` or to a tool neither built in nor discovered is refused with an

@@ -3,7 +3,10 @@
 //!
 //! Only a **crash-left** run resumes: a snapshot whose last step ended mid tool loop
 //! (`stop_reason == "tool_calls"`), written just before the process died, so the closing guard
-//! never settled it. Everything else starts fresh at step 1.
+//! never settled it, or whose last step's tool batch had started (`"tool_calls_started"`: the
+//! step's tool calls are durable and were sent; that step's batch continues with those calls,
+//! docs/loop-worker.md, "Tool calls with a durable intent"). Everything else starts fresh at
+//! step 1.
 //!
 //! # Invariants
 //! - Resume only from `tool_calls`, and never a window that ends in a final answer (an
@@ -33,8 +36,12 @@ pub const FIRST_STEP: u32 = 1;
 
 /// Stop reasons the loop writes into checkpoints.
 pub mod stop_reason {
-    /// A step ended with tool calls whose results are in the window: the only resumable one.
+    /// A step ended with tool calls whose results are in the window: resumable at the next step.
     pub const TOOL_CALLS: &str = "tool_calls";
+    /// A step's tool calls are durable and their batch has started: the window ends with the
+    /// step's tool-call message and the results recorded so far. Resumable at the same step,
+    /// whose batch continues with the same calls (never a new model call).
+    pub const TOOL_CALLS_STARTED: &str = "tool_calls_started";
     /// A step's model call answered without tool calls: the final answer, whatever finish
     /// reason the provider gave (kept beside it as `finish_reason`; a provider may say
     /// `tool_calls` with no calls, which must never make an answered turn resumable).
@@ -57,7 +64,7 @@ pub mod stop_reason {
 
 /// Whether a checkpoint that ended with `stop_reason` is a crash-left run that may resume.
 pub fn resumable_stop_reason(stop_reason: &str) -> bool {
-    stop_reason == stop_reason::TOOL_CALLS
+    stop_reason == stop_reason::TOOL_CALLS || stop_reason == stop_reason::TOOL_CALLS_STARTED
 }
 
 /// Whether a checkpointed window ends in a final answer: an assistant message without tool
@@ -138,11 +145,14 @@ pub enum FreshReason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ResumeDecision {
     /// Continue a crash-left run: use the snapshot's window and run `next_step` next.
-    /// `steered_ids` are the steered messages the run had already taken in.
+    /// `steered_ids` are the steered messages the run had already taken in. `started`: the row
+    /// was a started tool batch (`tool_calls_started`): `next_step` is that row's own step and
+    /// its window ends with the batch (the calls and the results recorded so far).
     Resume {
         messages: Vec<Message>,
         next_step: u32,
         steered_ids: Vec<String>,
+        started: bool,
     },
     /// Start at step 1 with the job's seeded messages.
     Fresh { reason: FreshReason },
@@ -186,10 +196,16 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
     if superseded_window(&state.messages, seeded) {
         return ResumeDecision::fresh(FreshReason::Superseded);
     }
+    let started = state.stop_reason == stop_reason::TOOL_CALLS_STARTED;
     ResumeDecision::Resume {
         messages: state.messages,
-        next_step: checkpoint.step.saturating_add(1),
+        next_step: if started {
+            checkpoint.step
+        } else {
+            checkpoint.step.saturating_add(1)
+        },
         steered_ids: state.steered_ids,
+        started,
     }
 }
 
@@ -265,6 +281,7 @@ mod tests {
                 messages: window,
                 next_step,
                 steered_ids: vec![],
+                started: false,
             }
         );
         decision
@@ -387,8 +404,26 @@ mod tests {
     // ---- stop reasons ----
 
     #[test]
+    fn a_started_batch_resumes_at_its_own_step() {
+        let mut window = vec![user("q1")];
+        window.extend(tool_step());
+        window.truncate(2); // the calls, no result recorded
+        let cp = checkpoint(3, window.clone(), stop_reason::TOOL_CALLS_STARTED);
+        assert_eq!(
+            decide(Some(cp), &[user("q1")]),
+            ResumeDecision::Resume {
+                messages: window,
+                next_step: 3,
+                steered_ids: vec![],
+                started: true,
+            }
+        );
+    }
+
+    #[test]
     fn only_tool_calls_is_resumable() {
         assert!(resumable_stop_reason("tool_calls"));
+        assert!(resumable_stop_reason("tool_calls_started"));
         for reason in [
             "stop",
             "end_turn",
@@ -626,6 +661,7 @@ mod tests {
                 messages: window,
                 next_step: 3,
                 steered_ids: vec![],
+                started: false,
             }
         );
     }

@@ -33,9 +33,14 @@
 //!   boundary's input and the next model call run together; the next tool batch starts only when
 //!   the save is back. So a step is durable before any later side effect, and a fenced-off
 //!   attempt runs no tool after its refused save (at most one model call overlapped it).
+//! - **Intent before a tool runs** (`intents`): a batch that calls anything but read-only tools
+//!   is first saved as `tool_calls_started` with the step's tool-call message; a redelivery
+//!   continues that batch with the same calls and ids, never asking the model again, and a call
+//!   that may not run twice and has no recorded result gets [`OUTCOME_UNKNOWN`] instead of
+//!   running again.
 //! - **Resume never redoes work.** A delivery reads only its own turn's latest checkpoint, fenced
 //!   (no older attempt can save after the read). A resumed turn continues after its last
-//!   completed step; a job whose turn already reached a settled checkpoint is reported again
+//!   completed step, or within its started batch; a job whose turn already reached a settled checkpoint is reported again
 //!   (the orchestrator's completion is idempotent) instead of being run again; a failed read
 //!   hands the job back for redelivery and never means "start fresh".
 //!
@@ -72,6 +77,9 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
 use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
+
+mod intents;
+pub use intents::OUTCOME_UNKNOWN;
 
 /// What the worker does with the job after the runner returns.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,7 +205,21 @@ pub async fn run_turn<P: TurnPorts>(
     }
     let decision = resume::decide(latest, &job.messages);
     let next_step = decision.next_step();
-    let (window, stored, taken_in) = match decision {
+    let (window, stored, taken_in, started) = match decision {
+        ResumeDecision::Resume {
+            messages,
+            steered_ids,
+            started: true,
+            ..
+        } => {
+            // A step whose tool batch had started: it continues with the same calls
+            // (intents), and its row is saved again from the end of the turn's base, a point
+            // every earlier row of the turn covers (a read does not say where the row began).
+            tracing::info!(turn = %job.turn_id, next_step, "resuming a started tool batch");
+            let (before, batch) = intents::split_started(messages);
+            let from = before.len().min(job.messages.len());
+            (before, Some(from), steered_ids, batch)
+        }
         ResumeDecision::Resume {
             messages,
             steered_ids,
@@ -205,11 +227,11 @@ pub async fn run_turn<P: TurnPorts>(
         } => {
             tracing::info!(turn = %job.turn_id, next_step, "resuming from checkpoint");
             let held = messages.len();
-            (messages, Some(held), steered_ids)
+            (messages, Some(held), steered_ids, None)
         }
         ResumeDecision::Fresh { reason } => {
             tracing::debug!(turn = %job.turn_id, ?reason, "starting fresh");
-            (job.messages.clone(), None, Vec::new())
+            (job.messages.clone(), None, Vec::new(), None)
         }
     };
     let seed = window.len();
@@ -248,57 +270,75 @@ pub async fn run_turn<P: TurnPorts>(
         guard_reason: String::new(),
     };
     turn.load_memory().await;
-    let (exit, step) = turn.steps(next_step, config).await;
+    let (exit, step) = turn.steps(next_step, started, config).await;
     let exit = turn.guard_answer(exit).await;
     turn.settle(exit, step, config).await
 }
 
 impl<'a, P: TurnPorts> Turn<'a, P> {
-    async fn steps(&mut self, first: u32, config: &RunnerConfig) -> (Exit, u32) {
+    /// The step loop from step `first`; `started` is a resumed step whose tool batch had
+    /// started, which continues before any model call (intents).
+    async fn steps(
+        &mut self,
+        first: u32,
+        started: Option<intents::Batch>,
+        config: &RunnerConfig,
+    ) -> (Exit, u32) {
         let max = self.job.max_steps.max(1);
         if first > max {
             return (Exit::Budget, max);
         }
-        // A boundary before the first step: messages that arrived since dispatch, and — for a
-        // resumed turn — every message this turn had already claimed.
         let mut step = first;
-        let mut response = match self.boundary_then_model(step, config).await {
-            Ok(response) => response,
-            Err(exit) => return (exit, step),
+        let mut next = match started {
+            Some(batch) => Next::Started(batch),
+            // A boundary before the first step: messages that arrived since dispatch, and — for
+            // a resumed turn — every message this turn had already claimed.
+            None => match self.boundary_then_model(step, config).await {
+                Ok(response) => Next::Answered(response),
+                Err(exit) => return (exit, step),
+            },
         };
         loop {
             self.event(SessionEventType::Step, |e| e.at_step = Some(step))
                 .await;
-            if response.tool_calls.is_empty() {
-                // The loop's own stop, whatever the provider said: a provider may finish with
-                // `tool_calls` and no calls, which must not leave a resumable row (D18).
-                let message = Box::new(self.assistant_message(&response));
-                return (
-                    Exit::Final {
-                        message,
-                        stop_reason: stop_reason::STOP,
-                        finish_reason: response.stop_reason,
-                    },
-                    step,
-                );
-            }
-            if let Some(reason) = self.guard_calls(&response.tool_calls).await {
-                return (Exit::Guardrail { reason }, step);
-            }
-            let assistant = self.assistant_message(&response);
+            let batch = match next {
+                Next::Started(batch) => batch,
+                Next::Answered(response) if response.tool_calls.is_empty() => {
+                    // The loop's own stop, whatever the provider said: a provider may finish
+                    // with `tool_calls` and no calls, which must not leave a resumable row (D18).
+                    let message = Box::new(self.assistant_message(&response));
+                    return (
+                        Exit::Final {
+                            message,
+                            stop_reason: stop_reason::STOP,
+                            finish_reason: response.stop_reason,
+                        },
+                        step,
+                    );
+                }
+                Next::Answered(response) => {
+                    // A resumed batch's calls were allowed before their intent was saved.
+                    if let Some(reason) = self.guard_calls(&response.tool_calls).await {
+                        return (Exit::Guardrail { reason }, step);
+                    }
+                    intents::Batch::new(self.assistant_message(&response), response.tool_calls)
+                }
+            };
             self.event(SessionEventType::ToolCall, |e| {
-                e.message = Some(assistant.clone())
+                e.message = Some(batch.assistant.clone())
             })
             .await;
-            let results = self.run_tools(&response.tool_calls).await;
+            // The step's calls and results go to the window (intents).
+            let results = match self.tool_batch(step, batch).await {
+                Ok(results) => results,
+                Err(exit) => return (exit, step),
+            };
             for result in &results {
                 self.event(SessionEventType::ToolResult, |e| {
                     e.message = Some(result.clone())
                 })
                 .await;
             }
-            self.window.push(assistant);
-            self.window.extend(results);
             if step == max {
                 // Out of steps mid tool loop: the safety net asks once more for an answer.
                 return (self.safety_net(config).await, step);
@@ -310,7 +350,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             let ports = self.ports;
             let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS, "");
             let covered = self.window.len();
-            let (saved, next) = tokio::join!(
+            let (saved, next_response) = tokio::join!(
                 ports.save_checkpoint(checkpoint),
                 self.boundary_then_model(step + 1, config)
             );
@@ -318,8 +358,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                 return (exit, step);
             }
             step += 1;
-            response = match next {
-                Ok(response) => response,
+            next = match next_response {
+                Ok(response) => Next::Answered(response),
                 Err(exit) => return (exit, step),
             };
         }
@@ -674,53 +714,47 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         message
     }
 
-    /// Runs a step's calls concurrently; results keep call order.
-    async fn run_tools(&self, calls: &[ToolCall]) -> Vec<Message> {
-        let context = ToolContext {
+    /// Who this turn's tool calls run as.
+    fn tool_context(&self) -> ToolContext {
+        ToolContext {
             agent_id: self.job.env.persona.clone(),
             session_id: self.job.session_id.clone(),
             turn_id: self.job.turn_id.clone(),
             allowed: self.job.tools.clone(),
             ask_chain: self.job.ask_chain.clone(),
-        };
-        let outputs = futures::future::join_all(calls.iter().map(|call| {
-            let context = &context;
-            async move {
-                match &call.args_error {
-                    Some(err) => ToolOutput::error(format!(
-                        "the arguments of this call are not valid JSON ({err}); the tool did not run"
-                    )),
-                    None => self.ports.call_tool(context, call).await,
-                }
-            }
-        }))
-        .await;
-        calls
-            .iter()
-            .zip(outputs)
-            .map(|(call, out)| {
-                let mut message =
-                    Message::tool_result(&call.id, &call.name, out.text, out.is_error);
-                message.content.extend(
-                    out.images
-                        .into_iter()
-                        .map(|image_url| Part::ImageUrl { image_url }),
-                );
-                message
-            })
-            .collect()
+        }
+    }
+
+    /// Runs one call of a step's batch (the batch runs its calls concurrently, intents).
+    async fn run_call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        match &call.args_error {
+            Some(err) => ToolOutput::error(format!(
+                "the arguments of this call are not valid JSON ({err}); the tool did not run"
+            )),
+            None => self.ports.call_tool(context, call).await,
+        }
     }
 
     /// The step's checkpoint as a delta (docs/checkpoint-store.md, "Incremental checkpoints"):
     /// the window's messages past what the store holds, and the turn's base when it holds none.
     /// Its size does not grow with the window.
     fn checkpoint(&self, step: u32, stop: &str, finish: &str) -> Checkpoint {
+        self.checkpoint_with(step, stop, finish, &[])
+    }
+
+    /// [`Self::checkpoint`] with `more` after the window (a started batch's results so far).
+    fn checkpoint_with(&self, step: u32, stop: &str, finish: &str, more: &[Message]) -> Checkpoint {
         let steered_ids = &self.taken_in;
         let from = self.stored.unwrap_or(self.seed).min(self.window.len());
+        let added: std::borrow::Cow<'_, [Message]> = if more.is_empty() {
+            (&self.window[from..]).into()
+        } else {
+            [&self.window[from..], more].concat().into()
+        };
         let state = CheckpointStateRef {
             step,
             from: Some(from),
-            messages: &self.window[from..],
+            messages: &added,
             stop_reason: stop,
             finish_reason: finish,
             turn_id: &self.job.turn_id,
@@ -860,6 +894,25 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     }
 }
 
+/// What the step loop takes next.
+enum Next {
+    /// A step's model answer.
+    Answered(ModelResponse),
+    /// A resumed step whose tool batch had started.
+    Started(intents::Batch),
+}
+
+/// A call's result message: its text, and its images as image parts.
+fn tool_message(call: &ToolCall, out: ToolOutput) -> Message {
+    let mut message = Message::tool_result(&call.id, &call.name, out.text, out.is_error);
+    message.content.extend(
+        out.images
+            .into_iter()
+            .map(|image_url| Part::ImageUrl { image_url }),
+    );
+    message
+}
+
 /// A redelivered job whose turn already reached a settled checkpoint — any stop reason but
 /// `tool_calls`, or a row whose window ends in a final answer whatever it says (D18) —: rebuild
 /// its completion, steered messages included, exactly as the first report said it.
@@ -957,6 +1010,17 @@ pub(crate) mod tests {
         /// The document service's next answers (then `not_found`), and how often it was asked.
         documents: Mutex<VecDeque<Result<crate::documents::FetchedDocument, ErrorBody>>>,
         document_reads: Mutex<usize>,
+        /// What tools declare (by name); otherwise as the built-ins, or not idempotent.
+        idempotence: Mutex<std::collections::HashMap<String, crate::ports::Idempotence>>,
+        /// Saves (`save:<stop>:<step>`) and tool runs (`run:<id>`), in order.
+        log: Mutex<Vec<String>>,
+        /// Call ids whose next run gets no reply (its request went out).
+        unanswered: Mutex<std::collections::HashSet<String>>,
+        /// How long each run of a tool (by name) takes.
+        tool_delay: Mutex<std::collections::HashMap<String, std::time::Duration>>,
+        /// From this save on (0-based), every save is refused as `conflict`.
+        conflict_from: Mutex<Option<usize>>,
+        save_count: Mutex<usize>,
         /// The guard's reply to each request (none: nobody listens), after `guard_delay`; every
         /// request asked, with its subject.
         guard_rule: Mutex<Option<GuardRule>>,
@@ -1006,6 +1070,19 @@ pub(crate) mod tests {
         /// Like the store: keeps the delta as sent (`deltas`) and the full snapshot a read
         /// would rebuild from it (`saved`).
         async fn save_checkpoint(&self, checkpoint: Checkpoint) -> Result<(), ErrorBody> {
+            let nth = {
+                let mut count = self.save_count.lock().unwrap();
+                *count += 1;
+                *count - 1
+            };
+            if self
+                .conflict_from
+                .lock()
+                .unwrap()
+                .is_some_and(|from| nth >= from)
+            {
+                return Err(ErrorBody::new(ErrorCode::Conflict, "a newer attempt wrote"));
+            }
             if let Some(err) = self.save_error.lock().unwrap().clone() {
                 return Err(err);
             }
@@ -1035,6 +1112,10 @@ pub(crate) mod tests {
             window.truncate(from);
             window.extend(delta.messages);
             let mut full: CheckpointState = checkpoint.state.parse().unwrap();
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("save:{}:{}", full.stop_reason, checkpoint.step));
             full.messages = window.clone();
             let mut assembled = checkpoint.clone();
             assembled.state = JsonObject::encode(&full).unwrap();
@@ -1085,11 +1166,28 @@ pub(crate) mod tests {
         async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
             self.tool_contexts.lock().unwrap().push(context.clone());
             self.tool_runs.lock().unwrap().push(call.id.clone());
+            self.log.lock().unwrap().push(format!("run:{}", call.id));
             let until = *self.tool_until.lock().unwrap();
             while until.is_some_and(|until| now_unix_ms() <= until) {
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
+            let delay = self.tool_delay.lock().unwrap().get(&call.name).copied();
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
+            if self.unanswered.lock().unwrap().remove(&call.id) {
+                return ToolOutput {
+                    unanswered: true,
+                    ..ToolOutput::error("request timed out")
+                };
+            }
             ToolOutput::ok(format!("result of {}", call.id))
+        }
+        fn tool_idempotence(&self, name: &str) -> crate::ports::Idempotence {
+            let declared = self.idempotence.lock().unwrap().get(name).copied();
+            declared
+                .or_else(|| crate::tools::builtin_idempotence(name))
+                .unwrap_or(crate::ports::Idempotence::NotIdempotent)
         }
         async fn publish(&self, event: SessionEvent) {
             self.events.lock().unwrap().push(event);
@@ -2354,4 +2452,7 @@ pub(crate) mod tests {
         assert!(fake.tool_runs.lock().unwrap().is_empty());
         assert_guardrail(&fake, &done, "policy 7");
     }
+
+    /// Tool calls with a durable intent (`super::intents`).
+    mod intents;
 }

@@ -2,10 +2,12 @@
 //! (docs/architecture.md §9).
 //!
 //! An external tool is a NATS micro endpoint on `cyrene.tool.<name>` whose endpoint metadata holds
-//! `cyrene.tool.description` and `cyrene.tool.parameters` (a JSON-schema string). The request body
-//! is the args object, header `Cyrene-Tool-Call-Id` carries the call id (an idempotency key: a
-//! step in flight at a crash may run again); the reply is `{"text":"…","is_error":false}` or a
-//! micro error, which becomes an `is_error` result.
+//! `cyrene.tool.description`, `cyrene.tool.parameters` (a JSON-schema string) and optionally
+//! `cyrene.tool.idempotent` (`true`: it may run again under the same call id; anything else: it
+//! must not run twice). The request body is the args object, header `Cyrene-Tool-Call-Id` carries
+//! the call id (an idempotency key: an idempotent call in flight at a crash runs again under the
+//! same id); the reply is `{"text":"…","is_error":false}` or a micro error, which becomes an
+//! `is_error` result; no reply within the timeout is marked [`ToolOutput::unanswered`].
 //!
 //! # Invariants
 //! - A tool never fails the turn: timeouts, missing responders and micro errors are results.
@@ -15,7 +17,7 @@
 //!   one bounded rediscovery), gets an `is_error` result and nothing is sent — a model cannot
 //!   reach an arbitrary `cyrene.tool.*` subject by naming it.
 
-use crate::ports::{ToolContext, ToolOutput};
+use crate::ports::{Idempotence, ToolContext, ToolOutput};
 use async_nats::{Client, HeaderMap};
 use cyrene_bus::request::request_raw;
 use cyrene_bus::{RequestError, trace};
@@ -35,10 +37,31 @@ pub const TOOL_CALL_ID_HEADER: &str = "Cyrene-Tool-Call-Id";
 pub const META_DESCRIPTION: &str = "cyrene.tool.description";
 /// Endpoint metadata key of a tool's JSON-schema parameters (a JSON string).
 pub const META_PARAMETERS: &str = "cyrene.tool.parameters";
+/// Endpoint metadata key of whether a tool may run again under the same call id: `true` or
+/// `false`; anything else, or nothing, is `false` (docs/tools.md, "Semantics").
+pub const META_IDEMPOTENT: &str = "cyrene.tool.idempotent";
 
 const BUILTIN_ASK_AGENT: &str = "ask_agent";
 const BUILTIN_EMIT_EVENT: &str = "emit_event";
 const BUILTIN_CURRENT_TIME: &str = "current_time";
+
+/// What the built-ins declare: `current_time` reads a clock; `ask_agent` makes another agent
+/// answer a turn and `emit_event` delivers an event, each once per run, so neither may run twice.
+pub(crate) fn builtin_idempotence(name: &str) -> Option<Idempotence> {
+    match name {
+        BUILTIN_CURRENT_TIME => Some(Idempotence::ReadOnly),
+        BUILTIN_ASK_AGENT | BUILTIN_EMIT_EVENT => Some(Idempotence::NotIdempotent),
+        _ => None,
+    }
+}
+
+/// A discovered tool's declaration: only the exact string `true` makes it idempotent.
+fn declared_idempotence(meta: &BTreeMap<String, String>) -> Idempotence {
+    match meta.get(META_IDEMPOTENT).map(String::as_str) {
+        Some("true") => Idempotence::Idempotent,
+        _ => Idempotence::NotIdempotent,
+    }
+}
 
 /// How long a call naming an unknown tool waits for one rediscovery before it is refused.
 const REDISCOVER_WAIT: Duration = Duration::from_millis(300);
@@ -72,13 +95,20 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
     ]
 }
 
+/// A tool found on the bus: what is offered to the model and what it declares.
+#[derive(Debug, Clone)]
+struct Discovered {
+    spec: ToolSpec,
+    idempotence: Idempotence,
+}
+
 /// The tool set: built-ins plus what the last discovery found.
 #[derive(Debug, Clone)]
 pub struct Tools {
     client: Client,
     /// Built once: the specs are offered at every step.
     builtins: Arc<Vec<ToolSpec>>,
-    discovered: Arc<RwLock<BTreeMap<String, ToolSpec>>>,
+    discovered: Arc<RwLock<BTreeMap<String, Discovered>>>,
     timeout: Duration,
     ask_timeout: Duration,
 }
@@ -102,8 +132,8 @@ impl Tools {
             specs.extend(
                 found
                     .values()
-                    .filter(|s| !specs.iter().any(|b| b.name == s.name))
-                    .cloned()
+                    .filter(|d| !specs.iter().any(|b| b.name == d.spec.name))
+                    .map(|d| d.spec.clone())
                     .collect::<Vec<_>>(),
             );
         }
@@ -119,6 +149,17 @@ impl Tools {
                 .discovered
                 .read()
                 .is_ok_and(|found| found.contains_key(name))
+    }
+
+    /// How `name` may be run again (built-ins first; unknown tools are not idempotent).
+    pub fn idempotence(&self, name: &str) -> Idempotence {
+        builtin_idempotence(name).unwrap_or_else(|| {
+            self.discovered
+                .read()
+                .ok()
+                .and_then(|found| found.get(name).map(|d| d.idempotence))
+                .unwrap_or(Idempotence::NotIdempotent)
+        })
     }
 
     /// Asks every micro service for its endpoints (`$SRV.INFO`) and keeps the `cyrene.tool.*`
@@ -239,6 +280,7 @@ impl Tools {
                         text: reply.text,
                         is_error: reply.is_error,
                         images,
+                        unanswered: false,
                     },
                     Err(why) => {
                         ToolOutput::error(format!("tool {name} sent an invalid reply: {why}"))
@@ -249,6 +291,11 @@ impl Tools {
             Err(RequestError::NoResponders { .. }) => {
                 ToolOutput::error(format!("tool {name} is not available"))
             }
+            // The request went out: the tool may have run (docs/reliability.md).
+            Err(err @ RequestError::Timeout { .. }) => ToolOutput {
+                unanswered: true,
+                ..ToolOutput::error(format!("tool {name} failed: {err}"))
+            },
             Err(err) => ToolOutput::error(format!("tool {name} failed: {err}")),
         }
     }
@@ -329,7 +376,7 @@ struct EndpointInfo {
 async fn discover(
     client: &Client,
     wait: Duration,
-) -> Result<BTreeMap<String, ToolSpec>, async_nats::Error> {
+) -> Result<BTreeMap<String, Discovered>, async_nats::Error> {
     let answers =
         cyrene_bus::discovery::gather(client, cyrene_bus::discovery::Verb::Info, None, wait, None)
             .await?;
@@ -354,10 +401,13 @@ async fn discover(
             let description = meta.get(META_DESCRIPTION).cloned().unwrap_or_default();
             found.insert(
                 name.to_owned(),
-                ToolSpec {
-                    name: name.to_owned(),
-                    description,
-                    parameters,
+                Discovered {
+                    spec: ToolSpec {
+                        name: name.to_owned(),
+                        description,
+                        parameters,
+                    },
+                    idempotence: declared_idempotence(&meta),
                 },
             );
         }
@@ -368,6 +418,40 @@ async fn discover(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_exact_true_declares_a_tool_idempotent() {
+        let meta = |v: Option<&str>| {
+            let mut m = BTreeMap::new();
+            if let Some(v) = v {
+                m.insert(META_IDEMPOTENT.to_owned(), v.to_owned());
+            }
+            declared_idempotence(&m)
+        };
+        assert_eq!(meta(Some("true")), Idempotence::Idempotent);
+        for other in [
+            None,
+            Some("false"),
+            Some("TRUE"),
+            Some("yes"),
+            Some(""),
+            Some("1"),
+        ] {
+            assert_eq!(meta(other), Idempotence::NotIdempotent, "{other:?}");
+        }
+        assert_eq!(
+            builtin_idempotence(BUILTIN_CURRENT_TIME),
+            Some(Idempotence::ReadOnly)
+        );
+        assert_eq!(
+            builtin_idempotence(BUILTIN_ASK_AGENT),
+            Some(Idempotence::NotIdempotent)
+        );
+        assert_eq!(
+            builtin_idempotence(BUILTIN_EMIT_EVENT),
+            Some(Idempotence::NotIdempotent)
+        );
+    }
 
     #[test]
     fn a_tools_images_must_be_a_few_bounded_base64_image_uris() {

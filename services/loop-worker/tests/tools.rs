@@ -231,3 +231,63 @@ async fn ask_agent_sends_the_turns_chain_and_data_and_a_cycle_is_an_error_result
     assert!(started.elapsed() < Duration::from_secs(2));
     assert_eq!(hoshi.0.lock().unwrap().len(), 1, "the handler never saw it");
 }
+
+/// A tool that declares `cyrene.tool.idempotent` and never answers: the call is sent, and its
+/// output says no reply came (the runner then calls it again under its id, or reports its outcome
+/// unknown); a micro error is an answer, not a lost reply.
+#[tokio::test]
+async fn a_reply_that_never_comes_is_marked_unanswered_and_a_tool_declares_its_idempotence() {
+    use cyrene_loop_worker::ports::Idempotence;
+    use cyrene_test_support::micro::add_tool_declaring;
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let service = start_service(&client, "silent-tools", "0.0.0").await;
+    let mut silent = add_tool_declaring(
+        &service,
+        "silent",
+        "never answers",
+        r#"{"type":"object"}"#,
+        &[("cyrene.tool.idempotent", "true")],
+    )
+    .await;
+    let mut failing = add_tool_declaring(
+        &service,
+        "failing",
+        "answers with an error",
+        r#"{"type":"object"}"#,
+        &[("cyrene.tool.idempotent", "false")],
+    )
+    .await;
+    let served = Arc::new(AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        let _service = service;
+        loop {
+            tokio::select! {
+                Some(_request) = silent.next() => { count.fetch_add(1, Ordering::SeqCst); }
+                Some(request) = failing.next() => {
+                    let err = async_nats::service::error::Error {
+                        status: "no such record".into(),
+                        code: 404,
+                    };
+                    let _ = request.respond(Err(err)).await;
+                }
+                else => break,
+            }
+        }
+    });
+    client.flush().await.unwrap();
+    let tools = Tools::new(client, Duration::from_millis(300), Duration::from_secs(1));
+    assert_eq!(tools.discover(Duration::from_millis(500)).await, 2);
+    assert_eq!(tools.idempotence("silent"), Idempotence::Idempotent);
+    assert_eq!(tools.idempotence("failing"), Idempotence::NotIdempotent);
+    assert_eq!(tools.idempotence("current_time"), Idempotence::ReadOnly);
+    assert_eq!(tools.idempotence("ask_agent"), Idempotence::NotIdempotent);
+    assert_eq!(tools.idempotence("never_seen"), Idempotence::NotIdempotent);
+
+    let out = call_with(&tools, None, "silent", "c1").await;
+    assert!(out.unanswered && out.is_error, "{out:?}");
+    assert_eq!(served.load(Ordering::SeqCst), 1, "the request went out");
+    let out = call_with(&tools, None, "failing", "c2").await;
+    assert!(out.is_error && !out.unanswered, "{out:?}");
+}

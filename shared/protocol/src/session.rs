@@ -106,6 +106,11 @@ pub enum SessionEventType {
     TurnEnded,
     /// A piece of the answer text while the model produces it (docs/loop-worker.md, "Deltas").
     Delta,
+    /// A tool call whose outcome is unknown: it was started, not idempotent, and its result was
+    /// lost (the runtime stopped while it ran, or its reply never came); it was not run again
+    /// and the model got a result saying so (docs/reliability.md, "Tool calls in flight").
+    /// Carries `call_id`, `tool` and `arguments`.
+    ToolOutcomeUnknown,
 }
 
 /// Published on `cyrene.session.<sid>.events`.
@@ -138,6 +143,13 @@ pub struct SessionEvent {
     /// On `delta` events: who is speaking (the persona id the `final` message will carry).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sender_name: String,
+    /// On `tool_outcome_unknown` events: the call's id (the `Cyrene-Tool-Call-Id` it was sent
+    /// with).
+    pub call_id: Option<String>,
+    /// On `tool_outcome_unknown` events: the tool's name.
+    pub tool: Option<String>,
+    /// On `tool_outcome_unknown` events: the call's arguments.
+    pub arguments: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl SessionEvent {
@@ -157,6 +169,9 @@ impl SessionEvent {
             attempt: None,
             retry: None,
             sender_name: String::new(),
+            call_id: None,
+            tool: None,
+            arguments: None,
         }
     }
 }

@@ -54,11 +54,27 @@ pub async fn add_tool(
     description: &str,
     parameters: &str,
 ) -> Endpoint {
-    let metadata: HashMap<String, String> = [
+    add_tool_declaring(service, name, description, parameters, &[]).await
+}
+
+/// [`add_tool`] whose metadata also holds `declared` (e.g. `cyrene.tool.idempotent`).
+pub async fn add_tool_declaring(
+    service: &Service,
+    name: &str,
+    description: &str,
+    parameters: &str,
+    declared: &[(&str, &str)],
+) -> Endpoint {
+    let mut metadata: HashMap<String, String> = [
         ("cyrene.tool.description".to_owned(), description.to_owned()),
         ("cyrene.tool.parameters".to_owned(), parameters.to_owned()),
     ]
     .into();
+    metadata.extend(
+        declared
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
     service
         .endpoint_builder()
         .name(name)

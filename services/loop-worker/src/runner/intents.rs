@@ -1,0 +1,304 @@
+//! Tool calls with a durable intent (docs/loop-worker.md, "Tool calls with a durable intent";
+//! the guarantee per tool kind: docs/reliability.md, "Tool calls in flight"): a step's tool-call
+//! message is durable before any of its calls goes out, so a redelivered turn continues *those*
+//! calls under *those* ids instead of asking the model again, and a call to a tool that must not
+//! run twice never runs twice.
+//!
+//! # Invariants
+//! - **Intent before request.** Before the first request of a batch goes out, the step is saved
+//!   as `tool_calls_started` with its tool-call message: the `started` intent of every call in
+//!   it. A `conflict` stops the attempt before any call; a save that keeps failing (a few tries)
+//!   hands the job back (`Retry`) before any call. No call goes out without its intent.
+//! - **Results as they return.** A not-idempotent call that returns while others of its batch
+//!   still run is recorded at once: the same row, saved again with every result so far. The
+//!   batch's last result is recorded by the step's own save, which follows at once. A batch's
+//!   records are saved one at a time, each holding all earlier ones, and the step's save comes
+//!   after the last of them, so a later write never loses an earlier result.
+//! - **Continue, never re-ask.** A delivery that finds a started batch runs that step's batch
+//!   again: recorded results are kept; a read-only or idempotent call without a result runs again
+//!   under its own id; any other call without a result is never run again: its result is
+//!   [`OUTCOME_UNKNOWN`] and the session gets a `tool_outcome_unknown` event.
+//! - **A lost reply is the same.** A call whose reply never came within the tool's timeout (a
+//!   slow tool, or a reply published while the worker was reconnecting) is called once more under
+//!   its id if it may be, or reported outcome-unknown, by the attempt that is still alive.
+//! - **Fenced.** A `conflict` on any of these saves stops the attempt: nothing more is recorded or
+//!   called. The one call this module makes again in a live attempt (after a lost reply) is
+//!   preceded by a fenced save.
+//!
+//! # Pitfalls
+//! - A batch of only read-only calls (`current_time`) and calls answered without being sent
+//!   (undecodable arguments) records no intent: running it again changes nothing, so such a step
+//!   costs what it always did. Every other batch adds one store round trip before its tools start.
+//! - An intent save that timed out may still have landed: a redelivery then finds calls that were
+//!   never sent, and reports a not-idempotent one's outcome as unknown (never the reverse).
+//! - A read does not say where the started row began, so a resumed batch saves its row again
+//!   from the end of the turn's base (the job's seeded messages), a point every earlier row of
+//!   the turn covers: that one save carries the turn's steps so far, not only the batch.
+
+use super::{Exit, Turn};
+use crate::ports::{Idempotence, ToolOutput, TurnPorts};
+use crate::resume::stop_reason;
+use cyrene_protocol::ErrorCode;
+use cyrene_protocol::message::{Message, Part, Role, ToolCall};
+use cyrene_protocol::session::SessionEventType;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// The result a call gets when it was started, may not run twice, and its outcome was lost.
+pub const OUTCOME_UNKNOWN: &str = "The outcome of this tool call is unknown: the runtime stopped \
+(or lost the tool's reply) while the tool was running, so it may or may not have taken effect. \
+It was not run again; check whether it took effect before calling it again.";
+
+/// How many times an intent save is tried before the job is handed back.
+const INTENT_SAVE_TRIES: usize = 3;
+
+/// A step's tool batch: the model's calls and what is already known of their results.
+pub(super) struct Batch {
+    /// The step's tool-call message, as the window holds it.
+    pub assistant: Message,
+    pub calls: Vec<ToolCall>,
+    /// Results recorded before this delivery (a resumed batch), in any order.
+    pub recorded: Vec<Message>,
+    /// Found started in the store: its intent is already durable, and a call without a
+    /// recorded result may have run.
+    pub resumed: bool,
+}
+
+impl Batch {
+    /// The batch of a step's model answer.
+    pub fn new(assistant: Message, calls: Vec<ToolCall>) -> Batch {
+        Batch {
+            assistant,
+            calls,
+            recorded: Vec::new(),
+            resumed: false,
+        }
+    }
+}
+
+/// Splits a window resumed from a started row into the window before the batch and the batch
+/// (its last tool-call message, the results after it). `None` for the batch when the window holds
+/// no tool-call message.
+pub(super) fn split_started(mut window: Vec<Message>) -> (Vec<Message>, Option<Batch>) {
+    let at = window.iter().rposition(|m| {
+        m.role == Role::Assistant && m.content.iter().any(|p| matches!(p, Part::ToolCall { .. }))
+    });
+    let Some(at) = at else {
+        return (window, None);
+    };
+    let after = window.split_off(at + 1);
+    let Some(assistant) = window.pop() else {
+        return (window, None);
+    };
+    let calls: Vec<ToolCall> = assistant
+        .content
+        .iter()
+        .filter_map(|p| match p {
+            Part::ToolCall {
+                id,
+                name,
+                args,
+                args_error,
+            } => Some(ToolCall {
+                id: id.clone(),
+                name: name.clone(),
+                args: args.clone(),
+                args_error: args_error.clone(),
+            }),
+            _ => None,
+        })
+        .collect();
+    let recorded = after
+        .into_iter()
+        .filter(|m| m.role == Role::Tool && calls.iter().any(|c| c.id == m.tool_call_id))
+        .collect();
+    let batch = Batch {
+        assistant,
+        calls,
+        recorded,
+        resumed: true,
+    };
+    (window, Some(batch))
+}
+
+/// What becomes of one call of a batch.
+enum Plan {
+    /// Its result is already recorded.
+    Recorded(Message),
+    /// Started before, no result, may not run twice.
+    Unknown,
+    /// Sent now (again, under its id, for a resumed read-only or idempotent call).
+    Run,
+}
+
+impl<P: TurnPorts> Turn<'_, P> {
+    /// Runs a step's tool batch with its intent recorded (see the module invariants): pushes the
+    /// tool-call message and the results, in call order, to the window, and returns the results.
+    pub(super) async fn tool_batch(
+        &mut self,
+        step: u32,
+        batch: Batch,
+    ) -> Result<Vec<Message>, Exit> {
+        let kinds: Vec<Idempotence> = batch
+            .calls
+            .iter()
+            .map(|call| match call.args_error {
+                // Answered without being sent.
+                Some(_) => Idempotence::ReadOnly,
+                None => self.ports.tool_idempotence(&call.name),
+            })
+            .collect();
+        self.window.push(batch.assistant);
+        if !batch.resumed && kinds.iter().any(|k| *k != Idempotence::ReadOnly) {
+            self.record_intent(step).await?;
+        }
+        let plans: Vec<Plan> = batch
+            .calls
+            .iter()
+            .zip(&kinds)
+            .map(
+                |(call, kind)| match batch.recorded.iter().find(|m| m.tool_call_id == call.id) {
+                    Some(result) => Plan::Recorded(result.clone()),
+                    None if batch.resumed && *kind == Idempotence::NotIdempotent => Plan::Unknown,
+                    None => Plan::Run,
+                },
+            )
+            .collect();
+        let running = AtomicUsize::new(plans.iter().filter(|p| matches!(p, Plan::Run)).count());
+        // The results so far (recorded first, then in the order they return); held while a
+        // record is saved, so records go one at a time.
+        let results = tokio::sync::Mutex::new(batch.recorded.clone());
+        let stale = AtomicBool::new(false);
+        let context = self.tool_context();
+        let this = &*self;
+        let (running, results, stale, context) = (&running, &results, &stale, &context);
+        let messages = futures::future::join_all(batch.calls.iter().zip(kinds).zip(plans).map(
+            |((call, kind), plan)| async move {
+                let message = match plan {
+                    Plan::Recorded(message) => return message,
+                    Plan::Unknown => {
+                        this.outcome_unknown(step, call).await;
+                        return unknown_result(call);
+                    }
+                    Plan::Run => this.run_call(context, call).await,
+                };
+                let message = match (message.unanswered, kind) {
+                    (false, _) => super::tool_message(call, message),
+                    (true, Idempotence::NotIdempotent) => {
+                        this.outcome_unknown(step, call).await;
+                        unknown_result(call)
+                    }
+                    (true, _) => {
+                        // Called once more under its id, if this attempt still owns the turn.
+                        let again = match this.record(step, results, stale, None).await {
+                            true => this.run_call(context, call).await,
+                            false => message,
+                        };
+                        super::tool_message(call, again)
+                    }
+                };
+                let others = running.fetch_sub(1, Ordering::SeqCst) > 1;
+                let record = (kind == Idempotence::NotIdempotent && others).then_some(&message);
+                if record.is_some() {
+                    this.record(step, results, stale, record).await;
+                } else {
+                    results.lock().await.push(message.clone());
+                }
+                message
+            },
+        ))
+        .await;
+        if stale.load(Ordering::SeqCst) {
+            return Err(Exit::Stale);
+        }
+        self.window.extend(messages.iter().cloned());
+        Ok(messages)
+    }
+
+    /// Saves the step as `tool_calls_started` with its tool-call message (the last of the
+    /// window). A failure other than `conflict` is tried again a few times, then the job is
+    /// handed back: no call goes out without its intent.
+    async fn record_intent(&mut self, step: u32) -> Result<(), Exit> {
+        let from = self.stored.unwrap_or(self.seed).min(self.window.len());
+        let mut pauses = cyrene_bus::retry::REPORT.delays();
+        let mut tries = 0;
+        loop {
+            let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS_STARTED, "");
+            tries += 1;
+            match self.ports.save_checkpoint(checkpoint).await {
+                // The step's later saves rewrite this row from the same point.
+                Ok(()) => {
+                    self.stored = Some(from);
+                    return Ok(());
+                }
+                Err(err) if err.code == ErrorCode::Conflict => {
+                    tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
+                        "intent refused: a newer attempt owns this turn; stopping");
+                    return Err(Exit::Stale);
+                }
+                Err(err) if tries >= INTENT_SAVE_TRIES => {
+                    tracing::warn!(turn = %self.job.turn_id, step, error = %err,
+                        "the tool calls' intent could not be saved; no call was made");
+                    return Err(Exit::Retry(err));
+                }
+                Err(err) => {
+                    tracing::warn!(turn = %self.job.turn_id, step, error = %err,
+                        "intent save failed; trying again");
+                    let pause = pauses.next().unwrap_or(cyrene_bus::retry::REPORT.max);
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    }
+
+    /// Saves the started row again with every result so far (and `add`, taken into them);
+    /// `false` once this attempt is fenced off (`stale` is set). Any other failure only costs an
+    /// outcome reported unknown after a crash, and is not retried.
+    async fn record(
+        &self,
+        step: u32,
+        results: &tokio::sync::Mutex<Vec<Message>>,
+        stale: &AtomicBool,
+        add: Option<&Message>,
+    ) -> bool {
+        let mut held = results.lock().await;
+        if let Some(message) = add {
+            held.push(message.clone());
+        }
+        if stale.load(Ordering::SeqCst) {
+            return false;
+        }
+        let checkpoint = self.checkpoint_with(step, stop_reason::TOOL_CALLS_STARTED, "", &held);
+        match self.ports.save_checkpoint(checkpoint).await {
+            Ok(()) => true,
+            Err(err) if err.code == ErrorCode::Conflict => {
+                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
+                    "tool result refused: a newer attempt owns this turn; stopping");
+                stale.store(true, Ordering::SeqCst);
+                false
+            }
+            Err(err) => {
+                tracing::warn!(turn = %self.job.turn_id, step, error = %err,
+                    "a tool result could not be recorded");
+                true
+            }
+        }
+    }
+
+    /// Tells the session that `call`'s outcome is unknown.
+    async fn outcome_unknown(&self, step: u32, call: &ToolCall) {
+        tracing::warn!(turn = %self.job.turn_id, step, call = %call.id, tool = %call.name,
+            "tool call outcome unknown; it is not run again");
+        self.event(SessionEventType::ToolOutcomeUnknown, |e| {
+            e.at_step = Some(step);
+            e.call_id = Some(call.id.clone());
+            e.tool = Some(call.name.clone());
+            e.arguments = Some(call.args.clone());
+        })
+        .await;
+    }
+}
+
+/// The deterministic result of a call whose outcome is unknown.
+pub(super) fn unknown_result(call: &ToolCall) -> Message {
+    super::tool_message(call, ToolOutput::error(OUTCOME_UNKNOWN))
+}
