@@ -10,7 +10,8 @@ use cyrene_bus::request_json;
 use cyrene_protocol::checkpoint::CheckpointState;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
-    HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent, SessionEventType,
+    BusyPolicy, Disposition, HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent,
+    SessionEventType,
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::TurnJob;
@@ -144,14 +145,27 @@ impl World {
 
     /// [`World::send`] addressed to `persona` (empty: the one the session last used).
     async fn send_to(&self, session: &str, text: &str, key: &str, persona: &str) -> SendAck {
+        self.send_as("e2e", session, text, key, persona, None).await
+    }
+
+    /// [`World::send_to`] from client `client_id`, with a when-busy policy.
+    async fn send_as(
+        &self,
+        client_id: &str,
+        session: &str,
+        text: &str,
+        key: &str,
+        persona: &str,
+        when_busy: Option<BusyPolicy>,
+    ) -> SendAck {
         let request = SendRequest {
             session_id: session.to_owned(),
             message: Message::text(Role::User, text),
-            client_id: "e2e".into(),
+            client_id: client_id.into(),
             idempotency_key: key.to_owned(),
             env: None,
             parallel: false,
-            when_busy: None,
+            when_busy,
             persona: persona.to_owned(),
             context_only: false,
         };
@@ -705,7 +719,8 @@ async fn answers_in(world: &World, session: &str, n: usize) -> Vec<(String, Stri
 
 /// Several personas in one session, end to end (docs/orchestrator.md, "Several personas";
 /// docs/semantics.md#attribution): cyrene twice (one persona: no lead, no notes), hoshi with a
-/// tool and a message steered in while it runs, nova, cyrene again. Each persona's view carries
+/// tool and a message steered in while it runs, nova in a parallel leg from another client
+/// meanwhile, nova again, cyrene again. Each persona's view carries
 /// the reference's attribution byte for byte for the other personas' lines, and the transcript
 /// keeps who said each answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -776,9 +791,25 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
         .await;
     world.tools.hold_started("the held tool started").await;
     world.send("mp", "and bring tea", "mp-4").await;
+    // While hoshi's tool still runs, another client addresses nova in a parallel leg, which
+    // answers first.
+    let leg = world
+        .send_as(
+            "phone",
+            "mp",
+            "nova, quick one",
+            "mp-4b",
+            "nova",
+            Some(BusyPolicy::Parallel),
+        )
+        .await;
+    assert_eq!(leg.disposition, Disposition::ParallelLeg);
+    answers(&world, 3).await;
+    let leg_view = views_for("nova, quick one").pop().unwrap();
+    assert_eq!(notes(&leg_view), [lead(nova), other(cyrene)]);
     *world.tools.gate.lock().unwrap() = None;
     gate.notify_waiters();
-    answers(&world, 3).await;
+    answers(&world, 4).await;
     let hoshi_views = views_for("hoshi, plan the picnic");
     assert!(hoshi_views.len() >= 2, "a tool step and the answer");
     for view in &hoshi_views {
@@ -793,18 +824,27 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
     );
 
     world.send_to("mp", "nova, your turn", "mp-5", "nova").await;
-    answers(&world, 4).await;
+    answers(&world, 5).await;
     let nova_view = views_for("nova, your turn").pop().unwrap();
-    assert_eq!(notes(&nova_view), [lead(nova), other(cyrene), other(hoshi)]);
+    assert_eq!(
+        notes(&nova_view),
+        [lead(nova), other(cyrene), me(nova), other(hoshi)]
+    );
 
     world
         .send_to("mp", "cyrene, sum up", "mp-6", "cyrene")
         .await;
-    let said = answers(&world, 5).await;
+    let said = answers(&world, 6).await;
     let cyrene_view = views_for("cyrene, sum up").pop().unwrap();
     assert_eq!(
         notes(&cyrene_view),
-        [lead(cyrene), me(cyrene), other(hoshi), other(nova)]
+        [
+            lead(cyrene),
+            me(cyrene),
+            other(nova),
+            other(hoshi),
+            other(nova)
+        ]
     );
     // Each note stands right before the line it announces.
     let before = |note: &str| {
@@ -818,7 +858,10 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
     assert_eq!(before(&me(cyrene)), (Role::Assistant, "echo: hi".into()));
 
     let speakers: Vec<&str> = said.iter().map(|(who, _)| who.as_str()).collect();
-    assert_eq!(speakers, ["cyrene", "cyrene", "hoshi", "nova", "cyrene"]);
+    assert_eq!(
+        speakers,
+        ["cyrene", "cyrene", "nova", "hoshi", "nova", "cyrene"]
+    );
 }
 
 /// Guardrails end to end (docs/loop-worker.md, "Guardrails"): the real orchestrator, store and

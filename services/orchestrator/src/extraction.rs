@@ -337,8 +337,13 @@ pub async fn extract<M: MemoryStore>(
     }
 }
 
-/// Pulls and runs extraction jobs until `shutdown`, [`CONCURRENCY`] at once; a job under way
-/// when shutdown fires finishes (or is redelivered after [`ACK_WAIT`]).
+/// How long a shutdown waits for the jobs under way before it abandons them.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Pulls and runs extraction jobs until `shutdown`, [`CONCURRENCY`] at once. A job still under
+/// way [`SHUTDOWN_GRACE`] after shutdown fires is abandoned, not awaited (its model call may wait
+/// [`MODEL_TIMEOUT`] on a gateway stopping too): its entries and marker commit in one
+/// transaction or not at all, and JetStream redelivers it after [`ACK_WAIT`].
 pub async fn consume<M: MemoryStore + 'static>(
     engine: Arc<Engine>,
     memory: Arc<M>,
@@ -388,7 +393,18 @@ pub async fn consume<M: MemoryStore + 'static>(
             });
         }
     }
-    while running.join_next().await.is_some() {}
+    let finished = async { while running.join_next().await.is_some() {} };
+    if tokio::time::timeout(SHUTDOWN_GRACE, finished)
+        .await
+        .is_err()
+    {
+        tracing::info!(
+            jobs = running.len(),
+            "memory extraction jobs abandoned at shutdown; they are redelivered"
+        );
+        running.abort_all();
+        while running.join_next().await.is_some() {}
+    }
 }
 
 /// One delivery: run the job, then ack it, or hand it back with a delay, or drop it after the
