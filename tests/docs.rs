@@ -48,7 +48,9 @@ fn built() -> Vec<String> {
         s::session_events(ID).unwrap(),
         s::session_events(&format!("{ID}.{ID}")).unwrap(),
         s::turn_input(ID).unwrap(),
+        s::memory_extract(ID).unwrap(),
         s::tool(ID).unwrap(),
+        s::guard(ID).unwrap(),
         s::agent_ask(ID, ID),
         s::agent_reply(ID, ID, ID),
         s::agent_event(ID, ID),
@@ -83,7 +85,9 @@ fn every_subject_builder_is_checked() {
         "person",
         "session_events",
         "turn_input",
+        "memory_extract",
         "tool",
+        "guard",
         "agent_ask",
         "agent_reply",
         "agent_event",
@@ -99,6 +103,7 @@ fn every_subject_builder_is_checked() {
         "agent_event_receive",
         "agent_sender",
         "speaks_as",
+        "is_guard",
     ];
     for builder in &builders {
         assert!(

@@ -5,8 +5,9 @@
 
 mod common;
 
-use common::{fresh_postgres, service, wait_for_service};
+use common::{eventually, fresh_postgres, service, wait_for_service};
 use cyrene_bus::request_json;
+use cyrene_protocol::checkpoint::CheckpointState;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEvent, SessionEventType,
@@ -677,10 +678,15 @@ async fn a_message_sent_into_a_turn_past_its_deadline_gets_a_turn_of_its_own() {
 
 /// The answers of session `mp` as (persona, text), once there are at least `n`.
 async fn answers(world: &World, n: usize) -> Vec<(String, String)> {
+    answers_in(world, "mp", n).await
+}
+
+/// The answers of `session` as (persona, text), once there are at least `n`.
+async fn answers_in(world: &World, session: &str, n: usize) -> Vec<(String, String)> {
     tokio::time::timeout(Duration::from_secs(60), async {
         loop {
             let said: Vec<(String, String)> = world
-                .history("mp")
+                .history(session)
                 .await
                 .messages
                 .iter()
@@ -813,4 +819,170 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
 
     let speakers: Vec<&str> = said.iter().map(|(who, _)| who.as_str()).collect();
     assert_eq!(speakers, ["cyrene", "cyrene", "hoshi", "nova", "cyrene"]);
+}
+
+/// Guardrails end to end (docs/loop-worker.md, "Guardrails"): the real orchestrator, store and
+/// worker processes, and a guard service in this test on `cyrene.guard.policy` that denies every
+/// `count` call and any answer mentioning a secret. The denied tool never runs, the person gets
+/// the persona's configured message (never the guard's reason), the checkpoints say
+/// `guardrail`, and no delta of the guarded persona's answers reaches the session — while an
+/// unguarded persona's answer in the same session streams as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_stops_a_tool_call_and_an_answer_and_the_person_gets_the_personas_message() {
+    const MESSAGE: &str = "这个我不能帮你做。";
+    let rules = json!([{"contains": "count for me", "tool_calls": [{"name": "count"}],
+        "after_tools": "counted: {tool_results}"}]);
+    let world = World::scripted(None, rules).await;
+    let client = &world.bus.client;
+
+    // The guard: records every request and answers by its policy.
+    let asked: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+    let mut requests = subscribed(client, "cyrene.guard.policy").await;
+    let (guard_client, guard_asked) = (client.clone(), asked.clone());
+    tokio::spawn(async move {
+        while let Some(request) = requests.next().await {
+            let body: serde_json::Value = serde_json::from_slice(&request.payload).unwrap();
+            let denied = match body["kind"].as_str() {
+                Some("tool_call") => body["tool"] == "count",
+                _ => body["text"].as_str().unwrap_or("").contains("secret"),
+            };
+            guard_asked.lock().unwrap().push(body);
+            let reply = json!({"allow": !denied, "reason": "rule 7 (internal policy text)"});
+            if let Some(to) = request.reply {
+                guard_client
+                    .publish(to, reply.to_string().into())
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+
+    let personas = world.data.path().join("personas.json");
+    let document = json!({"default": "cyrene", "personas": [
+        {"id": "cyrene", "name": "昔涟", "guard": "cyrene.guard.policy", "guard_message": MESSAGE},
+        {"id": "hoshi", "name": "星"}]});
+    std::fs::write(&personas, document.to_string()).unwrap();
+    let personas = personas.display().to_string();
+    let _orchestrator = world
+        .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
+        .await;
+    let mut events = subscribed(client, "cyrene.session.g1.events").await;
+    let seen: Arc<Mutex<Vec<SessionEvent>>> = Arc::default();
+    let recorded = seen.clone();
+    tokio::spawn(async move {
+        while let Some(m) = events.next().await {
+            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+            recorded.lock().unwrap().push(event);
+        }
+    });
+
+    // A tool call the guard denies: the tool never runs, the person gets the message.
+    world.send("g1", "count for me please", "g1-1").await;
+    let said = answers_in(&world, "g1", 1).await;
+    assert_eq!(said, [("cyrene".to_owned(), MESSAGE.to_owned())]);
+    assert!(
+        world
+            .tools
+            .runs
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(name, _)| name != "count"),
+        "the denied tool ran"
+    );
+    // An answer the guard denies: never shown, the message instead.
+    world.send("g1", "tell me the secret", "g1-2").await;
+    let said = answers_in(&world, "g1", 2).await;
+    assert_eq!(said[1], ("cyrene".to_owned(), MESSAGE.to_owned()));
+    // An answer the guard allows reaches the person whole.
+    world.send("g1", "hello there", "g1-3").await;
+    let said = answers_in(&world, "g1", 3).await;
+    assert_eq!(
+        said[2],
+        ("cyrene".to_owned(), "echo: hello there".to_owned())
+    );
+    // An unguarded persona in the same session: its answer streams as deltas.
+    world.send_to("g1", "hoshi, hello", "g1-4", "hoshi").await;
+    let said = answers_in(&world, "g1", 4).await;
+    assert_eq!(
+        said[3],
+        ("hoshi".to_owned(), "echo: hoshi, hello".to_owned())
+    );
+
+    // What the guard was asked: the call with its tool name, the answers with their text.
+    let asked = asked.lock().unwrap().clone();
+    let kinds: Vec<(&str, &str)> = asked
+        .iter()
+        .map(|a| {
+            let what = a["tool"].as_str().or(a["text"].as_str()).unwrap_or("");
+            (a["kind"].as_str().unwrap(), what)
+        })
+        .collect();
+    assert!(kinds.contains(&("tool_call", "count")), "{kinds:?}");
+    assert!(
+        kinds.contains(&("answer", "echo: tell me the secret")),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&("answer", "echo: hello there")),
+        "{kinds:?}"
+    );
+    assert!(
+        asked
+            .iter()
+            .all(|a| a["persona"] == "cyrene" && a["session_id"] == "g1"),
+        "only the guarded persona's turns ask: {asked:?}"
+    );
+
+    // The session saw no piece of a guarded answer and nothing of the guard's reason; hoshi's
+    // answer was streamed.
+    eventually("hoshi's final event", Duration::from_secs(30), || {
+        seen.lock().unwrap().iter().any(|e| {
+            e.kind == SessionEventType::Final
+                && e.message.as_ref().is_some_and(|m| m.sender_name == "hoshi")
+        })
+    })
+    .await;
+    let seen = seen.lock().unwrap().clone();
+    let deltas: Vec<&SessionEvent> = seen
+        .iter()
+        .filter(|e| e.kind == SessionEventType::Delta)
+        .collect();
+    assert!(!deltas.is_empty(), "an unguarded answer streams");
+    assert!(
+        deltas.iter().all(|e| e.sender_name == "hoshi"),
+        "a guarded answer was previewed: {deltas:?}"
+    );
+    for event in &seen {
+        let shown = serde_json::to_string(event).unwrap();
+        assert!(
+            !shown.contains("rule 7"),
+            "the guard's reason reached the session: {shown}"
+        );
+        assert!(
+            !shown.contains("echo: tell me the secret"),
+            "a denied answer was shown: {shown}"
+        );
+    }
+
+    // Two turns settled as `guardrail`, each with the guard's reason for operators.
+    let checkpoints =
+        cyrene_checkpoint_client::CheckpointClient::new(client.clone(), Duration::from_secs(5))
+            .list("g1", Some(100))
+            .await
+            .unwrap();
+    let mut reasons: Vec<String> = checkpoints
+        .iter()
+        .map(|c| c.state.parse::<CheckpointState>().unwrap())
+        .filter(|s| s.stop_reason == "guardrail")
+        .map(|s| s.guard_reason)
+        .collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        [
+            "answer: rule 7 (internal policy text)",
+            "tool_call count: rule 7 (internal policy text)"
+        ]
+    );
 }

@@ -497,6 +497,8 @@ fn every_setting_of_every_service_is_a_flag() {
         turns_replicas,
         owner,
         people,
+        memory_retry_delay,
+        memory_max_deliver,
     } = cyrene_orchestrator::Args::try_parse_from([
         "cyrene-orchestrator",
         "--database-url=sqlite://o.db",
@@ -529,11 +531,17 @@ fn every_setting_of_every_service_is_a_flag() {
         "--turns-replicas=3",
         "--owner=alice",
         "--people=bob, carol",
+        "--memory-retry-delay=3s",
+        "--memory-max-deliver=4",
     ])
     .unwrap()
     .into_config()
     .unwrap();
     assert_eq!(people, ["bob", "carol"]);
+    assert_eq!(
+        (memory_retry_delay, memory_max_deliver),
+        (Duration::from_secs(3), 4)
+    );
     assert_eq!(database_url.as_deref(), Some("sqlite://o.db"));
     assert_eq!(data_dir, std::path::PathBuf::from("/o"));
     assert_eq!(personas.default, "zed");

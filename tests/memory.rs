@@ -195,3 +195,162 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     );
     bus.shutdown.cancel();
 }
+
+/// Runs `cyrene memory <args>` against `nats_url`; its exit code and stdout.
+async fn cyrene_memory(nats_url: &str, args: &[&str]) -> (i32, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .arg("memory")
+        .args(args)
+        .env("NATS_URL", nats_url)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Memory she gathers herself (docs/memory.md), end to end over the real binaries: after a turn
+/// the orchestrator asks the model (the real gateway, scripted) what is worth remembering; the
+/// fact is read back with the turn it came from, the next turn's view holds it, and the
+/// operator's `cyrene memory` lists, shows and forgets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_gathered_after_a_turn_reaches_the_next_view_and_the_cli_forgets_it() {
+    let rules =
+        json!([{"contains": "[本轮对话]", "reply": "[\"the user's dog is called Pochi\"]"}]);
+    let bus = common::Bus::with_gateway(rules).await;
+    let (server, client, log) = (&bus.server, bus.client.clone(), bus.log.clone());
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().display().to_string();
+    let envs = [("CYRENE_DATA_DIR", dir.as_str())];
+    let _children = [
+        service("cyrene-checkpoint-store", &server.url(), &envs),
+        service("cyrene-orchestrator", &server.url(), &envs),
+        service("cyrene-loop-worker", &server.url(), &envs),
+    ];
+    for name in [
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        wait_for_service(&client, name).await;
+    }
+    let send = |text: &'static str| {
+        let client = client.clone();
+        async move {
+            let request = SendRequest {
+                session_id: "e1".into(),
+                message: Message::text(Role::User, text),
+                client_id: "mem".into(),
+                idempotency_key: text.into(),
+                env: None,
+                parallel: false,
+                when_busy: None,
+                persona: String::new(),
+                context_only: false,
+            };
+            let ack: SendAck = request_json(&client, subjects::SESSION_SEND, &request, WAIT)
+                .await
+                .unwrap();
+            ack
+        }
+    };
+    let read = || {
+        let client = client.clone();
+        async move {
+            let req = MemoryReadRequest {
+                persona_id: "cyrene".into(),
+                session_id: "e1".into(),
+            };
+            request_json::<_, MemoryReadResponse>(&client, MEMORY_READ, &req, WAIT)
+                .await
+                .unwrap()
+        }
+    };
+
+    let first = send("my dog is called Pochi").await;
+    let entry = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if let Some(entry) = read().await.memory.into_iter().next() {
+                return entry;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the turn's fact was remembered");
+    assert_eq!(entry.text, "the user's dog is called Pochi");
+    let source = entry
+        .source
+        .clone()
+        .expect("an extracted entry has its source");
+    assert_eq!(
+        (source.session_id.as_str(), source.persona.as_str()),
+        ("e1", "cyrene")
+    );
+    assert_eq!(source.turn_id, first.turn_id);
+    let asked = log
+        .snapshot()
+        .into_iter()
+        .find(|r| r.purpose == "memory")
+        .unwrap();
+    assert!(asked.tools.is_empty(), "the extraction offers no tools");
+    assert!(
+        asked.messages[1]
+            .text_content()
+            .contains("my dog is called Pochi"),
+        "{:?}",
+        asked.messages
+    );
+
+    // The next turn's view holds it, in the long-term memory block.
+    send("what is my dog called?").await;
+    let view = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let found = log.snapshot().into_iter().find(|r| {
+                r.purpose != "memory"
+                    && r.messages.iter().any(|m| {
+                        m.role == Role::User && m.text_content() == "what is my dog called?"
+                    })
+            });
+            if let Some(request) = found {
+                return request.messages;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the second turn reached the model");
+    let system = system_messages(&view);
+    assert!(
+        system.contains(&"[记忆] 你长期记得的事：\n- the user's dog is called Pochi".to_owned()),
+        "{system:#?}"
+    );
+
+    // The operator's CLI: list, show, forget; a hostile id is refused before anything is sent.
+    let url = server.url();
+    let (code, listed) = cyrene_memory(&url, &["list"]).await;
+    assert_eq!(code, 0, "{listed}");
+    let line = listed
+        .lines()
+        .find(|l| l.starts_with(&entry.id))
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert!(line.contains("the user's dog is called Pochi"), "{line}");
+    assert!(line.contains(&first.turn_id), "{line}");
+    let (code, shown) = cyrene_memory(&url, &["show", &entry.id]).await;
+    assert_eq!(code, 0, "{shown}");
+    let shown: cyrene_protocol::memory::MemoryEntry = serde_json::from_str(&shown).unwrap();
+    assert_eq!(shown.source, Some(source));
+    for hostile in ["m-a.b", "x", "m-\u{1}"] {
+        let (code, _) = cyrene_memory(&url, &["forget", hostile]).await;
+        assert_eq!(code, 2, "{hostile:?}");
+    }
+    let (code, out) = cyrene_memory(&url, &["forget", &entry.id]).await;
+    assert_eq!(code, 0, "{out}");
+    let (code, _) = cyrene_memory(&url, &["forget", &entry.id]).await;
+    assert_eq!(code, 1, "already forgotten");
+    assert!(!read().await.memory.iter().any(|e| e.id == entry.id));
+    bus.shutdown.cancel();
+}

@@ -29,13 +29,14 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Every user of the config, in the order of `SHIPPED_PASSWORDS` and of the matrix's columns.
-const MATRIX_USERS: [(&str, &str); 12] = [
+const MATRIX_USERS: [(&str, &str); 13] = [
     ("cyrene-model-gateway", "pw-gateway"),
     ("cyrene-checkpoint-store", "pw-store"),
     ("cyrene-orchestrator", "pw-orchestrator"),
     ("cyrene-loop-worker", "pw-worker"),
     ("cyrene-tools", "pw-tools"),
     ("cyrene-mcp-bridge", "pw-mcp-bridge"),
+    ("cyrene-guard", "pw-guard"),
     ("cyrene-client", "pw-client"),
     ("cyrene-operator", "pw-operator"),
     ("agent-hoshi", "pw-hoshi"),
@@ -194,6 +195,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, P, N, N, N, N, N, N, N],
         ),
         (
+            "cyrene.memory.extract.t1",
+            "a memory extraction is queued (JetStream)",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
             "cyrene.checkpoint.save",
             "a step is checkpointed",
             [N, S, N, P, N, N, N, N, N, N],
@@ -226,7 +232,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.model.complete",
             "a model call",
-            [S, N, N, P, N, N, N, N, N, N],
+            [S, N, P, P, N, N, N, N, N, N],
         ),
         (
             "cyrene.model.complete.stream",
@@ -329,6 +335,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, N, P, S, N, N, N, N, N],
         ),
         (
+            "cyrene.guard.policy",
+            "a persona's guard is asked",
+            [N, N, N, P, N, N, N, N, N, N],
+        ),
+        (
             "$SRV.PING",
             "discovery of every service",
             [S, S, S, S, S, N, P, N, N, N],
@@ -382,6 +393,26 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             "$JS.API.STREAM.DELETE.OBJ_CYRENE_DOCUMENTS",
             "the document bucket is deleted",
             [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.CREATE.CYRENE_MEMORY",
+            "the memory extraction queue is created",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.STREAM.PURGE.CYRENE_MEMORY",
+            "the memory extraction queue is purged",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.API.CONSUMER.MSG.NEXT.CYRENE_MEMORY.cyrene-memory",
+            "an orchestrator pulls a memory extraction",
+            [N, N, P, N, N, N, N, N, N, N],
+        ),
+        (
+            "$JS.ACK.CYRENE_MEMORY.cyrene-memory.1.1.1.1.0",
+            "an orchestrator acknowledges a memory extraction",
+            [N, N, P, N, N, N, N, N, N, N],
         ),
         (
             "$JS.API.STREAM.MSG.GET.CYRENE_TURNS",
@@ -474,6 +505,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, N, N, S, N, N, N, N, N],
         ),
         (
+            "_INBOX_cyrene-guard.a1",
+            "replies to a guard",
+            [N, N, N, N, N, N, N, N, N, N],
+        ),
+        (
             "$SYS.REQ.SERVER.PING",
             "the server's system account",
             [N, N, N, N, N, N, N, N, N, N],
@@ -506,8 +542,18 @@ const MCP_BRIDGE_COLUMN: &[(&str, &str)] = &[
     ("_INBOX_cyrene-mcp-bridge.a1", "sub"),
 ];
 
-/// The full row of the matrix: its cells with the MCP bridge's after `cyrene-tools` and the
-/// chat bridge's last.
+/// The `cyrene-guard` column of the matrix (after `cyrene-mcp-bridge`): like [`BRIDGE_COLUMN`].
+/// A guard is asked on `cyrene.guard.<name>` and answers discovery, nothing more.
+const GUARD_COLUMN: &[(&str, &str)] = &[
+    ("cyrene.guard.policy", "sub"),
+    ("$SRV.PING", "sub"),
+    ("$SRV.INFO", "sub"),
+    ("$SRV.STATS.cyrene-orchestrator", "sub"),
+    ("_INBOX_cyrene-guard.a1", "sub"),
+];
+
+/// The full row of the matrix: its cells with the MCP bridge's and the guard's after
+/// `cyrene-tools` and the chat bridge's last.
 fn full_row<'a>(subject: &str, cells: &[&'a str; 10]) -> Vec<&'a str> {
     let cell = |column: &[(&str, &'static str)]| {
         column
@@ -519,7 +565,7 @@ fn full_row<'a>(subject: &str, cells: &[&'a str; 10]) -> Vec<&'a str> {
     services
         .iter()
         .copied()
-        .chain([cell(MCP_BRIDGE_COLUMN)])
+        .chain([cell(MCP_BRIDGE_COLUMN), cell(GUARD_COLUMN)])
         .chain(people.iter().copied())
         .chain([cell(BRIDGE_COLUMN)])
         .collect()
@@ -1143,7 +1189,11 @@ async fn permitted(raw: &mut RawConnection, subject: &str, sid: u64) -> &'static
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_config_permits_exactly_the_permission_matrix() {
     let server = server();
-    for (subject, _) in BRIDGE_COLUMN.iter().chain(MCP_BRIDGE_COLUMN) {
+    for (subject, _) in BRIDGE_COLUMN
+        .iter()
+        .chain(MCP_BRIDGE_COLUMN)
+        .chain(GUARD_COLUMN)
+    {
         assert!(
             MATRIX.iter().any(|(s, _, _)| s == subject),
             "{subject}: a bridge cell names no row"

@@ -6,6 +6,7 @@ mod comm;
 mod documents;
 mod live;
 mod mcp;
+mod memory;
 mod person;
 mod probe;
 mod session;
@@ -62,6 +63,8 @@ pub enum Command {
     History(session::HistoryArgs),
     /// List the checkpoints of a session (or `session#leg`), most recently written first.
     Checkpoints(session::CheckpointsArgs),
+    /// A persona's memory (operators): list, show and forget entries (docs/memory.md).
+    Memory(memory::MemoryArgs),
     /// Serve the web chat (docs/web.md); the browser talks to NATS itself, over WebSocket.
     Web(web::WebArgs),
     /// Serve Cyrene over MCP on stdio (docs/tools.md): a tool ask_<persona> per persona, your
@@ -106,7 +109,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
     // `probe` is an operator's command: its replies (every service's $SRV.STATS) come to the
     // operator's own inbox prefix, which no client user may subscribe to.
     let name = match (&cli.command, person::person()) {
-        (Command::Probe(_), None) => person::OPERATOR_CONNECTION.to_owned(),
+        (Command::Probe(_) | Command::Memory(_), None) => person::OPERATOR_CONNECTION.to_owned(),
         _ => person::connection_name(),
     };
     let mut config = cli
@@ -123,6 +126,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Emit(args) => comm::emit(client.clone(), args).await,
         Command::Agent(args) => agent::run(client.clone(), args).await,
         Command::Probe(args) => probe::run(client.clone(), args).await,
+        Command::Memory(args) => memory::run(client.clone(), args).await,
         Command::Mcp(args) => mcp::run(client.clone(), args).await,
         Command::Up(args) => up::run(&cli.bus, args).await,
         Command::Chat(args) => chat::chat(client.clone(), args).await,

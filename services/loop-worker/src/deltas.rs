@@ -7,6 +7,8 @@
 //!   the gateway's end marker (the same response the non-streamed call gives), so a completed
 //!   step is saved exactly as before.
 //! - Only `text` deltas are published (reasoning and tool-call arguments are not answer text).
+//! - A guarded persona's turn publishes none ([`DeltaTag::preview`] false): its answer must not
+//!   reach the session before the guard has allowed it (docs/loop-worker.md, "Guardrails").
 //! - `seq` counts from 0 within one (turn, attempt, step); `attempt` is the turn's delivery, so a
 //!   client seeing a higher attempt knows the text is being streamed again after a redelivery
 //!   (the resumed step restarts from its checkpoint).
@@ -41,6 +43,9 @@ pub struct DeltaTag {
     pub attempt: u32,
     /// The persona speaking (what the step's message carries as `sender_name`).
     pub sender_name: String,
+    /// Whether the call's text is published as `delta` events: false when the turn has a guard,
+    /// whose answer reaches the session only once the guard allowed it.
+    pub preview: bool,
 }
 
 impl DeltaTag {
@@ -52,6 +57,7 @@ impl DeltaTag {
             step,
             attempt,
             sender_name: job.env.persona.clone(),
+            preview: job.guard.is_none(),
         }
     }
 

@@ -9,6 +9,7 @@
 //!   ([`pdf`]: PDF text within fixed budgets; [`extractions`]: the poison-document rule);
 //!   [`images`]: images described for a main model without vision; [`memory`]: the
 //!   working-memory and memory blocks.
+//! - [`guard`]: the persona's guard, asked before each tool call and each answer.
 //! - [`tools`]: built-in and discovered tools; [`nats`]: the ports over NATS.
 //! - [`worker`]: the JetStream consumer; [`run`] ties it together.
 
@@ -18,6 +19,7 @@ pub mod config;
 pub mod deltas;
 pub mod documents;
 pub mod extractions;
+pub mod guard;
 pub mod images;
 pub mod memory;
 pub mod nats;

@@ -63,6 +63,7 @@ mod tests {
             id: "m-1".into(),
             text: text.into(),
             created_unix_ms: 0,
+            source: None,
         }
     }
 

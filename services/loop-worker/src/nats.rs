@@ -208,13 +208,18 @@ impl TurnPorts for NatsPorts {
         // a slow publish never holds up reading the stream. Each text carries the call's retry.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(u32, String)>();
         let tag = &tag;
+        // A guarded turn's text is not previewed: nothing of it reaches the session before the
+        // guard has allowed the answer.
+        let preview = tag.preview;
         let call = async move {
             let result = async {
                 let on_delta = |tx: &tokio::sync::mpsc::UnboundedSender<(u32, String)>,
                                 retry: u32| {
                     let tx = tx.clone();
                     move |_, delta| {
-                        if let Delta::Text { text } = delta {
+                        if let Delta::Text { text } = delta
+                            && preview
+                        {
                             let _ = tx.send((retry, text));
                         }
                     }
@@ -374,6 +379,19 @@ impl TurnPorts for NatsPorts {
             session_id: session_id.to_owned(),
         };
         self.ask(memory::MEMORY_READ, &request).await
+    }
+
+    async fn guard(
+        &self,
+        subject: &str,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, ErrorBody> {
+        let headers = cyrene_bus::trace::current_headers();
+        cyrene_bus::request::request_raw(&self.client, subject, headers, payload, timeout)
+            .await
+            .map(|reply| reply.payload.to_vec())
+            .map_err(|e| e.to_body())
     }
 
     async fn publish(&self, event: SessionEvent) {

@@ -220,6 +220,24 @@ pub trait TurnPorts: Send + Sync {
         async { Ok(MemoryReadResponse::default()) }
     }
 
+    /// Sends one guard request (`payload`, a JSON [`cyrene_protocol::guard::GuardRequest`]) to
+    /// `subject` and returns the reply's bytes, waiting at most `timeout` (docs/loop-worker.md,
+    /// "Guardrails"). Nobody listening, no reply in time and an error envelope are errors; the
+    /// caller decides what the bytes mean. The default has no guard service.
+    fn guard(
+        &self,
+        _subject: &str,
+        _payload: Vec<u8>,
+        _timeout: std::time::Duration,
+    ) -> impl Future<Output = Result<Vec<u8>, ErrorBody>> + Send {
+        async {
+            Err(ErrorBody::new(
+                cyrene_protocol::ErrorCode::Unavailable,
+                "no guard service",
+            ))
+        }
+    }
+
     /// Publishes a live session event (fire and forget).
     fn publish(&self, event: SessionEvent) -> impl Future<Output = ()> + Send;
 }

@@ -48,9 +48,11 @@ pub mod stop_reason {
     /// `max_steps` reached and the safety net got no answer either.
     pub const BUDGET_EXHAUSTED: &str = "budget_exhausted";
     /// `max_steps` reached mid tool loop; the safety net's tool-less call answered (a final
-    /// answer). There is no `guardrail` stop: Cyrene has no guardrail stage of its own, and a
-    /// provider's refusal keeps the provider's stop reason (both are settled, never resumed).
+    /// answer). A provider's refusal keeps the provider's finish reason beside `stop`.
     pub const SAFETY_NET: &str = "safety_net";
+    /// The persona's guard denied a tool call or the answer, or failed closed: the person got
+    /// the persona's configured message as the answer (docs/loop-worker.md, "Guardrails").
+    pub const GUARDRAIL: &str = "guardrail";
 }
 
 /// Whether a checkpoint that ended with `stop_reason` is a crash-left run that may resume.
@@ -226,6 +228,7 @@ mod tests {
             finish_reason: String::new(),
             turn_id: "t1".into(),
             steered_ids: vec![],
+            guard_reason: String::new(),
         };
         let state = JsonObject::encode(&state).unwrap();
         Checkpoint {
@@ -519,7 +522,7 @@ mod tests {
             stop_reason::ABORTED,
             stop_reason::ERROR,
             stop_reason::BUDGET_EXHAUSTED,
-            "guardrail",
+            stop_reason::GUARDRAIL,
             stop_reason::SAFETY_NET,
             "",
         ] {

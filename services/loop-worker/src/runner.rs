@@ -46,6 +46,16 @@
 //!   by their own timeout); it is checked again at the next boundary.
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
+//!
+//! # Guardrails
+//! A turn whose job names a guard (docs/loop-worker.md, "Guardrails") asks it about every call
+//! of a tool batch (concurrently, `args_error` calls excepted) before any of them runs, and
+//! about the answer (a step's or the safety net's) before it is settled. A deny, or a failure
+//! under `closed`, runs none of the batch / sends nothing of the answer: the turn settles with
+//! stop reason `guardrail`, the persona's configured message as its answer (the guard's reason
+//! only in the log and the checkpoint's `guard_reason`), and a redelivery reports that again.
+//! Such a turn publishes no `delta` events (crate::deltas), so no text of an answer reaches the
+//! session before the guard allowed it.
 
 use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
 use crate::attribution::{PersonaNames, SpeakerEnv};
@@ -110,6 +120,11 @@ enum Exit {
     Failed(ErrorBody),
     Retry(ErrorBody),
     Stale,
+    /// The guard denied a tool call or the answer (or failed closed); `reason` is for the log
+    /// and the checkpoint only.
+    Guardrail {
+        reason: String,
+    },
 }
 
 /// The mutable state of one turn.
@@ -145,6 +160,8 @@ struct Turn<'a, P> {
     documents: DocumentTexts,
     /// The view the steps' model calls sent, held by a gateway replica (crate::deltas).
     view: crate::deltas::SentView,
+    /// Why the guard ended the turn (saved as the settled checkpoint's `guard_reason`).
+    guard_reason: String,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -228,9 +245,11 @@ pub async fn run_turn<P: TurnPorts>(
         images: ImageResolver::default(),
         documents: DocumentTexts::default(),
         view: crate::deltas::SentView::default(),
+        guard_reason: String::new(),
     };
     turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, config).await;
+    let exit = turn.guard_answer(exit).await;
     turn.settle(exit, step, config).await
 }
 
@@ -262,6 +281,9 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                     },
                     step,
                 );
+            }
+            if let Some(reason) = self.guard_calls(&response.tool_calls).await {
+                return (Exit::Guardrail { reason }, step);
             }
             let assistant = self.assistant_message(&response);
             self.event(SessionEventType::ToolCall, |e| {
@@ -403,6 +425,58 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         }
     }
 
+    /// Asks the guard about every call of a batch at once, `args_error` calls excepted (they do
+    /// not run anyway): the first deny (or closed failure), in call order, as the reason the turn
+    /// ends; `None` when every call may run or the turn has no guard.
+    async fn guard_calls(&self, calls: &[ToolCall]) -> Option<String> {
+        let spec = self.job.guard.as_ref()?;
+        let asked = calls.iter().filter(|c| c.args_error.is_none()).map(|call| {
+            let request = crate::guard::tool_call(self.job, call);
+            async move { (call, crate::guard::check(self.ports, spec, &request).await) }
+        });
+        for (call, verdict) in futures::future::join_all(asked).await {
+            if let crate::guard::Verdict::Deny { reason, failed } = verdict {
+                tracing::warn!(turn = %self.job.turn_id, tool = %call.name, call_id = %call.id,
+                    failed, reason = %reason, "the guard stopped a tool call; no call of the batch runs");
+                return Some(format!("tool_call {}: {reason}", call.name));
+            }
+        }
+        None
+    }
+
+    /// Asks the guard about an answer before it is settled (and so before any of it reaches the
+    /// session): a deny (or closed failure) turns it into [`Exit::Guardrail`].
+    async fn guard_answer(&self, exit: Exit) -> Exit {
+        let (Some(spec), Exit::Final { message, .. }) = (self.job.guard.as_ref(), &exit) else {
+            return exit;
+        };
+        let request = crate::guard::answer(self.job, message.text_content());
+        match crate::guard::check(self.ports, spec, &request).await {
+            crate::guard::Verdict::Allow => exit,
+            crate::guard::Verdict::Deny { reason, failed } => {
+                tracing::warn!(turn = %self.job.turn_id, failed, reason = %reason,
+                    "the guard stopped the answer; the person gets the persona's message");
+                Exit::Guardrail {
+                    reason: format!("answer: {reason}"),
+                }
+            }
+        }
+    }
+
+    /// The answer a guard's deny gives the person: the persona's configured message.
+    fn guard_message(&self) -> Message {
+        let text = self
+            .job
+            .guard
+            .as_ref()
+            .map_or(cyrene_protocol::guard::DEFAULT_GUARD_MESSAGE, |g| {
+                g.message.as_str()
+            });
+        let mut message = Message::text(Role::Assistant, text);
+        message.sender_name = self.job.env.persona.clone();
+        message
+    }
+
     /// Settles every exit: a non-resumable checkpoint, an event, the completion to report.
     async fn settle(mut self, exit: Exit, step: u32, config: &RunnerConfig) -> TurnEnd {
         let mut finish = String::new();
@@ -430,6 +504,19 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                     TurnOutcome::Final,
                     stop_reason.to_owned(),
                     Some(*message),
+                    None,
+                )
+            }
+            Exit::Guardrail { reason } => {
+                // The denied call or answer is in no message: the window ends with what the
+                // person is told, so a redelivery reports it again.
+                self.guard_reason = reason;
+                let message = self.guard_message();
+                self.window.push(message.clone());
+                (
+                    TurnOutcome::Final,
+                    stop_reason::GUARDRAIL.to_owned(),
+                    Some(message),
                     None,
                 )
             }
@@ -638,6 +725,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             finish_reason: finish,
             turn_id: &self.job.turn_id,
             steered_ids,
+            guard_reason: &self.guard_reason,
         };
         #[derive(serde::Serialize)]
         struct Base<'m> {
@@ -832,6 +920,7 @@ fn now_unix_ms() -> u64 {
 pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
+    use cyrene_protocol::guard::{GuardFail, GuardKind, GuardRequest, GuardSpec};
     use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
     use serde_json::Map;
     use std::collections::VecDeque;
@@ -868,7 +957,16 @@ pub(crate) mod tests {
         /// The document service's next answers (then `not_found`), and how often it was asked.
         documents: Mutex<VecDeque<Result<crate::documents::FetchedDocument, ErrorBody>>>,
         document_reads: Mutex<usize>,
+        /// The guard's reply to each request (none: nobody listens), after `guard_delay`; every
+        /// request asked, with its subject.
+        guard_rule: Mutex<Option<GuardRule>>,
+        guard_delay: Mutex<Option<std::time::Duration>>,
+        guard_asks: Mutex<Vec<(String, GuardRequest)>>,
+        /// The delta tags of the streamed step calls.
+        tags: Mutex<Vec<crate::deltas::DeltaTag>>,
     }
+
+    type GuardRule = fn(&GuardRequest) -> Result<Vec<u8>, ErrorBody>;
 
     impl TurnPorts for Fake {
         async fn document(
@@ -995,6 +1093,40 @@ pub(crate) mod tests {
         }
         async fn publish(&self, event: SessionEvent) {
             self.events.lock().unwrap().push(event);
+        }
+        async fn complete_streamed(
+            &self,
+            mut request: ModelRequest,
+            tag: crate::deltas::DeltaTag,
+            view: &mut crate::deltas::SentView,
+        ) -> Result<ModelResponse, ErrorBody> {
+            self.tags.lock().unwrap().push(tag);
+            view.whole(&mut request);
+            self.complete(request).await
+        }
+        async fn guard(
+            &self,
+            subject: &str,
+            payload: Vec<u8>,
+            _timeout: std::time::Duration,
+        ) -> Result<Vec<u8>, ErrorBody> {
+            let request: GuardRequest = serde_json::from_slice(&payload).unwrap();
+            self.guard_asks
+                .lock()
+                .unwrap()
+                .push((subject.to_owned(), request.clone()));
+            let delay = *self.guard_delay.lock().unwrap();
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
+            let rule = *self.guard_rule.lock().unwrap();
+            match rule {
+                Some(rule) => rule(&request),
+                None => Err(ErrorBody::new(
+                    ErrorCode::Unavailable,
+                    "no responders on cyrene.guard.policy",
+                )),
+            }
         }
     }
 
@@ -1932,5 +2064,294 @@ pub(crate) mod tests {
         let _ = run_turn(&fake, &j, 1, &CFG).await;
         let contexts = fake.tool_contexts.lock().unwrap();
         assert_eq!(contexts[0].allowed, Some(vec!["current_time".to_owned()]));
+    }
+
+    // ---- guardrails ----
+
+    const GUARD_MESSAGE: &str = "I can't help with that here.";
+
+    fn guarded(fail: GuardFail) -> TurnJob {
+        TurnJob {
+            guard: Some(GuardSpec {
+                subject: "cyrene.guard.policy".into(),
+                timeout_ms: 1_000,
+                fail,
+                message: GUARD_MESSAGE.into(),
+            }),
+            ..job()
+        }
+    }
+
+    fn allow(_: &GuardRequest) -> Result<Vec<u8>, ErrorBody> {
+        Ok(br#"{"allow":true}"#.to_vec())
+    }
+
+    /// Denies every call of `count` and any answer that mentions a secret.
+    fn policy(request: &GuardRequest) -> Result<Vec<u8>, ErrorBody> {
+        let denied = match request.kind {
+            GuardKind::ToolCall => request.tool.as_deref() == Some("count"),
+            GuardKind::Answer => request.text.as_deref().unwrap_or("").contains("secret"),
+        };
+        Ok(serde_json::to_vec(&serde_json::json!({
+            "allow": !denied,
+            "reason": if denied { "policy 7: internal rule text" } else { "" },
+        }))
+        .unwrap())
+    }
+
+    fn named_calls(names: &[(&str, &str)]) -> Result<ModelResponse, ErrorBody> {
+        let mut r = reply_tools(&names.iter().map(|(id, _)| *id).collect::<Vec<_>>())?;
+        for (call, (_, name)) in r.tool_calls.iter_mut().zip(names) {
+            call.name = (*name).into();
+        }
+        r.message = Message::assistant_tool_calls(&r.tool_calls);
+        Ok(r)
+    }
+
+    /// Asserts a turn ended by its guard: the configured message as its answer, none of the
+    /// guard's reason for the person, a settled `guardrail` checkpoint holding the reason.
+    fn assert_guardrail(fake: &Fake, done: &TurnComplete, reason_has: &str) -> Checkpoint {
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "guardrail")
+        );
+        let answer = done.message.clone().unwrap();
+        assert_eq!(answer.text_content(), GUARD_MESSAGE);
+        assert_eq!(answer.sender_name, "cyrene");
+        let settled = fake.saved.lock().unwrap().last().cloned().unwrap();
+        let st = state(&settled);
+        assert_eq!(st.stop_reason, "guardrail");
+        assert!(st.guard_reason.contains(reason_has), "{}", st.guard_reason);
+        assert_eq!(st.messages.last(), Some(&answer));
+        let events = fake.events.lock().unwrap();
+        let last = events.last().unwrap();
+        assert_eq!(last.kind, SessionEventType::Final);
+        assert_eq!(last.message.as_ref().unwrap().text_content(), GUARD_MESSAGE);
+        for event in events.iter() {
+            let shown = serde_json::to_string(event).unwrap();
+            assert!(
+                !shown.contains("internal rule"),
+                "the reason reached the session: {shown}"
+            );
+        }
+        settled
+    }
+
+    #[tokio::test]
+    async fn a_denied_tool_call_never_runs_and_neither_does_its_batch() {
+        let fake = Fake::scripted([
+            named_calls(&[("c1", "current_time"), ("c2", "count")]),
+            reply_text("never asked"),
+        ]);
+        *fake.guard_rule.lock().unwrap() = Some(policy);
+        let j = guarded(GuardFail::Closed);
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+
+        assert!(
+            fake.tool_runs.lock().unwrap().is_empty(),
+            "no call of the batch ran"
+        );
+        assert_eq!(fake.requests.lock().unwrap().len(), 1, "no further step");
+        let settled = assert_guardrail(&fake, &done, "tool_call count: policy 7");
+        assert_eq!(done.steps, 1);
+        // Both calls were asked about, each with its name and arguments.
+        let asks = fake.guard_asks.lock().unwrap().clone();
+        assert_eq!(asks.len(), 2);
+        for (subject, request) in &asks {
+            assert_eq!(subject, "cyrene.guard.policy");
+            assert_eq!(request.kind, GuardKind::ToolCall);
+            assert_eq!(
+                (request.session_id.as_str(), request.turn_id.as_str()),
+                ("s1", "t1")
+            );
+            assert_eq!(request.persona, "cyrene");
+            assert!(request.arguments.is_some() && request.text.is_none());
+        }
+        assert!(
+            fake.events
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|e| e.kind != SessionEventType::ToolCall),
+            "a stopped call is not announced"
+        );
+
+        // Redelivered after the report was lost: reported again, nothing asked or run.
+        let again = Fake::resuming(Some(settled));
+        let redone = completed(run_turn(&again, &j, 2, &CFG).await);
+        assert_eq!(
+            (
+                redone.stop_reason.as_str(),
+                redone.message.unwrap().text_content()
+            ),
+            ("guardrail", GUARD_MESSAGE.to_owned())
+        );
+        assert!(again.requests.lock().unwrap().is_empty());
+        assert!(again.guard_asks.lock().unwrap().is_empty());
+        assert!(again.tool_runs.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn allowed_calls_run_and_calls_with_undecodable_args_are_not_asked_about() {
+        let mut bad = named_calls(&[("c1", "current_time"), ("c2", "count")]).unwrap();
+        bad.tool_calls[1].args_error = Some("expected value".into());
+        let fake = Fake::scripted([Ok(bad), reply_text("It is noon.")]);
+        *fake.guard_rule.lock().unwrap() = Some(policy);
+        let done = completed(run_turn(&fake, &guarded(GuardFail::Closed), 1, &CFG).await);
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "stop")
+        );
+        assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+        assert_eq!(*fake.tool_runs.lock().unwrap(), ["c1"]);
+        let kinds: Vec<(GuardKind, Option<String>)> = fake
+            .guard_asks
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, r)| (r.kind, r.tool.clone()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (GuardKind::ToolCall, Some("current_time".into())),
+                (GuardKind::Answer, None)
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_denied_answer_never_reaches_the_session_or_the_checkpoint() {
+        let fake = Fake::scripted([reply_text("the secret is 42")]);
+        *fake.guard_rule.lock().unwrap() = Some(policy);
+        let done = completed(run_turn(&fake, &guarded(GuardFail::Closed), 1, &CFG).await);
+        let settled = assert_guardrail(&fake, &done, "answer: policy 7");
+        let asks = fake.guard_asks.lock().unwrap().clone();
+        assert_eq!(asks.len(), 1);
+        assert_eq!(asks[0].1.kind, GuardKind::Answer);
+        assert_eq!(asks[0].1.text.as_deref(), Some("the secret is 42"));
+        assert!(asks[0].1.tool.is_none() && asks[0].1.arguments.is_none());
+        for shown in [
+            serde_json::to_string(&*fake.events.lock().unwrap()).unwrap(),
+            settled.state.as_str().to_owned(),
+        ] {
+            assert!(!shown.contains("secret is 42"), "{shown}");
+        }
+        // No step of a guarded turn is previewed as deltas; an unguarded one is.
+        let tags = fake.tags.lock().unwrap().clone();
+        assert!(
+            !tags.is_empty() && tags.iter().all(|t| !t.preview),
+            "{tags:?}"
+        );
+        let open = Fake::scripted([reply_text("hello")]);
+        let _ = run_turn(&open, &job(), 1, &CFG).await;
+        assert!(open.tags.lock().unwrap().iter().all(|t| t.preview));
+    }
+
+    #[tokio::test]
+    async fn the_safety_net_answer_is_asked_about_too() {
+        let fake = Fake::scripted([
+            reply_tools(&["a"]),
+            reply_tools(&["b"]),
+            reply_text("the secret, from what I found"),
+        ]);
+        *fake.guard_rule.lock().unwrap() = Some(policy);
+        let mut j = guarded(GuardFail::Closed);
+        j.max_steps = 2;
+        let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+        assert_eq!(*fake.tool_runs.lock().unwrap(), ["a", "b"]);
+        assert_guardrail(&fake, &done, "answer: policy 7");
+    }
+
+    #[tokio::test]
+    async fn a_guard_that_is_down_fails_closed_or_open_as_configured() {
+        // Nobody listens (the fake's guard has no rule).
+        let closed = Fake::scripted([reply_tools(&["c1"]), reply_text("It is noon.")]);
+        let done = completed(run_turn(&closed, &guarded(GuardFail::Closed), 1, &CFG).await);
+        assert!(closed.tool_runs.lock().unwrap().is_empty());
+        assert_guardrail(
+            &closed,
+            &done,
+            "the guard failed: unavailable: no responders",
+        );
+
+        let open = Fake::scripted([reply_tools(&["c1"]), reply_text("It is noon.")]);
+        let done = completed(run_turn(&open, &guarded(GuardFail::Open), 1, &CFG).await);
+        assert_eq!(*open.tool_runs.lock().unwrap(), ["c1"]);
+        assert_eq!(
+            (done.outcome, done.stop_reason.as_str()),
+            (TurnOutcome::Final, "stop")
+        );
+        assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+        assert_eq!(
+            open.guard_asks.lock().unwrap().len(),
+            2,
+            "asked, failed, let through"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guard_slower_than_its_timeout_fails_closed_or_open_as_configured() {
+        for fail in [GuardFail::Closed, GuardFail::Open] {
+            let fake = Fake::scripted([reply_text("It is noon.")]);
+            *fake.guard_rule.lock().unwrap() = Some(allow);
+            // Longer than the spec's 1 s: the reply would allow, but it comes too late.
+            *fake.guard_delay.lock().unwrap() = Some(std::time::Duration::from_secs(60));
+            let done = completed(run_turn(&fake, &guarded(fail), 1, &CFG).await);
+            match fail {
+                GuardFail::Closed => {
+                    assert_guardrail(&fake, &done, "no reply within 1s");
+                }
+                GuardFail::Open => {
+                    assert_eq!(done.stop_reason, "stop");
+                    assert_eq!(done.message.unwrap().text_content(), "It is noon.");
+                }
+            }
+        }
+        // Within the timeout the reply counts.
+        let fake = Fake::scripted([reply_text("It is noon.")]);
+        *fake.guard_rule.lock().unwrap() = Some(allow);
+        *fake.guard_delay.lock().unwrap() = Some(std::time::Duration::from_millis(900));
+        let done = completed(run_turn(&fake, &guarded(GuardFail::Closed), 1, &CFG).await);
+        assert_eq!(done.stop_reason, "stop");
+    }
+
+    #[tokio::test]
+    async fn a_malformed_guard_reply_is_a_failure_never_a_panic() {
+        let rules: [GuardRule; 6] = [
+            |_| Ok(b"yes".to_vec()),
+            |_| Ok(br#"{"reason":"allow missing"}"#.to_vec()),
+            |_| Ok(br#"{"allow":"true"}"#.to_vec()),
+            |_| Ok(br#"{"allow":true,"reason":["x"]}"#.to_vec()),
+            |_| {
+                let mut huge = br#"{"allow":true,"reason":""#.to_vec();
+                huge.extend(std::iter::repeat_n(b'x', 70 * 1024));
+                huge.extend(br#""}"#);
+                Ok(huge)
+            },
+            |_| Err(ErrorBody::new(ErrorCode::Internal, "the guard crashed")),
+        ];
+        for (i, rule) in rules.into_iter().enumerate() {
+            let closed = Fake::scripted([reply_tools(&["c1"]), reply_text("It is noon.")]);
+            *closed.guard_rule.lock().unwrap() = Some(rule);
+            let done = completed(run_turn(&closed, &guarded(GuardFail::Closed), 1, &CFG).await);
+            assert!(closed.tool_runs.lock().unwrap().is_empty(), "rule {i}");
+            assert_guardrail(&closed, &done, "the guard failed");
+
+            let open = Fake::scripted([reply_tools(&["c1"]), reply_text("It is noon.")]);
+            *open.guard_rule.lock().unwrap() = Some(rule);
+            let done = completed(run_turn(&open, &guarded(GuardFail::Open), 1, &CFG).await);
+            assert_eq!(*open.tool_runs.lock().unwrap(), ["c1"], "rule {i}");
+            assert_eq!(done.stop_reason, "stop", "rule {i}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_deny_beats_failing_open() {
+        let fake = Fake::scripted([named_calls(&[("c1", "count")]), reply_text("x")]);
+        *fake.guard_rule.lock().unwrap() = Some(policy);
+        let done = completed(run_turn(&fake, &guarded(GuardFail::Open), 1, &CFG).await);
+        assert!(fake.tool_runs.lock().unwrap().is_empty());
+        assert_guardrail(&fake, &done, "policy 7");
     }
 }

@@ -82,6 +82,11 @@ pub struct Config {
     /// protocol (`cyrene --person <id> ask`): their asks are a person's lines, labelled as a
     /// person — the owner's unlabelled — never "another agent" (docs/comm.md, "People asking").
     pub people: Vec<String>,
+    /// Memory extraction (docs/memory.md, "Memory she gathers herself"): how long a failed job
+    /// waits before its next delivery (doubling each time) …
+    pub memory_retry_delay: Duration,
+    /// … and how many deliveries it gets before it is dropped.
+    pub memory_max_deliver: u32,
 }
 
 impl Config {
@@ -112,6 +117,8 @@ impl Config {
             turns_replicas: cyrene_bus::streams::DEFAULT_TURNS_REPLICAS,
             owner: None,
             people: Vec::new(),
+            memory_retry_delay: Duration::from_secs(10),
+            memory_max_deliver: 5,
         }
     }
 
@@ -153,6 +160,7 @@ impl Config {
             ("upload_ttl", self.upload_ttl),
             ("sweep_interval", self.sweep_interval),
             ("db_timeout", self.db_timeout),
+            ("memory_retry_delay", self.memory_retry_delay),
         ] {
             if d.is_zero() {
                 problems.push(format!("{name} must be longer than zero"));
@@ -175,6 +183,7 @@ impl Config {
             ("turns_replicas", self.turns_replicas),
             ("ask_concurrency", self.ask_concurrency),
             ("ask_queue_bytes", self.ask_queue_bytes),
+            ("memory_max_deliver", self.memory_max_deliver as usize),
         ] {
             if n == 0 {
                 problems.push(format!("{name} must be at least 1"));
@@ -364,6 +373,16 @@ pub struct Args {
     /// labelled as a person's, not as another agent's (docs/comm.md, "People asking").
     #[arg(long, env = "CYRENE_ORCHESTRATOR_PEOPLE", value_delimiter = ',')]
     pub people: Vec<String>,
+    /// How long a failed memory extraction waits before its next try (doubling each time).
+    #[arg(long, env = "CYRENE_ORCHESTRATOR_MEMORY_RETRY_DELAY", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub memory_retry_delay: Duration,
+    /// Tries of one memory extraction before it is dropped (a WARN and a metric).
+    #[arg(
+        long,
+        env = "CYRENE_ORCHESTRATOR_MEMORY_MAX_DELIVER",
+        default_value_t = 5
+    )]
+    pub memory_max_deliver: u32,
 }
 
 impl ServiceArgs for Args {
@@ -424,6 +443,8 @@ impl Args {
             .filter(|s| !s.is_empty())
             .map(str::to_owned);
         config.people = clean(&self.people);
+        config.memory_retry_delay = self.memory_retry_delay;
+        config.memory_max_deliver = self.memory_max_deliver;
         Ok(config)
     }
 }

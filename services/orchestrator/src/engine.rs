@@ -352,6 +352,8 @@ impl Engine {
         check_turn_ref(&req.session_id, &req.turn_id, &req.leg_id)?;
         let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
         if !done.first {
+            // A repeat may follow a publish that failed: publish again (deduplicated).
+            self.publish_memory_job(&done).await?;
             return Ok(TurnCompleteAck { first: false });
         }
         if let Some(waited) = done.waited_ms {
@@ -408,7 +410,32 @@ impl Engine {
         if let Some(pushed) = &done.pushed {
             self.push(pushed).await;
         }
+        self.publish_memory_job(&done).await?;
         Ok(TurnCompleteAck { first: true })
+    }
+
+    /// Publishes the completion's memory extraction job when its persona extracts memory
+    /// (docs/memory.md, "Memory she gathers herself"). Failing, the completion is answered
+    /// `unavailable`: the worker resends it, and the repeat publishes again. The answer itself
+    /// is committed either way.
+    async fn publish_memory_job(&self, done: &crate::store::Completed) -> Result<(), ErrorBody> {
+        let Some(job) = &done.memory_job else {
+            return Ok(());
+        };
+        if !self.config.personas.extracts_memory(&job.persona) {
+            return Ok(());
+        }
+        crate::extraction::publish(&self.js, job)
+            .await
+            .map_err(|err| {
+                tracing::warn!(turn_id = %job.turn_id, error = %err,
+                "memory extraction job not published; the completion will be resent");
+                ErrorBody::new(
+                    ErrorCode::Unavailable,
+                    "the turn is recorded, but its memory extraction job could not be queued yet: \
+                 resend the completion",
+                )
+            })
     }
 
     /// `cyrene.session.history`.

@@ -177,6 +177,7 @@ pub fn build(settings: &JobSettings, seed: TurnSeed<'_>) -> Result<Built, JobErr
             .map(|ms| to_u64(seed.now_ms).saturating_add(ms)),
         tools: persona.tools.clone(),
         ask_chain,
+        guard: persona.guard_spec(),
     };
     Ok(Built { job, base_seq })
 }
@@ -220,6 +221,9 @@ mod tests {
             restricted: true,
             tools: Some(vec!["current_time".into()]),
             turn_timeout_ms: Some(5_000),
+            guard: Some("cyrene.guard.hoshi".into()),
+            guard_fail: Some(cyrene_protocol::guard::GuardFail::Open),
+            ..Default::default()
         });
         p
     }
@@ -365,6 +369,15 @@ mod tests {
             job.persona_names.get("hoshi").map(String::as_str),
             Some("星")
         );
+        let guard = job.guard.expect("hoshi's guard");
+        assert_eq!(
+            (guard.subject.as_str(), guard.timeout_ms, guard.fail),
+            (
+                "cyrene.guard.hoshi",
+                2_000,
+                cyrene_protocol::guard::GuardFail::Open
+            )
+        );
     }
 
     #[test]
@@ -375,6 +388,7 @@ mod tests {
             assert_eq!(job.env.persona, "cyrene", "{persona:?}");
             assert_eq!(job.tools, None);
             assert_eq!(job.deadline_unix_ms, None);
+            assert_eq!(job.guard, None, "the default persona has no guard");
         }
         let mut none = settings(1 << 20);
         none.personas.default = "missing".into();

@@ -14,7 +14,8 @@
 //!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
 //! - live progress of running legs for parallel notices ([`progress`]);
 //! - persona memory: the [`memory::MemoryStore`] interface behind `cyrene.memory.*` and its SQL
-//!   default (docs/memory.md);
+//!   default (docs/memory.md), and the memory she gathers herself after a turn ([`extraction`],
+//!   JetStream stream `CYRENE_MEMORY`);
 //! - the personas ([`personas`]) and their comm agents ([`agents`]);
 //! - who speaks: the owner, third parties and the chat bridge ([`identity`]);
 //! - the configuration ([`config`]).
@@ -34,6 +35,7 @@ pub mod agents;
 pub mod config;
 pub mod documents;
 pub mod engine;
+pub mod extraction;
 pub mod identity;
 pub mod job;
 pub mod memory;
@@ -153,7 +155,19 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         store.pool().clone(),
         config.db_timeout,
     ));
-    let mut host = service::start(engine.clone(), memory, shutdown.clone()).await?;
+    let extractions = extraction::open(&js, config.turns_replicas, config.memory_max_deliver)
+        .await
+        .map_err(|e| Error::Bus {
+            what: "cannot open the memory extraction stream",
+            source: e.into(),
+        })?;
+    let mut host = service::start(engine.clone(), memory.clone(), shutdown.clone()).await?;
+    host.spawn(extraction::consume(
+        engine.clone(),
+        memory,
+        extractions,
+        shutdown.clone(),
+    ));
     for listener in listeners {
         host.spawn(listener);
     }

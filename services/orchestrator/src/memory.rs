@@ -9,12 +9,15 @@
 //!   (`session_id` empty) in every session of the persona.
 //! - A read returns at most [`MAX_READ_ENTRIES`] of each kind, the newest, oldest first.
 //! - Every entry is one line of at most [`MAX_ENTRY_BYTES`] bytes, checked on write.
+//! - The entries extracted from one turn are written once: with the turn's done-marker (table
+//!   `orch_memory_jobs`) in one transaction, so a second call for the turn writes nothing
+//!   ([`MemoryStore::remember`]).
 
 use crate::store::{StoreError, now_ms};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::memory::{
     MAX_ENTRY_BYTES, MAX_READ_ENTRIES, MemoryEntry, MemoryForgetAck, MemoryForgetRequest,
-    MemoryReadRequest, MemoryReadResponse, MemoryWriteAck, MemoryWriteRequest,
+    MemoryReadRequest, MemoryReadResponse, MemorySource, MemoryWriteAck, MemoryWriteRequest,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_sql::bounded;
@@ -43,6 +46,26 @@ pub trait MemoryStore: Send + Sync {
         &self,
         req: MemoryForgetRequest,
     ) -> impl Future<Output = Result<MemoryForgetAck, ErrorBody>> + Send;
+
+    /// Remembers what was extracted from the turn `source` names, as long-term memory of
+    /// `source.persona`, each entry with its source — once per turn: `Remembered::Before` when
+    /// that turn's entries were already written, and nothing is written again. Each text must
+    /// pass [`check_text`].
+    fn remember(
+        &self,
+        source: &MemorySource,
+        texts: &[String],
+    ) -> impl Future<Output = Result<Remembered, ErrorBody>> + Send;
+}
+
+/// What [`MemoryStore::remember`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remembered {
+    /// This many entries were written now (0: the turn held nothing worth remembering, and that
+    /// is recorded too).
+    Now(usize),
+    /// The turn's extraction had been recorded before: nothing written.
+    Before,
 }
 
 fn bad(message: impl Into<String>) -> ErrorBody {
@@ -112,11 +135,13 @@ impl SqlMemory {
     /// a turn reads its memory once as it starts.
     async fn read_both(&self, req: &MemoryReadRequest) -> Result<MemoryReadResponse, StoreError> {
         let rows = sqlx::query(
-            "SELECT id, text, created_at, session_id FROM (SELECT id, text, created_at, session_id \
+            "SELECT id, text, created_at, session_id, source FROM (SELECT id, text, created_at, \
+               session_id, source \
                FROM orch_memory WHERE persona_id = $1 AND session_id = $2 AND $2 <> '' \
                ORDER BY created_at DESC, id DESC LIMIT $3) working \
              UNION ALL \
-             SELECT id, text, created_at, session_id FROM (SELECT id, text, created_at, session_id \
+             SELECT id, text, created_at, session_id, source FROM (SELECT id, text, created_at, \
+               session_id, source \
                FROM orch_memory WHERE persona_id = $1 AND session_id = '' \
                ORDER BY created_at DESC, id DESC LIMIT $3) long_term",
         )
@@ -129,10 +154,13 @@ impl SqlMemory {
         for r in &rows {
             let created: i64 = r.try_get(2)?;
             let session: String = r.try_get(3)?;
+            // A source that does not decode (written by hand into the table) is left out.
+            let source: Option<String> = r.try_get(4)?;
             let entry = MemoryEntry {
                 id: r.try_get(0)?,
                 text: r.try_get(1)?,
                 created_unix_ms: u64::try_from(created).unwrap_or(0),
+                source: source.and_then(|s| serde_json::from_str(&s).ok()),
             };
             match session.is_empty() {
                 true => out.memory.push(entry),
@@ -159,6 +187,50 @@ impl SqlMemory {
         .execute(&self.pool)
         .await?;
         Ok(())
+    }
+
+    /// The turn's done-marker and its entries, in one transaction; `Before` when the marker was
+    /// there (rolled back: nothing written).
+    async fn insert_extracted(
+        &self,
+        source: &MemorySource,
+        texts: &[String],
+    ) -> Result<Remembered, StoreError> {
+        let now = now_ms();
+        let encoded = serde_json::to_string(source)
+            .map_err(|e| StoreError::Internal(format!("encode: {e}")))?;
+        let mut tx = self.pool.begin().await?;
+        // Under concurrent deliveries the second insert waits on the key and then inserts
+        // nothing (PostgreSQL), or waits for the writer lock (SQLite): one of them writes.
+        let marked = sqlx::query(
+            "INSERT INTO orch_memory_jobs (turn_id, persona_id, entries, created_at) \
+             VALUES ($1, $2, $3, $4) ON CONFLICT (turn_id) DO NOTHING",
+        )
+        .bind(&source.turn_id)
+        .bind(&source.persona)
+        .bind(texts.len() as i64)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if marked.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(Remembered::Before);
+        }
+        for text in texts {
+            sqlx::query(
+                "INSERT INTO orch_memory (id, persona_id, session_id, text, created_at, source) \
+                 VALUES ($1, $2, '', $3, $4, $5)",
+            )
+            .bind(format!("m-{}", ids::new_id()))
+            .bind(&source.persona)
+            .bind(text)
+            .bind(now)
+            .bind(&encoded)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Remembered::Now(texts.len()))
     }
 
     async fn delete(&self, req: &MemoryForgetRequest) -> Result<bool, StoreError> {
@@ -190,6 +262,18 @@ impl MemoryStore for SqlMemory {
         check_entry_id(&req.id)?;
         let forgotten = bounded(self.timeout, self.delete(&req)).await?;
         Ok(MemoryForgetAck { forgotten })
+    }
+
+    async fn remember(
+        &self,
+        source: &MemorySource,
+        texts: &[String],
+    ) -> Result<Remembered, ErrorBody> {
+        check_ids(&source.persona, &source.session_id)?;
+        for text in texts {
+            check_text(text)?;
+        }
+        bounded(self.timeout, self.insert_extracted(source, texts)).await
     }
 }
 

@@ -6,8 +6,13 @@
 //! - Persona ids are valid agent ids (`[A-Za-z0-9_-]`, 1–128 chars) and unique; the default
 //!   persona is one of them. So an id can be used as a subject token and in the ask session ids
 //!   `ask-<id>-…` as is.
+//! - A persona's `guard` is a subject `cyrene.guard.<name>` without wildcards
+//!   (`cyrene_protocol::subjects::guard`), so NATS permissions can let the loop worker publish
+//!   only there; the other `guard_*` fields are refused without it.
 
+use cyrene_protocol::guard::{self, GuardFail, GuardSpec};
 use cyrene_protocol::ids::{self, IdKind};
+use cyrene_protocol::subjects;
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
 use std::collections::BTreeMap;
@@ -23,7 +28,7 @@ use the tools you are given when they help.";
 
 /// One persona: who answers, under which name, with which system prompt.
 #[skip_serializing_none]
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Persona {
     /// The persona id: the agent id on the comm protocol and the `sender_name` of its answers.
@@ -44,6 +49,82 @@ pub struct Persona {
     /// How long one of its turns may run, in milliseconds from the turn's creation: absent = no
     /// limit. Sent as the turn job's `deadline_unix_ms`.
     pub turn_timeout_ms: Option<u64>,
+    /// Whether memory extraction runs after its turns (docs/memory.md, "Memory she gathers
+    /// herself"): absent = on for the default persona, off for the others.
+    pub memory_extraction: Option<bool>,
+    /// The model the extraction asks (the gateway's explicit model route); absent = the
+    /// persona's own chain.
+    pub memory_model: Option<String>,
+    /// Its guard (docs/loop-worker.md, "Guardrails"): the subject `cyrene.guard.<name>` the loop
+    /// worker asks before each tool call runs and before each answer is sent. Absent = no guard.
+    pub guard: Option<String>,
+    /// How long the worker waits for the guard's reply, in milliseconds (default 2000, at most
+    /// 30000).
+    pub guard_timeout_ms: Option<u64>,
+    /// What a guard that is down, slow or malformed means: `closed` (default: the turn ends as
+    /// a deny would) or `open` (the call runs, the answer is sent).
+    pub guard_fail: Option<GuardFail>,
+    /// What the person is told when the guard ends the turn (a deny, or a closed failure); the
+    /// guard's own reason never reaches the person.
+    pub guard_message: Option<String>,
+}
+
+impl Persona {
+    /// The guard its turn jobs carry, when it names one.
+    pub fn guard_spec(&self) -> Option<GuardSpec> {
+        let subject = self.guard.clone()?;
+        Some(GuardSpec {
+            subject,
+            timeout_ms: self
+                .guard_timeout_ms
+                .unwrap_or(guard::DEFAULT_GUARD_TIMEOUT_MS),
+            fail: self.guard_fail.unwrap_or_default(),
+            message: self
+                .guard_message
+                .clone()
+                .unwrap_or_else(|| guard::DEFAULT_GUARD_MESSAGE.to_owned()),
+        })
+    }
+
+    /// The guard fields' problems.
+    fn check_guard(&self) -> Result<(), String> {
+        let Some(subject) = &self.guard else {
+            let stray = self.guard_timeout_ms.is_some()
+                || self.guard_fail.is_some()
+                || self.guard_message.is_some();
+            return match stray {
+                true => Err("guard_timeout_ms, guard_fail and guard_message need a guard".into()),
+                false => Ok(()),
+            };
+        };
+        if !subjects::is_guard(subject) {
+            return Err(format!(
+                "guard {subject:?} is not a subject cyrene.guard.<name> (1 to {} tokens of \
+                 A-Z, a-z, 0-9, '_' and '-'; no wildcards)",
+                subjects::MAX_GUARD_NAME_TOKENS
+            ));
+        }
+        if let Some(ms) = self.guard_timeout_ms
+            && !(1..=guard::MAX_GUARD_TIMEOUT_MS).contains(&ms)
+        {
+            return Err(format!(
+                "guard_timeout_ms must be 1 to {}",
+                guard::MAX_GUARD_TIMEOUT_MS
+            ));
+        }
+        if let Some(message) = &self.guard_message {
+            if message.trim().is_empty() {
+                return Err("guard_message is empty".into());
+            }
+            if message.len() > guard::MAX_GUARD_MESSAGE_BYTES {
+                return Err(format!(
+                    "guard_message is longer than {} bytes",
+                    guard::MAX_GUARD_MESSAGE_BYTES
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The `CYRENE_ORCHESTRATOR_PERSONAS` document: `{"default":"cyrene","personas":[…]}`.
@@ -76,8 +157,7 @@ impl Personas {
                 name: BUILTIN_PERSONA_NAME.to_owned(),
                 instructions: BUILTIN_INSTRUCTIONS.to_owned(),
                 restricted: false,
-                tools: None,
-                turn_timeout_ms: None,
+                ..Default::default()
             }],
         }
     }
@@ -115,6 +195,17 @@ impl Personas {
                 ids::validate(IdKind::Tool, tool)
                     .map_err(|e| PersonasError(format!("persona {:?}: tools: {e}", p.id)))?;
             }
+            if p.memory_model
+                .as_deref()
+                .is_some_and(|m| m.trim().is_empty())
+            {
+                return Err(PersonasError(format!(
+                    "persona {:?}: memory_model must name a model",
+                    p.id
+                )));
+            }
+            p.check_guard()
+                .map_err(|e| PersonasError(format!("persona {:?}: {e}", p.id)))?;
             if p.turn_timeout_ms == Some(0) {
                 return Err(PersonasError(format!(
                     "persona {:?}: turn_timeout_ms must be at least 1",
@@ -143,6 +234,14 @@ impl Personas {
         } else {
             self.get(id)
         }
+    }
+
+    /// Whether the turns of persona `id` have their memory extracted: its `memory_extraction`,
+    /// else on for the default persona only.
+    pub fn extracts_memory(&self, id: &str) -> bool {
+        let id = if id.is_empty() { &self.default } else { id };
+        self.get(id)
+            .is_some_and(|p| p.memory_extraction.unwrap_or(*id == self.default))
     }
 
     /// Persona id → display name (for attribution labels in turn jobs).
@@ -200,6 +299,28 @@ mod tests {
     }
 
     #[test]
+    fn memory_extraction_is_on_for_the_default_persona_unless_set() {
+        let p = Personas::from_json(
+            r#"{"default":"a","personas":[{"id":"a","name":"x"},{"id":"b","name":"y"},
+               {"id":"c","name":"z","memory_extraction":true,"memory_model":"small"},
+               {"id":"d","name":"w","memory_extraction":false}]}"#,
+        )
+        .unwrap();
+        assert!(p.extracts_memory("a"));
+        assert!(p.extracts_memory(""), "empty: the default persona");
+        assert!(!p.extracts_memory("b"));
+        assert!(p.extracts_memory("c"));
+        assert_eq!(p.get("c").unwrap().memory_model.as_deref(), Some("small"));
+        assert!(!p.extracts_memory("nobody"));
+        let off = Personas::from_json(
+            r#"{"default":"d","personas":[{"id":"d","name":"w","memory_extraction":false}]}"#,
+        )
+        .unwrap();
+        assert!(!off.extracts_memory("d"));
+        assert!(Personas::builtin().extracts_memory("cyrene"));
+    }
+
+    #[test]
     fn refuses_bad_documents() {
         for bad in [
             r#"{"default":"a","personas":[]}"#,
@@ -210,8 +331,56 @@ mod tests {
             r#"{"default":"a","personas":[{"id":"a","name":"x","colour":"red"}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","tools":["a.b"]}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","turn_timeout_ms":0}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","memory_model":" "}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.tool.x"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.>"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.*"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.a b"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.p","guard_timeout_ms":0}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.p","guard_timeout_ms":30001}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.p","guard_fail":"maybe"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.p","guard_message":" "}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard_fail":"open"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","guard_message":"no"}]}"#,
         ] {
             assert!(Personas::from_json(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_guard_parses_with_its_defaults_and_becomes_the_jobs_spec() {
+        let p = Personas::from_json(
+            r#"{"default":"a","personas":[
+               {"id":"a","name":"x","guard":"cyrene.guard.policy"},
+               {"id":"b","name":"y","guard":"cyrene.guard.team.strict","guard_timeout_ms":500,
+                "guard_fail":"open","guard_message":"I can't do that here."},
+               {"id":"c","name":"z"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            p.get("a").unwrap().guard_spec(),
+            Some(GuardSpec {
+                subject: "cyrene.guard.policy".into(),
+                timeout_ms: 2_000,
+                fail: GuardFail::Closed,
+                message: guard::DEFAULT_GUARD_MESSAGE.into(),
+            })
+        );
+        assert_eq!(
+            p.get("b").unwrap().guard_spec(),
+            Some(GuardSpec {
+                subject: "cyrene.guard.team.strict".into(),
+                timeout_ms: 500,
+                fail: GuardFail::Open,
+                message: "I can't do that here.".into(),
+            })
+        );
+        assert_eq!(p.get("c").unwrap().guard_spec(), None);
+        let long = "x".repeat(guard::MAX_GUARD_MESSAGE_BYTES + 1);
+        let doc = format!(
+            r#"{{"default":"a","personas":[{{"id":"a","name":"x","guard":"cyrene.guard.p","guard_message":"{long}"}}]}}"#
+        );
+        assert!(Personas::from_json(&doc).is_err());
     }
 }

@@ -1,5 +1,5 @@
 //! Health and metrics of a service process: the readiness registry every part of the process
-//! reports to, and the small HTTP listener (`--health-addr` / `CYRENE_HEALTH_ADDR`) that answers
+//! reports to, and the HTTP listener (`--health-addr` / `CYRENE_HEALTH_ADDR`) that answers
 //! `/livez`, `/readyz` and `/metrics` (docs/operations.md).
 //!
 //! Readiness is a set of named checks, each `true` or `false`. [`crate::entry`] registers
@@ -17,20 +17,24 @@
 //! - The listener only reads: a probe never blocks a request or takes a lock held across I/O.
 //!
 //! # Pitfalls
-//! - The HTTP server is a deliberately tiny HTTP/1.x responder (one `GET` per connection, then
-//!   `Connection: close`): three fixed paths for probes and a scraper do not justify a server
-//!   framework in every binary. Requests are bounded in size and time.
+//! - The listener is axum on hyper's HTTP/1 (already in every binary for the gateway's front
+//!   door), served through [`crate::http::serve_connections`]: at most 16 connections, and one
+//!   that sends no request head within 5 s is closed, so idle sockets cannot hold it.
 //! - Metrics are recorded through the `metrics` facade everywhere; without the listener no
 //!   recorder is installed and recording is a no-op.
 
+use crate::http::ConnLimits;
+use axum::Router;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// The readiness checks of this process.
@@ -116,7 +120,7 @@ pub async fn serve(
         .map_err(|source| HealthError::Bind { addr, source })?;
     let bound = listener.local_addr().unwrap_or(addr);
     tracing::info!(addr = %bound, "health and metrics listening");
-    let task = tokio::spawn(accept_loop(listener, handle, shutdown));
+    let task = tokio::spawn(serve_until(listener, handle, shutdown));
     Ok((bound, task))
 }
 
@@ -239,6 +243,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "From a turn's creation to its job confirmed in the CYRENE_TURNS stream.",
     ),
     (
+        "cyrene_memory_extractions_total",
+        Kind::Counter,
+        "Memory extraction deliveries, by outcome (written, already_done, skipped, malformed, retry, dropped).",
+    ),
+    (
         "cyrene_sessions_active",
         Kind::Gauge,
         "Sessions with a turn running (sampled every 10 s from the database).",
@@ -247,6 +256,11 @@ pub const SERIES: &[(&str, Kind, &str)] = &[
         "cyrene_messages_waiting",
         Kind::Gauge,
         "Messages stored but not yet taken by a turn (sampled every 10 s from the database).",
+    ),
+    (
+        "cyrene_http_accept_errors_total",
+        Kind::Counter,
+        "Accepts an HTTP listener could not make (out of descriptors), by listener (health, http).",
     ),
     (
         "cyrene_matrix_bridge_messages_total",
@@ -288,96 +302,86 @@ fn describe_series() {
     }
 }
 
-async fn accept_loop(
+/// The bounds of the health and metrics listener: a few probes and a scraper at a time.
+const LIMITS: ConnLimits = ConnLimits {
+    max_connections: 16,
+    header_timeout: Duration::from_secs(5),
+};
+
+/// Serves the three paths until `shutdown`, and drains histograms into their buckets every 5 s
+/// (no exporter task does it).
+async fn serve_until(
     listener: TcpListener,
     metrics: PrometheusHandle,
     shutdown: CancellationToken,
 ) {
-    let mut upkeep = tokio::time::interval(Duration::from_secs(5));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            // Histograms are drained into their buckets here (no exporter task does it).
-            _ = upkeep.tick() => metrics.run_upkeep(),
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let metrics = metrics.clone();
-                    tokio::spawn(async move {
-                        let _ = tokio::time::timeout(REQUEST_LIMIT, answer(stream, &metrics)).await;
-                    });
+    let upkeep = {
+        let (metrics, shutdown) = (metrics.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => metrics.run_upkeep(),
                 }
-                Err(err) => {
-                    tracing::warn!(error = %err, "health listener accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    crate::http::serve_connections("health", listener, router(metrics), LIMITS, shutdown).await;
+    let _ = upkeep.await;
+}
+
+/// `/livez`, `/readyz` and `/metrics` (`GET`, and `HEAD` with the same headers); anything else
+/// is 404, another method on these paths 405.
+fn router(metrics: PrometheusHandle) -> Router {
+    Router::new()
+        .route(
+            "/livez",
+            get(|| async { text(StatusCode::OK, "ok\n".to_owned()) }),
+        )
+        .route("/readyz", get(readyz))
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    let mut response = text(StatusCode::OK, metrics.render());
+                    response.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                    );
+                    response
                 }
-            },
-        }
+            }),
+        )
+        .fallback(|| async {
+            text(
+                StatusCode::NOT_FOUND,
+                "not found; try /livez, /readyz, /metrics\n".to_owned(),
+            )
+        })
+}
+
+async fn readyz() -> Response {
+    match global().readiness() {
+        (true, _) => text(StatusCode::OK, "ready\n".to_owned()),
+        (false, failing) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", failing.join(", ")),
+        ),
     }
 }
 
-/// How long one probe connection may take, start to end.
-const REQUEST_LIMIT: Duration = Duration::from_secs(10);
-/// The largest request head read.
-const MAX_HEAD: usize = 8 * 1024;
-
-async fn answer(mut stream: TcpStream, metrics: &PrometheusHandle) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    let (status, content_type, body) = route(method, path, metrics);
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
-         Cache-Control: no-store\r\nConnection: close\r\n\r\n",
-        if method == "HEAD" { 0 } else { body.len() }
+/// A plain-text answer no cache keeps.
+fn text(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    stream.write_all(response.as_bytes()).await?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes()).await?;
-    }
-    stream.shutdown().await
-}
-
-fn route(
-    method: &str,
-    path: &str,
-    metrics: &PrometheusHandle,
-) -> (&'static str, &'static str, String) {
-    const TEXT: &str = "text/plain; charset=utf-8";
-    if method != "GET" && method != "HEAD" {
-        return ("405 Method Not Allowed", TEXT, "only GET\n".into());
-    }
-    match path {
-        "/livez" => ("200 OK", TEXT, "ok\n".into()),
-        "/readyz" => match global().readiness() {
-            (true, _) => ("200 OK", TEXT, "ready\n".into()),
-            (false, failing) => (
-                "503 Service Unavailable",
-                TEXT,
-                format!("not ready: {}\n", failing.join(", ")),
-            ),
-        },
-        "/metrics" => (
-            "200 OK",
-            "text/plain; version=0.0.4; charset=utf-8",
-            metrics.render(),
-        ),
-        _ => (
-            "404 Not Found",
-            TEXT,
-            "not found; try /livez, /readyz, /metrics\n".into(),
-        ),
-    }
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 /// Keeps check `nats` equal to whether `client` is connected, until `shutdown`.
@@ -431,6 +435,79 @@ mod tests {
             );
             assert!(name.starts_with("cyrene_"), "{name}");
         }
+    }
+
+    /// Sends `request` on a fresh connection and reads the whole answer.
+    async fn exchange(addr: SocketAddr, request: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.unwrap();
+        String::from_utf8(raw).unwrap()
+    }
+
+    #[tokio::test]
+    async fn probes_are_answered_even_while_idle_sockets_fill_every_slot() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = PrometheusBuilder::new().build_recorder().handle();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_until(listener, metrics, shutdown.clone()));
+
+        // A silent socket in every slot: the probe waits in the backlog until the header
+        // timeout closes them (without one it would wait for ever: the bound below fails it).
+        let mut idle = Vec::new();
+        for _ in 0..LIMITS.max_connections {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let live = tokio::time::timeout(
+            Duration::from_secs(60),
+            exchange(
+                addr,
+                "GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            ),
+        )
+        .await
+        .expect("idle sockets held the listener");
+        assert!(live.starts_with("HTTP/1.1 200"), "{live}");
+        assert!(
+            live.to_ascii_lowercase()
+                .contains("cache-control: no-store"),
+            "{live}"
+        );
+        assert!(live.ends_with("ok\n"), "{live}");
+
+        let head = exchange(
+            addr,
+            "HEAD /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            head.starts_with("HTTP/1.1 200") && head.ends_with("\r\n\r\n"),
+            "{head}"
+        );
+        let post = exchange(
+            addr,
+            "POST /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+        let junk = exchange(addr, "\u{1}\u{2} /<script> HTTP/9\r\n\r\n").await;
+        assert!(
+            junk.is_empty() || junk.starts_with("HTTP/1.1 400"),
+            "{junk}"
+        );
+        let missing = exchange(
+            addr,
+            "GET /../etc/passwd HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+
+        drop(idle);
+        shutdown.cancel();
+        server.await.unwrap();
     }
 
     #[test]

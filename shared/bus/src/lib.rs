@@ -19,6 +19,7 @@ pub mod guard;
 pub mod headers;
 pub mod health;
 pub mod host;
+pub mod http;
 pub mod model_stream;
 pub mod request;
 pub mod retry;

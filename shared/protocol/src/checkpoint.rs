@@ -75,6 +75,11 @@ pub struct CheckpointState {
     /// `messages`), so a settled turn can be reported again exactly as it ended.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steered_ids: Vec<String>,
+    /// Why the turn's guard ended it (stop reason `guardrail`): the guard's own reason, or why
+    /// the guard failed (docs/loop-worker.md, "Guardrails"). For operators: it never reaches the
+    /// person, and it never decides a resume.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub guard_reason: String,
 }
 
 /// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window. With
@@ -94,6 +99,8 @@ pub struct CheckpointStateRef<'a> {
     pub turn_id: &'a str,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     pub steered_ids: &'a [String],
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub guard_reason: &'a str,
 }
 
 /// `cyrene.checkpoint.latest` request.
@@ -276,6 +283,7 @@ mod tests {
             finish_reason: String::new(),
             turn_id: "t1".into(),
             steered_ids: vec![],
+            guard_reason: String::new(),
         };
         let borrowed = CheckpointStateRef {
             step: state.step,
@@ -285,6 +293,7 @@ mod tests {
             finish_reason: &state.finish_reason,
             turn_id: &state.turn_id,
             steered_ids: &state.steered_ids,
+            guard_reason: &state.guard_reason,
         };
         assert_eq!(
             serde_json::to_value(borrowed).unwrap(),

@@ -16,6 +16,8 @@ pub enum IdKind {
     Tool,
     Client,
     Person,
+    /// A guard's name: the tokens after `cyrene.guard.` (crate::subjects::guard).
+    Guard,
 }
 
 impl fmt::Display for IdKind {
@@ -27,6 +29,7 @@ impl fmt::Display for IdKind {
             IdKind::Tool => "tool name",
             IdKind::Client => "client id",
             IdKind::Person => "person id",
+            IdKind::Guard => "guard name",
         })
     }
 }

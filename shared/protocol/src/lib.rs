@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod document;
 pub mod error;
+pub mod guard;
 pub mod ids;
 pub mod json;
 pub mod memory;

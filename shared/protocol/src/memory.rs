@@ -17,6 +17,9 @@ pub const MEMORY_READ: &str = "cyrene.memory.read";
 pub const MEMORY_WRITE: &str = "cyrene.memory.write";
 /// Delete one entry (micro endpoint `memory_forget`).
 pub const MEMORY_FORGET: &str = "cyrene.memory.forget";
+/// Subscribe pattern of the memory extraction jobs, `cyrene.memory.extract.<turn_id>` (the
+/// subjects of the JetStream stream `CYRENE_MEMORY`; `crate::subjects::memory_extract`).
+pub const MEMORY_EXTRACT_ALL: &str = "cyrene.memory.extract.*";
 
 /// The most entries of each kind one read returns.
 pub const MAX_READ_ENTRIES: usize = 50;
@@ -41,6 +44,31 @@ pub struct MemoryEntry {
     pub text: String,
     /// When it was written (Unix milliseconds).
     pub created_unix_ms: u64,
+    /// Where it came from when memory extraction wrote it; absent for an entry written by hand
+    /// (`cyrene.memory.write`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<MemorySource>,
+}
+
+/// The turn an extracted entry was gathered from (docs/memory.md, "Memory she gathers herself").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySource {
+    pub session_id: String,
+    pub turn_id: String,
+    /// The persona the turn ran as (whose memory the entry is).
+    pub persona: String,
+}
+
+/// The job of one memory extraction, published on `cyrene.memory.extract.<turn_id>` (JetStream
+/// stream `CYRENE_MEMORY`, `Nats-Msg-Id` = the turn id) when a turn ends with an answer. The
+/// orchestrator both publishes and consumes it; what the turn said is read from its transcript.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryExtractJob {
+    pub session_id: String,
+    pub turn_id: String,
+    pub persona: String,
 }
 
 /// The reply to `cyrene.memory.read`.

@@ -9,7 +9,7 @@ use crate::ids::{self, IdError, IdKind};
 
 // Defined beside their shapes; named here too so that this file lists every subject.
 pub use crate::document::{DOCUMENT_READ, DOCUMENT_UPLOAD};
-pub use crate::memory::{MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
+pub use crate::memory::{MEMORY_EXTRACT_ALL, MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
 
 /// Model completions (micro endpoint `complete`).
 pub const MODEL_COMPLETE: &str = "cyrene.model.complete";
@@ -193,6 +193,13 @@ pub fn session_events(session_id: &str) -> Result<String, IdError> {
     Ok(format!("cyrene.session.{session_id}.events"))
 }
 
+/// `cyrene.memory.extract.<turn_id>`: the memory extraction job of a turn that ended with an
+/// answer (JetStream stream `CYRENE_MEMORY`; docs/memory.md).
+pub fn memory_extract(turn_id: &str) -> Result<String, IdError> {
+    ids::validate(IdKind::Leg, turn_id)?;
+    Ok(format!("cyrene.memory.extract.{turn_id}"))
+}
+
 /// `cyrene.turn.input.<turn_id>`: the messages the orchestrator claimed for a running turn,
 /// pushed to the worker running it (docs/orchestrator.md, "Steering").
 pub fn turn_input(turn_id: &str) -> Result<String, IdError> {
@@ -206,6 +213,37 @@ pub fn turn_input(turn_id: &str) -> Result<String, IdError> {
 pub fn tool(name: &str) -> Result<String, IdError> {
     ids::validate(IdKind::Tool, name)?;
     Ok(format!("cyrene.tool.{name}"))
+}
+
+const GUARD_PREFIX: &str = "cyrene.guard";
+
+/// The most tokens a guard's name may have.
+pub const MAX_GUARD_NAME_TOKENS: usize = 4;
+
+/// `cyrene.guard.<name>`: where the loop worker asks a persona's guard (docs/loop-worker.md,
+/// "Guardrails"). `name` is 1 to [`MAX_GUARD_NAME_TOKENS`] dot-separated tokens, each a valid
+/// id (no wildcard, no empty token), so NATS permissions can let the worker publish only under
+/// `cyrene.guard.>`.
+pub fn guard(name: &str) -> Result<String, IdError> {
+    let tokens: Vec<&str> = name.split('.').collect();
+    if tokens.len() > MAX_GUARD_NAME_TOKENS {
+        return Err(IdError::TooLong {
+            kind: IdKind::Guard,
+            len: name.chars().count(),
+        });
+    }
+    for token in tokens {
+        ids::validate(IdKind::Guard, token)?;
+    }
+    Ok(format!("{GUARD_PREFIX}.{name}"))
+}
+
+/// Whether `subject` is a guard's subject as [`guard`] builds it.
+pub fn is_guard(subject: &str) -> bool {
+    subject
+        .strip_prefix(GUARD_PREFIX)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .is_some_and(|name| guard(name).is_ok())
 }
 
 #[cfg(test)]
@@ -315,5 +353,28 @@ mod tests {
         assert_eq!(turn_input("t-1").unwrap(), "cyrene.turn.input.t-1");
         assert!(turn_input("t.>").is_err());
         assert!(tool("a*").is_err());
+    }
+
+    #[test]
+    fn a_guard_subject_is_tokens_under_cyrene_guard_and_never_a_wildcard() {
+        assert_eq!(guard("policy").unwrap(), "cyrene.guard.policy");
+        assert_eq!(guard("team.strict").unwrap(), "cyrene.guard.team.strict");
+        for bad in ["", "a..b", "*", ">", "a.>", "a b", "a.b.c.d.e", "a."] {
+            assert!(guard(bad).is_err(), "{bad:?}");
+        }
+        assert!(is_guard("cyrene.guard.policy"));
+        assert!(is_guard("cyrene.guard.a.b-c_1"));
+        for bad in [
+            "cyrene.guard",
+            "cyrene.guard.",
+            "cyrene.guard.*",
+            "cyrene.guard.>",
+            "cyrene.guardx.p",
+            "cyrene.tool.p",
+            "cyrene.guard.p q",
+            " cyrene.guard.p",
+        ] {
+            assert!(!is_guard(bad), "{bad:?}");
+        }
     }
 }

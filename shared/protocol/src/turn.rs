@@ -64,6 +64,11 @@ pub struct TurnJob {
     /// the ask's `chain`, so an ask back to any of them is refused at once (docs/comm.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ask_chain: Vec<String>,
+    /// The persona's guard (docs/loop-worker.md, "Guardrails"): asked before each tool call
+    /// runs and before the answer is sent; none = no guard. A worker that does not know this
+    /// field refuses the job (unknown fields are refused), so a guarded turn never runs
+    /// unguarded.
+    pub guard: Option<crate::guard::GuardSpec>,
 }
 
 /// The default step budget of a turn.
@@ -194,7 +199,8 @@ mod tests {
             "messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
             "message_ids":["m1"],"base_seq":7,"notice":{"step":2},"max_steps":8,
             "deadline_unix_ms":1700000000000u64,"tools":["current_time"],"leg_id":"l1",
-            "ask_chain":["hoshi","cyrene"]});
+            "ask_chain":["hoshi","cyrene"],
+            "guard":{"subject":"cyrene.guard.p","timeout_ms":500,"fail":"open","message":"no"}});
         let job: TurnJob = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(job.messages[0], Message::text(Role::User, "hi"));
         assert_eq!(serde_json::to_value(&job).unwrap(), doc);
@@ -206,6 +212,7 @@ mod tests {
         assert!(min.notice.is_none());
         assert_eq!(min.tools, None, "no list: every tool");
         assert!(min.ask_chain.is_empty(), "not an ask's turn");
+        assert_eq!(min.guard, None, "no guard");
         let none: TurnJob = serde_json::from_value(json!({"turn_id":"t","session_id":"s",
             "env":{},"messages":[],"tools":[]}))
         .unwrap();

@@ -25,5 +25,6 @@ pub fn turn_job(turn_id: &str, session: &str, text: &str) -> TurnJob {
         deadline_unix_ms: None,
         tools: None,
         ask_chain: Vec::new(),
+        guard: None,
     }
 }

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 /// Each shipped user's password variable and the password the tests give it.
-pub const SHIPPED_PASSWORDS: [(&str, &str); 12] = [
+pub const SHIPPED_PASSWORDS: [(&str, &str); 13] = [
     ("CYRENE_GATEWAY_PASSWORD", "pw-gateway"),
     ("CYRENE_CHECKPOINT_STORE_PASSWORD", "pw-store"),
     ("CYRENE_ORCHESTRATOR_PASSWORD", "pw-orchestrator"),
@@ -18,6 +18,7 @@ pub const SHIPPED_PASSWORDS: [(&str, &str); 12] = [
     ("CYRENE_PERSON_BOB_PASSWORD", "pw-bob"),
     ("CYRENE_BRIDGE_PASSWORD", "pw-bridge"),
     ("CYRENE_MCP_BRIDGE_PASSWORD", "pw-mcp-bridge"),
+    ("CYRENE_GUARD_PASSWORD", "pw-guard"),
 ];
 
 /// The shipped server config of the repository at `repo`, for [`crate::NatsServerBuilder::config`]:

@@ -1,6 +1,7 @@
 //! The front door's connections (docs/model-gateway.md, "Limits of the front door";
-//! docs/security.md, "The HTTP front door"): its own accept loop, so that no number of sockets a
-//! client opens can take the descriptors the bus path needs (issue 30, H3).
+//! docs/security.md, "The HTTP front door"): its bounds, served by the bounded accept loop of
+//! `cyrene_bus::http`, so that no number of sockets a client opens can take the descriptors the
+//! bus path needs.
 //!
 //! # Invariants
 //! - At most [`HttpLimits::max_connections`] client connections are open, and never more than a
@@ -17,13 +18,9 @@
 //! - An accept that fails (`EMFILE` when the process is out of descriptors anyway) is retried
 //!   after a short pause, never a busy loop and never the end of the door.
 
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
-use std::sync::Arc;
+use cyrene_bus::http::ConnLimits;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// The front door's bounds; [`HttpLimits::default`] is what `cyrene-model-gateway` runs with
@@ -108,60 +105,19 @@ fn soft_open_files(limits: &str) -> Option<usize> {
 }
 
 /// Accepts connections on `listener` and serves `app` on each, within `limits`, until
-/// `shutdown`; then waits for the connections to finish their requests.
+/// `shutdown`; then waits for the connections to finish their requests (the accept loop every
+/// HTTP listener of a service shares: `cyrene_bus::http`).
 pub(super) async fn accept_loop(
     listener: TcpListener,
     app: axum::Router,
     limits: HttpLimits,
     shutdown: CancellationToken,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let mut connections = JoinSet::new();
-    loop {
-        while connections.try_join_next().is_some() {}
-        let slot = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-        };
-        let stream = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(err) => {
-                    tracing::warn!(error = %err, "the HTTP front door cannot accept; pausing");
-                    metrics::counter!("cyrene_http_accept_errors_total").increment(1);
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
-        let shutdown = shutdown.clone();
-        connections.spawn(async move {
-            let _slot = slot;
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_timeout);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                _ = shutdown.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(err) = served {
-                tracing::debug!(error = %err, "an HTTP connection ended with an error");
-            }
-        });
-    }
-    while connections.join_next().await.is_some() {}
+    let connections = ConnLimits {
+        max_connections: limits.max_connections,
+        header_timeout: limits.header_timeout,
+    };
+    cyrene_bus::http::serve_connections("http", listener, app, connections, shutdown).await;
 }
 
 #[cfg(test)]

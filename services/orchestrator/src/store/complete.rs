@@ -5,6 +5,8 @@
 //! - One transaction under the session lock: the turn's status, its answer, the messages handed
 //!   back, and the next turn (or the claims for the one leg left) commit together.
 //! - A second completion of a turn changes nothing and reports `first = false`.
+//! - A completion with a final answer in a session that is not restricted, answering no ask,
+//!   not stopped by a guard, names a memory extraction job (`Completed::memory_job`), on a repeated completion too.
 //! - The common completion checks the fence and completes the turn in one conditional UPDATE;
 //!   only when it matches nothing does the fence's read say why (`not_found`, `bad_request`,
 //!   `conflict`) or that the turn was already completed.
@@ -12,8 +14,13 @@
 use super::steer::TurnRef;
 use super::{Completed, Store, StoreError, encode, now_ms};
 use cyrene_protocol::ids::new_id;
+use cyrene_protocol::memory::MemoryExtractJob;
 use cyrene_protocol::message::Role;
-use cyrene_protocol::turn::TurnComplete;
+use cyrene_protocol::session::SessionEnv;
+use cyrene_protocol::turn::{TurnComplete, TurnOutcome};
+
+/// The stop reason of a turn its persona's guard ended (docs/loop-worker.md, "Guardrails").
+const GUARDRAIL_STOP: &str = "guardrail";
 use sqlx::Row;
 
 impl Store {
@@ -44,7 +51,7 @@ impl Store {
         let completed = sqlx::query(
             "UPDATE orch_turns SET status = 'completed', outcome = $1, updated_at = $2, \
              attempt = $4 WHERE turn_id = $3 AND session_id = $5 AND status = 'running' \
-             AND attempt <= $4 RETURNING leg_id",
+             AND attempt <= $4 RETURNING leg_id, persona",
         )
         .bind(&outcome)
         .bind(now)
@@ -53,8 +60,8 @@ impl Store {
         .bind(&req.session_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let leg_id: String = match completed {
-            Some(row) => row.try_get(0)?,
+        let (leg_id, turn_persona): (String, String) = match completed {
+            Some(row) => (row.try_get(0)?, row.try_get(1)?),
             None => {
                 // Why not: the fence's refusal (no such turn, another session's, an older
                 // attempt) or a second completion, which changes nothing (rolled back).
@@ -64,6 +71,24 @@ impl Store {
                     attempt: req.attempt,
                 };
                 let turn = self.fence(&mut tx, fence).await?;
+                let memory_job = match self.extraction_wanted(req, &env) {
+                    true => {
+                        let persona: String =
+                            sqlx::query_scalar("SELECT persona FROM orch_turns WHERE turn_id = $1")
+                                .bind(&req.turn_id)
+                                .fetch_one(&mut *tx)
+                                .await?;
+                        let asks: i64 = sqlx::query_scalar(
+                            "SELECT COUNT(*) FROM orch_messages WHERE claimed_by_turn = $1 \
+                             AND reply_to IS NOT NULL",
+                        )
+                        .bind(&req.turn_id)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                        (asks == 0).then(|| self.memory_job(req, &env, persona))
+                    }
+                    false => None,
+                };
                 tx.rollback().await?;
                 if !turn.completed {
                     return Err(StoreError::Internal(format!(
@@ -80,6 +105,7 @@ impl Store {
                     pushed: None,
                     persona: env.persona,
                     waited_ms: None,
+                    memory_job,
                 });
             }
         };
@@ -144,6 +170,8 @@ impl Store {
             _ => (None, None),
         };
         tx.commit().await?;
+        let memory_job = (self.extraction_wanted(req, &env) && reply_to.is_empty())
+            .then(|| self.memory_job(req, &env, turn_persona));
         Ok(Completed {
             first: true,
             session_id: req.session_id.clone(),
@@ -153,6 +181,36 @@ impl Store {
             pushed,
             persona: env.persona,
             waited_ms: oldest_ms.map(|at| (now_ms() - at).max(0)),
+            memory_job,
         })
+    }
+
+    /// Whether a completion may ask for memory extraction (before the persona's own setting and
+    /// whether it answers an ask): a final answer in a session that is not restricted — a
+    /// person's restricted sessions (groups, strangers) never write into the owner's memory —
+    /// that the persona's guard did not stop (what a guard refused is not remembered either).
+    fn extraction_wanted(&self, req: &TurnComplete, env: &SessionEnv) -> bool {
+        req.outcome == TurnOutcome::Final
+            && req.message.is_some()
+            && !env.restricted
+            && req.stop_reason != GUARDRAIL_STOP
+    }
+
+    /// The job for `req`'s turn, run as `turn_persona` (else the session's, else the default).
+    fn memory_job(
+        &self,
+        req: &TurnComplete,
+        env: &SessionEnv,
+        turn_persona: String,
+    ) -> MemoryExtractJob {
+        let persona = [turn_persona, env.persona.clone()]
+            .into_iter()
+            .find(|p| !p.is_empty())
+            .unwrap_or_else(|| self.settings.personas.default.clone());
+        MemoryExtractJob {
+            session_id: req.session_id.clone(),
+            turn_id: req.turn_id.clone(),
+            persona,
+        }
     }
 }

@@ -123,7 +123,19 @@ impl Store {
         &self,
         older_than: Duration,
     ) -> Result<Vec<Undispatched>, StoreError> {
-        let cutoff = now_ms() - i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        self.undispatched_at(now_ms(), older_than).await
+    }
+
+    /// [`Store::undispatched`] as seen at `now_ms` (Unix milliseconds): a turn is the sweeper's
+    /// once `older_than` has passed since its creation, not a millisecond before. The cutoff is
+    /// wall time compared in SQL, so the clock is a parameter here for its test.
+    pub(crate) async fn undispatched_at(
+        &self,
+        now_ms: i64,
+        older_than: Duration,
+    ) -> Result<Vec<Undispatched>, StoreError> {
+        let cutoff =
+            now_ms.saturating_sub(i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX));
         Ok(sqlx::query_as(
             "SELECT turn_id, job FROM orch_turns \
              WHERE dispatched = 0 AND status = 'running' AND created_at <= $1 \
@@ -203,6 +215,81 @@ mod tests {
         // The writer is done: a later mark starts another and is written too.
         assert!(!store.marks.state.lock().unwrap().writing);
         store.mark_dispatched("turn-0").await.unwrap();
+    }
+
+    /// The dispatch grace: a running turn whose publication was never confirmed is left to its
+    /// own publisher until the grace has passed since its creation, and is the sweeper's from
+    /// that millisecond on; a confirmed or finished turn never is.
+    async fn the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed(store: &Store) {
+        const CREATED: i64 = 1_700_000_000_000;
+        let grace = Duration::from_secs(2);
+        sqlx::query(
+            "INSERT INTO orch_sessions (id, env, last_seq, created_at) VALUES ('s', '{}', 0, 0)",
+        )
+        .execute(&store.pool)
+        .await
+        .unwrap();
+        for (turn, status, dispatched) in [
+            ("lost", "running", 0_i64),
+            ("confirmed", "running", 1),
+            ("finished", "completed", 0),
+        ] {
+            sqlx::query(
+                "INSERT INTO orch_turns (turn_id, session_id, status, base_seq, first_message_id, \
+                 job, created_at, updated_at, dispatched) \
+                 VALUES ($1, 's', $2, 0, 'm', '{}', $3, $3, $4)",
+            )
+            .bind(turn)
+            .bind(status)
+            .bind(CREATED)
+            .bind(dispatched)
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        }
+        let at = |offset_ms: i64| store.undispatched_at(CREATED + offset_ms, grace);
+        assert!(
+            at(0).await.unwrap().is_empty(),
+            "a new turn is its publisher's"
+        );
+        assert!(
+            at(1_999).await.unwrap().is_empty(),
+            "a millisecond before the grace"
+        );
+        let swept: Vec<String> = at(2_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.turn_id)
+            .collect();
+        assert_eq!(swept, ["lost"]);
+        assert_eq!(
+            at(3_600_000).await.unwrap().len(),
+            1,
+            "and for as long as it is lost"
+        );
+        store.mark_dispatched("lost").await.unwrap();
+        assert!(
+            at(3_600_000).await.unwrap().is_empty(),
+            "until it is confirmed"
+        );
+    }
+
+    #[tokio::test]
+    async fn sqlite_the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/orch.db", dir.path().display());
+        let store = store_on(&url).await;
+        the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed(&store).await;
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn postgres_the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed() {
+        let db = cyrene_sql::testing::TestDatabase::create("orch_grace").await;
+        let store = store_on(&db.url).await;
+        the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed(&store).await;
+        store.close().await;
     }
 
     #[tokio::test]

@@ -6,12 +6,29 @@
 //!   delays a writer; entries come back oldest first.
 
 use super::{Store, StoreError, decode_env, decode_message, to_i64, to_u64};
+use cyrene_protocol::message::Message;
 use cyrene_protocol::session::{HistoryEntry, SessionSummary};
 use cyrene_protocol::turn::RunningTurn;
 use sqlx::Row;
 use sqlx::any::AnyRow;
 
 impl Store {
+    /// What memory extraction reads of a turn (docs/memory.md, "Memory she gathers herself"):
+    /// the messages the turn was started with and its answer, oldest first — never the messages
+    /// steered into it, which lived only in its view. Empty for an unknown turn.
+    pub async fn turn_window(&self, turn_id: &str) -> Result<Vec<Message>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT message FROM orch_messages WHERE claimed_by_turn = $1 AND steered = 0 \
+             ORDER BY seq",
+        )
+        .bind(turn_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r: &AnyRow| decode_message(&r.try_get::<String, _>(0)?))
+            .collect()
+    }
+
     /// The transcript of a session, oldest→newest: at most `limit` entries before `before_seq`.
     pub async fn history(
         &self,

@@ -185,6 +185,11 @@ pub struct Completed {
     pub persona: String,
     /// From the oldest message the turn answered being stored (acknowledged) to the commit.
     pub waited_ms: Option<i64>,
+    /// The memory extraction this completion asks for (docs/memory.md, "Memory she gathers
+    /// herself"): a final answer in a session that is not restricted, to no ask. Set on a
+    /// repeated completion too, so that its publish is retried; whether the persona extracts
+    /// at all is the engine's decision.
+    pub memory_job: Option<cyrene_protocol::memory::MemoryExtractJob>,
 }
 
 /// A turn that has not been confirmed as published (a row of `orch_turns`).

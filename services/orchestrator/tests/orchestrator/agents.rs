@@ -25,6 +25,7 @@ fn two_personas() -> Personas {
                 restricted: false,
                 tools: None,
                 turn_timeout_ms: None,
+                ..Default::default()
             },
             Persona {
                 id: "hoshi".into(),
@@ -33,6 +34,7 @@ fn two_personas() -> Personas {
                 restricted: true,
                 tools: Some(vec!["current_time".into()]),
                 turn_timeout_ms: Some(60_000),
+                ..Default::default()
             },
         ],
     }

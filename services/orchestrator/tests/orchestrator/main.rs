@@ -5,6 +5,7 @@
 mod agents;
 mod bad_input;
 mod documents;
+mod extraction;
 mod fence;
 mod harness;
 mod identity;

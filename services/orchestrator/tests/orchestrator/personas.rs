@@ -18,6 +18,7 @@ fn persona(id: &str, name: &str) -> Persona {
         restricted: false,
         tools: None,
         turn_timeout_ms: None,
+        ..Default::default()
     }
 }
 

@@ -147,6 +147,7 @@ fn two_personas() -> Personas {
         restricted: false,
         tools: None,
         turn_timeout_ms: None,
+        ..Default::default()
     };
     Personas {
         default: "cyrene".into(),
