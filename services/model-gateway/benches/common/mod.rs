@@ -152,8 +152,9 @@ pub fn block_on(bench: impl Future<Output = ()>) {
 const PROXY_ENV: &str = "CYRENE_BENCH_PROXY";
 
 /// The physical floor under the HTTP front door: a pass-through proxy on the same HTTP stack
-/// (axum on hyper's HTTP/1.1 server with `TCP_NODELAY`, the gateway's own reqwest client
-/// upstream), in its own process like the gateway. It forwards a request's body unread to the
+/// (axum served by the accept loop the door uses, `cyrene_bus::http`: hyper's HTTP/1.1 server
+/// with `TCP_NODELAY`; the gateway's own reqwest client upstream), in its own process like the
+/// gateway. It forwards a request's body unread to the
 /// upstream's `/chat/completions` and relays the answer: whole when it is JSON, chunk by chunk as
 /// it arrives when it is an event stream. Nothing is decoded, checked or re-encoded.
 pub struct ProxyProcess(Child);
@@ -200,16 +201,14 @@ pub fn run_proxy_if_asked() {
             async move { forward(&client, &upstream, request).await }
         });
         let listener = TcpListener::bind(addr).await.unwrap();
-        loop {
-            let (stream, _) = listener.accept().await.unwrap();
-            let _ = stream.set_nodelay(true);
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
+        // The accept loop the front door serves on (TCP_NODELAY, hyper's HTTP/1.1), unbounded
+        // for the bench's connections.
+        let limits = cyrene_bus::http::ConnLimits {
+            max_connections: 1024,
+            header_timeout: std::time::Duration::from_secs(60),
+        };
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        cyrene_bus::http::serve_connections("proxy", listener, app, limits, shutdown).await;
     });
     std::process::exit(0);
 }
