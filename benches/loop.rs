@@ -22,6 +22,7 @@ use cyrene_protocol::model::{ModelRequest, ViewRef};
 use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::cost;
 use futures::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -35,6 +36,12 @@ const ROUNDS: usize = 5;
 const TURNS_PER_CASE: usize = 60;
 const THROUGHPUT_TURNS: usize = 300;
 const WINDOWS: [usize; 3] = [10, 200, 1000];
+/// Five-round turns/s on PostgreSQL when issue 37 was filed (150–200 on this machine): its
+/// target is 2.5× that.
+const TURNS_PER_S_WHEN_FILED: f64 = 175.0;
+/// The durable writes a five-step turn cannot do without: its message, five checkpoints and
+/// its completion.
+const DURABLE_WRITES_PER_TURN: f64 = 7.0;
 
 fn rules() -> serde_json::Value {
     let round = json!([{"name": "current_time"}]);
@@ -349,6 +356,13 @@ struct TurnCost {
     bus_out: f64,
 }
 
+impl TurnCost {
+    /// The CPU of the bench's own processes (PostgreSQL, nats-server, the workers, this one).
+    fn ours(&self) -> f64 {
+        self.postgres + self.nats + self.workers + self.this
+    }
+}
+
 impl Usage {
     fn now(nats: Option<u32>, workers: &[u32], server: &NatsServer) -> Usage {
         let me = std::process::id();
@@ -364,6 +378,9 @@ impl Usage {
             let Some((comm, ticks)) = process_ticks(pid) else {
                 continue;
             };
+            if comm == "postgres" && !bench_postgres(pid) {
+                continue;
+            }
             if pid == me {
                 usage.this += ticks;
             } else if Some(pid) == nats {
@@ -398,6 +415,18 @@ impl Usage {
     }
 }
 
+/// Whether a `postgres` process works for this bench: a backend serving one of its databases
+/// (`cyrene_bench…`), or a server process serving every database (WAL writer, checkpointer, …).
+/// Backends of other databases belong to whoever else uses the shared server.
+fn bench_postgres(pid: u32) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    let backend = cmdline.contains("127.0.0.1(") || cmdline.contains("[local]");
+    !backend || cmdline.contains("cyrene_bench")
+}
+
 /// A process's name and its user + system ticks so far (`/proc/<pid>/stat`, every thread).
 fn process_ticks(pid: u32) -> Option<(String, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -426,20 +455,46 @@ fn machine_busy_ticks() -> u64 {
     ticks.iter().sum::<u64>().saturating_sub(idle)
 }
 
-/// The bus's own CPU cost: the machine's CPU per echo request/reply (requester, nats-server and
-/// responder together) with 64 in flight, in ms.
-async fn nats_echo_cpu(client: &async_nats::Client) -> f64 {
+/// The bus's own CPU cost: CPU per echo request/reply (requester, nats-server and responder
+/// together: this process and the floors' nats-server) with 64 in flight, in ms.
+async fn nats_echo_cpu(floors: &Floors) -> f64 {
     const N: usize = 20_000;
-    let before = machine_busy_ticks();
+    let nats = floors.server.pid();
+    let before = Usage::now(nats, &[], &floors.server);
     futures::stream::iter(0..N)
         .for_each_concurrent(64, |_| async {
-            client
+            floors
+                .client
                 .request("bench.echo", vec![b'x'; 200].into())
                 .await
                 .unwrap();
         })
         .await;
-    machine_busy_ticks().saturating_sub(before) as f64 * 10.0 / N as f64
+    let used = Usage::now(nats, &[], &floors.server).since(&before, N);
+    used.nats + used.this
+}
+
+/// The CPU of one small upsert commit on PostgreSQL (client and server together: this process
+/// and the bench's PostgreSQL processes), 4 in flight, in ms.
+async fn pg_commit_cpu(floors: &Floors) -> Option<f64> {
+    const N: usize = 3_000;
+    let pg = floors.pg.as_ref()?;
+    let before = Usage::now(None, &[], &floors.server);
+    futures::stream::iter(0..N)
+        .for_each_concurrent(4, |i| async move {
+            sqlx::query(
+                "INSERT INTO bench_floor (id, state) VALUES ($1, $2) \
+                 ON CONFLICT (id) DO UPDATE SET state = EXCLUDED.state",
+            )
+            .bind(format!("cpu-{}", i % 500))
+            .bind("{\"step\":1}")
+            .execute(pg)
+            .await
+            .unwrap();
+        })
+        .await;
+    let used = Usage::now(None, &[], &floors.server).since(&before, N);
+    Some(used.postgres + used.this)
 }
 
 /// The floors under a durable step: a NATS request/reply round trip with an echo responder, one
@@ -448,7 +503,7 @@ async fn nats_echo_cpu(client: &async_nats::Client) -> f64 {
 /// start, and again between the steps cases' turns, so a step is compared with the floors of the
 /// same minutes (this machine's speed drifts by 2× within them).
 struct Floors {
-    _server: NatsServer,
+    server: NatsServer,
     client: async_nats::Client,
     pg: Option<sqlx::PgPool>,
     sqlite: sqlx::SqlitePool,
@@ -518,7 +573,7 @@ impl Floors {
             sqlx::query(FLOOR_TABLE).execute(pg).await.unwrap();
         }
         Floors {
-            _server: server,
+            server,
             client,
             pg,
             sqlite,
@@ -740,7 +795,8 @@ async fn main() {
     floors.take();
     floors.sample(3000).await;
     let at_start = floors.take();
-    let echo_cpu = nats_echo_cpu(&floors.client).await;
+    let echo_cpu = nats_echo_cpu(&floors).await;
+    let commit_cpu = pg_commit_cpu(&floors).await;
     println!(
         "  floor: NATS request/reply echo p50 {:.3} ms; its CPU, 64 in flight: {:.0} µs a \
          request/reply (requester, nats-server and responder together)",
@@ -748,8 +804,13 @@ async fn main() {
         echo_cpu * 1000.0
     );
     if let Some(commit) = at_start.pg_commit {
-        println!("  floor: one PostgreSQL upsert commit p50 {commit:.3} ms");
+        println!(
+            "  floor: one PostgreSQL upsert commit p50 {commit:.3} ms; its CPU, 4 in flight: {:.0} \
+             µs (client and server together)",
+            commit_cpu.unwrap_or_default() * 1000.0
+        );
     }
+    let mut cost_rows = Vec::new();
     println!(
         "  floor: one SQLite upsert commit p50 {:.3} ms (WAL, synchronous = NORMAL, as the \
          checkpoint store opens its file)",
@@ -798,27 +859,42 @@ async fn main() {
                 None => Database::Sqlite(case.real.data.path().join("checkpoints.db")),
             };
             let (row, base, rows) = bytes_written(&database, &case.session).await;
-            let below_floor = |target: f64| {
+            let mut above_floor = |key: &'static str, margin: f64| {
                 let floor = beside.step(name);
-                let under = if target < floor {
-                    ", the target under it"
-                } else {
-                    ""
-                };
+                let target = floor + margin;
+                cost_rows.push(cost::Row::new(
+                    key,
+                    format!("{name} durable step p50, window 10 (real stack)"),
+                    format!("{p50:.3} ms"),
+                    format!("echo + commit {floor:.3} ms (sampled between these turns)"),
+                    format!("≤ floor + {margin} ms = {target:.3} ms"),
+                    p50 <= target,
+                ));
                 format!(
-                    "  target ≤ {target} ms: {} (floor for a durable step, echo + commit, \
-                     sampled between these turns: {floor:.3} ms{under})",
+                    "  target ≤ floor + {margin} ms = {target:.3} ms: {} (floor for a durable \
+                     step, echo + commit, sampled between these turns: {floor:.3} ms)",
                     met(p50 <= target)
                 )
             };
             let target = match (*name, window) {
-                ("postgres", 10) => below_floor(0.75),
-                ("sqlite", 10) => below_floor(0.6),
+                ("postgres", 10) => above_floor("step_postgres_window_10", 0.25),
+                ("sqlite", 10) => above_floor("step_sqlite_window_10", 0.2),
                 (_, 1000) => {
                     let ratio = p50 / at_ten.unwrap_or(p50);
+                    cost_rows.push(cost::Row::new(
+                        match *name {
+                            "postgres" => "window_1000_over_10_postgres",
+                            _ => "window_1000_over_10_sqlite",
+                        },
+                        format!("{name} step p50, window 1,000 / window 10 (side by side)"),
+                        format!("{ratio:.2}×"),
+                        format!("window 10 p50 {:.3} ms", at_ten.unwrap_or(p50)),
+                        "≤ 1.1×",
+                        ratio <= 1.1,
+                    ));
                     format!(
-                        "  {ratio:.2}× window 10 (target ≤ 1.2×: {})",
-                        met(ratio <= 1.2)
+                        "  {ratio:.2}× window 10 (target ≤ 1.1×: {})",
+                        met(ratio <= 1.1)
                     )
                 }
                 _ => String::new(),
@@ -852,7 +928,11 @@ async fn main() {
         let (one, cost_one) = throughput(url.clone(), 1).await;
         let (two, cost_two) = throughput(url.clone(), 2).await;
         let target = if *name == "postgres" {
-            format!("  target ≥ 1000 turns/s: {}", met(one.max(two) >= 1000.0))
+            let target = 2.5 * TURNS_PER_S_WHEN_FILED;
+            format!(
+                "  target ≥ 2.5× {TURNS_PER_S_WHEN_FILED} = {target:.0} turns/s: {}",
+                met(one.max(two) >= target)
+            )
         } else {
             String::new()
         };
@@ -892,7 +972,43 @@ async fn main() {
                 2000.0 / bus_floor,
             );
         }
+        if let (true, Some(commit_cpu)) = (*name == "postgres", commit_cpu) {
+            // What a turn cannot do without: its durable writes at one commit's CPU each, and
+            // its bus messages at the echo's cost.
+            let floor = DURABLE_WRITES_PER_TURN * commit_cpu + cost_one.bus_in * echo_cpu / 2.0;
+            let ours = cost_one.ours();
+            cost_rows.push(cost::Row::new(
+                "cpu_per_turn_postgres",
+                "CPU per five-step turn, PostgreSQL, every process of the bench (1 worker process)",
+                format!("{ours:.1} ms"),
+                format!(
+                    "{DURABLE_WRITES_PER_TURN} commits + {:.0} bus messages at their floors = \
+                     {floor:.1} ms (machine-wide {:.1} ms)",
+                    cost_one.bus_in + cost_one.bus_out,
+                    cost_one.machine
+                ),
+                "≤ 4 ms",
+                ours <= 4.0,
+            ));
+            let target = 2.5 * TURNS_PER_S_WHEN_FILED;
+            cost_rows.push(cost::Row::new(
+                "turns_per_s_postgres",
+                "five-step turns/s, PostgreSQL (best of 1 and 2 worker processes)",
+                format!("{:.0} turns/s", one.max(two)),
+                format!(
+                    "2 cores at the floor's CPU would allow {:.0}; at this run's CPU {:.0}",
+                    2000.0 / floor,
+                    2000.0 / ours
+                ),
+                format!("≥ 2.5× {TURNS_PER_S_WHEN_FILED} = {target:.0} turns/s"),
+                one.max(two) >= target,
+            ));
+        }
     }
+    print!(
+        "{}",
+        cost::summary("cargo bench -p cyrene --bench loop", &cost_rows)
+    );
 }
 
 fn met(ok: bool) -> &'static str {

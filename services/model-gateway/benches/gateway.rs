@@ -13,6 +13,18 @@
 //! in flight (the two paths are interleaved so drift hits both alike); throughput = requests per
 //! second one gateway process completes with 64 in flight. Everything shares this machine's
 //! cores (nats-server, gateway, this process), so the figures are conservative.
+//!
+//! Then the HTTP front door (the same gateway process, `--http-addr`), three paths side by side,
+//! each through [`common::RawClient`] (one kept-alive connection per request in flight, so the
+//! client costs the same on every path):
+//! - *mock*: the mock upstream read directly;
+//! - *proxy*: a minimal pass-through proxy of the same HTTP stack ([`common::ProxyProcess`]),
+//!   the physical floor of any HTTP hop in front of the mock;
+//! - *door*: `POST /v1/chat/completions`.
+//!
+//! At 1 in flight the three alternate request by request; at 32 in flight each path runs alone
+//! for a block, the blocks in rotation, and each path's req/s is the median of its blocks. The
+//! bench ends with the summary of issue 37's rows (`COST …` lines, docs/performance.md).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod common;
@@ -22,6 +34,7 @@ use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::subjects::MODEL_COMPLETE;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::cost;
 use cyrene_test_support::echo::{ECHO_SUBJECT, EchoProcess, run_echo_if_asked};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -222,11 +235,178 @@ fn report(label: &str, f: &Figures, targets: Option<(f64, f64)>) {
     }
 }
 
+// The gateway's allocator, so the pass-through proxy (this binary, re-run) allocates like it.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const KEY: &str = "bench-client-key";
+const HTTP_SEQUENTIAL: usize = 3_000;
+const HTTP_IN_FLIGHT: usize = 32;
+const HTTP_PER_CONNECTION: usize = 600;
+const HTTP_BLOCKS: usize = 3;
+
+/// The HTTP paths, in the order they alternate.
+const HTTP_PATHS: [&str; 3] = ["mock", "proxy", "door"];
+
+/// Where each HTTP path is, and what a request to it is.
+struct HttpPaths {
+    upstream: String,
+    proxy: String,
+    door: String,
+}
+
+impl HttpPaths {
+    async fn client(&self, path: &str) -> common::RawClient {
+        let body = direct_body();
+        match path {
+            "mock" => {
+                common::RawClient::connect(&self.upstream, "/chat/completions", &[], &body).await
+            }
+            "proxy" => {
+                common::RawClient::connect(&self.proxy, "/chat/completions", &[], &body).await
+            }
+            _ => {
+                let auth = format!("authorization: Bearer {KEY}");
+                common::RawClient::connect(&self.door, "/v1/chat/completions", &[&auth], &body)
+                    .await
+            }
+        }
+    }
+}
+
+/// One call on `client`, timed; its answer checked for the mock's text.
+async fn timed(client: &mut common::RawClient) -> Duration {
+    let started = Instant::now();
+    let body = client.call().await;
+    let took = started.elapsed();
+    assert!(
+        body.windows(9).any(|w| w == b"Hello! Ho"),
+        "{}",
+        String::from_utf8_lossy(body)
+    );
+    took
+}
+
+/// p50 and p99 per HTTP path at 1 in flight, the paths alternating request by request.
+async fn http_sequential(paths: &HttpPaths, n: usize) -> Vec<(f64, f64)> {
+    let mut clients = Vec::new();
+    for path in HTTP_PATHS {
+        clients.push(paths.client(path).await);
+    }
+    let mut times = vec![Vec::with_capacity(n); HTTP_PATHS.len()];
+    for _ in 0..n {
+        for (client, times) in clients.iter_mut().zip(times.iter_mut()) {
+            times.push(timed(client).await);
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort();
+            (percentile(&t, 0.5), percentile(&t, 0.99))
+        })
+        .collect()
+}
+
+/// Requests per second on `path` with `in_flight` connections, each making `per_connection`
+/// requests one after the other.
+async fn http_rate(paths: &HttpPaths, path: &str, in_flight: usize, per_connection: usize) -> f64 {
+    let mut clients = Vec::new();
+    for _ in 0..in_flight {
+        clients.push(paths.client(path).await);
+    }
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for mut client in clients {
+        tasks.spawn(async move {
+            for _ in 0..per_connection {
+                client.call().await;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    (in_flight * per_connection) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The median req/s of each HTTP path over `blocks` rotations.
+async fn http_rates(paths: &HttpPaths, blocks: usize) -> Vec<f64> {
+    let mut rates = vec![Vec::new(); HTTP_PATHS.len()];
+    for _ in 0..blocks {
+        for (path, rates) in HTTP_PATHS.iter().zip(rates.iter_mut()) {
+            rates.push(http_rate(paths, path, HTTP_IN_FLIGHT, HTTP_PER_CONNECTION).await);
+        }
+    }
+    rates
+        .into_iter()
+        .map(|mut r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect()
+}
+
+/// The HTTP front door's rows of issue 37, against the mock and the pass-through proxy.
+async fn http_door(paths: &HttpPaths) -> Vec<cost::Row> {
+    // Warm-up: connection pools (the door's and the proxy's upstream clients), allocators.
+    http_sequential(paths, 300).await;
+    for path in HTTP_PATHS {
+        http_rate(paths, path, HTTP_IN_FLIGHT, 30).await;
+    }
+    let one = http_sequential(paths, HTTP_SEQUENTIAL).await;
+    let (mock, proxy, door) = (one[0], one[1], one[2]);
+    println!(
+        "HTTP, 1 in flight ({HTTP_SEQUENTIAL} req/path, alternating): mock p50 {:.3} ms p99 {:.3} \
+         ms | proxy p50 {:.3} ms p99 {:.3} ms | door p50 {:.3} ms p99 {:.3} ms",
+        mock.0, mock.1, proxy.0, proxy.1, door.0, door.1
+    );
+    let rates = http_rates(paths, HTTP_BLOCKS).await;
+    println!(
+        "HTTP, {HTTP_IN_FLIGHT} in flight (median of {HTTP_BLOCKS} blocks of {} req/path): mock \
+         {:.0} req/s | proxy {:.0} req/s | door {:.0} req/s",
+        HTTP_IN_FLIGHT * HTTP_PER_CONNECTION,
+        rates[0],
+        rates[1],
+        rates[2]
+    );
+    let added = door.0 - mock.0;
+    let floor = proxy.0 - mock.0;
+    vec![
+        cost::Row::new(
+            "http_added_1_in_flight",
+            "HTTP front door, added p50 over the mock, 1 in flight",
+            format!("+{added:.3} ms"),
+            format!(
+                "pass-through proxy +{floor:.3} ms (the door is +{:.3} ms over it; mock {:.3} ms)",
+                door.0 - proxy.0,
+                mock.0
+            ),
+            "≤ +0.05 ms",
+            added <= 0.05,
+        ),
+        cost::Row::new(
+            "http_32_in_flight",
+            format!("HTTP front door, req/s at {HTTP_IN_FLIGHT} in flight"),
+            format!("{:.0} req/s", rates[2]),
+            format!(
+                "proxy {:.0} req/s ({:.2}× the door), mock alone {:.0} req/s",
+                rates[1],
+                rates[1] / rates[2],
+                rates[0]
+            ),
+            "≥ 40000 req/s",
+            rates[2] >= 40_000.0,
+        ),
+    ]
+}
+
 fn main() {
     if common::filtered_out("gateway") {
         return;
     }
     run_echo_if_asked();
+    common::run_proxy_if_asked();
     common::block_on(run());
 }
 
@@ -234,10 +414,23 @@ async fn run() {
     let upstream = mock_upstream().await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let _gateway = common::start_gateway(&server.url(), &upstream, dir.path(), |_| {});
+    let door = format!("127.0.0.1:{}", common::free_port());
+    let _gateway = common::start_gateway(&server.url(), &upstream, dir.path(), |command| {
+        command
+            .arg("--http-addr")
+            .arg(&door)
+            .env("CYRENE_GATEWAY_HTTP_KEYS", KEY);
+    });
+    let proxy = format!("127.0.0.1:{}", common::free_port());
+    let _proxy = common::ProxyProcess::start(&proxy, &upstream).await;
     let _echo = EchoProcess::start(&server.url()).await;
     let nats = server.connect().await;
     let http = cyrene_model_gateway::http_client().unwrap();
+    let http_paths = HttpPaths {
+        upstream: upstream.clone(),
+        proxy: format!("http://{proxy}"),
+        door: format!("http://{door}"),
+    };
     let paths = Paths {
         http,
         url: format!("{upstream}/chat/completions"),
@@ -257,12 +450,20 @@ async fn run() {
     }
     assert!(ready, "the gateway process never answered");
 
+    let started = Instant::now();
+    println!("cyrene-model-gateway bench (release; same run; mock upstream = raw tokio HTTP/1.1)");
+    // `GATEWAY_BENCH_ONLY=http` measures the HTTP front door alone (while profiling it).
+    if std::env::var("GATEWAY_BENCH_ONLY").is_ok_and(|only| only == "http") {
+        let rows = http_door(&http_paths).await;
+        print!(
+            "{}",
+            cost::summary("cyrene-model-gateway --bench gateway", &rows)
+        );
+        return;
+    }
     // Warm up both paths (connection pools, allocator, branch predictors).
     sequential(&paths, 300).await;
     concurrent(&paths, 32, 30).await;
-
-    let started = Instant::now();
-    println!("cyrene-model-gateway bench (release; same run; mock upstream = raw tokio HTTP/1.1)");
     let one = sequential(&paths, SEQUENTIAL).await;
     report(
         &format!("1 in flight  ({SEQUENTIAL} req/path)"),
@@ -280,5 +481,10 @@ async fn run() {
         "throughput: {rps:.0} req/s through one gateway process, 64 in flight \
          (target >= 5000 req/s)"
     );
+    let rows = http_door(&http_paths).await;
     println!("measured in {:.1} s", started.elapsed().as_secs_f64());
+    print!(
+        "{}",
+        cost::summary("cyrene-model-gateway --bench gateway", &rows)
+    );
 }

@@ -1,17 +1,22 @@
 //! Streaming through the gateway (`cargo bench -p cyrene-model-gateway --bench streaming`).
 //!
-//! One run, three paths interleaved call by call against the same streaming mock upstream (raw
+//! One run, four paths interleaved call by call against the same streaming mock upstream (raw
 //! tokio HTTP/1.1 answering every request with the same OpenAI-style SSE reply of [`CHUNKS`]
-//! text chunks; the first is written at once, the rest right after):
+//! text chunks, each event in a write of its own 1 ms after the one before, as a provider sends
+//! them one by one):
 //! - *direct*: this process reads the mock's event stream itself (reqwest + eventsource-stream);
+//! - *proxy*: the same through a minimal pass-through proxy of the front door's HTTP stack
+//!   ([`common::ProxyProcess`]): the physical floor of an HTTP hop;
 //! - *NATS*: `cyrene.model.complete.stream` to a `cyrene-model-gateway` process (the real
 //!   binary), deltas on this process's inbox (`cyrene_bus::model_stream`);
 //! - *HTTP*: the same gateway process's OpenAI-compatible front door with `"stream": true`.
 //!
 //! Time to first token (TTFT) = request sent → first text delta in hand; the gateway's added TTFT
-//! is a path's percentile minus direct's. Chunks per second = text chunks of one call / (last
-//! chunk − first chunk), median over the calls. Everything shares this machine's cores, so the
-//! figures are indicative.
+//! is a path's percentile minus direct's. Whole reply = request sent → the end of the stream
+//! (`[DONE]`, or the NATS reply); what a path adds per chunk is its whole reply's p50 minus
+//! direct's, over [`CHUNKS`]. Chunks per second = text chunks of one call / (last chunk − first
+//! chunk), median over the calls. Everything shares this machine's cores, so the figures are
+//! indicative; the bench ends with issue 37's streaming rows (`COST …`, docs/performance.md).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod common;
@@ -20,53 +25,51 @@ use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::Delta;
 use cyrene_test_support::NatsServer;
+use cyrene_test_support::cost;
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
 const CALLS: usize = 300;
-const CHUNKS: usize = 200;
+const CHUNKS: usize = 12;
+/// The pause between two events of the mock's reply: each event crosses every hop on its own,
+/// as a model's tokens do, so what a path adds per chunk is measured per chunk.
+const GAP: Duration = Duration::from_millis(1);
 const KEY: &str = "bench-client-key";
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-fn sse_body() -> (String, String) {
+/// The reply's events: the first text chunk, then one event per write.
+fn sse_events() -> Vec<String> {
     let event = |delta: serde_json::Value, finish: Option<&str>| {
         let chunk = json!({"id":"c","model":"bench-model",
             "choices":[{"index":0,"delta":delta,"finish_reason":finish}]});
         format!("data: {chunk}\n\n")
     };
-    let first = event(json!({"role":"assistant","content":"tok0 "}), None);
-    let mut rest = String::new();
+    let mut events = vec![event(json!({"role":"assistant","content":"tok0 "}), None)];
     for i in 1..CHUNKS {
-        rest.push_str(&event(json!({"content": format!("tok{i} ")}), None));
+        events.push(event(json!({"content": format!("tok{i} ")}), None));
     }
-    rest.push_str(&event(json!({}), Some("stop")));
-    rest.push_str(&format!(
+    events.push(event(json!({}), Some("stop")));
+    events.push(format!(
         "data: {}\n\ndata: [DONE]\n\n",
         json!({"id":"c","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":CHUNKS,
                "total_tokens":12 + CHUNKS}})
     ));
-    (first, rest)
+    events
 }
 
-/// The mock upstream answering every request with the SSE reply: headers and the first event
-/// in one write, the rest in a second.
+/// The mock upstream answering every request with the SSE reply: the headers and the first
+/// event in one write, then each event in a write of its own, [`GAP`] after the one before.
 async fn mock_upstream() -> String {
-    let (first, rest) = sse_body();
+    let events = sse_events();
+    let length: usize = events.iter().map(String::len).sum();
+    let mut writes: Vec<Vec<u8>> = events.into_iter().map(String::into_bytes).collect();
     let head = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{first}",
-        first.len() + rest.len()
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {length}\r\n\r\n"
     );
-    common::mock_upstream(vec![head.into_bytes(), rest.into_bytes()]).await
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    writes[0].splice(0..0, head.into_bytes());
+    common::mock_upstream_paced(writes, GAP).await
 }
 
 /// The gateway with its OpenAI-compatible front door on `http`, open to [`KEY`].
@@ -84,17 +87,20 @@ fn start_gateway(
     })
 }
 
-/// One call's timings: first text chunk after the request, and first → last text chunk.
+/// One call's timings: first text chunk after the request, first → last text chunk, and the
+/// request → the end of the stream.
 #[derive(Clone, Copy)]
 struct Call {
     ttft: Duration,
     span: Duration,
+    whole: Duration,
     chunks: usize,
 }
 
 struct Paths {
     http: reqwest::Client,
     upstream: String,
+    proxy: String,
     front_door: String,
     nats: async_nats::Client,
 }
@@ -112,9 +118,11 @@ fn question() -> ModelRequest {
 async fn read_sse(response: reqwest::Response, started: Instant) -> Call {
     let mut events = response.bytes_stream().eventsource();
     let (mut first, mut last, mut chunks) = (None, started, 0usize);
+    let mut last_event = started;
     while let Some(event) = events.next().await {
         let event = event.unwrap();
         if event.data == "[DONE]" {
+            last_event = Instant::now();
             break;
         }
         if event.data.contains("\"content\":\"tok") {
@@ -128,18 +136,28 @@ async fn read_sse(response: reqwest::Response, started: Instant) -> Call {
     Call {
         ttft: first - started,
         span: last - first,
+        whole: last_event - started,
         chunks,
     }
 }
 
 impl Paths {
     async fn direct(&self) -> Call {
+        self.openai(&self.upstream).await
+    }
+
+    async fn proxy(&self) -> Call {
+        self.openai(&self.proxy).await
+    }
+
+    /// The streamed question as the gateway asks it, to the `/chat/completions` of `base`.
+    async fn openai(&self, base: &str) -> Call {
         let body = json!({"model":"bench-model","stream":true,"stream_options":{"include_usage":true},
                           "messages":[{"role":"user","content":"Tell me a long story."}]});
         let started = Instant::now();
         let response = self
             .http
-            .post(format!("{}/chat/completions", self.upstream))
+            .post(format!("{base}/chat/completions"))
             .json(&body)
             .send()
             .await
@@ -181,11 +199,13 @@ impl Paths {
         )
         .await
         .unwrap();
+        let whole = started.elapsed();
         assert_eq!(response.provider, "mock");
         let first = first.expect("no delta");
         Call {
             ttft: first - started,
             span: last - first,
+            whole,
             chunks,
         }
     }
@@ -195,23 +215,40 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// (p50, p99) TTFT in ms and the median chunks per second.
-fn summary(calls: &[Call]) -> (f64, f64, f64) {
+/// A path's figures over its calls.
+struct Summary {
+    ttft_p50: f64,
+    ttft_p99: f64,
+    /// Median chunks per second.
+    rate: f64,
+    /// p50 of the whole reply.
+    whole: f64,
+}
+
+fn summary(calls: &[Call]) -> Summary {
     let mut ttft: Vec<Duration> = calls.iter().map(|c| c.ttft).collect();
     ttft.sort();
     let pick = |p: f64| ms(ttft[((ttft.len() as f64 - 1.0) * p).round() as usize]);
+    let mut whole: Vec<Duration> = calls.iter().map(|c| c.whole).collect();
+    whole.sort();
     let mut rates: Vec<f64> = calls
         .iter()
         .map(|c| (c.chunks.saturating_sub(1)) as f64 / c.span.as_secs_f64().max(1e-9))
         .collect();
     rates.sort_by(f64::total_cmp);
-    (pick(0.5), pick(0.99), rates[rates.len() / 2])
+    Summary {
+        ttft_p50: pick(0.5),
+        ttft_p99: pick(0.99),
+        rate: rates[rates.len() / 2],
+        whole: ms(whole[whole.len() / 2]),
+    }
 }
 
 fn main() {
     if common::filtered_out("streaming") {
         return;
     }
+    common::run_proxy_if_asked();
     common::block_on(run());
 }
 
@@ -219,11 +256,14 @@ async fn run() {
     let upstream = mock_upstream().await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let http_addr = format!("127.0.0.1:{}", free_port());
+    let http_addr = format!("127.0.0.1:{}", common::free_port());
     let _gateway = start_gateway(&server.url(), &upstream, &http_addr, dir.path());
+    let proxy = format!("127.0.0.1:{}", common::free_port());
+    let _proxy = common::ProxyProcess::start(&proxy, &upstream).await;
     let paths = Paths {
         http: cyrene_model_gateway::http_client().unwrap(),
         upstream,
+        proxy: format!("http://{proxy}"),
         front_door: format!("http://{http_addr}"),
         nats: server.connect().await,
     };
@@ -252,42 +292,96 @@ async fn run() {
     assert!(ready, "the gateway process never answered");
     for _ in 0..30 {
         paths.direct().await;
+        paths.proxy().await;
         paths.nats().await;
         paths.front_door().await;
     }
     let started = Instant::now();
-    let (mut direct, mut nats, mut http) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut direct, mut proxied, mut nats, mut http) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..CALLS {
         direct.push(paths.direct().await);
+        proxied.push(paths.proxy().await);
         nats.push(paths.nats().await);
         http.push(paths.front_door().await);
     }
-    for calls in [&direct, &nats, &http] {
+    for (path, calls) in [("direct", &direct), ("proxy", &proxied), ("http", &http)] {
+        let short = calls.iter().find(|c| c.chunks != CHUNKS);
         assert!(
-            calls.iter().all(|c| c.chunks == CHUNKS),
-            "every text chunk arrived"
+            short.is_none(),
+            "every text chunk arrived on the {path} path: {:?} of {CHUNKS}",
+            short.map(|c| c.chunks)
         );
     }
+    // The NATS stream may carry text that arrived together as one delta (docs/model-gateway.md,
+    // "Streaming"): every call has at least one.
+    assert!(
+        nats.iter().all(|c| c.chunks >= 1),
+        "the NATS path's text arrived"
+    );
     let d = summary(&direct);
     println!(
         "cyrene-model-gateway streaming bench (same run, interleaved; {CALLS} calls per path, \
-         {CHUNKS} text chunks each)"
+         {CHUNKS} text chunks each, one write each)"
     );
     println!(
-        "direct (mock upstream):   TTFT p50 {:.3} ms p99 {:.3} ms | {:.0} chunks/s",
-        d.0, d.1, d.2
+        "direct (mock upstream):   TTFT p50 {:.3} ms p99 {:.3} ms | whole reply p50 {:.3} ms | \
+         {:.0} chunks/s",
+        d.ttft_p50, d.ttft_p99, d.whole, d.rate
     );
-    for (label, calls) in [("via NATS stream:", &nats), ("via HTTP front door:", &http)] {
+    let mut added = Vec::new();
+    for (label, calls) in [
+        ("via pass-through proxy:", &proxied),
+        ("via NATS stream:", &nats),
+        ("via HTTP front door:", &http),
+    ] {
         let s = summary(calls);
         println!(
-            "{label:<25} TTFT p50 {:.3} ms p99 {:.3} ms | {:.0} chunks/s | added TTFT p50 {:.3} ms \
-             p99 {:.3} ms",
-            s.0,
-            s.1,
-            s.2,
-            s.0 - d.0,
-            s.1 - d.1
+            "{label:<25} TTFT p50 {:.3} ms p99 {:.3} ms | whole reply p50 {:.3} ms | {:.0} \
+             chunks/s | added TTFT p50 {:.3} ms p99 {:.3} ms, whole reply p50 {:.3} ms",
+            s.ttft_p50,
+            s.ttft_p99,
+            s.whole,
+            s.rate,
+            s.ttft_p50 - d.ttft_p50,
+            s.ttft_p99 - d.ttft_p99,
+            s.whole - d.whole,
         );
+        added.push((s.ttft_p50 - d.ttft_p50, (s.whole - d.whole) / CHUNKS as f64));
     }
     println!("measured in {:.1} s", started.elapsed().as_secs_f64());
+    let (proxy, door) = (added[0], added[2]);
+    let rows = [
+        cost::Row::new(
+            "stream_ttft_added",
+            "streaming through the HTTP front door, time to first token added over the mock (p50)",
+            format!("+{:.3} ms", door.0),
+            format!("pass-through proxy +{:.3} ms", proxy.0),
+            "≤ +0.15 ms",
+            door.0 <= 0.15,
+        ),
+        cost::Row::new(
+            "stream_per_chunk_added",
+            format!(
+                "streaming through the HTTP front door, whole {CHUNKS}-chunk reply added over the \
+                 mock (p50), per chunk"
+            ),
+            format!(
+                "+{:.3} ms a chunk (+{:.3} ms the reply)",
+                door.1,
+                door.1 * CHUNKS as f64
+            ),
+            format!(
+                "pass-through proxy +{:.3} ms a chunk (+{:.3} ms the reply)",
+                proxy.1,
+                proxy.1 * CHUNKS as f64
+            ),
+            "≤ +0.05 ms a chunk",
+            door.1 <= 0.05,
+        ),
+    ];
+    print!(
+        "{}",
+        cost::summary("cyrene-model-gateway --bench streaming", &rows)
+    );
 }

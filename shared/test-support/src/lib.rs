@@ -81,6 +81,7 @@
 
 mod binary;
 mod cluster;
+pub mod cost;
 pub mod echo;
 pub mod fixtures;
 pub mod micro;

@@ -8,7 +8,7 @@
 //!   `not_found`.
 //! - Tool choice reaches the providers in the neutral form both dialects translate.
 
-use super::{DEFAULT_MODEL, PURPOSE, model_ids};
+use super::{DEFAULT_MODEL, PURPOSE};
 use crate::Gateway;
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
@@ -190,7 +190,12 @@ fn to_model_request(chat: ChatRequest, gateway: &Gateway) -> Result<ModelRequest
     }
     let model = if chat.model == DEFAULT_MODEL {
         String::new()
-    } else if model_ids(gateway).contains_key(&chat.model) {
+    } else if gateway
+        .config()
+        .providers
+        .values()
+        .any(|p| p.models.contains_key(&chat.model))
+    {
         chat.model.clone()
     } else {
         return Err(ErrorBody::new(

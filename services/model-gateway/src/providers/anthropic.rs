@@ -144,8 +144,7 @@ impl HttpDialect for AnthropicProvider {
     fn post(&self) -> reqwest::RequestBuilder {
         let http = self
             .upstream
-            .http
-            .post(&self.upstream.url)
+            .post()
             .header("anthropic-version", ANTHROPIC_VERSION);
         match &self.upstream.api_key {
             Some(key) => http.header("x-api-key", key),

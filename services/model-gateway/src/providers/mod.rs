@@ -196,6 +196,9 @@ pub(crate) struct Upstream {
     /// The provider's name in the model config (for logs and errors).
     pub(crate) name: String,
     pub(crate) url: String,
+    /// `url` parsed once, not on every request (`None` when it does not parse: then each
+    /// request fails with reqwest's own error, as before).
+    parsed: Option<reqwest::Url>,
     pub(crate) api_key: Option<String>,
     pub(crate) http: reqwest::Client,
 }
@@ -209,11 +212,21 @@ impl Upstream {
         api_key: Option<String>,
         http: reqwest::Client,
     ) -> Upstream {
+        let url = format!("{}{path}", config.base_url.trim_end_matches('/'));
         Upstream {
             name: name.to_owned(),
-            url: format!("{}{path}", config.base_url.trim_end_matches('/')),
+            parsed: reqwest::Url::parse(&url).ok(),
+            url,
             api_key,
             http,
+        }
+    }
+
+    /// A POST to the upstream's URL.
+    pub(crate) fn post(&self) -> reqwest::RequestBuilder {
+        match &self.parsed {
+            Some(url) => self.http.post(url.clone()),
+            None => self.http.post(&self.url),
         }
     }
 }

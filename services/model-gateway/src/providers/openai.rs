@@ -171,7 +171,7 @@ impl HttpDialect for OpenAiProvider {
     }
 
     fn post(&self) -> reqwest::RequestBuilder {
-        let http = self.upstream.http.post(&self.upstream.url);
+        let http = self.upstream.post();
         match &self.upstream.api_key {
             Some(key) => http.bearer_auth(key),
             None => http,
