@@ -853,6 +853,15 @@ async fn three_personas_take_turns_in_one_session_and_each_view_says_who_said_wh
     };
     assert_eq!(
         before(&other(nova)),
+        (Role::Assistant, "echo: nova, quick one".into()),
+        "the leg's answer"
+    );
+    let last_nova = cyrene_view
+        .iter()
+        .rposition(|(_, t)| *t == other(nova))
+        .unwrap();
+    assert_eq!(
+        cyrene_view[last_nova + 1],
         (Role::Assistant, "echo: nova, your turn".into())
     );
     assert_eq!(before(&me(cyrene)), (Role::Assistant, "echo: hi".into()));
