@@ -247,14 +247,8 @@ async fn forward(
     response
 }
 
-/// A free TCP port on 127.0.0.1.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A free TCP port on 127.0.0.1 (the one helper every test and bench uses).
+pub use cyrene_test_support::free_port;
 
 /// The cheapest HTTP/1.1 client: one kept-alive connection, one request at a time, written in
 /// one `write_all` and read until its `Content-Length` body is in, so the client's own cost is
