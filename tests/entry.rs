@@ -363,6 +363,8 @@ async fn an_unparsable_nats_url_exits_2_and_is_named_without_its_password() {
         "cyrene-checkpoint-store",
         "cyrene-orchestrator",
         "cyrene-loop-worker",
+        "cyrene-matrix-bridge",
+        "cyrene-mcp-bridge",
     ] {
         for url in ["http://127.0.0.1:4222", "nats://gw:s3cret@[::1"] {
             let (code, stderr) = run_binary(

@@ -694,7 +694,7 @@ impl Bridge {
         let content = serde_json::json!({"msgtype": msgtype, "body": body});
         let raw = serde_json::value::to_raw_value(&content).map_err(|e| MatrixError::Build {
             path: "send".into(),
-            message: e.to_string(),
+            source: e.into(),
         })?;
         let request = send_message_event::v3::Request::new_raw(
             room_id.clone(),

@@ -49,12 +49,12 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     State(#[from] StateError),
-    #[error("cannot log in to the homeserver: {0}")]
-    Login(String),
-    #[error("nats: {0}")]
-    Bus(String),
-    #[error("http client: {0}")]
-    Http(String),
+    #[error("cannot log in to the homeserver")]
+    Login(#[source] MatrixError),
+    #[error("nats: cannot follow the owner's sessions")]
+    Bus(#[source] async_nats::SubscribeError),
+    #[error("cannot build the HTTP client")]
+    Http(#[source] reqwest::Error),
 }
 
 impl cyrene_runtime::entry::RunError for Error {
@@ -68,7 +68,7 @@ impl cyrene_runtime::entry::RunError for Error {
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     config.validate()?;
     let bot = config.user_id()?;
-    let http = matrix::http_client().map_err(|e| Error::Http(e.to_string()))?;
+    let http = matrix::http_client().map_err(Error::Http)?;
     let mut state = State::load(&config.data_dir)?;
     let Some(hs) = log_in(&config, http, &mut state, &shutdown).await? else {
         return Ok(());
@@ -88,10 +88,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         bot_name
     };
     let events_subject = format!("cyrene.session.{}.*.events", config.owner_person);
-    let events = client
-        .subscribe(events_subject)
-        .await
-        .map_err(|e| Error::Bus(format!("cannot follow the owner's sessions: {e}")))?;
+    let events = client.subscribe(events_subject).await.map_err(Error::Bus)?;
     let bridge = Arc::new(bridge::Bridge::new(
         config,
         client.clone(),
@@ -130,7 +127,10 @@ async fn log_in(
         return Ok(Some(hs.with_token(token.expose())));
     }
     let Some(password) = &config.password else {
-        return Err(Error::Login("no password and no access token".into()));
+        // Config::validate refuses this already.
+        return Err(Error::Config(ConfigError::Invalid(
+            "give the bot's password or an access token of its".into(),
+        )));
     };
     if let Some(token) = state.access_token.clone() {
         let kept = hs.clone().with_token(token);
@@ -140,7 +140,7 @@ async fn log_in(
                 tracing::info!("the kept access token was revoked; logging in again");
                 state.access_token = None;
             }
-            Err(err) => return Err(Error::Login(err.to_string())),
+            Err(err) => return Err(Error::Login(err)),
         }
     }
     let mut login_request =
@@ -168,6 +168,6 @@ async fn log_in(
             state.access_token = Some(answer.access_token.clone());
             Ok(Some(hs.with_token(answer.access_token)))
         }
-        Some(Err(err)) => Err(Error::Login(err.to_string())),
+        Some(Err(err)) => Err(Error::Login(err)),
     }
 }

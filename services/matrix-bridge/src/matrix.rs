@@ -27,12 +27,19 @@ pub const MIN_RATE_LIMIT_PAUSE: Duration = Duration::from_millis(100);
 /// The longest pause after a `429`.
 pub const MAX_RATE_LIMIT_PAUSE: Duration = Duration::from_secs(60);
 
+/// A cause of another crate's error type, kept whole.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Why a homeserver request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MatrixError {
     /// The request could not be built (a bug, or an id that ruma refuses).
-    #[error("cannot build the request to {path}: {message}")]
-    Build { path: String, message: String },
+    #[error("cannot build the request to {path}: {source}")]
+    Build {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
     /// The homeserver was not reachable (after retries).
     #[error("homeserver unreachable ({path}): {source}")]
     Transport {
@@ -49,8 +56,12 @@ pub enum MatrixError {
         error: String,
     },
     /// The answer did not decode.
-    #[error("cannot decode the answer of {path}: {message}")]
-    Decode { path: String, message: String },
+    #[error("cannot decode the answer of {path}: {source}")]
+    Decode {
+        path: String,
+        #[source]
+        source: BoxError,
+    },
     /// The answer's body was longer than the caller's limit (it was not read further).
     #[error("the answer of {path} is larger than {limit} bytes")]
     TooLarge { path: String, limit: usize },
@@ -167,7 +178,7 @@ impl Homeserver {
             .try_into_http_request::<Vec<u8>>(&self.base, token, Cow::Borrowed(&self.versions))
             .map_err(|e| MatrixError::Build {
                 path: "?".into(),
-                message: e.to_string(),
+                source: e.into(),
             })?;
         let (parts, body) = built.into_parts();
         let path = parts.uri.path().to_owned();
@@ -239,14 +250,14 @@ impl Homeserver {
                 .body(bytes.as_slice())
                 .map_err(|e| MatrixError::Decode {
                     path: path.clone(),
-                    message: e.to_string(),
+                    source: e.into(),
                 })?;
             return <R::IncomingResponse as IncomingResponse>::try_from_http_response_inner(
                 response,
             )
             .map_err(|e| MatrixError::Decode {
                 path,
-                message: e.to_string(),
+                source: e.into(),
             });
         }
     }

@@ -119,15 +119,9 @@ pub async fn open(
     js: &jetstream::Context,
     replicas: usize,
     max_deliver: u32,
-) -> Result<jetstream::consumer::PullConsumer, String> {
-    let stream = js
-        .get_or_create_stream(stream_config(replicas))
-        .await
-        .map_err(|e| e.to_string())?;
-    stream
-        .create_consumer(consumer_config(max_deliver))
-        .await
-        .map_err(|e| e.to_string())
+) -> Result<jetstream::consumer::PullConsumer, async_nats::Error> {
+    let stream = js.get_or_create_stream(stream_config(replicas)).await?;
+    Ok(stream.create_consumer(consumer_config(max_deliver)).await?)
 }
 
 /// Publishes `job` and waits for JetStream's ack (a duplicate within the window is fine).

@@ -157,9 +157,9 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     ));
     let extractions = extraction::open(&js, config.turns_replicas, config.memory_max_deliver)
         .await
-        .map_err(|e| Error::Bus {
+        .map_err(|source| Error::Bus {
             what: "cannot open the memory extraction stream",
-            source: e.into(),
+            source,
         })?;
     let mut host = service::start(engine.clone(), memory.clone(), shutdown.clone()).await?;
     host.spawn(extraction::consume(

@@ -31,8 +31,13 @@ pub enum RequestError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("request on {subject} failed: {message}")]
-    Transport { subject: String, message: String },
+    /// The connection failed the request (or, for a streamed call, its reply subscription).
+    #[error("request on {subject} failed: {source}")]
+    Transport {
+        subject: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A streamed call whose responder went silent mid-call: no message (not even a heartbeat)
     /// for `silent`. The responder died or lost its connection; the call will never end.
     #[error("the responder on {subject} went silent for {silent:?} mid-call (gone)")]
@@ -132,7 +137,7 @@ pub async fn request_raw(
                 },
                 _ => RequestError::Transport {
                     subject: subject.to_owned(),
-                    message: err.to_string(),
+                    source: err.into(),
                 },
             });
         }

@@ -42,12 +42,13 @@ pub enum Error {
     /// The request was refused as invalid (`bad_request`) or too large (`too_large`).
     #[error("{0}")]
     Invalid(ErrorBody),
-    /// The store or its database is down, or nobody serves the subject.
-    #[error("unavailable: {0}")]
-    Unavailable(String),
-    /// No reply within the client's timeout.
-    #[error("timed out: {0}")]
-    Timeout(String),
+    /// The store or its database is down, or nobody serves the subject (the request's failure,
+    /// kept whole).
+    #[error(transparent)]
+    Unavailable(RequestError),
+    /// No reply within the client's timeout, or the store's own time limit ran out.
+    #[error(transparent)]
+    Timeout(RequestError),
     /// Anything else (an `internal` error, an undecodable reply, a transport failure).
     #[error("{0}")]
     Other(ErrorBody),
@@ -78,13 +79,13 @@ impl From<RequestError> for Error {
                 ErrorCode::NotFound => Error::NotFound(body),
                 ErrorCode::Conflict => Error::Conflict(body),
                 ErrorCode::BadRequest | ErrorCode::TooLarge => Error::Invalid(body),
-                ErrorCode::Unavailable => Error::Unavailable(body.message),
-                ErrorCode::Timeout => Error::Timeout(body.message),
+                ErrorCode::Unavailable => Error::Unavailable(RequestError::Remote(body)),
+                ErrorCode::Timeout => Error::Timeout(RequestError::Remote(body)),
                 _ => Error::Other(body),
             },
-            RequestError::Timeout { .. } => Error::Timeout(err.to_string()),
+            RequestError::Timeout { .. } => Error::Timeout(err),
             RequestError::NoResponders { .. } | RequestError::Transport { .. } => {
-                Error::Unavailable(err.to_string())
+                Error::Unavailable(err)
             }
             other => Error::Other(other.to_body()),
         }

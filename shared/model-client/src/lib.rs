@@ -65,10 +65,7 @@ pub async fn complete_stream(
 ) -> Result<ModelResponse, RequestError> {
     let payload = encode(client, request)?;
     let inbox = client.new_inbox();
-    let replies = client
-        .subscribe(inbox.clone())
-        .await
-        .map_err(|e| transport(&e))?;
+    let replies = client.subscribe(inbox.clone()).await.map_err(transport)?;
     let subject = subjects::MODEL_COMPLETE_STREAM;
     let (response, _) = exchange(
         client, subject, payload, inbox, replies, timeout, None, on_delta,
@@ -150,7 +147,7 @@ impl StreamInbox {
             .client
             .subscribe(format!("{}.*", self.prefix))
             .await
-            .map_err(|e| transport(&e))?;
+            .map_err(transport)?;
         let (routes, closed) = (self.routes.clone(), self.closed.clone());
         Ok(RouterTask(tokio::spawn(async move {
             while let Some(message) = replies.next().await {
@@ -204,7 +201,7 @@ impl StreamInbox {
             token,
         };
         if self.closed.load(Ordering::SeqCst) {
-            return Err(transport(&"the reply subscription closed"));
+            return Err(transport("the reply subscription closed"));
         }
         let replies = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|message| (message, rx))
@@ -230,10 +227,10 @@ fn encode(client: &Client, request: &ModelRequest) -> Result<Vec<u8>, RequestErr
     Ok(payload)
 }
 
-fn transport(e: &dyn std::fmt::Display) -> RequestError {
+fn transport(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> RequestError {
     RequestError::Transport {
         subject: subjects::MODEL_COMPLETE_STREAM.to_owned(),
-        message: e.to_string(),
+        source: source.into(),
     }
 }
 
@@ -267,7 +264,7 @@ async fn exchange(
     client
         .publish_with_reply_and_headers(subject.to_owned(), inbox, headers, payload.into())
         .await
-        .map_err(|e| transport(&e))?;
+        .map_err(transport)?;
     let mut expected = 0u64;
     // Until the first message (the gateway's first heartbeat) the responder has longer: it
     // decodes the request before it says it took it.
@@ -291,7 +288,7 @@ async fn exchange(
                     after: timeout,
                 });
             }
-            Ok(None) => return Err(transport(&"the reply subscription closed")),
+            Ok(None) => return Err(transport("the reply subscription closed")),
             Ok(Some(message)) => message,
         };
         if message.status == Some(StatusCode::NO_RESPONDERS) {
@@ -313,7 +310,7 @@ async fn exchange(
             },
         };
         if chunk.seq != expected {
-            return Err(transport(&format!(
+            return Err(transport(format!(
                 "stream chunk {} arrived when {expected} was expected (a delta was lost)",
                 chunk.seq
             )));

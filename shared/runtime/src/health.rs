@@ -97,7 +97,7 @@ pub enum HealthError {
         source: std::io::Error,
     },
     #[error("cannot install the metrics recorder: {0}")]
-    Recorder(String),
+    Recorder(#[from] metrics_exporter_prometheus::BuildError),
 }
 
 /// Installs the Prometheus recorder for this process, binds `addr` and serves `/livez`,
@@ -110,10 +110,8 @@ pub async fn serve(
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full("cyrene_turn_steps".into()), STEP_BUCKETS)
-        })
-        .map_err(|e| HealthError::Recorder(e.to_string()))?
-        .install_recorder()
-        .map_err(|e| HealthError::Recorder(e.to_string()))?;
+        })?
+        .install_recorder()?;
     describe_series();
     let listener = TcpListener::bind(addr)
         .await

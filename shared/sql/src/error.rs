@@ -4,7 +4,7 @@
 //! `bad_request`/`not_found`/`conflict`/`too_large`, a database that is down or busy is
 //! `unavailable` (retryable), and a bug or a corrupt row is `internal`.
 
-use crate::QueryError;
+use crate::{OpenError, QueryError};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use std::future::Future;
 use std::time::Duration;
@@ -33,7 +33,7 @@ pub enum StoreError {
     Query(#[from] QueryError),
     /// Opening the database or applying the migrations failed.
     #[error("could not open the database: {0}")]
-    Open(String),
+    Open(#[from] OpenError),
     /// A row that cannot be represented (a bug or a corrupt row).
     #[error("database error: {0}")]
     Internal(String),
@@ -52,6 +52,14 @@ impl StoreError {
             StoreError::Open(_) => ErrorCode::Unavailable,
             StoreError::Internal(_) => ErrorCode::Internal,
         }
+    }
+
+    /// For `map_err`: opening the database failed while doing `what`.
+    pub fn open<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> StoreError {
+        let open = OpenError::while_(what);
+        move |source| StoreError::Open(open(source))
     }
 
     /// The error envelope body sent to the caller.

@@ -100,7 +100,7 @@ impl SqliteSettings {
     /// too), these settings, foreign keys on.
     pub fn connect_options(&self, url: &str) -> Result<SqliteConnectOptions, OpenError> {
         let options = SqliteConnectOptions::from_str(url)
-            .map_err(|e| OpenError(format!("DATABASE_URL: {e}")))?
+            .map_err(OpenError::while_("DATABASE_URL"))?
             .create_if_missing(true)
             .journal_mode(if self.wal {
                 SqliteJournalMode::Wal
@@ -115,8 +115,10 @@ impl SqliteSettings {
             && let Some(parent) = file.parent()
             && !parent.as_os_str().is_empty()
         {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| OpenError(format!("cannot create {}: {e}", parent.display())))?;
+            std::fs::create_dir_all(parent).map_err(OpenError::while_(format!(
+                "cannot create {}",
+                parent.display()
+            )))?;
         }
         Ok(options)
     }
@@ -144,10 +146,27 @@ impl SqliteSettings {
     }
 }
 
-/// Why a database could not be opened.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct OpenError(pub String);
+/// Why a database could not be opened: what was being done, and the cause, kept whole.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct OpenError {
+    pub what: String,
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl OpenError {
+    /// For `map_err`: `what` failed with the error given.
+    pub fn while_<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> OpenError {
+        let what = what.into();
+        move |source| OpenError {
+            what,
+            source: source.into(),
+        }
+    }
+}
 
 /// A service's migrations, one set per backend, laid out as `migrations/postgres/*.sql` and
 /// `migrations/sqlite/*.sql` beside the service's `Cargo.toml` (built by

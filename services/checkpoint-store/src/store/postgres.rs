@@ -148,19 +148,17 @@ impl PgStore {
 
     /// Connects to `url` (`postgres://…`), then applies the migrations.
     pub async fn connect(url: &str, options: &StoreOptions) -> Result<PgStore, StoreError> {
-        let connect: PgConnectOptions = url
-            .parse()
-            .map_err(|e| StoreError::Open(format!("DATABASE_URL: {e}")))?;
+        let connect: PgConnectOptions = url.parse().map_err(StoreError::open("DATABASE_URL"))?;
         let pool = options
             .pool()
             .options::<Postgres>()
             .connect_with(connect)
             .await
-            .map_err(|e| StoreError::Open(format!("postgres: {e}")))?;
+            .map_err(StoreError::open("postgres"))?;
         MIGRATOR
             .run(&pool)
             .await
-            .map_err(|e| StoreError::Open(format!("postgres migrations: {e}")))?;
+            .map_err(StoreError::open("postgres migrations"))?;
         Ok(SqlStore {
             group: options
                 .group_commit

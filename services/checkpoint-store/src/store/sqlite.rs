@@ -139,19 +139,17 @@ impl SqliteStore {
     /// Opens (creating if missing, parent directory included) the database at `url`
     /// (`sqlite://path/to/file.db`), then applies the migrations.
     pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
-        let connect = SqliteSettings::CHECKPOINTS
-            .connect_options(url)
-            .map_err(|e| StoreError::Open(e.to_string()))?;
+        let connect = SqliteSettings::CHECKPOINTS.connect_options(url)?;
         let pool = options
             .pool()
             .options::<Sqlite>()
             .connect_with(connect)
             .await
-            .map_err(|e| StoreError::Open(format!("sqlite: {e}")))?;
+            .map_err(StoreError::open("sqlite"))?;
         MIGRATOR
             .run(&pool)
             .await
-            .map_err(|e| StoreError::Open(format!("sqlite migrations: {e}")))?;
+            .map_err(StoreError::open("sqlite migrations"))?;
         Ok(SqlStore {
             group: None,
             pool,

@@ -277,7 +277,7 @@ impl Store {
         } else if url.starts_with("sqlite:") {
             Backend::Sqlite
         } else {
-            return Err(StoreError::Open(format!(
+            return Err(StoreError::open("DATABASE_URL")(format!(
                 "unsupported database URL {url:?}"
             )));
         };
@@ -311,13 +311,13 @@ impl Store {
         let pool = pool
             .connect(&url)
             .await
-            .map_err(|e| StoreError::Open(e.to_string()))?;
+            .map_err(StoreError::open(backend.name()))?;
         let mut migrator = cyrene_sql::migrations!().of(backend.name());
         migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
         migrator
             .run(&pool)
             .await
-            .map_err(|e| StoreError::Open(format!("{} migrations: {e}", backend.name())))?;
+            .map_err(StoreError::open(format!("{} migrations", backend.name())))?;
         Ok(Store {
             pool,
             backend,
@@ -445,8 +445,10 @@ fn sqlite_url(url: &str) -> Result<String, StoreError> {
         && let Some(parent) = std::path::Path::new(file).parent()
         && !parent.as_os_str().is_empty()
     {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| StoreError::Open(format!("cannot create {}: {e}", parent.display())))?;
+        std::fs::create_dir_all(parent).map_err(StoreError::open(format!(
+            "cannot create {}",
+            parent.display()
+        )))?;
     }
     if url.contains("mode=") {
         Ok(url.to_owned())
