@@ -25,6 +25,7 @@ use crate::ports::TurnPorts;
 use crate::runner::{RunnerConfig, TurnEnd, run_turn};
 use async_nats::Client;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
+use cyrene_bus::pull::{AtShutdown, Pull};
 use cyrene_bus::{RequestError, request_json, streams};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::{TurnComplete, TurnCompleteAck, TurnJob, TurnOutcome};
@@ -32,17 +33,11 @@ use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use futures::StreamExt;
 use serde::Deserialize;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// How long one pull request waits for jobs.
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
-/// How often a waiting pull looks whether the connection was made anew (docs/loop-worker.md,
-/// "Reconnects").
-const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 
 /// Consumer config of the shared durable consumer.
 pub fn consumer_config(config: &Config) -> pull::Config {
@@ -66,90 +61,24 @@ pub(crate) async fn pull_loop(
     ports: Arc<NatsPorts>,
     shutdown: CancellationToken,
 ) {
-    let permits = Arc::new(Semaphore::new(config.concurrency));
-    let mut running = JoinSet::new();
-    'pull: loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let mut slots = vec![first];
-        while let Ok(p) = permits.clone().try_acquire_owned() {
-            slots.push(p);
-        }
-        while running.try_join_next().is_some() {}
-        let batch = consumer
-            .batch()
-            .max_messages(slots.len())
-            .expires(PULL_EXPIRES)
-            .messages();
-        let mut batch = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            b = batch => match b {
-                Ok(b) => b,
-                Err(err) => {
-                    tracing::warn!(error = %err, "pull failed; retrying");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => continue 'pull,
-                    }
-                }
-            },
-        };
-        // The pull request lives on the server it was sent to: after a reconnect nobody will
-        // answer it (neither jobs nor the end-of-batch status), so the batch is given up at once
-        // rather than at the client's own timer (expiry + 5 s), and a new pull goes out.
-        let connects = client.statistics().connects.load(Ordering::Relaxed);
-        let mut watch = tokio::time::interval(RECONNECT_CHECK);
-        loop {
-            // Jobs already delivered to this batch are run even when shutdown fires meanwhile.
-            let next = tokio::select! {
-                next = batch.next() => next,
-                _ = watch.tick() => {
-                    if client.statistics().connects.load(Ordering::Relaxed) != connects {
-                        tracing::debug!("reconnected: the pull request died with the connection");
-                        break;
-                    }
-                    continue;
-                }
-            };
-            let message = match next {
-                None => break,
-                Some(Err(err)) => {
-                    tracing::debug!(error = %err, "pull batch ended");
-                    break;
-                }
-                Some(Ok(message)) => message,
-            };
-            let Some(slot) = slots.pop() else {
-                // More than asked for cannot happen; leave it to redelivery if it does.
-                tracing::warn!("received more jobs than requested");
-                break;
-            };
-            let (config, client, ports, shutdown) = (
-                config.clone(),
-                client.clone(),
-                ports.clone(),
-                shutdown.clone(),
-            );
-            running.spawn(async move {
-                let _slot = slot;
-                handle_job(message, &config, &client, ports.as_ref(), &shutdown).await;
-            });
-        }
-    }
-    let grace = config.shutdown_grace;
-    let drained = tokio::time::timeout(grace, async {
-        while running.join_next().await.is_some() {}
+    let pull = Pull {
+        what: "turn jobs",
+        concurrency: config.concurrency,
+        expires: PULL_EXPIRES,
+        grace: config.shutdown_grace,
+        // A job pulled is a job started: it runs even when shutdown fires meanwhile.
+        at_shutdown: AtShutdown::RunDelivered,
+    };
+    cyrene_bus::pull::consume(&client, &consumer, pull, &shutdown, |message| {
+        let (config, client, ports, shutdown) = (
+            config.clone(),
+            client.clone(),
+            ports.clone(),
+            shutdown.clone(),
+        );
+        async move { handle_job(message, &config, &client, ports.as_ref(), &shutdown).await }
     })
     .await;
-    if drained.is_err() {
-        tracing::warn!(
-            ?grace,
-            "turns still running at shutdown are left to redelivery"
-        );
-        running.abort_all();
-    }
 }
 
 async fn handle_job(

@@ -31,15 +31,13 @@ use crate::Engine;
 use crate::memory::{MemoryStore, Remembered};
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use bytes::Bytes;
+use cyrene_bus::pull::{AtShutdown, Pull};
 use cyrene_protocol::memory::{MAX_ENTRY_BYTES, MemoryExtractJob, MemorySource};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::subjects;
-use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 /// The work-queue stream of memory extraction jobs.
@@ -341,61 +339,19 @@ pub async fn consume<M: MemoryStore + 'static>(
     consumer: jetstream::consumer::PullConsumer,
     shutdown: CancellationToken,
 ) {
-    let permits = Arc::new(Semaphore::new(CONCURRENCY));
-    let mut running = JoinSet::new();
-    'pull: loop {
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let mut slots = vec![first];
-        while let Ok(p) = permits.clone().try_acquire_owned() {
-            slots.push(p);
-        }
-        while running.try_join_next().is_some() {}
-        let batch = consumer
-            .batch()
-            .max_messages(slots.len())
-            .expires(PULL_EXPIRES)
-            .messages();
-        let mut batch = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            b = batch => match b {
-                Ok(b) => b,
-                Err(err) => {
-                    tracing::debug!(error = %err, "memory pull failed; retrying");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => continue 'pull,
-                    }
-                }
-            },
-        };
-        while let Some(next) = tokio::select! {
-            n = batch.next() => n,
-            _ = shutdown.cancelled() => None,
-        } {
-            let Ok(message) = next else { break };
-            let Some(slot) = slots.pop() else { break };
-            let (engine, memory) = (engine.clone(), memory.clone());
-            running.spawn(async move {
-                let _slot = slot;
-                handle(&engine, memory.as_ref(), message).await;
-            });
-        }
-    }
-    let finished = async { while running.join_next().await.is_some() {} };
-    if tokio::time::timeout(SHUTDOWN_GRACE, finished)
-        .await
-        .is_err()
-    {
-        tracing::info!(
-            jobs = running.len(),
-            "memory extraction jobs abandoned at shutdown; they are redelivered"
-        );
-        running.abort_all();
-        while running.join_next().await.is_some() {}
-    }
+    let pull = Pull {
+        what: "memory extraction jobs",
+        concurrency: CONCURRENCY,
+        expires: PULL_EXPIRES,
+        grace: SHUTDOWN_GRACE,
+        at_shutdown: AtShutdown::LeaveDelivered,
+    };
+    let client = engine.client().clone();
+    cyrene_bus::pull::consume(&client, &consumer, pull, &shutdown, |message| {
+        let (engine, memory) = (engine.clone(), memory.clone());
+        async move { handle(&engine, memory.as_ref(), message).await }
+    })
+    .await;
 }
 
 /// One delivery: run the job, then ack it, or hand it back with a delay, or drop it after the

@@ -5,7 +5,7 @@
 //! envelope ([`request`]), `$SRV` discovery ([`discovery`]), the one way to host a micro service
 //! and its endpoint table ([`host`]), turning typed errors into the micro error headers plus the
 //! JSON envelope and the bounded serving loop ([`service`]), the JetStream streams several
-//! services create ([`streams`]), the retry schedule of every loop that waits for the bus or a
+//! services create ([`streams`]) and the one pull loop over a shared consumer ([`pull`]), the retry schedule of every loop that waits for the bus or a
 //! peer ([`retry`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
 //! without panicking ([`headers`]) and the payload size guard ([`guard`]).
 //!
@@ -23,6 +23,7 @@ pub mod discovery;
 pub mod guard;
 pub mod headers;
 pub mod host;
+pub mod pull;
 pub mod request;
 pub mod retry;
 pub mod service;
