@@ -1270,21 +1270,7 @@ pub(crate) mod tests {
 
     /// A plain text answer of the scripted model (also used by `crate::images`' tests).
     pub(crate) fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
-        Ok(ModelResponse {
-            model: "scripted".into(),
-            content: text.into(),
-            message: Message::text(Role::Assistant, text),
-            tool_calls: vec![],
-            stop_reason: "stop".into(),
-            prompt_tokens: 0,
-            completion_tokens: 0,
-            total_tokens: 0,
-            cache_hit_tokens: 0,
-            cache_miss_tokens: 0,
-            reasoning_tokens: 0,
-            provider: "offline".into(),
-            offline: true,
-        })
+        Ok(ModelResponse::offline_text("scripted", "offline", text))
     }
 
     fn reply_tools(ids: &[&str]) -> Result<ModelResponse, ErrorBody> {

@@ -1,7 +1,7 @@
 //! `cyrene.model.complete` request/response and the `cyrene.model.calls` record
 //! (docs/architecture.md §2, §9).
 
-use crate::message::{Message, ToolCall};
+use crate::message::{Message, Role, ToolCall};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_with::skip_serializing_none;
@@ -130,6 +130,26 @@ pub struct ModelResponse {
 }
 
 impl ModelResponse {
+    /// A finished plain-text answer (`stop`, no tool calls, no usage) of an offline stand-in
+    /// model `model` served as `provider`: what a test's scripted model answers.
+    pub fn offline_text(model: &str, provider: &str, text: &str) -> ModelResponse {
+        ModelResponse {
+            model: model.to_owned(),
+            content: text.to_owned(),
+            message: Message::text(Role::Assistant, text),
+            tool_calls: Vec::new(),
+            stop_reason: "stop".to_owned(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            total_tokens: 0,
+            cache_hit_tokens: 0,
+            cache_miss_tokens: 0,
+            reasoning_tokens: 0,
+            provider: provider.to_owned(),
+            offline: true,
+        }
+    }
+
     /// hit / (hit + miss); 0 when nothing was reported.
     pub fn cache_hit_rate(&self) -> f64 {
         let total = self.cache_hit_tokens + self.cache_miss_tokens;

@@ -10,7 +10,6 @@ use cyrene_orchestrator::extraction::{self, EXTRACTION_PROMPT};
 use cyrene_protocol::memory::{
     MemoryExtractJob, MemoryReadRequest, MemoryReadResponse, MemorySource,
 };
-use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use std::collections::VecDeque;
@@ -68,21 +67,9 @@ impl Gateway {
                             ErrorCode::Unavailable,
                             "every provider failed",
                         )),
-                        Answer::Text(text) => Ok(ModelResponse {
-                            model: "stand-in".into(),
-                            content: text.into(),
-                            message: Message::text(Role::Assistant, text),
-                            tool_calls: Vec::new(),
-                            stop_reason: "stop".into(),
-                            prompt_tokens: 0,
-                            completion_tokens: 0,
-                            total_tokens: 0,
-                            cache_hit_tokens: 0,
-                            cache_miss_tokens: 0,
-                            reasoning_tokens: 0,
-                            provider: "stand-in".into(),
-                            offline: true,
-                        }),
+                        Answer::Text(text) => {
+                            Ok(ModelResponse::offline_text("stand-in", "stand-in", text))
+                        }
                     }
                 }
             },
