@@ -2,7 +2,7 @@
 //! client side of `cyrene.document.upload` (docs/documents.md).
 
 use super::CliError;
-use super::session::request_error;
+use super::request_error;
 use async_nats::Client;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;

@@ -3,7 +3,7 @@
 //! NATS user may publish besides the loop worker's reads, so this command connects as the
 //! operator (replies on `_INBOX_cyrene-operator`).
 
-use super::session::request_error;
+use super::request_error;
 use super::{CliError, parse_duration};
 use async_nats::Client;
 use clap::{Args, Subcommand};

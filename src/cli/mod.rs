@@ -14,7 +14,7 @@ mod up;
 mod web;
 
 use clap::{Parser, Subcommand};
-use cyrene_bus::ConnectMode;
+use cyrene_bus::{ConnectMode, RequestError};
 use std::time::Duration;
 
 #[derive(Debug, Parser)]
@@ -97,6 +97,16 @@ impl CliError {
             CliError::NoResponder(_) => 4,
             CliError::Remote(_) => 5,
         }
+    }
+}
+
+/// Maps a request failure onto the CLI's exit codes.
+pub fn request_error(err: RequestError) -> CliError {
+    match err {
+        RequestError::Timeout { .. } => CliError::Timeout(err.to_string()),
+        RequestError::NoResponders { .. } => CliError::NoResponder(err.to_string()),
+        RequestError::Remote(body) => CliError::Remote(body.to_string()),
+        other => CliError::Failed(other.to_string()),
     }
 }
 

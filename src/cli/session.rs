@@ -1,10 +1,10 @@
 //! `cyrene send`, `cyrene events`, `cyrene checkpoints`: thin clients of the wire API.
 
 use super::person;
-use super::{CliError, parse_duration};
+use super::{CliError, parse_duration, request_error};
 use async_nats::Client;
 use clap::Args;
-use cyrene_bus::{RequestError, request_json};
+use cyrene_bus::request_json;
 use cyrene_protocol::checkpoint::{CheckpointState, ListRequest, ListResponse};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
@@ -102,16 +102,6 @@ async fn ask<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
     request_json(client, &person::subject(shared, own), request, timeout)
         .await
         .map_err(request_error)
-}
-
-/// Maps a request failure onto the CLI's exit codes.
-pub fn request_error(err: RequestError) -> CliError {
-    match err {
-        RequestError::Timeout { .. } => CliError::Timeout(err.to_string()),
-        RequestError::NoResponders { .. } => CliError::NoResponder(err.to_string()),
-        RequestError::Remote(body) => CliError::Remote(body.to_string()),
-        other => CliError::Failed(other.to_string()),
-    }
 }
 
 pub async fn send(client: Client, args: SendArgs) -> Result<(), CliError> {

@@ -24,14 +24,10 @@
 //! one more call: the whole view (the held one followed by what was added), to any replica.
 
 use crate::assemble::ViewShape;
-use crate::ports::TurnPorts;
-use cyrene_protocol::ErrorBody;
 use cyrene_protocol::message::Message;
-use cyrene_protocol::model::{ModelRequest, ModelResponse, ViewRef};
+use cyrene_protocol::model::{ModelRequest, ViewRef};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
 use cyrene_protocol::turn::TurnJob;
-use futures::future::Either;
-use std::future::Future;
 
 /// Where the deltas of one model call belong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,20 +76,6 @@ impl DeltaTag {
         event.delta = Some(text);
         event.sender_name.clone_from(&self.sender_name);
         event
-    }
-}
-
-/// The runner's hook: a step's model call, streamed with its deltas published and continuing
-/// the turn's held view when `step` is given (a turn's steps), a plain call otherwise (the image
-/// resolver, the safety net).
-pub fn complete<'a, P: TurnPorts>(
-    ports: &'a P,
-    request: ModelRequest,
-    step: Option<(DeltaTag, &'a mut SentView)>,
-) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send + 'a {
-    match step {
-        Some((tag, view)) => Either::Left(ports.complete_streamed(request, tag, view)),
-        None => Either::Right(ports.complete(request)),
     }
 }
 

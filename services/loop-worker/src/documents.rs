@@ -26,7 +26,7 @@
 
 use crate::assemble::{DocumentExtractor, DocumentRef};
 use crate::extractions::Start;
-use crate::ports::TurnPorts;
+use crate::ports::{FetchedDocument, TurnPorts};
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::document;
 use cyrene_protocol::message::{Message, Part};
@@ -35,6 +35,9 @@ use std::collections::HashMap;
 
 /// The most characters of one document's text that reach the model.
 pub const MAX_TEXT_CHARS: usize = 32_000;
+
+// A PDF's extraction stops only past what the view keeps (each character at most 4 bytes).
+const _: () = assert!(crate::pdf::PdfLimits::DEFAULT.max_text_bytes > MAX_TEXT_CHARS * 4);
 /// The most bytes the worker reads of one document (the orchestrator's default limit).
 pub const MAX_FETCH_BYTES: u64 = 8 * 1024 * 1024;
 /// The longest the worker waits for one extraction (a backstop: the budgets of
@@ -47,17 +50,6 @@ pub const READ_RETRY_WAIT: std::time::Duration = std::time::Duration::from_milli
 
 /// Appended to a text cut at [`MAX_TEXT_CHARS`] (ours: docs/semantics.md#our-wording).
 pub const TRUNCATED_NOTE: &str = "[文档过长，以上只是开头部分]";
-
-/// A stored document as read back from the document service.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FetchedDocument {
-    pub name: String,
-    pub mime: String,
-    pub size: u64,
-    /// The sanitised client file name (may be empty).
-    pub title: String,
-    pub bytes: Vec<u8>,
-}
 
 /// Whether text is extracted for `mime`.
 pub fn readable(mime: &str) -> bool {

@@ -1,8 +1,8 @@
 //! [`TurnPorts`] over NATS: the gateway, the checkpoint store, the orchestrator, the tools.
 
 use crate::deltas::{DeltaTag, SentView};
-use crate::documents::{FetchedDocument, MAX_FETCH_BYTES};
-use crate::ports::{Idempotence, ToolContext, ToolOutput, TurnInput, TurnPorts};
+use crate::documents::MAX_FETCH_BYTES;
+use crate::ports::{FetchedDocument, Idempotence, ToolContext, ToolOutput, TurnInput, TurnPorts};
 use crate::tools::Tools;
 use async_nats::Client;
 use base64::Engine as _;

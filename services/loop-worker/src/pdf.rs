@@ -39,21 +39,20 @@ pub struct PdfLimits {
     /// The most distinct fonts whose encodings are resolved.
     pub max_fonts: usize,
     /// Extraction stops, successfully, once the text is this long (a UTF-8 byte count; the
-    /// view keeps less, crate::documents::MAX_TEXT_CHARS characters).
+    /// view keeps less: the documents module's `MAX_TEXT_CHARS` characters, checked there).
     pub max_text_bytes: usize,
 }
 
 impl PdfLimits {
-    /// Far above what a real document needs for its first
-    /// [`crate::documents::MAX_TEXT_CHARS`] characters; a worst case of these holds well under
-    /// 100 MB at once.
+    /// Far above what a real document needs for the characters a view keeps of it; a worst
+    /// case of these holds well under 100 MB at once.
     pub const DEFAULT: PdfLimits = PdfLimits {
         max_stream_bytes: 4 * 1024 * 1024,
         max_content_bytes: 16 * 1024 * 1024,
         max_objects: 200_000,
         max_operations: 1_000_000,
         max_fonts: 64,
-        max_text_bytes: (crate::documents::MAX_TEXT_CHARS + 1) * 4,
+        max_text_bytes: 128 * 1024,
     };
 }
 

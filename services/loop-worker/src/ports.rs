@@ -1,7 +1,7 @@
 //! What a turn needs from the outside world, as one trait, so the turn runner is plain logic:
 //! production wires it to NATS ([`crate::nats::NatsPorts`]), unit tests to an in-memory fake.
 
-use crate::documents::FetchedDocument;
+use crate::deltas::{DeltaTag, SentView};
 use cyrene_protocol::ErrorBody;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::memory::MemoryReadResponse;
@@ -9,6 +9,7 @@ use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, SteeredMessage};
+use futures::future::Either;
 use futures::{FutureExt, Stream, StreamExt};
 use std::future::Future;
 use std::pin::Pin;
@@ -179,8 +180,8 @@ pub trait TurnPorts: Send + Sync {
     fn complete_streamed(
         &self,
         mut request: ModelRequest,
-        tag: crate::deltas::DeltaTag,
-        view: &mut crate::deltas::SentView,
+        tag: DeltaTag,
+        view: &mut SentView,
     ) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send {
         let _ = tag;
         view.whole(&mut request);
@@ -267,4 +268,29 @@ pub trait TurnPorts: Send + Sync {
 
     /// Publishes a live session event (fire and forget).
     fn publish(&self, event: SessionEvent) -> impl Future<Output = ()> + Send;
+}
+
+/// A stored document as read back from the document service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchedDocument {
+    pub name: String,
+    pub mime: String,
+    pub size: u64,
+    /// The sanitised client file name (may be empty).
+    pub title: String,
+    pub bytes: Vec<u8>,
+}
+
+/// The runner's hook: a step's model call, streamed with its deltas published and continuing
+/// the turn's held view when `step` is given (a turn's steps), a plain call otherwise (the image
+/// resolver, the safety net).
+pub fn complete<'a, P: TurnPorts>(
+    ports: &'a P,
+    request: ModelRequest,
+    step: Option<(DeltaTag, &'a mut SentView)>,
+) -> impl Future<Output = Result<ModelResponse, ErrorBody>> + Send + 'a {
+    match step {
+        Some((tag, view)) => Either::Left(ports.complete_streamed(request, tag, view)),
+        None => Either::Right(ports.complete(request)),
+    }
 }

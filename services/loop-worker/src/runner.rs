@@ -412,7 +412,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
                 view,
             )
         });
-        let call = crate::deltas::complete(self.ports, request, step);
+        let call = crate::ports::complete(self.ports, request, step);
         let Some(deadline) = self.job.deadline_unix_ms else {
             return Ok(call.await);
         };
@@ -1008,7 +1008,7 @@ pub(crate) mod tests {
         /// Pushed input: `None` = no subscription (every boundary asks).
         pushes: Mutex<Option<futures::channel::mpsc::UnboundedReceiver<SteeredMessage>>>,
         /// The document service's next answers (then `not_found`), and how often it was asked.
-        documents: Mutex<VecDeque<Result<crate::documents::FetchedDocument, ErrorBody>>>,
+        documents: Mutex<VecDeque<Result<crate::ports::FetchedDocument, ErrorBody>>>,
         document_reads: Mutex<usize>,
         /// What tools declare (by name); otherwise as the built-ins, or not idempotent.
         idempotence: Mutex<std::collections::HashMap<String, crate::ports::Idempotence>>,
@@ -1037,7 +1037,7 @@ pub(crate) mod tests {
             &self,
             _session_id: &str,
             _url: &str,
-        ) -> Result<crate::documents::FetchedDocument, ErrorBody> {
+        ) -> Result<crate::ports::FetchedDocument, ErrorBody> {
             *self.document_reads.lock().unwrap() += 1;
             self.documents
                 .lock()
@@ -1632,8 +1632,8 @@ pub(crate) mod tests {
         job
     }
 
-    fn stored_document() -> crate::documents::FetchedDocument {
-        crate::documents::FetchedDocument {
+    fn stored_document() -> crate::ports::FetchedDocument {
+        crate::ports::FetchedDocument {
             name: "d-1".into(),
             mime: "text/plain".into(),
             size: 5,

@@ -24,7 +24,7 @@
 //! # Pitfalls
 //! - A save whose request is dropped (its caller went away) is still written: the batch owns it.
 
-use super::sql::SqlStore;
+use super::sql::{SaveBatcher, SqlStore};
 use super::{SaveRow, StoreError, fenced, format_ts};
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::Checkpoint;
@@ -109,6 +109,22 @@ impl std::fmt::Debug for SaveGroup {
     }
 }
 
+impl SaveBatcher for SaveGroup {
+    fn save_batched(
+        self: Arc<Self>,
+        row: SaveRow,
+    ) -> futures::future::BoxFuture<'static, Result<Checkpoint, StoreError>> {
+        Box::pin(async move { self.save(row).await })
+    }
+
+    fn grouped(&self) -> (u64, u64) {
+        (
+            self.grouped.0.load(Ordering::Relaxed),
+            self.grouped.1.load(Ordering::Relaxed),
+        )
+    }
+}
+
 impl SaveGroup {
     pub fn new(pool: Pool<Postgres>, flushers: u32) -> Arc<SaveGroup> {
         Arc::new(SaveGroup {
@@ -178,14 +194,6 @@ impl SaveGroup {
             queue.flushers -= 1;
         }
         batch
-    }
-
-    /// How many batches of more than one save were written, and how many saves they held.
-    pub fn grouped(&self) -> (u64, u64) {
-        (
-            self.grouped.0.load(Ordering::Relaxed),
-            self.grouped.1.load(Ordering::Relaxed),
-        )
     }
 
     /// Writes `batch` and answers each save.

@@ -25,13 +25,14 @@
 //! - An `older_than_secs` retention racing a save of the same long-idle owner may delete that
 //!   fresh row; retention is meant for owners idle far longer than any turn.
 
-use super::sql::{Dialect, FencedSave, SqlStore};
+use super::sql::{Dialect, FencedSave, SaveBatcher, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgQueryResult, PgRow};
 use sqlx::query::Query;
 use sqlx::{Database, Pool, Postgres, Row, Transaction};
+use std::sync::Arc;
 
 /// The PostgreSQL migrations of this crate (`migrations/postgres`), applied at start.
 pub static MIGRATOR: Migrator = cyrene_sql::migrations!(postgres);
@@ -160,9 +161,9 @@ impl PgStore {
             .await
             .map_err(StoreError::open("postgres migrations"))?;
         Ok(SqlStore {
-            group: options
-                .group_commit
-                .then(|| super::group::SaveGroup::new(pool.clone(), options.max_connections)),
+            group: options.group_commit.then(|| -> Arc<dyn SaveBatcher> {
+                super::group::SaveGroup::new(pool.clone(), options.max_connections)
+            }),
             pool,
             max_state_bytes: options.max_state_bytes,
         })

@@ -15,13 +15,13 @@
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write.
 
-use super::group::SaveGroup;
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
     cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use futures::future::BoxFuture;
 use sqlx::query::Query;
 use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
@@ -107,13 +107,25 @@ pub trait Dialect: Database {
     fn ts_text(row: &Self::Row, column: &str) -> Result<Option<String>, sqlx::Error>;
 }
 
+/// Where a step's fenced save goes instead of a transaction of its own: PostgreSQL's group
+/// commit (`store/group.rs`), which still gives each save its own answer.
+pub(super) trait SaveBatcher: Send + Sync + std::fmt::Debug {
+    fn save_batched(
+        self: Arc<Self>,
+        row: SaveRow,
+    ) -> BoxFuture<'static, Result<Checkpoint, StoreError>>;
+
+    /// How many batches of more than one save were written, and how many saves they held.
+    fn grouped(&self) -> (u64, u64);
+}
+
 /// Checkpoints in an SQL database of dialect `D`.
 #[derive(Debug)]
 pub struct SqlStore<D: Database> {
     pub(super) pool: Pool<D>,
     pub(super) max_state_bytes: usize,
-    /// PostgreSQL: the group commit a step's fenced save goes through ([`super::group`]).
-    pub(super) group: Option<Arc<SaveGroup>>,
+    /// PostgreSQL: the group commit a step's fenced save goes through ([`SaveBatcher`]).
+    pub(super) group: Option<Arc<dyn SaveBatcher>>,
 }
 
 impl<D: Database> Clone for SqlStore<D> {
@@ -254,7 +266,7 @@ on_every_dialect! {
     async fn save_row(&self, row: SaveRow) -> Result<Checkpoint, StoreError> {
         // With whatever other steps' saves are waiting (PostgreSQL's group commit).
         if let (Some(_), None, Some(group)) = (&row.fence, &row.checkpoint.base, &self.group) {
-            return group.save(row).await;
+            return group.clone().save_batched(row).await;
         }
         let (created, updated) = match (&row.fence, &row.checkpoint.base) {
             (None, _) => {
