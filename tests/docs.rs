@@ -32,9 +32,16 @@ fn built() -> Vec<String> {
         s::MEMORY_FORGET,
         s::DOCUMENT_UPLOAD,
         s::DOCUMENT_READ,
+        s::SESSION_APPROVE,
+        s::SESSION_APPROVALS,
+        s::BRIDGE_SESSION_APPROVE,
+        s::BRIDGE_SESSION_APPROVALS,
     ]
     .map(str::to_owned)
     .to_vec();
+    for what in [s::PERSON_SESSION_APPROVE, s::PERSON_SESSION_APPROVALS] {
+        subjects.push(s::person(ID, what).unwrap());
+    }
     for (name, value) in constants() {
         if name.starts_with("PERSON_") {
             subjects.push(s::person(ID, value).unwrap());

@@ -1038,3 +1038,232 @@ async fn a_guard_stops_a_tool_call_and_an_answer_and_the_person_gets_the_persona
         ]
     );
 }
+
+// ---- human approval (docs/reliability.md, "Approval") ----
+
+/// A world whose model calls `tool` for "mail bob" (then answers `done: <results>`), and whose
+/// persona needs approval for `tool`; its orchestrator is the returned child.
+async fn approval_world(tool: &str) -> (World, Child) {
+    let rules = json!([{"contains": "mail bob", "tool_calls": [{"name": tool, "args": {"to": "bob"}}],
+        "after_tools": "done: {tool_results}"}]);
+    let world = World::scripted(None, rules).await;
+    let personas = world.data.path().join("personas.json");
+    let document = json!({"default": "cyrene", "personas": [
+        {"id": "cyrene", "name": "昔涟", "approval": [tool]}]});
+    std::fs::write(&personas, document.to_string()).unwrap();
+    let personas = personas.display().to_string();
+    let orchestrator = world
+        .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
+        .await;
+    (world, orchestrator)
+}
+
+/// Every event of `session` from now on.
+async fn follow(client: &async_nats::Client, session: &str) -> Arc<Mutex<Vec<SessionEvent>>> {
+    let mut events = subscribed(client, subjects::session_events(session).unwrap()).await;
+    let seen: Arc<Mutex<Vec<SessionEvent>>> = Arc::default();
+    let recorded = seen.clone();
+    tokio::spawn(async move {
+        while let Some(m) = events.next().await {
+            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+            recorded.lock().unwrap().push(event);
+        }
+    });
+    seen
+}
+
+/// The `approval_requested` events seen, once there are `n`.
+async fn requested(seen: &Mutex<Vec<SessionEvent>>, n: usize) -> Vec<SessionEvent> {
+    let of_kind = || -> Vec<SessionEvent> {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.kind == SessionEventType::ApprovalRequested)
+            .cloned()
+            .collect()
+    };
+    eventually("the approval is requested", Duration::from_secs(60), || {
+        of_kind().len() >= n
+    })
+    .await;
+    of_kind()
+}
+
+/// `cyrene <args>` on the world's bus; its stdout, which must say it succeeded.
+async fn cyrene_cli(world: &World, args: &[&str]) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(args)
+        .env("NATS_URL", world.bus.server.url())
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    success_stdout(&out, &format!("cyrene {}", args.join(" ")))
+}
+
+/// The session's answers' texts, once there are `n`.
+async fn answered(world: &World, session: &str, n: usize) -> Vec<String> {
+    answers_in(world, session, n)
+        .await
+        .into_iter()
+        .map(|(_, text)| text)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_call_waits_for_cyrene_approve_then_runs_once_and_the_answer_arrives() {
+    let (world, _orchestrator) = approval_world("count").await;
+    let seen = follow(&world.bus.client, "ap1").await;
+    world.send("ap1", "please mail bob", "ap1-1").await;
+    let asked = requested(&seen, 1).await;
+    let call = asked[0].call_id.clone().unwrap();
+    assert_eq!(asked[0].tool.as_deref(), Some("count"));
+    assert_eq!(asked[0].arguments.as_ref().unwrap()["to"], "bob");
+    assert!(asked[0].deadline_ms.is_some());
+    // Waiting: nothing ran, the turn did not end, and the list shows it.
+    assert!(world.tools.ids_of("count").is_empty());
+    let listed = cyrene_cli(&world, &["approvals", "-s", "ap1"]).await;
+    assert!(listed.starts_with("waiting") && listed.contains(&call), "{listed}");
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .all(|e| e.kind != SessionEventType::TurnEnded && e.kind != SessionEventType::Final)
+    );
+
+    let said = cyrene_cli(&world, &["approve", "-s", "ap1", &call]).await;
+    assert_eq!(said.trim(), format!("approved {call} (by operator)"));
+    let said = answered(&world, "ap1", 1).await;
+    assert_eq!(said, [format!("done: count ran as {}", short(&call))]);
+    assert_eq!(world.tools.ids_of("count"), [call.clone()], "ran once, under its id");
+    // A second decision changes nothing and says what holds.
+    let again = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["deny", "-s", "ap1", &call])
+        .env("NATS_URL", world.bus.server.url())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already approved"));
+    let decided: Vec<SessionEvent> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == SessionEventType::ApprovalDecided)
+        .cloned()
+        .collect();
+    assert_eq!(decided.len(), 1);
+    assert_eq!(decided[0].decided_by.as_deref(), Some("operator"));
+    // The same turn ended, once.
+    let ended: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == SessionEventType::TurnEnded)
+        .map(|e| e.turn_id.clone())
+        .collect();
+    assert_eq!(ended, [asked[0].turn_id.clone()]);
+}
+
+/// SIGKILLs the world's loop workers (every child but the checkpoint store, the first).
+async fn kill_workers(world: &mut World) {
+    for child in world.children.iter_mut().skip(1) {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+    }
+}
+
+/// A scripted call id without its conversation digest (the tool prints it so).
+fn short(call_id: &str) -> String {
+    common::short_call_id(call_id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_call_never_runs_and_the_model_is_told_why() {
+    let (world, _orchestrator) = approval_world("count").await;
+    let seen = follow(&world.bus.client, "ap2").await;
+    world.send("ap2", "please mail bob", "ap2-1").await;
+    let call = requested(&seen, 1).await[0].call_id.clone().unwrap();
+    let said = cyrene_cli(
+        &world,
+        &["deny", "-s", "ap2", &call, "--reason", "not to bob"],
+    )
+    .await;
+    assert_eq!(said.trim(), format!("denied {call} (by operator)"));
+    let said = answered(&world, "ap2", 1).await;
+    assert_eq!(
+        said,
+        ["done: This tool call was not approved, so it did not run. Reason: not to bob"]
+    );
+    assert!(world.tools.ids_of("count").is_empty(), "the denied tool ran");
+}
+
+/// A worker SIGKILLed while an approved call of a tool that must not run twice runs: the
+/// redelivery never runs it again, and the turn still answers (outcome unknown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_call_in_flight_at_a_worker_kill_never_runs_twice() {
+    let (mut world, _orchestrator) = approval_world("hold_once").await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *world.tools.gate.lock().unwrap() = Some(gate.clone());
+    let seen = follow(&world.bus.client, "ap3").await;
+    world.send("ap3", "please mail bob", "ap3-1").await;
+    let call = requested(&seen, 1).await[0].call_id.clone().unwrap();
+    cyrene_cli(&world, &["approve", "-s", "ap3", &call]).await;
+    world
+        .tools
+        .tool_started("hold_once", "the approved call started")
+        .await;
+    // Both workers die (whichever runs it); the held call is let go; a new worker takes over.
+    kill_workers(&mut world).await;
+    *world.tools.gate.lock().unwrap() = None;
+    gate.notify_waiters();
+    let worker = service(
+        "cyrene-loop-worker",
+        &world.bus.server.url(),
+        &[("CYRENE_WORKER_ACK_WAIT", "2s")],
+    );
+    world.children.push(worker);
+
+    let said = answered(&world, "ap3", 1).await;
+    assert!(
+        said[0].starts_with("done: The outcome of this tool call is unknown"),
+        "{said:?}"
+    );
+    assert_eq!(world.tools.ids_of("hold_once"), [call], "ran exactly once");
+}
+
+/// The orchestrator dies after a decision committed and before the continued job was published:
+/// a new one's dispatch sweeper publishes it, and the turn continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrator_killed_between_the_decision_and_the_dispatch_still_continues_the_turn() {
+    let (mut world, mut orchestrator) = approval_world("count").await;
+    let seen = follow(&world.bus.client, "ap4").await;
+    world.send("ap4", "please mail bob", "ap4-1").await;
+    let call = requested(&seen, 1).await[0].call_id.clone().unwrap();
+    // No stream takes the job now: the decision commits, its dispatch fails …
+    let js = async_nats::jetstream::new(world.bus.client.clone());
+    js.delete_stream(cyrene_bus::streams::TURNS_STREAM)
+        .await
+        .unwrap();
+    cyrene_cli(&world, &["approve", "-s", "ap4", &call]).await;
+    // … and the orchestrator dies before anything published it (the workers, whose consumer
+    // went with the stream, are replaced too).
+    orchestrator.start_kill().unwrap();
+    orchestrator.wait().await.unwrap();
+    kill_workers(&mut world).await;
+    assert!(world.tools.ids_of("count").is_empty());
+    let personas = world.data.path().join("personas.json").display().to_string();
+    let _replacement = world
+        .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
+        .await;
+    let worker = service(
+        "cyrene-loop-worker",
+        &world.bus.server.url(),
+        &[("CYRENE_WORKER_ACK_WAIT", "2s")],
+    );
+    world.children.push(worker);
+
+    let said = answered(&world, "ap4", 1).await;
+    assert_eq!(said, [format!("done: count ran as {}", short(&call))]);
+    assert_eq!(world.tools.ids_of("count"), [call]);
+}

@@ -70,6 +70,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, S, N, N, P, N, N, N, N],
         ),
         (
+            "cyrene.session.approve",
+            "a tool call that waits is decided",
+            [N, N, S, N, N, P, N, N, N, N],
+        ),
+        (
+            "cyrene.session.approvals",
+            "a session's approvals are listed",
+            [N, N, S, N, N, P, N, N, N, N],
+        ),
+        (
             "cyrene.session.s1.events",
             "a session's live events",
             [N, N, PS, P, N, S, N, N, N, N],
@@ -110,6 +120,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, S, N, N, N, N, N, P, N],
         ),
         (
+            "cyrene.person.alice.session.approve",
+            "a person decides a call of their own session",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.session.approvals",
+            "a person lists their session's approvals",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
@@ -127,6 +147,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.bridge.document.upload",
             "a chat bridge uploads a file posted in a room",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.bridge.session.approve",
+            "a chat bridge decides a call in the owner's session",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.bridge.session.approvals",
+            "a chat bridge lists the owner's session's approvals",
             [N, N, S, N, N, N, N, N, N, N],
         ),
         (
@@ -529,6 +559,8 @@ const BRIDGE_COLUMN: &[(&str, &str)] = &[
     ("cyrene.bridge.session.send", "pub"),
     ("cyrene.bridge.session.history", "pub"),
     ("cyrene.bridge.document.upload", "pub"),
+    ("cyrene.bridge.session.approve", "pub"),
+    ("cyrene.bridge.session.approvals", "pub"),
     ("_INBOX_cyrene-matrix-bridge.a1", "sub"),
 ];
 
@@ -1091,11 +1123,15 @@ async fn every_service_works_as_its_own_user_and_forbidden_subjects_are_refused(
         "cyrene.person.alice.checkpoint.list",
         "cyrene.person.alice.session.list",
         "cyrene.person.alice.document.upload",
+        "cyrene.person.alice.session.approve",
+        "cyrene.person.alice.session.approvals",
         "cyrene.agent.alice.cyrene.ask",
     ];
     let client_subjects = [
         subjects::SESSION_SEND,
         subjects::SESSION_HISTORY,
+        subjects::SESSION_APPROVE,
+        subjects::SESSION_APPROVALS,
         "cyrene.checkpoint.get",
         "cyrene.checkpoint.list",
         "cyrene.agent.cli.cyrene.ask",

@@ -1,7 +1,7 @@
 //! The chaos suite (docs/chaos.md): the real service binaries on a real nats-server and real
 //! SQL, a recording mock model and an external tool, user messages from many sessions, and
 //! crashes injected under load. Each run prints its figures — lost, duplicated, tool re-runs,
-//! stuck, failover — and fails when any of the first four is not zero.
+//! stuck, approvals, failover — and fails when any but the failover is not zero.
 //!
 //! - `make test` runs the fast slice: the two-turn crash scenario on PostgreSQL and on SQLite,
 //!   and a few sessions with a handful of kills.
@@ -10,6 +10,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod approver;
 mod provider;
 mod report;
 mod script;
@@ -319,26 +320,34 @@ fn figures_of(
         kills: &kills,
         model_calls: world.provider.calls().len(),
         faults: &faults,
+        answers: &world.approver.answers(),
     });
     println!("{}", figures.text);
     figures
 }
 
 /// Fails the test when lost, duplicated, re-run, not-idempotent executed twice, idempotent
-/// re-run under a new id or stuck is not zero, or (when `CHAOS_FAILOVER_P50_MAX` is set) when
+/// re-run under a new id, stuck, or any approval figure (decisions lost or applied twice, gated
+/// calls run unapproved, turns stuck waiting) is not zero, or (when `CHAOS_FAILOVER_P50_MAX` is set) when
 /// the failover median is above it.
 fn assert_clean(figures: &Figures) {
     let mut problems = Vec::new();
     if figures.failed() {
         problems.push(format!(
             "lost {}, duplicated {}, tool re-runs {}, not-idempotent executed twice {}, \
-             idempotent re-runs under a new id {}, stuck {} (all must be 0)",
+             idempotent re-runs under a new id {}, stuck {}, decisions lost {}, decisions \
+             applied twice {}, gated calls run unapproved {}, turns stuck waiting {} (all must \
+             be 0)",
             figures.lost.len(),
             figures.duplicated.len(),
             figures.reruns.len(),
             figures.once_twice.len(),
             figures.new_id_reruns.len(),
-            figures.stuck.len()
+            figures.stuck.len(),
+            figures.approvals.lost.len(),
+            figures.approvals.twice.len(),
+            figures.approvals.unapproved.len(),
+            figures.approvals.stuck_waiting.len()
         ));
     }
     if let Some(max) = std::env::var("CHAOS_FAILOVER_P50_MAX")

@@ -23,6 +23,10 @@ pub const TOOL: &str = "chaos_tool";
 /// The tool that must not run twice (`cyrene.tool.idempotent` = `false`), called for one step
 /// in three ([`script::calls_once_tool`]).
 pub const ONCE_TOOL: &str = "chaos_once";
+/// The tool each call of which waits for a person's approval (`cyrene.tool.approval` =
+/// `required`; not idempotent either), called for one step in six
+/// ([`script::calls_gated_tool`]); the auto-approver decides (crate::approver).
+pub const GATED_TOOL: &str = "chaos_gated";
 
 /// One request the provider answered.
 #[derive(Debug, Clone)]
@@ -256,7 +260,9 @@ async fn answer(state: &State, body: &[u8]) -> Value {
             .iter()
             .map(|(id, key)| {
                 let ms = script::tool_duration(key).as_millis() as u64;
-                let tool = if script::calls_once_tool(key) {
+                let tool = if script::calls_gated_tool(key) {
+                    GATED_TOOL
+                } else if script::calls_once_tool(key) {
                     ONCE_TOOL
                 } else {
                     TOOL

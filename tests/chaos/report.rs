@@ -16,13 +16,23 @@
 //!   two call ids (a re-run must keep the step's id);
 //! - **stuck**: a turn that started and neither ended on the wire nor answered in a transcript;
 //! - **failover**: a worker's SIGKILL → the first model request or tool execution of a turn it
-//!   was running, from another worker.
+//!   was running, from another worker (a turn waiting for approval at the kill is not running);
+//! - **decision lost**: a call whose approval holds (the auto-approver's reply says so) that
+//!   never ran and was not reported outcome-unknown;
+//! - **decision applied twice**: an approval-gated call that ran more than once, or two replies
+//!   for one call naming different decisions, or two replies that both say they decided;
+//! - **gated call run unapproved**: an execution of the gated tool under a call id whose holding
+//!   decision is not `approve` (denied, or never decided);
+//! - **stuck waiting**: a call that asked for approval and was never decided, or whose turn never
+//!   ended.
 
+use crate::approver::Answer;
 use crate::script;
 use crate::tools::Execution;
-use crate::wire::WireLog;
+use crate::wire::{EventSeen, JobSeen, WireLog};
 use crate::world::WorkerKill;
 use cyrene_protocol::message::Role;
+use cyrene_protocol::approval::Decision;
 use cyrene_protocol::session::{HistoryEntry, SendAck, SessionEventType};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -47,6 +57,8 @@ pub struct Inputs<'a> {
     pub kills: &'a [WorkerKill],
     pub model_calls: usize,
     pub faults: &'a [(f64, String)],
+    /// The auto-approver's replies.
+    pub answers: &'a [Answer],
 }
 
 /// The figures; `failed()` when any of lost, duplicated, re-run or stuck is not zero.
@@ -70,6 +82,7 @@ pub struct Figures {
     pub failovers: Vec<Duration>,
     /// Interrupted turns whose next model request went back behind their last checkpoint.
     pub resumed_behind: usize,
+    pub approvals: ApprovalFigures,
     pub text: String,
 }
 
@@ -80,7 +93,8 @@ impl Figures {
             && self.reruns.is_empty()
             && self.once_twice.is_empty()
             && self.new_id_reruns.is_empty()
-            && self.stuck.is_empty())
+            && self.stuck.is_empty()
+            && self.approvals.clean())
     }
 
     /// The median failover, if any was measured.
@@ -288,6 +302,40 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         }
     }
 
+    f.approvals = approval_figures(
+        &inputs.wire.events,
+        &inputs.wire.jobs,
+        inputs.answers,
+        inputs.executions,
+        &ended,
+    );
+    // Waiting for approval, a turn runs nowhere: from its request to its continued job.
+    let mut waiting: HashMap<&str, Vec<(Instant, Instant)>> = HashMap::new();
+    for e in &inputs.wire.events {
+        if e.event.kind != SessionEventType::ApprovalRequested {
+            continue;
+        }
+        let until = inputs
+            .wire
+            .jobs
+            .iter()
+            .filter(|j| {
+                j.job.turn_id == e.event.turn_id && !j.job.decisions.is_empty() && j.at >= e.at
+            })
+            .map(|j| j.at)
+            .min()
+            .unwrap_or_else(Instant::now);
+        waiting
+            .entry(e.event.turn_id.as_str())
+            .or_default()
+            .push((e.at, until));
+    }
+    let waited_at = |turn: &str, at: Instant| {
+        waiting
+            .get(turn)
+            .is_some_and(|spans| spans.iter().any(|(from, to)| *from <= at && at < *to))
+    };
+
     // Failover: who was running what when a worker died, and when the turn's next model request
     // came from someone else.
     let mut activity: HashMap<String, Vec<(Instant, &str)>> = HashMap::new();
@@ -331,7 +379,8 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
             let open = dispatched
                 .get(turn.as_str())
                 .is_some_and(|at| *at <= kill.at)
-                && ended.get(turn).is_none_or(|at| *at > kill.at);
+                && ended.get(turn).is_none_or(|at| *at > kill.at)
+                && !waited_at(turn, kill.at);
             if !open {
                 continue;
             }
@@ -446,6 +495,24 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         f.outcome_unknown
     );
     let _ = writeln!(t, "STUCK {}", f.stuck.len());
+    let a = &f.approvals;
+    let _ = writeln!(
+        t,
+        "approvals: calls asked {}, approved {}, denied {}, second decisions answered already_decided {}",
+        a.asked, a.approved, a.denied, a.second_answers
+    );
+    let _ = writeln!(t, "DECISIONS LOST {}", a.lost.len());
+    let _ = writeln!(t, "DECISIONS APPLIED TWICE {}", a.twice.len());
+    let _ = writeln!(t, "GATED CALLS RUN UNAPPROVED {}", a.unapproved.len());
+    let _ = writeln!(t, "TURNS STUCK WAITING {}", a.stuck_waiting.len());
+    let _ = writeln!(
+        t,
+        "approval wait p50 {}, max {} (asked → decided, the approver thinks 50–400 ms); continued after the decision p50 {}, max {} (decided → the turn's job on the wire)",
+        secs(percentile(&a.waits, 50)),
+        secs(a.waits.iter().max().copied()),
+        secs(percentile(&a.continued, 50)),
+        secs(a.continued.iter().max().copied())
+    );
     let _ = writeln!(
         t,
         "FAILOVER p50 {}, max {} over {} interrupted turns ({} measured; {} finished without another model request or tool execution)",
@@ -490,6 +557,10 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         ("executed twice", &f.once_twice),
         ("new call id", &f.new_id_reruns),
         ("stuck", &f.stuck),
+        ("decision lost", &f.approvals.lost),
+        ("decision applied twice", &f.approvals.twice),
+        ("gated call run unapproved", &f.approvals.unapproved),
+        ("stuck waiting", &f.approvals.stuck_waiting),
     ] {
         for line in list.iter().take(10) {
             let _ = writeln!(t, "  {what}: {line}");
@@ -506,4 +577,275 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     }
     f.text = t;
     f
+}
+
+/// The approval figures (the module's definitions).
+#[derive(Debug, Default)]
+pub struct ApprovalFigures {
+    /// Calls that asked for approval.
+    pub asked: usize,
+    pub approved: usize,
+    pub denied: usize,
+    /// Second decisions answered with the first one (`already_decided`), as they must be.
+    pub second_answers: usize,
+    pub lost: Vec<String>,
+    pub twice: Vec<String>,
+    pub unapproved: Vec<String>,
+    pub stuck_waiting: Vec<String>,
+    /// From a call's request to the approver's first reply.
+    pub waits: Vec<Duration>,
+    /// From a turn's last decision to its continued job on the wire.
+    pub continued: Vec<Duration>,
+}
+
+impl ApprovalFigures {
+    /// No decision lost or applied twice, no gated call run unapproved, no turn left waiting.
+    pub fn clean(&self) -> bool {
+        self.lost.is_empty()
+            && self.twice.is_empty()
+            && self.unapproved.is_empty()
+            && self.stuck_waiting.is_empty()
+    }
+}
+
+/// The approval figures from the wire's events and jobs, the approver's replies, the tools'
+/// executions and the turns that ended (turn id → when).
+pub fn approval_figures(
+    events: &[EventSeen],
+    jobs: &[JobSeen],
+    answers: &[Answer],
+    executions: &[Execution],
+    ended: &HashMap<String, Instant>,
+) -> ApprovalFigures {
+    let mut a = ApprovalFigures::default();
+    // Every call that asked, by call id: its turn and when it was first known to wait.
+    let mut asked: BTreeMap<&str, (&str, Instant)> = BTreeMap::new();
+    for e in events {
+        if e.event.kind == SessionEventType::ApprovalRequested
+            && let Some(call) = e.event.call_id.as_deref()
+        {
+            asked.entry(call).or_insert((e.event.turn_id.as_str(), e.at));
+        }
+    }
+    let mut replies: BTreeMap<&str, Vec<&Answer>> = BTreeMap::new();
+    for r in answers {
+        replies.entry(r.call_id.as_str()).or_default().push(r);
+    }
+    a.asked = asked
+        .keys()
+        .copied()
+        .chain(replies.keys().copied())
+        .collect::<BTreeSet<_>>()
+        .len();
+    let unknown: BTreeSet<&str> = events
+        .iter()
+        .filter(|e| e.event.kind == SessionEventType::ToolOutcomeUnknown)
+        .filter_map(|e| e.event.call_id.as_deref())
+        .collect();
+    let mut runs: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in executions
+        .iter()
+        .filter(|e| e.tool == crate::provider::GATED_TOOL)
+    {
+        *runs.entry(e.call_id.as_str()).or_default() += 1;
+    }
+    let mut held: BTreeMap<&str, Decision> = BTreeMap::new();
+    let mut decided_at: HashMap<&str, Instant> = HashMap::new();
+    for (call, rs) in &replies {
+        let holds: BTreeSet<&str> = rs.iter().map(|r| r.held.as_str()).collect();
+        if holds.len() > 1 {
+            a.twice.push(format!("{call}: the replies name {holds:?}"));
+        }
+        let firsts = rs.iter().filter(|r| !r.already_decided).count();
+        if firsts > 1 {
+            a.twice
+                .push(format!("{call}: {firsts} replies say they made the decision"));
+        }
+        a.second_answers += rs.iter().filter(|r| r.already_decided).count();
+        let first = rs[0];
+        held.insert(call, first.held);
+        match first.held {
+            Decision::Approve => a.approved += 1,
+            Decision::Deny => a.denied += 1,
+        }
+        let since = asked.get(call).map_or(first.requested_at, |(_, at)| *at);
+        a.waits
+            .push(first.answered_at.saturating_duration_since(since));
+        decided_at.insert(call, first.answered_at);
+        let ran = runs.get(call).copied().unwrap_or(0);
+        if first.held == Decision::Approve && ran == 0 && !unknown.contains(call) {
+            a.lost
+                .push(format!("{call}: approved, never ran nor reported outcome-unknown"));
+        }
+        if ran > 1 {
+            a.twice.push(format!("{call}: the approved call ran {ran} times"));
+        }
+    }
+    for (call, n) in &runs {
+        if held.get(call) != Some(&Decision::Approve) {
+            a.unapproved.push(format!(
+                "{call}: ran {n} times; the decision that holds is {:?}",
+                held.get(call)
+            ));
+        }
+    }
+    for (call, (turn, _)) in &asked {
+        if !held.contains_key(call) {
+            a.stuck_waiting
+                .push(format!("{call} (turn {turn}): never decided"));
+        }
+    }
+    let turns: BTreeSet<&str> = asked.values().map(|(turn, _)| *turn).collect();
+    for turn in &turns {
+        if !ended.contains_key(*turn) {
+            a.stuck_waiting
+                .push(format!("turn {turn}: asked for approval and never ended"));
+        }
+        let last_decision = asked
+            .iter()
+            .filter(|(_, (t, _))| t == turn)
+            .filter_map(|(call, _)| decided_at.get(call))
+            .max();
+        let continued = jobs
+            .iter()
+            .filter(|j| j.job.turn_id == *turn && !j.job.decisions.is_empty())
+            .map(|j| j.at)
+            .min();
+        if let (Some(decided), Some(continued)) = (last_decision, continued) {
+            a.continued
+                .push(continued.saturating_duration_since(*decided));
+        }
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::Execution;
+    use cyrene_protocol::session::SessionEvent;
+    use cyrene_protocol::turn::TurnJob;
+
+    fn asked(call: &str, turn: &str, at: Instant) -> EventSeen {
+        let mut event = SessionEvent::new(SessionEventType::ApprovalRequested, "s1");
+        event.turn_id = turn.into();
+        event.call_id = Some(call.into());
+        EventSeen { at, event }
+    }
+
+    fn answer(call: &str, asked: Decision, held: Decision, already: bool, at: Instant) -> Answer {
+        Answer {
+            session_id: "s1".into(),
+            call_id: call.into(),
+            asked,
+            held,
+            already_decided: already,
+            requested_at: at,
+            answered_at: at + Duration::from_millis(100),
+        }
+    }
+
+    fn ran(call: &str, at: Instant) -> Execution {
+        Execution {
+            tool: crate::provider::GATED_TOOL,
+            key: format!("k-{call}"),
+            call_id: call.into(),
+            inbox: "_INBOX_cyrene-loop-worker.w1".into(),
+            started: at,
+            finished: Some(at),
+        }
+    }
+
+    fn continued(turn: &str, at: Instant) -> JobSeen {
+        let mut job: TurnJob = cyrene_test_support::fixtures::turn_job(turn, "s1", "x");
+        job.decisions = vec![cyrene_protocol::approval::CallDecision {
+            step: 1,
+            call_id: "c".into(),
+            decision: Decision::Approve,
+            reason: None,
+            decided_by: "operator".into(),
+        }];
+        JobSeen { at, job }
+    }
+
+    #[test]
+    fn a_clean_run_counts_its_calls_and_waits() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let events = [asked("c1", "t1", t0), asked("c2", "t2", t0)];
+        let answers = [
+            answer("c1", Decision::Approve, Decision::Approve, false, t0),
+            answer("c1", Decision::Deny, Decision::Approve, true, t0 + s),
+            answer("c2", Decision::Deny, Decision::Deny, false, t0),
+        ];
+        let ended: HashMap<String, Instant> =
+            [("t1".to_owned(), t0 + 3 * s), ("t2".to_owned(), t0 + 3 * s)].into();
+        let a = approval_figures(
+            &events,
+            &[continued("t1", t0 + 2 * s)],
+            &answers,
+            &[ran("c1", t0 + 2 * s)],
+            &ended,
+        );
+        assert!(a.clean(), "{a:?}");
+        assert_eq!((a.asked, a.approved, a.denied, a.second_answers), (2, 1, 1, 1));
+        assert_eq!(a.waits, [Duration::from_millis(100); 2]);
+        assert_eq!(a.continued, [2 * s - Duration::from_millis(100)]);
+    }
+
+    #[test]
+    fn every_kind_of_violation_is_counted() {
+        let t0 = Instant::now();
+        let events = [
+            asked("lost", "t1", t0),
+            asked("flipped", "t1", t0),
+            asked("denied", "t2", t0),
+            asked("waits", "t3", t0),
+        ];
+        let answers = [
+            answer("lost", Decision::Approve, Decision::Approve, false, t0),
+            answer("flipped", Decision::Approve, Decision::Approve, false, t0),
+            answer("flipped", Decision::Deny, Decision::Deny, false, t0),
+            answer("denied", Decision::Deny, Decision::Deny, false, t0),
+        ];
+        let executions = [
+            ran("flipped", t0),
+            ran("flipped", t0),
+            ran("denied", t0),
+            ran("never-asked", t0),
+        ];
+        let ended: HashMap<String, Instant> = [("t1".to_owned(), t0), ("t2".to_owned(), t0)].into();
+        let a = approval_figures(&events, &[], &answers, &executions, &ended);
+        assert!(!a.clean());
+        assert_eq!(a.lost.len(), 1, "{:?}", a.lost);
+        assert!(a.lost[0].starts_with("lost:"));
+        // The replies disagree, both say they decided, and it ran twice.
+        assert_eq!(a.twice.len(), 3, "{:?}", a.twice);
+        let unapproved: Vec<&str> = a
+            .unapproved
+            .iter()
+            .map(|u| u.split(':').next().unwrap())
+            .collect();
+        assert_eq!(unapproved, ["denied", "never-asked"]);
+        // Never decided, and its turn never ended.
+        assert_eq!(a.stuck_waiting.len(), 2, "{:?}", a.stuck_waiting);
+    }
+
+    #[test]
+    fn an_approved_call_reported_outcome_unknown_is_not_lost() {
+        let t0 = Instant::now();
+        let mut unknown = SessionEvent::new(SessionEventType::ToolOutcomeUnknown, "s1");
+        unknown.call_id = Some("c1".into());
+        let events = [
+            asked("c1", "t1", t0),
+            EventSeen {
+                at: t0,
+                event: unknown,
+            },
+        ];
+        let answers = [answer("c1", Decision::Approve, Decision::Approve, false, t0)];
+        let ended: HashMap<String, Instant> = [("t1".to_owned(), t0)].into();
+        let a = approval_figures(&events, &[], &answers, &[], &ended);
+        assert!(a.clean(), "{a:?}");
+    }
 }

@@ -110,6 +110,12 @@ pub fn calls_once_tool(key: &str) -> bool {
     hash(&format!("{key}/once")).is_multiple_of(3)
 }
 
+/// Whether the step `key` calls the tool that needs approval (one key in six; before
+/// [`calls_once_tool`] is asked).
+pub fn calls_gated_tool(key: &str) -> bool {
+    hash(&format!("{key}/gated")).is_multiple_of(6)
+}
+
 /// The turn's primary marker of a logical tool key.
 pub fn primary_of_key(key: &str) -> &str {
     key.split('/').next().unwrap_or_default()

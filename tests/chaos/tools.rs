@@ -1,9 +1,9 @@
 //! The external tools the mock model calls: micro endpoints `cyrene.tool.chaos_tool` (declared
-//! idempotent) and `cyrene.tool.chaos_once` (declared not idempotent) with the metadata the loop
-//! workers discover, recording every execution by tool, `Cyrene-Tool-Call-Id` and logical key,
+//! idempotent), `cyrene.tool.chaos_once` (declared not idempotent) and `cyrene.tool.chaos_gated`
+//! (not idempotent, every call approved first) with the metadata the loop workers discover, recording every execution by tool, `Cyrene-Tool-Call-Id` and logical key,
 //! with start and finish times and the caller's inbox (which worker asked).
 
-use crate::provider::{ONCE_TOOL, TOOL};
+use crate::provider::{GATED_TOOL, ONCE_TOOL, TOOL};
 use cyrene_test_support::micro::{add_tool_declaring, start_described_service};
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -52,13 +52,21 @@ impl ToolService {
         let parameters = json!({"type": "object", "properties": {"key": {"type": "string"},
             "ms": {"type": "integer"}}});
         let executions: Arc<Mutex<Vec<Execution>>> = Arc::default();
-        for (tool, idempotent) in [(TOOL, "true"), (ONCE_TOOL, "false")] {
+        for (tool, idempotent, approval) in [
+            (TOOL, "true", ""),
+            (ONCE_TOOL, "false", ""),
+            (GATED_TOOL, "false", "required"),
+        ] {
+            let mut declared = vec![("cyrene.tool.idempotent", idempotent)];
+            if !approval.is_empty() {
+                declared.push(("cyrene.tool.approval", approval));
+            }
             let mut endpoint = add_tool_declaring(
                 &service,
                 tool,
                 description,
                 &parameters.to_string(),
-                &[("cyrene.tool.idempotent", idempotent)],
+                &declared,
             )
             .await;
             let log = executions.clone();

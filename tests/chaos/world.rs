@@ -12,6 +12,7 @@
 //! - PostgreSQL is the machine's shared server: [`PostgresGuard`] starts it again when the test
 //!   ends, also on a panic.
 
+use crate::approver::Approver;
 use crate::provider::MockProvider;
 use crate::tools::ToolService;
 use crate::wire::{WORKER_INBOX_PREFIX, Wire};
@@ -133,6 +134,8 @@ pub struct World {
     pub provider: MockProvider,
     pub tools: ToolService,
     pub wire: Wire,
+    /// Decides every tool call that waits for approval.
+    pub approver: Approver,
     pub database_url: Option<String>,
     /// The run's PostgreSQL database, dropped with the world.
     _database: Option<cyrene_sql::testing::TestDatabase>,
@@ -183,6 +186,7 @@ impl World {
         let provider = MockProvider::start(options.seed).await;
         let tools = ToolService::start(&client).await;
         let wire = Wire::start(&client).await;
+        let approver = Approver::start(&client, options.seed ^ 0xa11).await;
 
         let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
         // Logs of earlier runs with this label go (each run keeps only its own).
@@ -214,6 +218,7 @@ impl World {
             provider,
             tools,
             wire,
+            approver,
             database_url,
             _database: database,
             logs,
