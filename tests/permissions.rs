@@ -110,6 +110,21 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, S, N, N, N, N, N, P, N],
         ),
         (
+            "cyrene.person.alice.session.approve",
+            "a person decides a call of their own session",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.alice.session.approvals",
+            "a person lists their session's approvals",
+            [N, N, S, N, N, N, N, N, P, N],
+        ),
+        (
+            "cyrene.person.bob.session.approve",
+            "another person decides",
+            [N, N, S, N, N, N, N, N, N, P],
+        ),
+        (
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
@@ -127,6 +142,16 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.bridge.document.upload",
             "a chat bridge uploads a file posted in a room",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.bridge.session.approve",
+            "a chat bridge decides a call of the owner's session",
+            [N, N, S, N, N, N, N, N, N, N],
+        ),
+        (
+            "cyrene.bridge.session.approvals",
+            "a chat bridge lists the owner's session's approvals",
             [N, N, S, N, N, N, N, N, N, N],
         ),
         (
@@ -529,6 +554,8 @@ const BRIDGE_COLUMN: &[(&str, &str)] = &[
     ("cyrene.bridge.session.send", "pub"),
     ("cyrene.bridge.session.history", "pub"),
     ("cyrene.bridge.document.upload", "pub"),
+    ("cyrene.bridge.session.approve", "pub"),
+    ("cyrene.bridge.session.approvals", "pub"),
     ("_INBOX_cyrene-matrix-bridge.a1", "sub"),
 ];
 
