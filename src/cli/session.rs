@@ -245,6 +245,33 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
                 .unwrap_or(Value::Null),
             event.call_id.as_deref().unwrap_or_default()
         ),
+        SessionEventType::ApprovalRequested => format!(
+            "? approval wanted: {}({}) call {} — `cyrene approve -s {} {}` or `cyrene deny`{leg}",
+            event.tool.as_deref().unwrap_or_default(),
+            event
+                .arguments
+                .clone()
+                .map(Value::Object)
+                .unwrap_or(Value::Null),
+            event.call_id.as_deref().unwrap_or_default(),
+            event.session_id,
+            event.call_id.as_deref().unwrap_or_default()
+        ),
+        SessionEventType::ApprovalDecided => format!(
+            "{} call {} ({}) by {}{}{leg}",
+            match event.decision {
+                Some(cyrene_protocol::approval::Decision::Approve) => "✓ approved:",
+                _ => "✗ denied:",
+            },
+            event.call_id.as_deref().unwrap_or_default(),
+            event.tool.as_deref().unwrap_or_default(),
+            event.decided_by.as_deref().unwrap_or_default(),
+            event
+                .reason
+                .as_deref()
+                .map(|r| format!(": {}", one_line(r, 120)))
+                .unwrap_or_default()
+        ),
         SessionEventType::Error => format!(
             "error: {}{leg}",
             event

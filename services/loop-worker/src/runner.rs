@@ -608,6 +608,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             steps: step,
             steered_ids: self.taken_in.clone(),
             error,
+            approvals: Vec::new(),
         }))
     }
 
@@ -959,6 +960,7 @@ fn already_settled(
         steps: checkpoint.step,
         steered_ids: state.steered_ids,
         error,
+        approvals: Vec::new(),
     })
 }
 

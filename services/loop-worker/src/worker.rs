@@ -232,6 +232,7 @@ fn record_end(end: &TurnEnd) {
                 TurnOutcome::BudgetExhausted => "budget_exhausted",
                 TurnOutcome::Cancelled => "cancelled",
                 TurnOutcome::Error => "error",
+                TurnOutcome::AwaitingApproval => "awaiting_approval",
             };
             metrics::counter!("cyrene_turns_completed_total", "outcome" => outcome).increment(1);
             if done.outcome == TurnOutcome::Error {
@@ -393,6 +394,7 @@ pub(crate) async fn exhausted_jobs(
             steps: 0,
             steered_ids: Vec::new(),
             error: Some(error),
+            approvals: Vec::new(),
         };
         if let Reported::Acknowledged = report(&client, &done, &shutdown).await {
             let _ = stream.delete_message(advisory.stream_seq).await;

@@ -366,6 +366,7 @@ impl Engine {
                 TurnOutcome::BudgetExhausted => "budget_exhausted",
                 TurnOutcome::Cancelled => "cancelled",
                 TurnOutcome::Error => "error",
+                TurnOutcome::AwaitingApproval => "awaiting_approval",
             };
             metrics::histogram!("cyrene_answer_seconds", "persona" => persona, "outcome" => outcome)
                 .record(waited as f64 / 1000.0);
@@ -383,7 +384,9 @@ impl Engine {
             TurnOutcome::Cancelled => {
                 Some(ErrorBody::new(ErrorCode::Timeout, "the turn was cancelled"))
             }
-            TurnOutcome::Error => Some(ErrorBody::new(ErrorCode::Internal, "the turn failed")),
+            TurnOutcome::Error | TurnOutcome::AwaitingApproval => {
+                Some(ErrorBody::new(ErrorCode::Internal, "the turn failed"))
+            }
         });
         self.publish_event(&ended).await;
         if !done.reply_to.is_empty() {

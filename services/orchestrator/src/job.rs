@@ -178,6 +178,9 @@ pub fn build(settings: &JobSettings, seed: TurnSeed<'_>) -> Result<Built, JobErr
         tools: persona.tools.clone(),
         ask_chain,
         guard: persona.guard_spec(),
+        approval: Vec::new(),
+        decisions: Vec::new(),
+        attempt_base: 0,
     };
     Ok(Built { job, base_seq })
 }

@@ -14,6 +14,7 @@
 //!   [`ids::validate`], comm ids through [`subjects::token`].
 //! - A client-chosen name reaches system text only through [`names::display_name`].
 
+pub mod approval;
 pub mod checkpoint;
 pub mod comm;
 pub mod document;

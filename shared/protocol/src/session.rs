@@ -111,6 +111,13 @@ pub enum SessionEventType {
     /// and the model got a result saying so (docs/reliability.md, "Tool calls in flight").
     /// Carries `call_id`, `tool` and `arguments`.
     ToolOutcomeUnknown,
+    /// A call waits for a person's decision (docs/orchestrator.md, "Approvals"); the turn stopped
+    /// at it without `final`/`turn_ended`. Carries `turn_id`, `call_id`, `tool`, `arguments`
+    /// and `deadline_ms`.
+    ApprovalRequested,
+    /// A waiting call was decided. Carries `turn_id`, `call_id`, `tool`, `decision`,
+    /// `decided_by` and `reason` when one was given.
+    ApprovalDecided,
 }
 
 /// Published on `cyrene.session.<sid>.events`.
@@ -143,13 +150,22 @@ pub struct SessionEvent {
     /// On `delta` events: who is speaking (the persona id the `final` message will carry).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sender_name: String,
-    /// On `tool_outcome_unknown` events: the call's id (the `Cyrene-Tool-Call-Id` it was sent
-    /// with).
+    /// On `tool_outcome_unknown` and approval events: the call's id (the `Cyrene-Tool-Call-Id`
+    /// it is sent with).
     pub call_id: Option<String>,
-    /// On `tool_outcome_unknown` events: the tool's name.
+    /// On `tool_outcome_unknown` and approval events: the tool's name.
     pub tool: Option<String>,
-    /// On `tool_outcome_unknown` events: the call's arguments.
+    /// On `tool_outcome_unknown` and `approval_requested` events: the call's arguments.
     pub arguments: Option<serde_json::Map<String, serde_json::Value>>,
+    /// On `approval_requested` events: when the deadline denies the call, unix milliseconds.
+    pub deadline_ms: Option<i64>,
+    /// On `approval_decided` events: the decision that holds.
+    pub decision: Option<crate::approval::Decision>,
+    /// On `approval_decided` events: the decision's reason, when one was given.
+    pub reason: Option<String>,
+    /// On `approval_decided` events: who decided (`person:<p>`, `operator`, `bridge`,
+    /// `deadline`).
+    pub decided_by: Option<String>,
 }
 
 impl SessionEvent {
@@ -172,6 +188,10 @@ impl SessionEvent {
             call_id: None,
             tool: None,
             arguments: None,
+            deadline_ms: None,
+            decision: None,
+            reason: None,
+            decided_by: None,
         }
     }
 }
@@ -297,6 +317,9 @@ mod tests {
             "final",
             "error",
             "turn_ended",
+            "tool_outcome_unknown",
+            "approval_requested",
+            "approval_decided",
         ] {
             let ev: SessionEvent =
                 serde_json::from_value(json!({"type":t,"session_id":"s1"})).unwrap();
@@ -305,6 +328,21 @@ mod tests {
                 json!({"type":t,"session_id":"s1"})
             );
         }
+    }
+
+    #[test]
+    fn approval_events_carry_the_contracts_fields() {
+        let doc = json!({"type":"approval_requested","session_id":"s1","turn_id":"t",
+            "call_id":"c1","tool":"send_email","arguments":{"to":"a@b"},"deadline_ms":5});
+        let ev: SessionEvent = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(ev.deadline_ms, Some(5));
+        assert_eq!(serde_json::to_value(&ev).unwrap(), doc);
+        let doc = json!({"type":"approval_decided","session_id":"s1","turn_id":"t",
+            "call_id":"c1","tool":"send_email","decision":"deny","reason":"no",
+            "decided_by":"person:alice"});
+        let ev: SessionEvent = serde_json::from_value(doc.clone()).unwrap();
+        assert_eq!(ev.decision, Some(crate::approval::Decision::Deny));
+        assert_eq!(serde_json::to_value(&ev).unwrap(), doc);
     }
 
     #[test]

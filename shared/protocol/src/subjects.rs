@@ -8,6 +8,10 @@
 use crate::ids::{self, IdError, IdKind};
 
 // Defined beside their shapes; named here too so that this file lists every subject.
+pub use crate::approval::{
+    BRIDGE_SESSION_APPROVALS, BRIDGE_SESSION_APPROVE, PERSON_SESSION_APPROVALS,
+    PERSON_SESSION_APPROVE, SESSION_APPROVALS, SESSION_APPROVE,
+};
 pub use crate::document::{DOCUMENT_READ, DOCUMENT_UPLOAD};
 pub use crate::memory::{MEMORY_EXTRACT_ALL, MEMORY_FORGET, MEMORY_READ, MEMORY_WRITE};
 

@@ -69,6 +69,20 @@ pub struct TurnJob {
     /// field refuses the job (unknown fields are refused), so a guarded turn never runs
     /// unguarded.
     pub guard: Option<crate::guard::GuardSpec>,
+    /// The persona's tools whose every call waits for a person's approval (docs/reliability.md,
+    /// "Approval"); a tool's own metadata may ask for it too. A worker that does not know this
+    /// field refuses the job, so a gated call never runs unasked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approval: Vec<String>,
+    /// A turn continued after its calls were decided: the decisions, one per waiting call. The
+    /// worker applies them only to the calls of this turn's saved tool batch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<crate::approval::CallDecision>,
+    /// Added to the JetStream delivery count to make the attempt: 0 for a turn's first job; a
+    /// job that continues a turn after its approvals carries the highest attempt the turn had
+    /// seen, so its attempts fence every earlier one off.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempt_base: u32,
 }
 
 /// The default step budget of a turn.
@@ -122,6 +136,9 @@ pub enum TurnOutcome {
     Cancelled,
     /// A failure the worker could not recover from (`error` says which).
     Error,
+    /// The turn stopped at calls that wait for a person's decision (`approvals` lists them).
+    /// The turn is not over: the orchestrator dispatches it again once they are decided.
+    AwaitingApproval,
 }
 
 /// `cyrene.turn.complete` request: idempotent by turn id, fenced by attempt, retried by the worker
@@ -147,6 +164,9 @@ pub struct TurnComplete {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steered_ids: Vec<String>,
     pub error: Option<ErrorBody>,
+    /// On `awaiting_approval`: the calls of the step's tool batch that wait for a decision.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approvals: Vec<crate::approval::PendingCall>,
 }
 
 /// `cyrene.turn.complete` reply.
@@ -199,7 +219,9 @@ mod tests {
             "messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],
             "message_ids":["m1"],"base_seq":7,"notice":{"step":2},"max_steps":8,
             "deadline_unix_ms":1700000000000u64,"tools":["current_time"],"leg_id":"l1",
-            "ask_chain":["hoshi","cyrene"],
+            "ask_chain":["hoshi","cyrene"],"approval":["send_email"],
+            "decisions":[{"call_id":"c1","decision":"approve","decided_by":"operator"}],
+            "attempt_base":3,
             "guard":{"subject":"cyrene.guard.p","timeout_ms":500,"fail":"open","message":"no"}});
         let job: TurnJob = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(job.messages[0], Message::text(Role::User, "hi"));
@@ -234,7 +256,13 @@ mod tests {
         let c: TurnComplete = serde_json::from_value(done.clone()).unwrap();
         assert_eq!(c.outcome, TurnOutcome::Final);
         assert_eq!(serde_json::to_value(&c).unwrap(), done);
-        for o in ["final", "budget_exhausted", "cancelled", "error"] {
+        for o in [
+            "final",
+            "budget_exhausted",
+            "cancelled",
+            "error",
+            "awaiting_approval",
+        ] {
             let v: TurnOutcome = serde_json::from_value(json!(o)).unwrap();
             assert_eq!(serde_json::to_value(v).unwrap(), json!(o));
         }

@@ -26,5 +26,8 @@ pub fn turn_job(turn_id: &str, session: &str, text: &str) -> TurnJob {
         tools: None,
         ask_chain: Vec::new(),
         guard: None,
+        approval: Vec::new(),
+        decisions: Vec::new(),
+        attempt_base: 0,
     }
 }

@@ -395,6 +395,7 @@ pub fn completion(job: &TurnJob, attempt: u32, answer: &str) -> TurnComplete {
         steps: 1,
         steered_ids: Vec::new(),
         error: None,
+        approvals: Vec::new(),
     }
 }
 
