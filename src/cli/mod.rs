@@ -1,6 +1,7 @@
 //! Command definitions and dispatch for the `cyrene` CLI.
 
 mod agent;
+mod approvals;
 mod chat;
 mod comm;
 mod documents;
@@ -61,6 +62,12 @@ pub enum Command {
     Events(session::EventsArgs),
     /// Print a session's transcript.
     History(session::HistoryArgs),
+    /// List a session's tool calls that wait for approval, then the last decided ones.
+    Approvals(approvals::ApprovalsArgs),
+    /// Approve a tool call that waits (the turn continues with it).
+    Approve(approvals::DecideArgs),
+    /// Deny a tool call that waits (the model is told it did not run, with --reason).
+    Deny(approvals::DecideArgs),
     /// List the checkpoints of a session (or `session#leg`), most recently written first.
     Checkpoints(session::CheckpointsArgs),
     /// A persona's memory (operators): list, show and forget entries (docs/memory.md).
@@ -135,6 +142,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Events(args) => session::events(client.clone(), args).await,
         Command::History(args) => session::history(client.clone(), args).await,
         Command::Checkpoints(args) => session::checkpoints(client.clone(), args).await,
+        Command::Approvals(args) => approvals::list(client.clone(), args).await,
+        Command::Approve(args) => {
+            approvals::decide(client.clone(), args, cyrene_protocol::approval::Decision::Approve)
+                .await
+        }
+        Command::Deny(args) => {
+            approvals::decide(client.clone(), args, cyrene_protocol::approval::Decision::Deny)
+                .await
+        }
         Command::Web(_) => Ok(()),
     };
     // Make sure published messages leave before the process exits.

@@ -92,7 +92,7 @@ pub async fn send_message(
 
 /// One request on `shared`, or on the person's own `cyrene.person.<person>.<own>` when acting as
 /// a person; a failure is mapped onto the CLI's exit codes.
-async fn ask<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
+pub(super) async fn ask<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
     client: &Client,
     shared: &str,
     own: &str,

@@ -317,6 +317,9 @@ impl TurnPorts for NatsPorts {
     fn tool_idempotence(&self, name: &str) -> Idempotence {
         self.tools.idempotence(name)
     }
+    fn tool_approval(&self, name: &str) -> bool {
+        self.tools.approval(name)
+    }
 
     async fn call_tool(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
         self.tools.call(context, call).await

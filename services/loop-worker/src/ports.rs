@@ -197,6 +197,12 @@ pub trait TurnPorts: Send + Sync {
         Idempotence::NotIdempotent
     }
 
+    /// Whether the tool itself asks for a person's approval of every call (its metadata
+    /// `cyrene.tool.approval` = `required`); the default is no.
+    fn tool_approval(&self, _name: &str) -> bool {
+        false
+    }
+
     /// Runs one tool call (never fails: a failure is an `is_error` output). A call outside
     /// `context.allowed` or to a tool neither built in nor discovered is refused with an
     /// `is_error` output without being made.

@@ -5,7 +5,9 @@
 //! (`stop_reason == "tool_calls"`), written just before the process died, so the closing guard
 //! never settled it, or whose last step's tool batch had started (`"tool_calls_started"`: the
 //! step's tool calls are durable and were sent; that step's batch continues with those calls,
-//! docs/loop-worker.md, "Tool calls with a durable intent"). Everything else starts fresh at
+//! docs/loop-worker.md, "Tool calls with a durable intent"), or whose last step's batch waits
+//! for a person's approval (`"awaiting_approval"`: nothing of it was sent; the job that carries
+//! the decisions continues it, docs/reliability.md, "Approval"). Everything else starts fresh at
 //! step 1.
 //!
 //! # Invariants
@@ -52,6 +54,12 @@ pub mod stop_reason {
     pub const ABORTED: &str = "aborted";
     /// The turn failed (settled by the closing guard).
     pub const ERROR: &str = "error";
+    /// A step's tool batch holds calls that wait for a person's approval: none of the batch
+    /// was sent by the attempt that saved it (docs/reliability.md, "Approval"); the row's
+    /// `unsent` names the calls known never to have been sent. Resumable at the same step, like
+    /// `tool_calls_started`, by the job that carries the decisions (or a redelivery, which
+    /// stops at the same calls again).
+    pub const AWAITING_APPROVAL: &str = "awaiting_approval";
     /// `max_steps` reached and the safety net got no answer either.
     pub const BUDGET_EXHAUSTED: &str = "budget_exhausted";
     /// `max_steps` reached mid tool loop; the safety net's tool-less call answered (a final
@@ -64,7 +72,9 @@ pub mod stop_reason {
 
 /// Whether a checkpoint that ended with `stop_reason` is a crash-left run that may resume.
 pub fn resumable_stop_reason(stop_reason: &str) -> bool {
-    stop_reason == stop_reason::TOOL_CALLS || stop_reason == stop_reason::TOOL_CALLS_STARTED
+    stop_reason == stop_reason::TOOL_CALLS
+        || stop_reason == stop_reason::TOOL_CALLS_STARTED
+        || stop_reason == stop_reason::AWAITING_APPROVAL
 }
 
 /// Whether a checkpointed window ends in a final answer: an assistant message without tool
@@ -146,13 +156,15 @@ pub enum FreshReason {
 pub enum ResumeDecision {
     /// Continue a crash-left run: use the snapshot's window and run `next_step` next.
     /// `steered_ids` are the steered messages the run had already taken in. `started`: the row
-    /// was a started tool batch (`tool_calls_started`): `next_step` is that row's own step and
-    /// its window ends with the batch (the calls and the results recorded so far).
+    /// was a started tool batch (`tool_calls_started`, `awaiting_approval`): `next_step` is
+    /// that row's own step and its window ends with the batch (the calls and the results
+    /// recorded so far); `unsent` names its calls known never to have been sent.
     Resume {
         messages: Vec<Message>,
         next_step: u32,
         steered_ids: Vec<String>,
         started: bool,
+        unsent: Vec<String>,
     },
     /// Start at step 1 with the job's seeded messages.
     Fresh { reason: FreshReason },
@@ -196,7 +208,8 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
     if superseded_window(&state.messages, seeded) {
         return ResumeDecision::fresh(FreshReason::Superseded);
     }
-    let started = state.stop_reason == stop_reason::TOOL_CALLS_STARTED;
+    let started = state.stop_reason == stop_reason::TOOL_CALLS_STARTED
+        || state.stop_reason == stop_reason::AWAITING_APPROVAL;
     ResumeDecision::Resume {
         messages: state.messages,
         next_step: if started {
@@ -206,6 +219,7 @@ pub fn decide(latest: Option<Checkpoint>, seeded: &[Message]) -> ResumeDecision 
         },
         steered_ids: state.steered_ids,
         started,
+        unsent: state.unsent,
     }
 }
 
@@ -245,6 +259,7 @@ mod tests {
             turn_id: "t1".into(),
             steered_ids: vec![],
             guard_reason: String::new(),
+            unsent: Vec::new(),
         };
         let state = JsonObject::encode(&state).unwrap();
         Checkpoint {
@@ -282,6 +297,7 @@ mod tests {
                 next_step,
                 steered_ids: vec![],
                 started: false,
+                unsent: vec![],
             }
         );
         decision
@@ -416,6 +432,7 @@ mod tests {
                 next_step: 3,
                 steered_ids: vec![],
                 started: true,
+                unsent: vec![],
             }
         );
     }
@@ -662,6 +679,7 @@ mod tests {
                 next_step: 3,
                 steered_ids: vec![],
                 started: false,
+                unsent: vec![],
             }
         );
     }

@@ -133,6 +133,9 @@ enum Exit {
     Guardrail {
         reason: String,
     },
+    /// The step's tool batch holds calls that wait for a person's decision; its row is saved
+    /// (`awaiting_approval`) and nothing of the batch was sent (intents).
+    AwaitingApproval(Vec<cyrene_protocol::approval::PendingCall>),
 }
 
 /// The mutable state of one turn.
@@ -170,6 +173,9 @@ struct Turn<'a, P> {
     view: crate::deltas::SentView,
     /// Why the guard ended the turn (saved as the settled checkpoint's `guard_reason`).
     guard_reason: String,
+    /// The calls of the current tool batch known never to have been sent (saved as the rows'
+    /// `unsent` while the batch waits for approval, intents).
+    unsent: Vec<String>,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -210,13 +216,14 @@ pub async fn run_turn<P: TurnPorts>(
             messages,
             steered_ids,
             started: true,
+            unsent,
             ..
         } => {
             // A step whose tool batch had started: it continues with the same calls
             // (intents), and its row is saved again from the end of the turn's base, a point
             // every earlier row of the turn covers (a read does not say where the row began).
             tracing::info!(turn = %job.turn_id, next_step, "resuming a started tool batch");
-            let (before, batch) = intents::split_started(messages);
+            let (before, batch) = intents::split_started(messages, unsent);
             let from = before.len().min(job.messages.len());
             (before, Some(from), steered_ids, batch)
         }
@@ -268,6 +275,7 @@ pub async fn run_turn<P: TurnPorts>(
         documents: DocumentTexts::default(),
         view: crate::deltas::SentView::default(),
         guard_reason: String::new(),
+        unsent: Vec::new(),
     };
     turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, started, config).await;
@@ -522,7 +530,26 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         let mut finish = String::new();
         let (outcome, stop, message, error) = match exit {
             Exit::Stale => return TurnEnd::Stale,
-            Exit::Retry(err) if self.attempt < config.max_attempts => {
+            // The row is saved; the turn is not over, so no event ends it.
+            Exit::AwaitingApproval(approvals) => {
+                return TurnEnd::Complete(Box::new(TurnComplete {
+                    turn_id: self.job.turn_id.clone(),
+                    session_id: self.job.session_id.clone(),
+                    leg_id: self.job.leg_id.clone(),
+                    attempt: self.attempt,
+                    outcome: TurnOutcome::AwaitingApproval,
+                    message: None,
+                    stop_reason: stop_reason::AWAITING_APPROVAL.to_owned(),
+                    steps: step,
+                    steered_ids: self.taken_in.clone(),
+                    error: None,
+                    approvals,
+                }));
+            }
+            // The deliveries of this job (its attempts count on from `attempt_base`).
+            Exit::Retry(err)
+                if self.attempt.saturating_sub(self.job.attempt_base) < config.max_attempts =>
+            {
                 tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
                     "retryable failure; the job will be redelivered");
                 return TurnEnd::Retry(err);
@@ -761,6 +788,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             turn_id: &self.job.turn_id,
             steered_ids,
             guard_reason: &self.guard_reason,
+            unsent: &self.unsent,
         };
         #[derive(serde::Serialize)]
         struct Base<'m> {
@@ -1030,6 +1058,8 @@ pub(crate) mod tests {
         guard_asks: Mutex<Vec<(String, GuardRequest)>>,
         /// The delta tags of the streamed step calls.
         tags: Mutex<Vec<crate::deltas::DeltaTag>>,
+        /// Tools whose metadata asks for approval of every call.
+        approval: Mutex<std::collections::HashSet<String>>,
     }
 
     type GuardRule = fn(&GuardRequest) -> Result<Vec<u8>, ErrorBody>;
@@ -1190,6 +1220,9 @@ pub(crate) mod tests {
             declared
                 .or_else(|| crate::tools::builtin_idempotence(name))
                 .unwrap_or(crate::ports::Idempotence::NotIdempotent)
+        }
+        fn tool_approval(&self, name: &str) -> bool {
+            self.approval.lock().unwrap().contains(name)
         }
         async fn publish(&self, event: SessionEvent) {
             self.events.lock().unwrap().push(event);
@@ -2455,6 +2488,8 @@ pub(crate) mod tests {
         assert_guardrail(&fake, &done, "policy 7");
     }
 
+    /// Human approval of tool calls (`super::intents`).
+    mod approvals;
     /// Tool calls with a durable intent (`super::intents`).
     mod intents;
 }

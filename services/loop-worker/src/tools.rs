@@ -4,7 +4,8 @@
 //! An external tool is a NATS micro endpoint on `cyrene.tool.<name>` whose endpoint metadata holds
 //! `cyrene.tool.description`, `cyrene.tool.parameters` (a JSON-schema string) and optionally
 //! `cyrene.tool.idempotent` (`true`: it may run again under the same call id; anything else: it
-//! must not run twice). The request body is the args object, header `Cyrene-Tool-Call-Id` carries
+//! must not run twice) and `cyrene.tool.approval` (`required`: every call waits for a person's
+//! decision, docs/reliability.md, "Approval"). The request body is the args object, header `Cyrene-Tool-Call-Id` carries
 //! the call id (an idempotency key: an idempotent call in flight at a crash runs again under the
 //! same id); the reply is `{"text":"…","is_error":false}` or a micro error, which becomes an
 //! `is_error` result; no reply within the timeout is marked [`ToolOutput::unanswered`].
@@ -41,6 +42,10 @@ pub const META_PARAMETERS: &str = "cyrene.tool.parameters";
 /// `false`; anything else, or nothing, is `false` (docs/tools.md, "Semantics").
 pub const META_IDEMPOTENT: &str = "cyrene.tool.idempotent";
 
+/// Endpoint metadata key by which a tool asks for a person's approval of every call: only the
+/// exact value `required` does.
+pub const META_APPROVAL: &str = cyrene_protocol::approval::TOOL_APPROVAL_METADATA;
+
 const BUILTIN_ASK_AGENT: &str = "ask_agent";
 const BUILTIN_EMIT_EVENT: &str = "emit_event";
 const BUILTIN_CURRENT_TIME: &str = "current_time";
@@ -61,6 +66,12 @@ fn declared_idempotence(meta: &BTreeMap<String, String>) -> Idempotence {
         Some("true") => Idempotence::Idempotent,
         _ => Idempotence::NotIdempotent,
     }
+}
+
+/// A discovered tool's declaration: only the exact string `required` asks for approval.
+fn declared_approval(meta: &BTreeMap<String, String>) -> bool {
+    meta.get(META_APPROVAL).map(String::as_str)
+        == Some(cyrene_protocol::approval::TOOL_APPROVAL_REQUIRED)
 }
 
 /// How long a call naming an unknown tool waits for one rediscovery before it is refused.
@@ -100,6 +111,8 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
 struct Discovered {
     spec: ToolSpec,
     idempotence: Idempotence,
+    /// Every call waits for a person's decision.
+    approval: bool,
 }
 
 /// The tool set: built-ins plus what the last discovery found.
@@ -160,6 +173,15 @@ impl Tools {
                 .and_then(|found| found.get(name).map(|d| d.idempotence))
                 .unwrap_or(Idempotence::NotIdempotent)
         })
+    }
+
+    /// Whether the tool asks for a person's approval of every call (built-ins never do).
+    pub fn approval(&self, name: &str) -> bool {
+        builtin_idempotence(name).is_none()
+            && self
+                .discovered
+                .read()
+                .is_ok_and(|found| found.get(name).is_some_and(|d| d.approval))
     }
 
     /// Asks every micro service for its endpoints (`$SRV.INFO`) and keeps the `cyrene.tool.*`
@@ -408,6 +430,7 @@ async fn discover(
                         parameters,
                     },
                     idempotence: declared_idempotence(&meta),
+                    approval: declared_approval(&meta),
                 },
             );
         }
@@ -418,6 +441,22 @@ async fn discover(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_exact_required_asks_for_approval() {
+        for (value, want) in [
+            (Some("required"), true),
+            (Some("Required"), false),
+            (Some("true"), false),
+            (None, false),
+        ] {
+            let mut m = BTreeMap::new();
+            if let Some(v) = value {
+                m.insert(META_APPROVAL.to_owned(), v.to_owned());
+            }
+            assert_eq!(declared_approval(&m), want, "{value:?}");
+        }
+    }
 
     #[test]
     fn only_an_exact_true_declares_a_tool_idempotent() {

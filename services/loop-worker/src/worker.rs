@@ -16,7 +16,8 @@
 //!   as an `error` completion and a session `error` event, then deleted from the stream.
 //!
 //! # Pitfalls
-//! - The attempt number is the JetStream delivery count; fencing relies on it growing.
+//! - The attempt number is the JetStream delivery count (plus the job's `attempt_base`, for a
+//!   job that continues a turn after its approvals); fencing relies on it growing.
 //! - A stale attempt (fenced off) neither acks nor naks: the live attempt owns the job.
 
 use crate::config::Config;
@@ -159,7 +160,7 @@ async fn handle_job(
     ports: &NatsPorts,
     shutdown: &CancellationToken,
 ) {
-    let attempt = message
+    let delivered = message
         .info()
         .map(|i| u32::try_from(i.delivered).unwrap_or(u32::MAX))
         .unwrap_or(1);
@@ -174,8 +175,10 @@ async fn handle_job(
             return;
         }
     };
+    // A job that continues a turn after its approvals counts on from the attempts before it.
+    let attempt = job.attempt_base.saturating_add(delivered);
     metrics::counter!("cyrene_turns_started_total").increment(1);
-    if attempt > 1 {
+    if delivered > 1 {
         metrics::counter!("cyrene_turn_redeliveries_total").increment(1);
     }
     let message = Arc::new(message);
@@ -387,7 +390,9 @@ pub(crate) async fn exhausted_jobs(
             turn_id: job.turn_id.clone(),
             session_id: job.session_id.clone(),
             leg_id: job.leg_id.clone(),
-            attempt: u32::try_from(advisory.deliveries).unwrap_or(u32::MAX),
+            attempt: job
+                .attempt_base
+                .saturating_add(u32::try_from(advisory.deliveries).unwrap_or(u32::MAX)),
             outcome: TurnOutcome::Error,
             message: None,
             stop_reason: crate::resume::stop_reason::ERROR.to_owned(),

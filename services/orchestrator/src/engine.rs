@@ -350,6 +350,12 @@ impl Engine {
     /// `cyrene.turn.complete`.
     pub async fn complete(&self, req: TurnComplete) -> Result<TurnCompleteAck, ErrorBody> {
         check_turn_ref(&req.session_id, &req.turn_id, &req.leg_id)?;
+        if req.outcome == TurnOutcome::AwaitingApproval {
+            return self.await_approval(req).await;
+        }
+        if !req.approvals.is_empty() {
+            return Err(bad("only an awaiting_approval completion names calls that wait"));
+        }
         let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
         if !done.first {
             // A repeat may follow a publish that failed: publish again (deduplicated).
@@ -384,9 +390,8 @@ impl Engine {
             TurnOutcome::Cancelled => {
                 Some(ErrorBody::new(ErrorCode::Timeout, "the turn was cancelled"))
             }
-            TurnOutcome::Error | TurnOutcome::AwaitingApproval => {
-                Some(ErrorBody::new(ErrorCode::Internal, "the turn failed"))
-            }
+            TurnOutcome::Error => Some(ErrorBody::new(ErrorCode::Internal, "the turn failed")),
+            TurnOutcome::AwaitingApproval => None,
         });
         self.publish_event(&ended).await;
         if !done.reply_to.is_empty() {
@@ -522,7 +527,7 @@ impl Engine {
         Ok(SessionListResponse { sessions })
     }
 
-    async fn publish_event(&self, event: &SessionEvent) {
+    pub(crate) async fn publish_event(&self, event: &SessionEvent) {
         let Ok(subject) = subjects::session_events(&event.session_id) else {
             return;
         };
@@ -543,15 +548,18 @@ impl Engine {
         started.leg_id = turn.leg_id.clone();
         started.message_ids = turn.message_ids.clone();
         self.publish_event(&started).await;
-        self.publish_job(&turn.turn_id, &turn.job).await;
+        self.publish_job(&turn.turn_id, &turn.msg_id(), &turn.job)
+            .await;
     }
 
-    async fn publish_job(&self, turn_id: &str, job: &str) -> bool {
+    /// Publishes a turn's job under `msg_id` (`crate::store::job_msg_id`) and marks it
+    /// dispatched once JetStream has it.
+    pub(crate) async fn publish_job(&self, turn_id: &str, msg_id: &str, job: &str) -> bool {
         let headers: HeaderMap = trace::current_headers();
         let publish = jetstream::message::PublishMessage::build()
             .payload(Bytes::from(job.to_owned()))
             .headers(headers)
-            .message_id(turn_id);
+            .message_id(msg_id);
         let result = tokio::time::timeout(PUBLISH_TIMEOUT, async {
             let ack = self
                 .js
@@ -565,11 +573,13 @@ impl Engine {
             Ok(Ok(ack)) => {
                 if ack.duplicate {
                     tracing::debug!(turn_id, "turn job was already in the stream");
-                } else if let Some(created) = cyrene_protocol::ids::id_unix_ms(turn_id) {
+                } else if msg_id == turn_id
+                    && let Some(created) = cyrene_protocol::ids::id_unix_ms(turn_id)
+                {
                     let lag = cyrene_protocol::ids::unix_ms().saturating_sub(created);
                     metrics::histogram!("cyrene_dispatch_lag_seconds").record(lag as f64 / 1000.0);
                 }
-                match bounded(self.config.db_timeout, self.store.mark_dispatched(turn_id)).await {
+                match bounded(self.config.db_timeout, self.store.mark_dispatched(msg_id)).await {
                     Ok(()) => true,
                     Err(err) => {
                         tracing::warn!(turn_id, error = %err.message,
@@ -607,7 +617,8 @@ impl Engine {
         let mut published = 0;
         for turn in turns {
             tracing::info!(turn_id = %turn.turn_id, "republishing an unconfirmed turn");
-            if self.publish_job(&turn.turn_id, &turn.job).await {
+            let msg_id = crate::store::job_msg_id(&turn.turn_id, turn.resumes);
+            if self.publish_job(&turn.turn_id, &msg_id, &turn.job).await {
                 published += 1;
             }
         }
@@ -623,6 +634,10 @@ impl Engine {
                 metrics::gauge!("cyrene_messages_waiting").set(waiting as f64);
             }
             Err(err) => tracing::debug!(error = %err.message, "gauges not sampled"),
+        }
+        match bounded(self.config.db_timeout, self.store.approvals_pending()).await {
+            Ok(pending) => metrics::gauge!("cyrene_approvals_pending").set(pending as f64),
+            Err(err) => tracing::debug!(error = %err.message, "approval gauge not sampled"),
         }
     }
 

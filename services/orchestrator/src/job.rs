@@ -178,7 +178,7 @@ pub fn build(settings: &JobSettings, seed: TurnSeed<'_>) -> Result<Built, JobErr
         tools: persona.tools.clone(),
         ask_chain,
         guard: persona.guard_spec(),
-        approval: Vec::new(),
+        approval: persona.approval.clone(),
         decisions: Vec::new(),
         attempt_base: 0,
     };

@@ -10,6 +10,8 @@
 //! - the behaviour behind the endpoints ([`engine`]): input checks, dispositions, dispatch of
 //!   `TurnJob`s to `CYRENE_TURNS`, session events, the dispatch sweeper;
 //! - the endpoints `send`, `history`, `steer`, `complete` ([`service`]);
+//! - approvals of tool calls: the waiting turn, the decisions and their deadline ([`approvals`],
+//!   `store/approvals.rs`; docs/orchestrator.md, "Approvals");
 //! - the document service: uploads into the object store, `cyrene-doc://` references, reads
 //!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
 //! - live progress of running legs for parallel notices ([`progress`]);
@@ -32,6 +34,7 @@
 //! - Bad input gets a documented error code and the service keeps serving.
 
 pub mod agents;
+pub mod approvals;
 pub mod config;
 pub mod documents;
 pub mod engine;
@@ -237,8 +240,8 @@ async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
 /// How often the session gauges are read from the database (two counting statements).
 const GAUGES_EVERY: Duration = Duration::from_secs(10);
 
-/// Republishes unconfirmed dispatches and prunes stale progress, every `sweep_interval`; reads
-/// the session gauges every [`GAUGES_EVERY`].
+/// Republishes unconfirmed dispatches, denies approvals past their deadline and prunes stale
+/// progress, every `sweep_interval`; reads the session gauges every [`GAUGES_EVERY`].
 async fn sweeper(
     engine: Arc<Engine>,
     progress: Arc<progress::Progress>,
@@ -253,6 +256,7 @@ async fn sweeper(
             _ = tick.tick() => {}
         }
         engine.sweep().await;
+        engine.sweep_approvals().await;
         progress.prune(Duration::from_secs(3600));
         if sampled.is_none_or(|at| at.elapsed() >= GAUGES_EVERY) {
             engine.sample_gauges().await;

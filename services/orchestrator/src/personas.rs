@@ -10,6 +10,7 @@
 //!   (`cyrene_protocol::subjects::guard`), so NATS permissions can let the loop worker publish
 //!   only there; the other `guard_*` fields are refused without it.
 
+use cyrene_protocol::approval;
 use cyrene_protocol::guard::{self, GuardFail, GuardSpec};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::subjects;
@@ -67,6 +68,13 @@ pub struct Persona {
     /// What the person is told when the guard ends the turn (a deny, or a closed failure); the
     /// guard's own reason never reaches the person.
     pub guard_message: Option<String>,
+    /// Tools whose every call waits for a person's decision before it runs (docs/reliability.md,
+    /// "Approval"): exact tool names. Sent as the turn job's `approval`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approval: Vec<String>,
+    /// How long a call waits for that decision, in milliseconds, before it is denied by itself
+    /// (default 24 h, 1000 ms to 30 days).
+    pub approval_timeout_ms: Option<u64>,
 }
 
 impl Persona {
@@ -84,6 +92,30 @@ impl Persona {
                 .clone()
                 .unwrap_or_else(|| guard::DEFAULT_GUARD_MESSAGE.to_owned()),
         })
+    }
+
+    /// How long one of its calls waits for a decision.
+    pub fn approval_timeout(&self) -> u64 {
+        self.approval_timeout_ms
+            .unwrap_or(approval::DEFAULT_APPROVAL_TIMEOUT_MS)
+    }
+
+    /// The approval fields' problems.
+    fn check_approval(&self) -> Result<(), String> {
+        for tool in &self.approval {
+            ids::validate(IdKind::Tool, tool).map_err(|e| format!("approval: {e}"))?;
+        }
+        if let Some(ms) = self.approval_timeout_ms
+            && !(approval::MIN_APPROVAL_TIMEOUT_MS..=approval::MAX_APPROVAL_TIMEOUT_MS)
+                .contains(&ms)
+        {
+            return Err(format!(
+                "approval_timeout_ms must be {} to {}",
+                approval::MIN_APPROVAL_TIMEOUT_MS,
+                approval::MAX_APPROVAL_TIMEOUT_MS
+            ));
+        }
+        Ok(())
     }
 
     /// The guard fields' problems.
@@ -205,6 +237,7 @@ impl Personas {
                 )));
             }
             p.check_guard()
+                .and_then(|()| p.check_approval())
                 .map_err(|e| PersonasError(format!("persona {:?}: {e}", p.id)))?;
             if p.turn_timeout_ms == Some(0) {
                 return Err(PersonasError(format!(
@@ -343,9 +376,28 @@ mod tests {
             r#"{"default":"a","personas":[{"id":"a","name":"x","guard":"cyrene.guard.p","guard_message":" "}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","guard_fail":"open"}]}"#,
             r#"{"default":"a","personas":[{"id":"a","name":"x","guard_message":"no"}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","approval":["a.b"]}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","approval_timeout_ms":999}]}"#,
+            r#"{"default":"a","personas":[{"id":"a","name":"x","approval_timeout_ms":2592000001}]}"#,
         ] {
             assert!(Personas::from_json(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn approval_lists_parse_with_a_day_by_default() {
+        let p = Personas::from_json(
+            r#"{"default":"a","personas":[
+               {"id":"a","name":"x","approval":["send_email"],"approval_timeout_ms":60000},
+               {"id":"b","name":"y"}]}"#,
+        )
+        .unwrap();
+        let a = p.get("a").unwrap();
+        assert_eq!(a.approval, ["send_email"]);
+        assert_eq!(a.approval_timeout(), 60_000);
+        let b = p.get("b").unwrap();
+        assert!(b.approval.is_empty());
+        assert_eq!(b.approval_timeout(), 86_400_000);
     }
 
     #[test]

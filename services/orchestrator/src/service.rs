@@ -15,6 +15,12 @@
 //! | `bridge-history` | `cyrene.bridge.session.history`   | `HistoryRequest` | `HistoryResponse` |
 //! | `bridge-upload`  | `cyrene.bridge.document.upload`   | `UploadRequest`  | `UploadAck` |
 //! | `turns-running`  | `cyrene.turns.running` | `RunningTurnsRequest` | `RunningTurnsResponse` |
+//! | `approve`        | `cyrene.session.approve`          | `ApproveRequest`   | `ApproveResponse`   |
+//! | `approvals`      | `cyrene.session.approvals`        | `ApprovalsRequest` | `ApprovalsResponse` |
+//! | `person-approve` | `cyrene.person.*.session.approve` | `ApproveRequest`   | `ApproveResponse`   |
+//! | `person-approvals` | `cyrene.person.*.session.approvals` | `ApprovalsRequest` | `ApprovalsResponse` |
+//! | `bridge-approve` | `cyrene.bridge.session.approve`   | `ApproveRequest`   | `ApproveResponse`   |
+//! | `bridge-approvals` | `cyrene.bridge.session.approvals` | `ApprovalsRequest` | `ApprovalsResponse` |
 //! | `upload`   | `cyrene.document.upload`  | `UploadRequest`  | `UploadAck`       |
 //! | `read`     | `cyrene.document.read`    | `ReadRequest`    | `ReadResponse`    |
 //! | `memory_read`   | `cyrene.memory.read`   | `MemoryReadRequest`   | `MemoryReadResponse` |
@@ -29,17 +35,21 @@
 //!   subject's caller may touch it ([`crate::people::may_touch`]): a person their own sessions,
 //!   the shared subjects the sessions of nobody in particular; the bridge subjects the owner's
 //!   ([`crate::identity`]).
+//! - The approval endpoints follow the same rule, but answer `not_found` where the others say
+//!   `forbidden` (crate::approvals).
 //! - Only `bridge-send` takes a third party's `sender_name` or `env.restricted`
 //!   ([`crate::identity::speaker`]).
 //! - `turns-running` is read-only and names sessions of every person: only the operator's NATS
 //!   user may publish on its subject (deploy/nats/users.conf, docs/security.md).
 
+use crate::approvals::hide_forbidden;
 use crate::engine::Engine;
 use crate::identity::{self, Caller};
 use crate::memory::MemoryStore;
 use crate::{Error, SERVICE_NAME, people};
 use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
 use cyrene_bus::service::ServeOptions;
+use cyrene_protocol::approval::{ApprovalsRequest, ApproveRequest};
 use cyrene_protocol::document::{self, ReadRequest, UploadRequest};
 use cyrene_protocol::memory as mem;
 use cyrene_protocol::session::{HistoryRequest, SendRequest, SessionListRequest};
@@ -104,6 +114,28 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
     let bridge_upload = with_state(engine, |e, req: UploadRequest, _| async move {
         identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)?;
         e.documents().upload(req).await
+    });
+    let approve = || {
+        with_state(engine, |e, req: ApproveRequest, ctx| async move {
+            people::may_touch(&ctx.subject, &req.session_id).map_err(hide_forbidden)?;
+            e.approve(req, Caller::of(&ctx.subject)).await
+        })
+    };
+    let approvals = || {
+        with_state(engine, |e, req: ApprovalsRequest, ctx| async move {
+            people::may_touch(&ctx.subject, &req.session_id).map_err(hide_forbidden)?;
+            e.approvals(req).await
+        })
+    };
+    let bridge_approve = with_state(engine, |e, req: ApproveRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)
+            .map_err(hide_forbidden)?;
+        e.approve(req, Caller::Bridge).await
+    });
+    let bridge_approvals = with_state(engine, |e, req: ApprovalsRequest, _| async move {
+        identity::bridge_may_touch(e.config().owner.as_deref(), &req.session_id)
+            .map_err(hide_forbidden)?;
+        e.approvals(req).await
     });
     let person_send = subjects::person_all(subjects::PERSON_SESSION_SEND);
     let person_history = subjects::person_all(subjects::PERSON_SESSION_HISTORY);
@@ -175,6 +207,28 @@ fn endpoints<M: MemoryStore + 'static>(engine: &Arc<Engine>, memory: &Arc<M>) ->
             "bridge-upload",
             subjects::BRIDGE_DOCUMENT_UPLOAD,
             bridge_upload,
+        ),
+        Endpoint::json("approve", subjects::SESSION_APPROVE, approve()),
+        Endpoint::json("approvals", subjects::SESSION_APPROVALS, approvals()),
+        Endpoint::json(
+            "person-approve",
+            subjects::person_all(subjects::PERSON_SESSION_APPROVE),
+            approve(),
+        ),
+        Endpoint::json(
+            "person-approvals",
+            subjects::person_all(subjects::PERSON_SESSION_APPROVALS),
+            approvals(),
+        ),
+        Endpoint::json(
+            "bridge-approve",
+            subjects::BRIDGE_SESSION_APPROVE,
+            bridge_approve,
+        ),
+        Endpoint::json(
+            "bridge-approvals",
+            subjects::BRIDGE_SESSION_APPROVALS,
+            bridge_approvals,
         ),
         Endpoint::json(
             "turns-running",

@@ -138,6 +138,9 @@ pub struct ApprovalsResponse {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PendingCall {
+    /// The step whose tool batch holds the call: a decision binds to it, so a model that
+    /// repeats a call id in a later step of the turn is asked again.
+    pub step: u32,
     pub call_id: String,
     pub tool: String,
     #[serde(default)]
@@ -150,6 +153,9 @@ pub struct PendingCall {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CallDecision {
+    /// The step of the call's batch ([`PendingCall::step`]): the worker applies the decision
+    /// only to that batch.
+    pub step: u32,
     pub call_id: String,
     pub decision: Decision,
     pub reason: Option<String>,

@@ -80,6 +80,11 @@ pub struct CheckpointState {
     /// person, and it never decides a resume.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub guard_reason: String,
+    /// The call ids of the row's tool batch that were never sent: they waited for a person's
+    /// approval (stop reason `awaiting_approval`, docs/reliability.md, "Approval"). Any other
+    /// call of a started batch without a result may have run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unsent: Vec<String>,
 }
 
 /// [`CheckpointState`] borrowed: encodes to the same JSON without copying the window. With
@@ -101,6 +106,8 @@ pub struct CheckpointStateRef<'a> {
     pub steered_ids: &'a [String],
     #[serde(skip_serializing_if = "str::is_empty")]
     pub guard_reason: &'a str,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    pub unsent: &'a [String],
 }
 
 /// `cyrene.checkpoint.latest` request.
@@ -284,6 +291,7 @@ mod tests {
             turn_id: "t1".into(),
             steered_ids: vec![],
             guard_reason: String::new(),
+            unsent: vec!["c2".into()],
         };
         let borrowed = CheckpointStateRef {
             step: state.step,
@@ -294,6 +302,7 @@ mod tests {
             turn_id: &state.turn_id,
             steered_ids: &state.steered_ids,
             guard_reason: &state.guard_reason,
+            unsent: &state.unsent,
         };
         assert_eq!(
             serde_json::to_value(borrowed).unwrap(),

@@ -220,7 +220,8 @@ mod tests {
             "message_ids":["m1"],"base_seq":7,"notice":{"step":2},"max_steps":8,
             "deadline_unix_ms":1700000000000u64,"tools":["current_time"],"leg_id":"l1",
             "ask_chain":["hoshi","cyrene"],"approval":["send_email"],
-            "decisions":[{"call_id":"c1","decision":"approve","decided_by":"operator"}],
+            "decisions":[{"step":2,"call_id":"c1","decision":"approve",
+                "decided_by":"operator"}],
             "attempt_base":3,
             "guard":{"subject":"cyrene.guard.p","timeout_ms":500,"fail":"open","message":"no"}});
         let job: TurnJob = serde_json::from_value(doc.clone()).unwrap();

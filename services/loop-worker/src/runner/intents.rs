@@ -25,6 +25,18 @@
 //!   called. The one call this module makes again in a live attempt (after a lost reply) is
 //!   preceded by a fenced save.
 //!
+//! - **Approval before a gated call** (docs/reliability.md, "Approval"). A call that needs a
+//!   person's approval (the job's `approval` list, or the tool's `cyrene.tool.approval` =
+//!   `required`) and has no decision on the job for its step holds the *whole* batch: the row
+//!   is saved as `awaiting_approval` with the calls never sent (`unsent`: all of a fresh
+//!   batch), nothing is sent, and the turn ends its job with an `awaiting_approval` completion.
+//!   The job that continues it carries the decisions: a denied call gets [`denial`] as its
+//!   result without being sent; before an approved call (or any other call of the batch) goes
+//!   out, the row is saved again as `tool_calls_started` with no `unsent` call, so from then
+//!   on the rule above holds (a crash after it never runs a not-idempotent call twice).
+//! - **Decisions bind to their batch.** A decision applies only to the call of that id in the
+//!   batch of its step; a call that may already have run is never held again.
+//!
 //! # Pitfalls
 //! - A batch of only read-only calls (`current_time`) and calls answered without being sent
 //!   (undecodable arguments) records no intent: running it again changes nothing, so such a step
@@ -39,6 +51,7 @@ use super::{Exit, Turn};
 use crate::ports::{Idempotence, ToolOutput, TurnPorts};
 use crate::resume::stop_reason;
 use cyrene_protocol::ErrorCode;
+use cyrene_protocol::approval::{CallDecision, Decision, PendingCall};
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::session::SessionEventType;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,6 +60,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub const OUTCOME_UNKNOWN: &str = "The outcome of this tool call is unknown: the runtime stopped \
 (or lost the tool's reply) while the tool was running, so it may or may not have taken effect. \
 It was not run again; check whether it took effect before calling it again.";
+
+/// The result a call gets when a person denied it (then `Reason: …` when one was given).
+pub const DENIED: &str = "This tool call was not approved, so it did not run.";
+/// The result a call gets when nobody decided before its deadline.
+pub const DENIED_BY_DEADLINE: &str =
+    "Nobody approved this tool call before its deadline, so it did not run.";
 
 /// How many times an intent save is tried before the job is handed back.
 const INTENT_SAVE_TRIES: usize = 3;
@@ -59,8 +78,10 @@ pub(super) struct Batch {
     /// Results recorded before this delivery (a resumed batch), in any order.
     pub recorded: Vec<Message>,
     /// Found started in the store: its intent is already durable, and a call without a
-    /// recorded result may have run.
+    /// recorded result may have run (unless `unsent` names it).
     pub resumed: bool,
+    /// The calls of a resumed batch known never to have been sent (they waited for approval).
+    pub unsent: Vec<String>,
 }
 
 impl Batch {
@@ -71,14 +92,28 @@ impl Batch {
             calls,
             recorded: Vec::new(),
             resumed: false,
+            unsent: Vec::new(),
         }
+    }
+
+    /// Whether `call` may have been sent before this delivery: a resumed batch's call that
+    /// no row says was never sent.
+    fn may_have_run(&self, call: &ToolCall) -> bool {
+        self.resumed && !self.unsent.contains(&call.id)
+    }
+
+    fn recorded(&self, call: &ToolCall) -> Option<&Message> {
+        self.recorded.iter().find(|m| m.tool_call_id == call.id)
     }
 }
 
 /// Splits a window resumed from a started row into the window before the batch and the batch
 /// (its last tool-call message, the results after it). `None` for the batch when the window holds
-/// no tool-call message.
-pub(super) fn split_started(mut window: Vec<Message>) -> (Vec<Message>, Option<Batch>) {
+/// no tool-call message. `unsent`: the row's calls known never to have been sent.
+pub(super) fn split_started(
+    mut window: Vec<Message>,
+    unsent: Vec<String>,
+) -> (Vec<Message>, Option<Batch>) {
     let at = window.iter().rposition(|m| {
         m.role == Role::Assistant && m.content.iter().any(|p| matches!(p, Part::ToolCall { .. }))
     });
@@ -116,6 +151,7 @@ pub(super) fn split_started(mut window: Vec<Message>) -> (Vec<Message>, Option<B
         calls,
         recorded,
         resumed: true,
+        unsent,
     };
     (window, Some(batch))
 }
@@ -147,26 +183,79 @@ impl<P: TurnPorts> Turn<'_, P> {
                 None => self.ports.tool_idempotence(&call.name),
             })
             .collect();
-        self.window.push(batch.assistant);
-        if !batch.resumed && kinds.iter().any(|k| *k != Idempotence::ReadOnly) {
-            self.record_intent(step).await?;
+        // Approval: a gated call without a decision holds the whole batch; a denied one gets
+        // its denial without being sent.
+        let mut waiting = Vec::new();
+        let mut denied = Vec::new();
+        for call in &batch.calls {
+            if call.args_error.is_some()
+                || batch.recorded(call).is_some()
+                || batch.may_have_run(call)
+                || !self.needs_approval(&call.name)
+            {
+                continue;
+            }
+            match self.decision(step, &call.id) {
+                Some(d) if d.decision == Decision::Approve => {}
+                Some(d) => denied.push(denial(call, d)),
+                None => waiting.push(PendingCall {
+                    step,
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    arguments: call.args.clone(),
+                }),
+            }
+        }
+        let never_sent: Vec<String> = batch
+            .calls
+            .iter()
+            .filter(|c| batch.recorded(c).is_none() && !batch.may_have_run(c))
+            .map(|c| c.id.clone())
+            .collect();
+        self.window.push(batch.assistant.clone());
+        if !waiting.is_empty() {
+            self.unsent = never_sent;
+            self.save_before_calls(step, stop_reason::AWAITING_APPROVAL, &batch.recorded)
+                .await?;
+            tracing::info!(turn = %self.job.turn_id, step, calls = waiting.len(),
+                "tool calls wait for approval; the job ends");
+            return Err(Exit::AwaitingApproval(waiting));
         }
         let plans: Vec<Plan> = batch
             .calls
             .iter()
             .zip(&kinds)
-            .map(
-                |(call, kind)| match batch.recorded.iter().find(|m| m.tool_call_id == call.id) {
+            .map(|(call, kind)| {
+                let done = batch
+                    .recorded(call)
+                    .or_else(|| denied.iter().find(|m| m.tool_call_id == call.id));
+                match done {
                     Some(result) => Plan::Recorded(result.clone()),
-                    None if batch.resumed && *kind == Idempotence::NotIdempotent => Plan::Unknown,
+                    None if batch.may_have_run(call) && *kind == Idempotence::NotIdempotent => {
+                        Plan::Unknown
+                    }
                     None => Plan::Run,
-                },
-            )
+                }
+            })
             .collect();
+        // The results known before any call goes out: recorded, or denied.
+        let known: Vec<Message> = batch.recorded.iter().chain(&denied).cloned().collect();
+        let sends = plans
+            .iter()
+            .zip(&kinds)
+            .any(|(plan, kind)| matches!(plan, Plan::Run) && *kind != Idempotence::ReadOnly);
+        // The intent: a fresh batch's, or a resumed one's whose calls were held for approval
+        // (the row says they were never sent; from now on they may be).
+        if sends && (!batch.resumed || !batch.unsent.is_empty()) {
+            self.unsent.clear();
+            self.save_before_calls(step, stop_reason::TOOL_CALLS_STARTED, &known)
+                .await?;
+        }
+        self.unsent.clear();
         let running = AtomicUsize::new(plans.iter().filter(|p| matches!(p, Plan::Run)).count());
         // The results so far (recorded first, then in the order they return); held while a
         // record is saved, so records go one at a time.
-        let results = tokio::sync::Mutex::new(batch.recorded.clone());
+        let results = tokio::sync::Mutex::new(known);
         let stale = AtomicBool::new(false);
         let context = self.tool_context();
         let this = &*self;
@@ -214,15 +303,35 @@ impl<P: TurnPorts> Turn<'_, P> {
         Ok(messages)
     }
 
-    /// Saves the step as `tool_calls_started` with its tool-call message (the last of the
-    /// window). A failure other than `conflict` is tried again a few times, then the job is
-    /// handed back: no call goes out without its intent.
-    async fn record_intent(&mut self, step: u32) -> Result<(), Exit> {
+    /// Whether a call of `name` waits for a person's approval: the persona's list or the
+    /// tool's own metadata says so.
+    fn needs_approval(&self, name: &str) -> bool {
+        self.job.approval.iter().any(|t| t == name) || self.ports.tool_approval(name)
+    }
+
+    /// The job's decision on call `call_id` of the batch of `step`.
+    fn decision(&self, step: u32, call_id: &str) -> Option<&CallDecision> {
+        self.job
+            .decisions
+            .iter()
+            .find(|d| d.step == step && d.call_id == call_id)
+    }
+
+    /// Saves the step as `stop` (`tool_calls_started`: the intent; `awaiting_approval`) with
+    /// its tool-call message (the last of the window) and the results `known` so far. A failure
+    /// other than `conflict` is tried again a few times, then the job is handed back: no call
+    /// goes out without its intent, and no turn waits for approval without its row.
+    async fn save_before_calls(
+        &mut self,
+        step: u32,
+        stop: &str,
+        known: &[Message],
+    ) -> Result<(), Exit> {
         let from = self.stored.unwrap_or(self.seed).min(self.window.len());
         let mut pauses = cyrene_bus::retry::REPORT.delays();
         let mut tries = 0;
         loop {
-            let checkpoint = self.checkpoint(step, stop_reason::TOOL_CALLS_STARTED, "");
+            let checkpoint = self.checkpoint_with(step, stop, "", known);
             tries += 1;
             match self.ports.save_checkpoint(checkpoint).await {
                 // The step's later saves rewrite this row from the same point.
@@ -288,6 +397,7 @@ impl<P: TurnPorts> Turn<'_, P> {
     async fn outcome_unknown(&self, step: u32, call: &ToolCall) {
         tracing::warn!(turn = %self.job.turn_id, step, call = %call.id, tool = %call.name,
             "tool call outcome unknown; it is not run again");
+        metrics::counter!("cyrene_tool_outcome_unknown_total").increment(1);
         self.event(SessionEventType::ToolOutcomeUnknown, |e| {
             e.at_step = Some(step);
             e.call_id = Some(call.id.clone());
@@ -296,6 +406,17 @@ impl<P: TurnPorts> Turn<'_, P> {
         })
         .await;
     }
+}
+
+/// The deterministic result of a denied call: [`DENIED`] (with the reason, when one was given)
+/// or [`DENIED_BY_DEADLINE`].
+pub(super) fn denial(call: &ToolCall, decision: &CallDecision) -> Message {
+    let text = match (&decision.reason, decision.decided_by.as_str()) {
+        (_, cyrene_protocol::approval::DECIDED_BY_DEADLINE) => DENIED_BY_DEADLINE.to_owned(),
+        (Some(reason), _) => format!("{DENIED} Reason: {reason}"),
+        (None, _) => DENIED.to_owned(),
+    };
+    super::tool_message(call, ToolOutput::error(text))
 }
 
 /// The deterministic result of a call whose outcome is unknown.

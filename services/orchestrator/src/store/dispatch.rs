@@ -2,8 +2,11 @@
 //! finds the running turns never confirmed (docs/orchestrator.md, "Turn jobs").
 //!
 //! # Invariants
-//! - `dispatched` only goes from 0 to 1; republishing is safe because JetStream drops a
-//!   duplicate by its `Nats-Msg-Id` (the turn id).
+//! - `dispatched` only goes from 0 to 1 for one job of a turn; republishing is safe because
+//!   JetStream drops a duplicate by its `Nats-Msg-Id` (the turn id; `<turn_id>.<n>` for the
+//!   job that continues it after approvals, `store/approvals.rs`, which sets it back to 0).
+//! - A mark names the job by that id, so a late mark of a turn's earlier job never confirms
+//!   the job that continues it.
 //! - Marks are written in groups: one writer at a time takes every mark waiting (at most
 //!   [`MOST_MARKS`]) and writes them in one statement; each caller is answered after the commit
 //!   that holds its mark. A mark that is never written (a crash, an outage) only lets the
@@ -49,12 +52,13 @@ impl Drop for StopWriting<'_> {
 
 impl Store {
     /// Marks a turn's job as published (JetStream acknowledged it), with whatever other marks
-    /// are waiting; returns once the mark is committed.
-    pub async fn mark_dispatched(&self, turn_id: &str) -> Result<(), StoreError> {
+    /// are waiting; returns once the mark is committed. `msg_id` is the job's `Nats-Msg-Id`
+    /// ([`super::job_msg_id`]).
+    pub async fn mark_dispatched(&self, msg_id: &str) -> Result<(), StoreError> {
         let (done, written) = oneshot::channel();
         let start_writer = {
             let mut state = self.marks.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.waiting.push((turn_id.to_owned(), done));
+            state.waiting.push((msg_id.to_owned(), done));
             !std::mem::replace(&mut state.writing, true)
         };
         if start_writer {
@@ -102,17 +106,22 @@ impl Store {
         }
     }
 
-    /// `dispatched = 1` for every turn in `ids`, one statement.
+    /// `dispatched = 1` for the job of every `Nats-Msg-Id` in `ids`, one statement.
     async fn mark_many(&self, ids: &[&str]) -> Result<(), StoreError> {
-        let list = (1..=ids.len())
-            .map(|i| format!("${i}"))
+        let list = (0..ids.len())
+            .map(|i| format!("(turn_id = ${} AND resumes = ${})", 2 * i + 1, 2 * i + 2))
             .collect::<Vec<_>>()
-            .join(", ");
-        let sql = format!("UPDATE orch_turns SET dispatched = 1 WHERE turn_id IN ({list})");
+            .join(" OR ");
+        let sql = format!("UPDATE orch_turns SET dispatched = 1 WHERE {list}");
         // Only numbered placeholders are formatted in; the ids are bound.
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for id in ids {
-            query = query.bind(*id);
+            // `<turn_id>.<n>`; a turn id itself holds no dot.
+            let (turn_id, resumes) = match id.split_once('.') {
+                Some((turn_id, n)) => (turn_id, n.parse::<i64>().unwrap_or(-1)),
+                None => (*id, 0),
+            };
+            query = query.bind(turn_id).bind(resumes);
         }
         query.execute(&self.pool).await?;
         Ok(())
@@ -127,7 +136,8 @@ impl Store {
     }
 
     /// [`Store::undispatched`] as seen at `now_ms` (Unix milliseconds): a turn is the sweeper's
-    /// once `older_than` has passed since its creation, not a millisecond before. The cutoff is
+    /// once `older_than` has passed since its creation (a turn continued after its approvals:
+    /// since it was continued), not a millisecond before. A turn waiting for approval never is. The cutoff is
     /// wall time compared in SQL, so the clock is a parameter here for its test.
     pub(crate) async fn undispatched_at(
         &self,
@@ -137,8 +147,9 @@ impl Store {
         let cutoff =
             now_ms.saturating_sub(i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX));
         Ok(sqlx::query_as(
-            "SELECT turn_id, job FROM orch_turns \
-             WHERE dispatched = 0 AND status = 'running' AND created_at <= $1 \
+            "SELECT turn_id, job, resumes FROM orch_turns \
+             WHERE dispatched = 0 AND status = 'running' AND awaiting_since IS NULL \
+             AND (CASE WHEN resumes = 0 THEN created_at ELSE updated_at END) <= $1 \
              ORDER BY created_at LIMIT 100",
         )
         .bind(cutoff)

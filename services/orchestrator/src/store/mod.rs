@@ -48,6 +48,7 @@
 //! (the job itself is decided by [`crate::job`], without SQL), the transcript in `history.rs`
 //! and the dispatch bookkeeping in `dispatch.rs`.
 
+mod approvals;
 mod complete;
 mod dispatch;
 mod history;
@@ -55,6 +56,7 @@ mod send;
 mod start;
 mod steer;
 
+pub use approvals::{ApprovalRow, Awaited, CallRef, Decided, NewDecision};
 pub use crate::job::JobSettings;
 use crate::job::{JobError, Pending};
 use cyrene_protocol::message::Message;
@@ -145,6 +147,26 @@ pub struct NewTurn {
     pub message_ids: Vec<String>,
     /// The exact `TurnJob` JSON to publish.
     pub job: String,
+    /// How many times the turn was continued after its approvals (0: its first job).
+    pub resumes: i64,
+}
+
+impl NewTurn {
+    /// The job's `Nats-Msg-Id` ([`job_msg_id`]).
+    pub fn msg_id(&self) -> String {
+        job_msg_id(&self.turn_id, self.resumes)
+    }
+}
+
+/// The `Nats-Msg-Id` of a turn's job: the turn id for its first job, `<turn_id>.<n>` for the
+/// job that continues it after its `n`th round of approvals. Each is published (and
+/// republished by the sweeper) under its own id, so JetStream's duplicate window drops a
+/// repeat of one job but never the job that continues the turn.
+pub fn job_msg_id(turn_id: &str, resumes: i64) -> String {
+    match resumes {
+        0 => turn_id.to_owned(),
+        n => format!("{turn_id}.{n}"),
+    }
 }
 
 /// What `send` did.
@@ -197,6 +219,7 @@ pub struct Completed {
 pub struct Undispatched {
     pub turn_id: String,
     pub job: String,
+    pub resumes: i64,
 }
 
 /// Progress of a live leg, for the parallel notice: `(step, tool names)`.

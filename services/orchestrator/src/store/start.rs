@@ -149,6 +149,7 @@ impl Store {
             leg_id,
             message_ids,
             job: job_json,
+            resumes: 0,
         })
     }
 }

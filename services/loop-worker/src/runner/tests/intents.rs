@@ -88,6 +88,7 @@ fn started_row(step: u32, calls: &[(&str, &str)], recorded: &[&str]) -> Checkpoi
         turn_id: "t1".into(),
         steered_ids: vec![],
         guard_reason: Default::default(),
+        unsent: Vec::new(),
     };
     Checkpoint {
         id: checkpoint_id("s1", Some("t1"), step),
