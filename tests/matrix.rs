@@ -12,7 +12,7 @@ use cyrene_matrix_bridge::approval;
 use cyrene_matrix_bridge::rooms::{self, RoomKind};
 use cyrene_matrix_bridge::ruma;
 use cyrene_model_gateway::providers::scripted::RequestLog;
-use cyrene_protocol::approval::Decision;
+use cyrene_protocol::approval::{ApprovalsRequest, ApprovalsResponse, Decision};
 use cyrene_protocol::message::{Part, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse};
 use cyrene_protocol::subjects;
@@ -476,5 +476,136 @@ async fn the_owner_approves_in_a_room_and_a_third_party_cannot() {
         state["sessions"][&session]["asked"],
         serde_json::json!(["c3"]),
         "what was asked is kept until decided"
+    );
+}
+
+/// The call id an approval notice names: `… run <tool> (<call_id>) with …`.
+fn asked_call(notice: &str, tool: &str) -> String {
+    let rest = notice
+        .strip_prefix(&format!("Cyrene wants to run {tool} ("))
+        .unwrap_or_else(|| panic!("not a notice about {tool}: {notice}"));
+    rest.split_once(") with ").unwrap().0.to_owned()
+}
+
+/// Issue 35 end to end, with the real orchestrator and worker (the persona asks for approval of
+/// every `count` call): the turn stops at the call and the bridge asks in the room; the owner's
+/// `approve <call>` runs the tool and her answer arrives; in a group a third party's
+/// `approve <call>` decides nothing (the call still waits, the tool has not run), and the
+/// owner's reply `deny …` to the notice gives the model the denial and its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_approves_a_tool_call_from_matrix() {
+    let synapse = Synapse::start().await;
+    let bot = synapse.person("cyrene").await;
+    let alice = synapse.person("alice").await;
+    let ming = synapse.person("ming").await;
+    let world = world().await;
+    let data = tempfile::tempdir().unwrap();
+    let _bridge = bridge(&world, &synapse, data.path()).await;
+
+    let dm = alice.create_room(&[&bot.id], true).await;
+    alice.say(&dm, "count please", &[]).await;
+    let said = alice.wait_for(&dm, &bot.id, 1, "the bridge asks").await;
+    let call = asked_call(&said[0], "count");
+    assert_eq!(
+        said[0],
+        approval::request_text("count", &call, &serde_json::Map::new())
+    );
+    assert!(world.tools.ids_of("count").is_empty(), "the call waits");
+    alice.say(&dm, &format!("approve {call}"), &[]).await;
+    let said = alice
+        .wait_for(&dm, &bot.id, 3, "the answer after the approval")
+        .await;
+    assert!(
+        said.contains(&format!("Approved {call}, by the owner here.")),
+        "{said:?}"
+    );
+    assert!(
+        said.iter().any(|s| s.starts_with("counted: count ran as")),
+        "{said:?}"
+    );
+    assert_eq!(
+        world.tools.ids_of("count").len(),
+        1,
+        "run once, after the approval"
+    );
+
+    // A group: ming's "approve" decides nothing; the owner's reply to the notice denies.
+    let group = alice.create_room(&[&bot.id, &ming.id], false).await;
+    ming.join(&group).await;
+    alice.wait_joined(&group, &bot.id).await;
+    ming.say(&group, "count for me", &[&bot.id]).await;
+    let said = bot_said(&alice, &group, &bot, 1, "the bridge asks in the group").await;
+    let (notice, call) = (said[0].0.clone(), asked_call(&said[0].1, "count"));
+    ming.say(&group, &format!("approve {call}"), &[]).await;
+    let group_session = rooms::session_id("alice", group.as_str(), RoomKind::Group);
+    let list = ApprovalsRequest {
+        session_id: group_session.clone(),
+    };
+    // ming's line is stored (context only) while the call still waits
+    let history = HistoryRequest {
+        session_id: group_session.clone(),
+        limit: None,
+        before_seq: None,
+    };
+    let start = Instant::now();
+    loop {
+        let read: HistoryResponse = cyrene_bus::request_json(
+            &world.client,
+            subjects::BRIDGE_SESSION_HISTORY,
+            &history,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        let approve = format!("approve {call}");
+        if read
+            .messages
+            .iter()
+            .any(|e| e.message.text_content() == approve)
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "ming's line never reached the transcript"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let listed: ApprovalsResponse = cyrene_bus::request_json(
+        &world.client,
+        subjects::BRIDGE_SESSION_APPROVALS,
+        &list,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(listed.approvals.len(), 1);
+    assert_eq!(
+        listed.approvals[0].decision, None,
+        "a third party decides nothing"
+    );
+    assert_eq!(world.tools.ids_of("count").len(), 1, "the tool has not run");
+
+    alice
+        .send(&group, reply_to(&notice, "deny not for strangers"))
+        .await;
+    let said = alice
+        .wait_for(&group, &bot.id, 3, "the answer after the denial")
+        .await;
+    assert!(
+        said.contains(&format!(
+            "Denied {call}, by the owner here: not for strangers."
+        )),
+        "{said:?}"
+    );
+    assert!(
+        said.iter().any(|s| s
+            == "counted: This tool call was not approved, so it did not run. Reason: not for strangers"),
+        "{said:?}"
+    );
+    assert_eq!(
+        world.tools.ids_of("count").len(),
+        1,
+        "a denied call never runs"
     );
 }

@@ -388,3 +388,40 @@ scenario("a message from another tab under \"a parallel leg\" runs beside the tu
   await other.context().close();
   await tab.context().close();
 });
+
+scenario("a tool call that needs approval waits for it: Approve runs it, Deny tells the model why", async () => {
+  const page = await newPage({ viewport: { width: 1000, height: 760 } });
+  await loggedIn(page, "alice"); // a new session
+  // the offline demo's send_postcard declares cyrene.tool.approval = required
+  await sendMessage(page, "Send a postcard to Grandma, please");
+  const pending = page.locator('.approval[data-state="pending"]');
+  await pending.waitFor({ timeout: WAIT });
+  const card = page.getByRole("region", { name: "approval of send_postcard" });
+  assert.equal(await card.locator(".approval-tool").innerText(), "send_postcard");
+  // its arguments (the demo puts markup in them) are text
+  assert.equal(JSON.parse(await card.locator("pre.args").innerText()).to, "Grandma <img src=x onerror=alert(1)>");
+  assert.equal(await page.locator(FINAL).count(), 0, "the turn waits: no answer yet");
+  await card.getByRole("button", { name: "Approve" }).click();
+  await card.getByRole("status").filter({ hasText: "Approved by you" }).waitFor({ timeout: WAIT });
+  await answered(page, "a postcard is on its way to Grandma");
+  await page.locator("details.tool pre.result", { hasText: "a postcard is on its way" }).first().waitFor({ state: "attached", timeout: WAIT });
+
+  // Deny, with a reason: the tool does not run, the model is told why
+  await sendMessage(page, "One more postcard, please");
+  await pending.waitFor({ timeout: WAIT });
+  await pending.getByLabel("Reason for a denial (optional)").fill("one is enough");
+  await pending.getByRole("button", { name: "Deny" }).click();
+  const denied = page.locator('.approval[data-state="deny"]');
+  await denied.getByRole("status").filter({ hasText: "Denied by you — one is enough" }).waitFor({ timeout: WAIT });
+  const turn = await answered(page, "was not approved");
+  assert.match(await turn.locator(".answer").innerText(), /This tool call was not approved, so it did not run\. Reason: one is enough/);
+  assert.equal(await page.locator(".approval").count(), 2);
+
+  // a reload shows no card waiting any more: both were decided
+  await page.reload();
+  await loggedIn(page, "alice", new globalThis.URL(page.url()).hash);
+  await answered(page, "was not approved");
+  assert.equal(await page.locator('.approval[data-state="pending"]').count(), 0);
+  await inert(page);
+  await page.context().close();
+});
