@@ -705,7 +705,7 @@ async fn step_parts(real: &Real, window: usize) -> (f64, f64, f64, f64) {
         ..Default::default()
     };
     // Streamed the way the worker streams: through one shared reply subscription.
-    let inbox = cyrene_bus::model_stream::StreamInbox::new(real.client.clone());
+    let inbox = cyrene_model_client::StreamInbox::new(real.client.clone());
     let (mut plain, mut streamed) = (Vec::new(), Vec::new());
     for i in 0..400 {
         let call = timed_request::<cyrene_protocol::model::ModelResponse>(

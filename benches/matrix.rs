@@ -87,7 +87,7 @@ async fn main() {
         data.path(),
     );
     config.password = Some(cyrene_matrix_bridge::Secret::new("pw-cyrene"));
-    let health = cyrene_bus::health::global();
+    let health = cyrene_runtime::health::global();
     health.set(cyrene_matrix_bridge::SERVICE_NAME, false);
     let shutdown = CancellationToken::new();
     tokio::spawn(cyrene_matrix_bridge::run(

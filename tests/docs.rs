@@ -273,12 +273,12 @@ fn queried_series(promql: &str) -> Vec<String> {
 }
 
 /// Issue 37: deploy/grafana/cyrene.json and deploy/prometheus/cyrene-rules.yml query only series
-/// the binaries export (`cyrene_bus::health::SERIES`, which every binary describes and
+/// the binaries export (`cyrene_runtime::health::SERIES`, which every binary describes and
 /// tests/health.rs finds in `/metrics`) and docs/operations.md documents; the rules pass
 /// `promtool check rules` (Prometheus' own checker, from Debian: scripts/promtool.sh).
 #[test]
 fn the_dashboard_and_the_alert_rules_query_only_exported_series() {
-    let exported: Vec<&str> = cyrene_bus::health::SERIES
+    let exported: Vec<&str> = cyrene_runtime::health::SERIES
         .iter()
         .map(|(name, _, _)| *name)
         .collect();

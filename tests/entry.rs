@@ -402,7 +402,7 @@ async fn an_unparsable_nats_url_exits_2_and_is_named_without_its_password() {
 #[test]
 fn every_setting_of_every_service_is_a_flag() {
     use clap::Parser;
-    use cyrene_bus::entry::ServiceArgs;
+    use cyrene_runtime::entry::ServiceArgs;
     let s = Duration::from_secs;
     let dir = tempfile::tempdir().unwrap();
 

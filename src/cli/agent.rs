@@ -40,7 +40,7 @@ pub async fn run(client: Client, args: AgentArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     eprintln!("cyrene: agent {:?} is listening (Ctrl-C to stop)", args.id);
-    cyrene_bus::signal::signalled().await;
+    cyrene_runtime::signal::signalled().await;
     handle.stop().await;
     Ok(())
 }

@@ -201,7 +201,7 @@ pub async fn chat(client: Client, args: ChatArgs) -> Result<(), CliError> {
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     loop {
         let line = tokio::select! {
-            _ = cyrene_bus::signal::signalled() => break,
+            _ = cyrene_runtime::signal::signalled() => break,
             line = lines.next_line() => line,
         };
         match line {

@@ -152,7 +152,7 @@ pub async fn events(client: Client, args: EventsArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::Failed(e.to_string()))?;
     let _ = client.flush().await;
-    let stop = cyrene_bus::signal::signalled();
+    let stop = cyrene_runtime::signal::signalled();
     tokio::pin!(stop);
     let mut live = super::live::LiveText::default();
     loop {

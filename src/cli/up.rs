@@ -10,11 +10,11 @@
 use super::CliError;
 use clap::Args;
 use cyrene_bus::ConnectMode;
-use cyrene_bus::entry::ServiceArgs;
 use cyrene_bus::host::{Endpoint, Host, ServiceSpec};
 use cyrene_bus::service::RequestContext;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_protocol::ErrorBody;
+use cyrene_runtime::entry::ServiceArgs;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -187,7 +187,7 @@ pub async fn run(bus: &cyrene_bus::BusArgs, args: UpArgs) -> Result<(), CliError
     if let Some(url) = web {
         eprintln!("cyrene: open {url} for the web chat");
     }
-    let stop = cyrene_bus::signal::signalled();
+    let stop = cyrene_runtime::signal::signalled();
     tokio::pin!(stop);
     let mut failed = None;
     tokio::select! {

@@ -3,7 +3,7 @@
 //! (tests build it directly).
 
 use crate::store::{DEFAULT_MAX_STATE_BYTES, StoreOptions};
-use cyrene_bus::entry::{Problems, ServiceArgs};
+use cyrene_runtime::entry::{Problems, ServiceArgs};
 pub use cyrene_sql::{Database, PoolSettings};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -102,7 +102,7 @@ pub struct ConfigError(pub String);
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// checkpoints.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]

@@ -49,7 +49,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }

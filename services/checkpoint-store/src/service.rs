@@ -60,11 +60,11 @@ pub async fn serve<S: CheckpointStore>(
     let mut host = Host::start(&client, spec, endpoints, shutdown.clone()).await?;
     // Registered, and the database opened (with its migrations) by `run`: ready while the
     // database keeps answering.
-    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
+    cyrene_runtime::health::global().set(cyrene_runtime::health::DATABASE_CHECK, true);
+    cyrene_runtime::health::global().set(SERVICE_NAME, true);
     let (s, limit) = (store.clone(), config.db_timeout);
-    host.spawn(cyrene_bus::health::watch(
-        cyrene_bus::health::DATABASE_CHECK,
+    host.spawn(cyrene_runtime::health::watch(
+        cyrene_runtime::health::DATABASE_CHECK,
         DATABASE_CHECK_EVERY,
         move || {
             let s = s.clone();

@@ -1,7 +1,7 @@
 //! The loop worker's configuration.
 
-use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
+use cyrene_runtime::entry::{Problems, ServiceArgs};
 use std::time::Duration;
 
 /// In-progress acks per `ack_wait`: one every quarter, so three can be lost or late before a
@@ -118,7 +118,7 @@ impl Config {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// Turns this process runs at once.
     #[arg(long, env = "CYRENE_WORKER_CONCURRENCY", default_value_t = 8)]
     pub concurrency: usize,

@@ -81,12 +81,12 @@ const CONSUMER_SAMPLE_EVERY: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("invalid configuration: {0}")]
-    Config(#[from] cyrene_bus::entry::Problems),
+    Config(#[from] cyrene_runtime::entry::Problems),
     #[error(transparent)]
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }
@@ -172,7 +172,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         shutdown.clone(),
     ));
     tracing::info!(consumer = %config.consumer, concurrency = config.concurrency, "loop worker running");
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
+    cyrene_runtime::health::global().set(SERVICE_NAME, true);
     worker::pull_loop(config, client.clone(), consumer, ports, shutdown.clone()).await;
     shutdown.cancel();
     host.run().await;

@@ -9,6 +9,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use cyrene_bus::request_json;
 use cyrene_checkpoint_client::{CheckpointClient, Error as CheckpointError};
+use cyrene_model_client::StreamInbox;
 use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::document::{self, ReadRequest, ReadResponse};
 use cyrene_protocol::memory::{self, MemoryReadRequest, MemoryReadResponse};
@@ -35,7 +36,7 @@ pub struct NatsPorts {
     client: Client,
     checkpoints: CheckpointClient,
     /// Every streamed model call's replies arrive on this one subscription (no SUB/UNSUB a call).
-    streams: std::sync::Arc<cyrene_bus::model_stream::StreamInbox>,
+    streams: std::sync::Arc<StreamInbox>,
     tools: Tools,
     timeouts: Timeouts,
     /// The record of PDF extractions in progress (the poison-document rule); `None` records
@@ -48,8 +49,7 @@ impl NatsPorts {
         let checkpoints = CheckpointClient::new(client.clone(), timeouts.checkpoint);
         NatsPorts {
             streams: std::sync::Arc::new(
-                cyrene_bus::model_stream::StreamInbox::new(client.clone())
-                    .with_heartbeat(GATEWAY_HEARTBEAT),
+                StreamInbox::new(client.clone()).with_heartbeat(GATEWAY_HEARTBEAT),
             ),
             client,
             checkpoints,
@@ -89,7 +89,7 @@ fn model_error(err: cyrene_bus::RequestError) -> ErrorBody {
     }
 }
 
-/// The heartbeat a streamed model call asks of the gateway; [`cyrene_bus::model_stream`] gives
+/// The heartbeat a streamed model call asks of the gateway; [`cyrene_model_client`] gives
 /// up on a replica silent for five of them (one second).
 pub const GATEWAY_HEARTBEAT: Duration = Duration::from_millis(200);
 
@@ -188,7 +188,7 @@ impl TurnPorts for NatsPorts {
             .total_timeout_ms
             .get_or_insert(timeout.as_millis() as u64);
         let wait = timeout + Duration::from_secs(1);
-        request_json(&self.client, subjects::MODEL_COMPLETE, &request, wait)
+        cyrene_model_client::complete(&self.client, &request, wait)
             .await
             .map_err(model_error)
     }

@@ -1,8 +1,8 @@
 //! Configuration of the Matrix bridge: the command line / environment ([`Args`], read only by
 //! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
 
-use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
+use cyrene_runtime::entry::{Problems, ServiceArgs};
 use ruma::OwnedUserId;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -184,7 +184,7 @@ pub enum ConfigError {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// The homeserver's base URL, e.g. https://matrix.example.org.
     #[arg(long, env = "CYRENE_MATRIX_BRIDGE_HOMESERVER")]
     pub homeserver: Option<String>,

@@ -59,7 +59,7 @@ pub enum Error {
     Http(String),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }
@@ -111,7 +111,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     tracing::info!("matrix bridge syncing");
     bridge
         .sync_loop(&shutdown, || {
-            cyrene_bus::health::global().set(SERVICE_NAME, true);
+            cyrene_runtime::health::global().set(SERVICE_NAME, true);
         })
         .await;
     shutdown.cancel();

@@ -2,8 +2,8 @@
 //! `main`), the validated [`Config`] that [`crate::run`] takes (tests build it directly), and the
 //! servers file in the `mcpServers` JSON format MCP clients share ([`Servers`], docs/tools.md).
 
-use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
+use cyrene_runtime::entry::{Problems, ServiceArgs};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -225,7 +225,7 @@ pub enum ConfigError {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// The servers file, in the mcpServers JSON format MCP clients share.
     #[arg(long, env = "CYRENE_MCP_BRIDGE_CONFIG")]
     pub config: Option<PathBuf>,

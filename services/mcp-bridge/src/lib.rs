@@ -38,7 +38,7 @@ pub enum Error {
     Config(#[from] ConfigError),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }
@@ -58,7 +58,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         .map(|(n, s)| (n.clone(), s.clone()))
         .collect();
     let waiting = Arc::new(AtomicUsize::new(servers.len()));
-    let health = cyrene_bus::health::global();
+    let health = cyrene_runtime::health::global();
     health.set(SERVICE_NAME, servers.is_empty());
     if servers.is_empty() {
         tracing::warn!("the servers file names no enabled MCP server; nothing to bridge");

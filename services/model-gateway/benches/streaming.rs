@@ -8,7 +8,7 @@
 //! - *proxy*: the same through a minimal pass-through proxy of the front door's HTTP stack
 //!   ([`common::ProxyProcess`]): the physical floor of an HTTP hop;
 //! - *NATS*: `cyrene.model.complete.stream` to a `cyrene-model-gateway` process (the real
-//!   binary), deltas on this process's inbox (`cyrene_bus::model_stream`);
+//!   binary), deltas on this process's inbox (`cyrene_model_client`);
 //! - *HTTP*: the same gateway process's OpenAI-compatible front door with `"stream": true`.
 //!
 //! Time to first token (TTFT) = request sent → first text delta in hand; the gateway's added TTFT
@@ -184,21 +184,17 @@ impl Paths {
     async fn nats(&self) -> Call {
         let started = Instant::now();
         let (mut first, mut last, mut chunks) = (None, started, 0usize);
-        let response = cyrene_bus::model_stream::complete_stream(
-            &self.nats,
-            &question(),
-            TIMEOUT,
-            |_, delta| {
+        let response =
+            cyrene_model_client::complete_stream(&self.nats, &question(), TIMEOUT, |_, delta| {
                 if let Delta::Text { .. } = delta {
                     let now = Instant::now();
                     first.get_or_insert(now);
                     last = now;
                     chunks += 1;
                 }
-            },
-        )
-        .await
-        .unwrap();
+            })
+            .await
+            .unwrap();
         let whole = started.elapsed();
         assert_eq!(response.provider, "mock");
         let first = first.expect("no delta");
@@ -270,7 +266,7 @@ async fn run() {
     // Ready when both doors answer (bounded).
     let mut ready = false;
     for _ in 0..200 {
-        let nats = cyrene_bus::model_stream::complete_stream(
+        let nats = cyrene_model_client::complete_stream(
             &paths.nats,
             &question(),
             Duration::from_millis(500),

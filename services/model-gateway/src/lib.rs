@@ -80,7 +80,7 @@ pub struct Config {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// Path to the model config (JSON, or TOML when it ends in .toml). Absent: a built-in offline
     /// config whose only provider is the scripted one (replies are marked offline).
     #[arg(long, env = "CYRENE_GATEWAY_MODELS")]
@@ -122,12 +122,12 @@ pub struct Args {
     pub http_body_budget: usize,
 }
 
-impl cyrene_bus::entry::ServiceArgs for Args {
+impl cyrene_runtime::entry::ServiceArgs for Args {
     type Config = Config;
 
     /// Reads the model config (every problem in it is listed) and the API keys it names from the
     /// environment — the only place keys are read.
-    fn into_config(self) -> Result<Config, cyrene_bus::entry::Problems> {
+    fn into_config(self) -> Result<Config, cyrene_runtime::entry::Problems> {
         let mut problems = Vec::new();
         if self.max_in_flight == 0 {
             problems.push("max_in_flight must be at least 1".to_owned());
@@ -161,7 +161,7 @@ impl cyrene_bus::entry::ServiceArgs for Args {
                 Ok(ModelsConfig::offline())
             }
         };
-        cyrene_bus::entry::Problems::check(problems)?;
+        cyrene_runtime::entry::Problems::check(problems)?;
         let models = models.unwrap_or_else(|()| ModelsConfig::offline());
         let secrets = Secrets::resolve(&models, |name| std::env::var(name).ok());
         Ok(Config {
@@ -189,7 +189,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }
@@ -450,7 +450,7 @@ pub async fn serve(
     .collect();
     let host = Host::start(&client, spec, endpoints, shutdown).await?;
     tracing::info!(subject = subjects::MODEL_COMPLETE, "model gateway serving");
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
+    cyrene_runtime::health::global().set(SERVICE_NAME, true);
     host.run().await;
     Ok(())
 }

@@ -8,8 +8,8 @@ mod common;
 
 use common::{bodies, call_records, hits};
 use cyrene_bus::RequestError;
-use cyrene_bus::model_stream::complete_stream;
 use cyrene_bus::service::ServeOptions;
+use cyrene_model_client::complete_stream;
 use cyrene_model_gateway::Gateway;
 use cyrene_model_gateway::config::{ModelsConfig, Secrets};
 use cyrene_model_gateway::providers::DeltaSink;
@@ -577,7 +577,7 @@ async fn hostile_streamed_requests_get_one_error_end_marker() {
 #[tokio::test]
 async fn a_held_view_continues_on_its_replica_with_only_what_was_added() {
     let bus = start_bus().await;
-    let inbox = cyrene_bus::model_stream::StreamInbox::new(bus.client.clone());
+    let inbox = cyrene_model_client::StreamInbox::new(bus.client.clone());
     let id = "0123456789abcdef0123";
     let view = |base| {
         Some(ViewRef {
@@ -647,7 +647,7 @@ async fn a_held_view_continues_on_its_replica_with_only_what_was_added() {
 #[tokio::test]
 async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
     let bus = start_bus().await;
-    let inbox = cyrene_bus::model_stream::StreamInbox::new(bus.client.clone());
+    let inbox = cyrene_model_client::StreamInbox::new(bus.client.clone());
     let texts = [
         "alpha beta gamma",
         "one two",
@@ -753,7 +753,7 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     )
     .await;
     let every = Duration::from_millis(50);
-    let inbox = cyrene_bus::model_stream::StreamInbox::new(client.clone()).with_heartbeat(every);
+    let inbox = cyrene_model_client::StreamInbox::new(client.clone()).with_heartbeat(every);
     let mut texts = String::new();
     let resp = inbox
         .complete_stream(&ask("take your time"), WAIT, |_, d| {
@@ -840,7 +840,7 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     match err {
         RequestError::Vanished { silent, .. } => assert_eq!(
             silent,
-            every * cyrene_bus::model_stream::FIRST_BEAT_BEATS,
+            every * cyrene_model_client::FIRST_BEAT_BEATS,
             "the first heartbeat's grace, not the call's timeout"
         ),
         other => panic!("{other:?}"),

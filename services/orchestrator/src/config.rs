@@ -2,10 +2,10 @@
 //! `main`) and the validated [`Config`] that [`crate::run`] takes (tests build it directly).
 
 use crate::personas::{Personas, PersonasError};
-use cyrene_bus::entry::{Problems, ServiceArgs};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::session::BusyPolicy;
 use cyrene_protocol::turn::DEFAULT_MAX_STEPS;
+use cyrene_runtime::entry::{Problems, ServiceArgs};
 pub use cyrene_sql::{Database, PoolSettings};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -252,7 +252,7 @@ pub enum ConfigError {
 )]
 pub struct Args {
     #[command(flatten)]
-    pub common: cyrene_bus::entry::ServiceFlags,
+    pub common: cyrene_runtime::entry::ServiceFlags,
     /// Database: postgres://user@host:port/db or sqlite://path/file.db. Default: an SQLite file
     /// orchestrator.db in the data directory.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]

@@ -31,7 +31,6 @@ use crate::Engine;
 use crate::memory::{MemoryStore, Remembered};
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use bytes::Bytes;
-use cyrene_bus::request_json;
 use cyrene_protocol::memory::{MAX_ENTRY_BYTES, MemoryExtractJob, MemorySource};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
@@ -311,14 +310,12 @@ pub async fn extract<M: MemoryStore>(
     let Some(req) = request(&job.persona, persona.memory_model.as_deref(), &window) else {
         return Outcome::Skipped;
     };
-    let reply: ModelResponse = match request_json(
+    let reply = cyrene_model_client::complete(
         engine.client(),
-        subjects::MODEL_COMPLETE,
         &req,
         MODEL_TIMEOUT + Duration::from_secs(5),
-    )
-    .await
-    {
+    );
+    let reply: ModelResponse = match reply.await {
         Ok(reply) => reply,
         Err(err) => return Outcome::Failed(err.to_string()),
     };

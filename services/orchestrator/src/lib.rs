@@ -81,7 +81,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_bus::entry::RunError for Error {
+impl cyrene_runtime::entry::RunError for Error {
     fn is_config(&self) -> bool {
         matches!(self, Error::Config(_))
     }
@@ -187,8 +187,8 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
     host.spawn(document_sweeper(engine.clone(), shutdown.clone()));
     // The database is open and every endpoint registered: ready.
-    cyrene_bus::health::global().set(cyrene_bus::health::DATABASE_CHECK, true);
-    cyrene_bus::health::global().set(SERVICE_NAME, true);
+    cyrene_runtime::health::global().set(cyrene_runtime::health::DATABASE_CHECK, true);
+    cyrene_runtime::health::global().set(SERVICE_NAME, true);
     tracing::info!(
         backend = store.backend().name(),
         agents = agents.len(),

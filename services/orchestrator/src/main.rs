@@ -1,4 +1,4 @@
-//! `cyrene-orchestrator`: the entry shape every Cyrene binary shares (`cyrene_bus::entry`):
+//! `cyrene-orchestrator`: the entry shape every Cyrene binary shares (`cyrene_runtime::entry`):
 //! flags/env → checked config → NATS → run until SIGINT/SIGTERM. Exit codes: 0 clean stop,
 //! 1 failure, 2 invalid configuration (every problem listed).
 
@@ -10,5 +10,5 @@ use std::process::ExitCode;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    cyrene_bus::entry::main::<Args, _, _, _>(SERVICE_NAME, run)
+    cyrene_runtime::entry::main::<Args, _, _, _>(SERVICE_NAME, run)
 }

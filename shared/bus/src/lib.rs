@@ -1,10 +1,17 @@
-//! NATS plumbing shared by every Cyrene service and client (docs/architecture.md §1).
+//! NATS plumbing shared by every Cyrene service and client (docs/architecture.md, crate map):
+//! talking to the bus, as a client or as a micro service.
 //!
-//! Owns: the entry shape of every service binary ([`entry`]), the one way to host a micro service
-//! and its endpoint table ([`host`]), its health and metrics listener ([`health`]), connecting from config ([`connect`]), turning typed errors into the micro error headers
-//! plus the JSON envelope ([`service`]), bounded JSON requests that decode that envelope back
-//! ([`request`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
+//! Owns: connecting from config ([`connect`]), bounded JSON requests that decode the error
+//! envelope ([`request`]), `$SRV` discovery ([`discovery`]), the one way to host a micro service
+//! and its endpoint table ([`host`]), turning typed errors into the micro error headers plus the
+//! JSON envelope and the bounded serving loop ([`service`]), the JetStream streams several
+//! services create ([`streams`]), the retry schedule of every loop that waits for the bus or a
+//! peer ([`retry`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
 //! without panicking ([`headers`]) and the payload size guard ([`guard`]).
+//!
+//! Not here: a binary's process runtime (entry, settings, signals, health and metrics) is
+//! `cyrene-runtime`; the typed model client is `cyrene-model-client`, the checkpoint client
+//! `cyrene-checkpoint-client`.
 //!
 //! # Invariants
 //! - Every request has a deadline; no helper here waits without one.
@@ -13,18 +20,12 @@
 
 pub mod connect;
 pub mod discovery;
-pub mod entry;
-pub mod env;
 pub mod guard;
 pub mod headers;
-pub mod health;
 pub mod host;
-pub mod http;
-pub mod model_stream;
 pub mod request;
 pub mod retry;
 pub mod service;
-pub mod signal;
 pub mod streams;
 pub mod trace;
 

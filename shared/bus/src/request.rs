@@ -63,7 +63,7 @@ impl RequestError {
 }
 
 /// Refuses a request of `len` bytes that `client`'s server would not accept; else its limit.
-pub(crate) fn check_outgoing(client: &Client, len: usize) -> Result<usize, RequestError> {
+pub fn check_outgoing(client: &Client, len: usize) -> Result<usize, RequestError> {
     let max = guard::max_payload(client);
     if len > max {
         return Err(RequestError::TooLarge { size: len, max });

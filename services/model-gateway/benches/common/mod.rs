@@ -152,7 +152,7 @@ pub fn block_on(bench: impl Future<Output = ()>) {
 const PROXY_ENV: &str = "CYRENE_BENCH_PROXY";
 
 /// The physical floor under the HTTP front door: a pass-through proxy on the same HTTP stack
-/// (axum served by the accept loop the door uses, `cyrene_bus::http`: hyper's HTTP/1.1 server
+/// (axum served by the accept loop the door uses, `cyrene_runtime::http`: hyper's HTTP/1.1 server
 /// with `TCP_NODELAY`; the gateway's own reqwest client upstream), in its own process like the
 /// gateway. It forwards a request's body unread to the
 /// upstream's `/chat/completions` and relays the answer: whole when it is JSON, chunk by chunk as
@@ -203,12 +203,12 @@ pub fn run_proxy_if_asked() {
         let listener = TcpListener::bind(addr).await.unwrap();
         // The accept loop the front door serves on (TCP_NODELAY, hyper's HTTP/1.1), unbounded
         // for the bench's connections.
-        let limits = cyrene_bus::http::ConnLimits {
+        let limits = cyrene_runtime::http::ConnLimits {
             max_connections: 1024,
             header_timeout: std::time::Duration::from_secs(60),
         };
         let shutdown = tokio_util::sync::CancellationToken::new();
-        cyrene_bus::http::serve_connections("proxy", listener, app, limits, shutdown).await;
+        cyrene_runtime::http::serve_connections("proxy", listener, app, limits, shutdown).await;
     });
     std::process::exit(0);
 }

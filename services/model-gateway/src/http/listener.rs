@@ -1,6 +1,6 @@
 //! The front door's connections (docs/model-gateway.md, "Limits of the front door";
 //! docs/security.md, "The HTTP front door"): its bounds, served by the bounded accept loop of
-//! `cyrene_bus::http`, so that no number of sockets a client opens can take the descriptors the
+//! `cyrene_runtime::http`, so that no number of sockets a client opens can take the descriptors the
 //! bus path needs.
 //!
 //! # Invariants
@@ -18,7 +18,7 @@
 //! - An accept that fails (`EMFILE` when the process is out of descriptors anyway) is retried
 //!   after a short pause, never a busy loop and never the end of the door.
 
-use cyrene_bus::http::ConnLimits;
+use cyrene_runtime::http::ConnLimits;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -106,7 +106,7 @@ fn soft_open_files(limits: &str) -> Option<usize> {
 
 /// Accepts connections on `listener` and serves `app` on each, within `limits`, until
 /// `shutdown`; then waits for the connections to finish their requests (the accept loop every
-/// HTTP listener of a service shares: `cyrene_bus::http`).
+/// HTTP listener of a service shares: `cyrene_runtime::http`).
 pub(super) async fn accept_loop(
     listener: TcpListener,
     app: axum::Router,
@@ -117,7 +117,7 @@ pub(super) async fn accept_loop(
         max_connections: limits.max_connections,
         header_timeout: limits.header_timeout,
     };
-    cyrene_bus::http::serve_connections("http", listener, app, connections, shutdown).await;
+    cyrene_runtime::http::serve_connections("http", listener, app, connections, shutdown).await;
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
-//! The caller's side of the streamed model call (`cyrene.model.complete.stream`,
-//! docs/model-gateway.md "Streaming"): a fresh inbox, the request published with it as the reply
-//! subject, deltas handed to the caller in `seq` order, and the end marker's response returned.
+//! Typed NATS client of the Cyrene model gateway (docs/model-gateway.md), beside
+//! `cyrene-checkpoint-client`: the plain call ([`complete`], `cyrene.model.complete`) and the
+//! caller's side of the streamed call (`cyrene.model.complete.stream`, "Streaming"): a fresh
+//! inbox, the request published with it as the reply subject, deltas handed to the caller in
+//! `seq` order, and the end marker's response returned ([`complete_stream`], [`StreamInbox`]).
 //!
 //! # Invariants
 //! - A gap in `seq` (a delta lost to a slow subscription) is an error of the call, never silently
@@ -18,10 +20,10 @@
 //!   call), so a call costs no SUB/UNSUB on the server; a call's route is removed when it
 //!   returns, however it returns, and what arrives for a finished call is dropped.
 
-use crate::request::{self, RequestError};
-use crate::{service, trace};
 use async_nats::Client;
 use async_nats::StatusCode;
+use cyrene_bus::request::{self, RequestError};
+use cyrene_bus::{service, trace};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::{Delta, HEARTBEAT_HEADER, StreamChunk};
 use cyrene_protocol::subjects;
@@ -32,6 +34,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OnceCell, mpsc};
 use tokio::time::Instant;
+
+/// One plain model call: `request` on `cyrene.model.complete`, its [`ModelResponse`] or the
+/// gateway's error, waiting at most `timeout` (give the gateway's own `total_timeout_ms` a
+/// little less).
+pub async fn complete(
+    client: &Client,
+    request: &ModelRequest,
+    timeout: Duration,
+) -> Result<ModelResponse, RequestError> {
+    cyrene_bus::request_json(client, subjects::MODEL_COMPLETE, request, timeout).await
+}
 
 /// How many heartbeat intervals of silence make a call's responder count as gone.
 pub const SILENT_BEATS: u32 = 5;
@@ -245,7 +258,7 @@ async fn exchange(
     let first = heartbeat.map(|every| every * FIRST_BEAT_BEATS);
     if let Some(every) = heartbeat {
         // A fixed name and digits: always a valid header.
-        let _ = crate::headers::insert(
+        let _ = cyrene_bus::headers::insert(
             &mut headers,
             HEARTBEAT_HEADER,
             &every.as_millis().to_string(),

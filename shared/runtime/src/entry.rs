@@ -20,8 +20,8 @@
 //! connection state) and the service's name, which the service's `run` sets once it serves;
 //! SIGINT/SIGTERM makes `/readyz` answer 503 while the service drains.
 
-use crate::{BusArgs, ConnectMode};
 use async_nats::Client;
+use cyrene_bus::{BusArgs, ConnectMode};
 use std::future::Future;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
@@ -167,7 +167,7 @@ where
             eprintln!("{service}: {err}");
             return ExitCode::FAILURE;
         }
-        let client = match crate::connect(&bus).await {
+        let client = match cyrene_bus::connect(&bus).await {
             Ok(client) => client,
             Err(err) => {
                 tracing::error!(error = %err, "cannot connect to NATS");
