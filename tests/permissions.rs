@@ -130,6 +130,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             [N, N, S, N, N, N, N, N, P, N],
         ),
         (
+            "cyrene.person.bob.session.approve",
+            "another person decides",
+            [N, N, S, N, N, N, N, N, N, P],
+        ),
+        (
             "cyrene.person.bob.session.send",
             "another person sends",
             [N, N, S, N, N, N, N, N, N, P],
@@ -151,7 +156,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         ),
         (
             "cyrene.bridge.session.approve",
-            "a chat bridge decides a call in the owner's session",
+            "a chat bridge decides a call of the owner's session",
             [N, N, S, N, N, N, N, N, N, N],
         ),
         (

@@ -7,12 +7,16 @@
 //! The browser side is `web/tests/chat.test.mjs` (node's test runner); this test starts the
 //! stack, runs it, and kills and starts nats-server again when the script asks (a line
 //! `@@kill-nats` or `@@start-nats` on its stdout, answered by a line on its stdin once done).
+//! `web/tests/approval.test.mjs` drives the approval cards against a stub of the orchestrator's
+//! approval subjects (`approval_cards_in_a_real_browser`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed expectation should fail the test
 
 mod common;
 
 use cyrene_test_support::free_port;
 
+use common::approval_stub::ApprovalStub;
+use cyrene_protocol::approval::Decision;
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::shipped::shipped_config;
 use std::path::{Path, PathBuf};
@@ -151,6 +155,37 @@ async fn cyrene_up(
     (up, url)
 }
 
+/// A browser test script of `web/tests` running under node against the page at `url`: its
+/// stdin (for the driver's answers) and its stdout lines (its output and the driver's asks).
+struct Browser {
+    node: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+fn browser(script: &str, url: &str, chromium: &Path, shots: &Path) -> Browser {
+    let mut node = Command::new("node")
+        .arg(script)
+        .current_dir(repo().join("web"))
+        .env("CYRENE_WEB_URL", url)
+        .env("CYRENE_CHROMIUM", chromium)
+        .env("CYRENE_WEB_SHOTS", shots)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdin = node.stdin.take().unwrap();
+    let lines = BufReader::new(node.stdout.take().unwrap()).lines();
+    Browser { node, stdin, lines }
+}
+
+/// Tells the script the driver did what it asked.
+async fn done(stdin: &mut tokio::process::ChildStdin) {
+    stdin.write_all(b"done\n").await.unwrap();
+    stdin.flush().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_web_chat_in_a_real_browser() {
     let chromium = chromium();
@@ -163,19 +198,11 @@ async fn the_web_chat_in_a_real_browser() {
     let (mut up, url) = cyrene_up(&server, ws_port, data.path()).await;
     demo_tool_offered(server.port()).await;
 
-    let mut node = Command::new("node")
-        .arg("tests/chat.test.mjs")
-        .current_dir(repo().join("web"))
-        .env("CYRENE_WEB_URL", &url)
-        .env("CYRENE_CHROMIUM", &chromium)
-        .env("CYRENE_WEB_SHOTS", &shots)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdin = node.stdin.take().unwrap();
-    let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
+    let Browser {
+        mut node,
+        mut stdin,
+        mut lines,
+    } = browser("tests/chat.test.mjs", &url, &chromium, &shots);
     let mut restarts = 0;
     let mut kills = 0;
     let run = tokio::time::timeout(Duration::from_secs(480), async {
@@ -191,8 +218,7 @@ async fn the_web_chat_in_a_real_browser() {
             } else {
                 continue;
             }
-            stdin.write_all(b"done\n").await.unwrap();
-            stdin.flush().await.unwrap();
+            done(&mut stdin).await;
         }
         node.wait().await.unwrap()
     })
@@ -376,4 +402,118 @@ async fn cyrene_up_answers_again_after_nats_restarts() {
         eprintln!("round {round}: answered");
     }
     common::terminate(&up);
+}
+
+/// The session of the approval test.
+const STUB_SESSION: &str = "alice.approvals";
+
+/// `cyrene web` on `ws_port`'s NATS: the page's URL.
+async fn cyrene_web(ws_port: u16) -> (tokio::process::Child, String) {
+    let mut web = Command::new(env!("CARGO_BIN_EXE_cyrene"))
+        .args(["web", "--addr", "127.0.0.1:0"])
+        .env(
+            "CYRENE_WEB_NATS_WS_URL",
+            format!("ws://127.0.0.1:{ws_port}"),
+        )
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(web.stderr.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), err.next_line())
+        .await
+        .expect("cyrene web says where it listens")
+        .unwrap()
+        .unwrap();
+    let url = line
+        .strip_prefix("cyrene: web chat at ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_owned();
+    (web, url)
+}
+
+/// Approval cards (docs/web.md, "Approvals") in a real browser, against the page's side of the
+/// contract alone (web/tests/approval.test.mjs): nats-server with the shipped users — so alice's
+/// user must be allowed `session.approve` and `.approvals` — `cyrene web`, and an
+/// [`ApprovalStub`] in place of the orchestrator (each `session.approve` body must parse as the
+/// contract's `ApproveRequest`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approval_cards_in_a_real_browser() {
+    let chromium = chromium();
+    let ws_port = free_port();
+    let server = server(ws_port);
+    let shots = repo().join("target/web-screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let stub = async_nats::ConnectOptions::new()
+        .user_and_password("cyrene-up".into(), "pw-up".into())
+        .connect(server.url())
+        .await
+        .unwrap();
+    let stub = ApprovalStub::start(stub, "cyrene.person.alice.", "person:alice").await;
+    let (web, url) = cyrene_web(ws_port).await;
+
+    let Browser {
+        mut node,
+        mut stdin,
+        mut lines,
+    } = browser("tests/approval.test.mjs", &url, &chromium, &shots);
+    let run = tokio::time::timeout(Duration::from_secs(300), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            println!("{line}");
+            let asked = line.trim_start();
+            if let Some(ask) = asked.strip_prefix("@@ask ") {
+                let ask: serde_json::Value = serde_json::from_str(ask).unwrap();
+                let (call, tool) = (
+                    ask["call_id"].as_str().unwrap(),
+                    ask["tool"].as_str().unwrap(),
+                );
+                stub.ask(STUB_SESSION, call, tool, ask["arguments"].clone())
+                    .await;
+            } else if let Some(call) = asked.strip_prefix("@@deadline ") {
+                stub.decided_elsewhere(call, Decision::Deny, "deadline");
+            } else if let Some(unknown) = asked.strip_prefix("@@unknown ") {
+                let unknown: serde_json::Value = serde_json::from_str(unknown).unwrap();
+                let (call, tool) = (
+                    unknown["call_id"].as_str().unwrap(),
+                    unknown["tool"].as_str().unwrap(),
+                );
+                stub.outcome_unknown(STUB_SESSION, call, tool, unknown["arguments"].clone())
+                    .await;
+            } else {
+                continue;
+            }
+            done(&mut stdin).await;
+        }
+        node.wait().await.unwrap()
+    })
+    .await
+    .expect("the browser tests end within 5 minutes");
+    assert!(
+        run.success(),
+        "the browser tests failed ({run}): see their output above"
+    );
+    // what the page sent, each a valid ApproveRequest: c1 approved, c2 denied with its reason,
+    // c3 approved too late, c4 denied from the phone
+    let sent: Vec<(String, Decision, Option<String>)> = stub
+        .decisions()
+        .into_iter()
+        .map(|(session, call, decision, reason)| {
+            assert_eq!(session, STUB_SESSION);
+            (call, decision, reason)
+        })
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            ("c1".into(), Decision::Approve, None),
+            ("c2".into(), Decision::Deny, Some("not to my boss".into())),
+            ("c3".into(), Decision::Approve, None),
+            ("c4".into(), Decision::Deny, None),
+        ]
+    );
+    for shot in ["approval.png", "approval-phone.png"] {
+        assert!(shots.join(shot).exists(), "screenshot {shot} was saved");
+    }
+    common::terminate(&web);
 }

@@ -2,8 +2,8 @@
 //!
 //! Embedded defaults: SQLite files in the data directory, and — unless `--models` or the
 //! gateway's `CYRENE_GATEWAY_MODELS` names a real provider config — the offline scripted provider
-//! with a small demo script plus a demo tool (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
-//! steered into the running turn). Every service gets its own NATS connection, exactly as when
+//! with a small demo script plus demo tools (`search_notes`, which takes a moment, so a message typed meanwhile is visibly
+//! steered into the running turn; `send_postcard`, which waits for the person's approval). Every service gets its own NATS connection, exactly as when
 //! they run as separate processes, and its configuration from its own `Args` read from the
 //! environment, so every env var of a service binary works under `cyrene up` too.
 
@@ -291,7 +291,9 @@ fn service_config<A: ServiceArgs>(binary: &str, args: A) -> Result<A::Config, Cl
     })
 }
 
-/// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s.
+/// `search_notes`: a demo external tool on `cyrene.tool.search_notes` that takes 1.5 s;
+/// `send_postcard`: one whose every call waits for the person's approval
+/// (`cyrene.tool.approval` = `required`).
 async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> Result<(), String> {
     let spec = ServiceSpec::new(
         "cyrene-demo-tools",
@@ -309,7 +311,28 @@ async fn demo_tools(client: async_nats::Client, shutdown: CancellationToken) -> 
             json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}),
         )
     };
+    let send_postcard = |args: Value, _ctx: RequestContext| async move {
+        let to = args
+            .get("to")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        Ok::<_, ErrorBody>(
+            json!({"text": format!("a postcard is on its way to {to}"), "is_error": false}),
+        )
+    };
     let endpoints = vec![
+        Endpoint::json("send_postcard", "cyrene.tool.send_postcard", send_postcard).metadata(&[
+            (
+                "cyrene.tool.description",
+                "Send a postcard (demo; every call waits for the person's approval).",
+            ),
+            (
+                "cyrene.tool.parameters",
+                r#"{"type":"object","properties":{"to":{"type":"string"},"text":{"type":"string"}},"required":["to","text"]}"#,
+            ),
+            ("cyrene.tool.approval", "required"),
+        ]),
         Endpoint::json("search_notes", "cyrene.tool.search_notes", search_notes).metadata(&[
             (
                 "cyrene.tool.description",

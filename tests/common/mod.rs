@@ -3,6 +3,8 @@
 //! processes, a test tool, and a test double for the orchestrator's steer/complete endpoints.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // shared by several test crates
 
+pub mod approval_stub;
+
 use async_nats::jetstream;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{RequestError, request_json};

@@ -280,6 +280,7 @@ pub struct Person {
 /// One message of a room as a test reads it.
 #[derive(Debug, Clone)]
 pub struct Said {
+    pub event_id: String,
     pub sender: String,
     pub msgtype: String,
     pub body: String,
@@ -377,6 +378,7 @@ impl Person {
             .filter_map(|raw| {
                 let event: Value = serde_json::from_str(raw.json().get()).ok()?;
                 (event["type"] == "m.room.message").then(|| Said {
+                    event_id: event["event_id"].as_str().unwrap_or_default().to_owned(),
                     sender: event["sender"].as_str().unwrap_or_default().to_owned(),
                     msgtype: event["content"]["msgtype"]
                         .as_str()

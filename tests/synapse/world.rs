@@ -1,7 +1,7 @@
 //! The services a Matrix bridge talks to, in this process on a nats-server of their own: the
 //! gateway on a scripted model (vision on: an image stays an image), the checkpoint store, the
-//! orchestrator with owner `alice`, a loop worker and the test tools (tests/matrix.rs and
-//! benches/matrix.rs).
+//! orchestrator with owner `alice` (its personas ask for approval of every `count` call), a loop
+//! worker and the test tools (tests/matrix.rs and benches/matrix.rs).
 
 use crate::common;
 use cyrene_bus::service::ServeOptions;
@@ -35,7 +35,9 @@ pub async fn world() -> World {
     let shutdown = CancellationToken::new();
     let data = tempfile::tempdir().unwrap();
     let rules = json!([{"contains": "slow", "tool_calls": [{"name": "hold"}],
-                        "after_tools": "done after the wait"}]);
+                        "after_tools": "done after the wait"},
+                       {"contains": "count", "tool_calls": [{"name": "count"}],
+                        "after_tools": "counted: {tool_results}"}]);
     // The scripted model takes images itself (vision), so the view keeps them.
     let models: ModelsConfig = serde_json::from_value(json!({
         "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {"vision": true}},
@@ -61,6 +63,11 @@ pub async fn world() -> World {
     ));
     let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
     orchestrator.owner = Some("alice".into());
+    // Every call of the test tool `count` waits for a person's approval (docs/matrix-bridge.md,
+    // "Approving").
+    for persona in &mut orchestrator.personas.personas {
+        persona.approval = vec!["count".into()];
+    }
     tokio::spawn(cyrene_orchestrator::run(
         orchestrator,
         server.connect().await,

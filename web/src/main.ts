@@ -49,6 +49,37 @@ interface SessionEvent {
   attempt?: number;
   retry?: number;
   sender_name?: string;
+  /** `approval_requested` / `approval_decided` / `tool_outcome_unknown`: the call. */
+  call_id?: string;
+  tool?: string;
+  arguments?: Record<string, unknown>;
+  /** `approval_requested`: unix ms when the call is denied by itself. */
+  deadline_ms?: number;
+  /** `approval_decided`: the decision that holds, its reason, and who made it. */
+  decision?: Decision;
+  reason?: string;
+  decided_by?: string;
+}
+type Decision = "approve" | "deny";
+/** One entry of `session.approvals` (docs/web.md, "Approvals"). */
+interface Approval {
+  turn_id?: string;
+  call_id: string;
+  tool: string;
+  arguments?: Record<string, unknown>;
+  requested_at_ms?: number;
+  deadline_ms?: number;
+  decision?: Decision;
+  reason?: string;
+  decided_by?: string;
+}
+/** The reply to `session.approve`: the decision that holds, and whether this request made it. */
+interface ApproveResponse {
+  session_id: string;
+  call_id: string;
+  decision: Decision;
+  already_decided: boolean;
+  decided_by: string;
 }
 interface SendAck {
   message_id: string;
@@ -369,6 +400,7 @@ async function open(id: string): Promise<void> {
   }
   if (!localSessions.has(id)) {
     await loadHistory();
+    await loadApprovals();
     void loadTimeline();
   }
   for (const o of outbox) if (o.session === id) $("transcript").append(o.node);
@@ -510,6 +542,137 @@ function notice(turnId: string, text: string, failed = false): void {
   $("transcript").append(n);
 }
 
+// ---- approvals ----
+
+/** The longest denial reason the orchestrator takes (bytes of UTF-8). */
+const MAX_REASON_BYTES = 1024;
+
+function findApproval(callId: string): HTMLElement | null {
+  return $("transcript").querySelector(`.approval[data-call="${CSS.escape(callId)}"]`);
+}
+
+/** Who made a decision, as the person reads it (`decided_by` of the contract). */
+function decider(by: string | undefined): string {
+  if (!by) return "";
+  if (by === `person:${person}`) return "by you";
+  if (by.startsWith("person:")) return `by ${by.slice("person:".length)}`;
+  if (by === "operator") return "by the operator";
+  if (by === "bridge") return "from the chat bridge";
+  if (by === "deadline") return "by itself: nobody decided in time";
+  return `by ${by}`;
+}
+
+/** A card asking the person to approve or deny one tool call: the tool's name and its
+ *  arguments as text (never HTML), Approve, Deny with an optional reason. Shown once per call. */
+function approvalCard(a: Approval, turnId: string): HTMLElement {
+  const existing = findApproval(a.call_id);
+  if (existing) return existing;
+  const card = el("section", "approval");
+  card.dataset.call = a.call_id;
+  card.dataset.turn = turnId;
+  card.dataset.session = openSession;
+  card.dataset.state = "pending";
+  card.setAttribute("aria-label", `approval of ${a.tool}`);
+  const title = el("p", "approval-title");
+  title.append("Run ", el("code", "approval-tool", a.tool), "?");
+  const args = el("pre", "args", JSON.stringify(a.arguments ?? {}, null, 1));
+  const meta = el("p", "approval-meta", `call ${a.call_id}`);
+  if (a.deadline_ms) meta.textContent += ` · denied by itself at ${new Date(a.deadline_ms).toLocaleString()}`;
+  const reasonId = `reason-${randomToken(8)}`;
+  const reasonLabel = el("label", "visually-hidden", "Reason for a denial (optional)");
+  reasonLabel.setAttribute("for", reasonId);
+  const reason = el("input", "approval-reason") as HTMLInputElement;
+  reason.id = reasonId;
+  reason.placeholder = "reason (optional)";
+  reason.maxLength = MAX_REASON_BYTES;
+  const approve = el("button", "approve", "Approve") as HTMLButtonElement;
+  approve.type = "button";
+  const deny = el("button", "deny", "Deny") as HTMLButtonElement;
+  deny.type = "button";
+  const actions = el("div", "approval-actions");
+  actions.append(reasonLabel, reason, approve, deny);
+  const outcome = el("p", "approval-outcome");
+  outcome.setAttribute("role", "status");
+  card.append(title, args, meta, actions, outcome);
+  approve.addEventListener("click", () => void decide(card, "approve", ""));
+  deny.addEventListener("click", () => void decide(card, "deny", reason.value.trim()));
+  $("transcript").append(card);
+  if (a.decision) showDecision(card, a.decision, a.decided_by, a.reason, false);
+  return card;
+}
+
+/** The card shows the decision that holds; its buttons go. */
+function showDecision(card: HTMLElement, decision: Decision, by: string | undefined, reason: string | undefined, already: boolean): void {
+  card.dataset.state = decision;
+  card.querySelector(".approval-actions")?.remove();
+  const meta = card.querySelector(".approval-meta");
+  if (meta) meta.textContent = `call ${card.dataset.call ?? ""}`; // the deadline no longer matters
+  const word = decision === "approve" ? "Approved" : "Denied";
+  let text = `${already ? "Already decided: " : ""}${word}`;
+  const who = decider(by);
+  if (who) text += ` ${who}`;
+  if (reason) text += ` — ${reason}`;
+  const outcome = card.querySelector(".approval-outcome");
+  if (outcome) {
+    outcome.textContent = text;
+    outcome.classList.remove("failed");
+  }
+}
+
+/** Sends the person's decision (`session.approve`); the card then shows the one that holds —
+ *  maybe an earlier one (`already_decided`), from another tab, the CLI or the deadline. */
+async function decide(card: HTMLElement, decision: Decision, reason: string): Promise<void> {
+  const callId = card.dataset.call ?? "";
+  const outcome = card.querySelector(".approval-outcome") as HTMLElement;
+  const buttons = [...card.querySelectorAll("button")] as HTMLButtonElement[];
+  if (enc.encode(reason).length > MAX_REASON_BYTES) {
+    outcome.textContent = `the reason is too long (at most ${MAX_REASON_BYTES} bytes)`;
+    outcome.classList.add("failed");
+    return;
+  }
+  for (const b of buttons) b.disabled = true;
+  outcome.classList.remove("failed");
+  outcome.textContent = "sending…";
+  try {
+    const reply = await request<ApproveResponse>(subjectFor("session.approve"), {
+      session_id: card.dataset.session ?? openSession,
+      call_id: callId,
+      decision,
+      ...(decision === "deny" && reason ? { reason } : {}),
+    });
+    // the reason of a decision that holds comes with its `approval_decided` event
+    const mine = !reply.already_decided && reply.decision === decision;
+    showDecision(card, reply.decision, reply.decided_by, mine ? reason : undefined, reply.already_decided);
+  } catch (e) {
+    for (const b of buttons) b.disabled = false;
+    outcome.textContent = `not decided: ${describe(e)}`;
+    outcome.classList.add("failed");
+  }
+}
+
+/** The open session's approvals (`session.approvals`): a pending one shows its card (a reload
+ *  or a catch-up), a decided one updates the card shown. */
+async function loadApprovals(): Promise<void> {
+  const id = openSession;
+  if (!id || localSessions.has(id)) return;
+  let approvals: Approval[];
+  try {
+    const reply = await request<{ approvals: Approval[] }>(subjectFor("session.approvals"), { session_id: id });
+    approvals = reply.approvals ?? [];
+  } catch {
+    return; // the session's approvals are shown as they are asked for, from the events
+  }
+  if (id !== openSession) return;
+  for (const a of approvals) {
+    const card = findApproval(a.call_id);
+    if (card) {
+      if (a.decision && card.dataset.state === "pending") showDecision(card, a.decision, a.decided_by, a.reason, false);
+    } else if (!a.decision) {
+      approvalCard(a, a.turn_id ?? "");
+    }
+  }
+}
+
 function onEvent(ev: SessionEvent): void {
   const turnId = ev.turn_id ?? "";
   const leg = ev.leg_id ? ` (leg ${ev.leg_id})` : "";
@@ -570,6 +733,25 @@ function onEvent(ev: SessionEvent): void {
     case "error": {
       const e = ev.error;
       notice(turnId, `turn failed${leg}: ${e ? `${e.code}: ${e.message}` : "unknown error"}`, true);
+      break;
+    }
+    case "approval_requested":
+      if (ev.call_id) {
+        approvalCard({ call_id: ev.call_id, tool: ev.tool ?? "tool", arguments: ev.arguments, deadline_ms: ev.deadline_ms }, turnId);
+      }
+      break;
+    case "approval_decided":
+      if (ev.call_id && ev.decision) {
+        const card = findApproval(ev.call_id) ?? approvalCard({ call_id: ev.call_id, tool: ev.tool ?? "tool" }, turnId);
+        showDecision(card, ev.decision, ev.decided_by, ev.reason, false);
+      }
+      break;
+    case "tool_outcome_unknown": {
+      const n = el("div", "notice failed unknown", `⚠ the outcome of ${ev.tool ?? "a tool"} (call ${ev.call_id ?? "?"}) is unknown: Cyrene stopped while it ran, and it was not run again`);
+      n.dataset.turn = turnId;
+      if (ev.call_id) n.dataset.call = ev.call_id;
+      n.append(el("pre", "args", JSON.stringify(ev.arguments ?? {}, null, 1)));
+      $("transcript").append(n);
       break;
     }
     case "turn_ended": {
@@ -688,7 +870,10 @@ async function flush(): Promise<void> {
 async function catchUp(): Promise<void> {
   if (operator) return;
   await flush();
-  if (openSession && !localSessions.has(openSession)) await loadHistory();
+  if (openSession && !localSessions.has(openSession)) {
+    await loadHistory();
+    await loadApprovals();
+  }
   void refreshSessions();
   void loadTimeline();
 }

@@ -6,81 +6,9 @@
 //   CYRENE_WEB_SHOTS   where the screenshots go
 // The script asks its driver to stop and start nats-server by printing `@@kill-nats` /
 // `@@start-nats` and waits for a line on stdin. Tests run in order and share the stack.
-import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { createInterface } from "node:readline";
 import { join } from "node:path";
-import { chromium } from "playwright-core";
-
-const URL = process.env.CYRENE_WEB_URL ?? "http://127.0.0.1:8090/";
-const SHOTS = process.env.CYRENE_WEB_SHOTS ?? ".";
-const PASSWORDS = { alice: "pw-alice", bob: "pw-bob", operator: "pw-operator" };
-const WAIT = 45_000; // a condition awaited (make test runs the other tests beside this one)
-
-let browser;
-const stdinLines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
-
-/** Asks the driver (tests/web.rs) to do something to nats-server and waits until it has. */
-async function driver(what) {
-  console.log(`@@${what}`);
-  const answer = await stdinLines.next();
-  assert.equal(answer.value, "done", `the driver did ${what}`);
-}
-
-before(async () => {
-  browser = await chromium.launch({
-    executablePath: process.env.CYRENE_CHROMIUM ?? "/usr/bin/chromium",
-    headless: true,
-    // Playwright gives every launch a fresh temporary profile (--user-data-dir) of its own.
-    args: [
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-quic",
-      "--no-first-run",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-    ],
-  });
-});
-
-after(async () => {
-  await browser?.close();
-  process.stdin.destroy();
-});
-
-/** A fresh browser context (no storage shared with other tests) and its page, with the page's
- *  console errors and uncaught exceptions collected. */
-const open = new Set();
-
-async function newPage(options = {}) {
-  const context = await browser.newContext(options);
-  const page = await context.newPage();
-  open.add(page);
-  page.on("close", () => open.delete(page));
-  // actions (a click and the navigation it schedules) get as long as awaited conditions
-  page.setDefaultTimeout(WAIT);
-  page.problems = [];
-  page.on("pageerror", (e) => page.problems.push(`pageerror: ${e.message}`));
-  page.sockets = 0;
-  page.on("websocket", () => (page.sockets += 1));
-  return page;
-}
-
-async function logIn(page, who, password = PASSWORDS[who], hash = "") {
-  await page.goto(URL + hash);
-  await page.getByLabel("Person", { exact: true }).fill(who);
-  await page.getByLabel("Password", { exact: true }).fill(password);
-  await page.getByRole("button", { name: "Log in" }).click();
-}
-
-async function loggedIn(page, who, hash = "") {
-  await logIn(page, who, PASSWORDS[who], hash);
-  await page.locator("#app-view").waitFor({ state: "visible", timeout: WAIT });
-  if (who !== "operator") {
-    await page.waitForFunction(() => /^#\/s\/.+/.test(location.hash), null, { timeout: WAIT });
-  }
-}
+import { URL, SHOTS, PASSWORDS, WAIT, driver, newPage, logIn, loggedIn, scenario, inert, fitsThePhone } from "./browser.mjs";
 
 async function sendMessage(page, text) {
   const box = page.getByLabel("Message", { exact: true });
@@ -104,26 +32,6 @@ async function moreThan(page, selector, before) {
 }
 
 const FINAL = '.answer[data-final="true"]';
-
-/** A test whose failure leaves a screenshot and the text of every page it had open. */
-function scenario(name, body) {
-  test(name, async () => {
-    try {
-      await body();
-    } catch (e) {
-      let i = 0;
-      for (const page of open) {
-        i += 1;
-        const shot = join(SHOTS, `failed-${name.slice(0, 30).replace(/\W+/g, "-")}-${i}.png`);
-        await page.screenshot({ path: shot }).catch(() => {});
-        const text = await page.evaluate(() => document.body.innerText).catch(() => "");
-        console.log(`# page ${i} at ${page.url()} (${shot}):\n${text.replace(/^/gm, "#   ")}`);
-        await page.context().close().catch(() => {});
-      }
-      throw e;
-    }
-  });
-}
 
 let aliceSession = "";
 
@@ -272,30 +180,6 @@ scenario("hostile names and messages render inert, under a strict CSP", async ()
   await named.context().close();
 });
 
-/** No payload ran, and no element carries an event handler or a javascript: URL. */
-async function inert(page) {
-  const found = await page.evaluate(() => {
-    const handlers = [];
-    for (const e of document.querySelectorAll("*")) {
-      for (const a of e.attributes) {
-        if (a.name.toLowerCase().startsWith("on")) handlers.push(`${e.tagName} ${a.name}`);
-        if (/^\s*javascript:/i.test(a.value)) handlers.push(`${e.tagName} ${a.name}=${a.value}`);
-      }
-    }
-    return {
-      pwned: window.__pwned,
-      handlers,
-      scripts: [...document.scripts].map((s) => s.src || "inline"),
-      frames: document.querySelectorAll("iframe, object, embed").length,
-    };
-  });
-  assert.equal(found.pwned, undefined, "no payload ran");
-  assert.deepEqual(found.handlers, [], "no event handler or javascript: URL in the page");
-  assert.equal(found.frames, 0);
-  assert.ok(found.scripts.every((s) => s.endsWith("/app.js") || s === "inline"), String(found.scripts));
-  assert.deepEqual(page.problems, []);
-}
-
 scenario("alice attaches a document: a chip with the type the server sniffed, in the message", async () => {
   const page = await newPage();
   await loggedIn(page, "alice", aliceSession);
@@ -330,19 +214,7 @@ scenario("on a phone (375×667) nothing scrolls sideways and the message box sta
   const page = await newPage({ viewport: { width: 375, height: 667 }, isMobile: true, hasTouch: true });
   await loggedIn(page, "alice", aliceSession);
   await answered(page, "It is");
-  const layout = await page.evaluate(() => {
-    const box = document.getElementById("message").getBoundingClientRect();
-    const send = document.getElementById("send").getBoundingClientRect();
-    return {
-      scrollWidth: document.documentElement.scrollWidth,
-      bodyWidth: document.body.scrollWidth,
-      box: { top: box.top, bottom: box.bottom, left: box.left, right: box.right },
-      send: { right: send.right, bottom: send.bottom },
-    };
-  });
-  assert.ok(layout.scrollWidth <= 375 && layout.bodyWidth <= 375, JSON.stringify(layout));
-  assert.ok(layout.box.top >= 0 && layout.box.bottom <= 667, `message box on screen: ${JSON.stringify(layout)}`);
-  assert.ok(layout.send.right <= 375 && layout.send.bottom <= 667, JSON.stringify(layout));
+  await fitsThePhone(page);
   await sendMessage(page, "typed on a phone");
   await answered(page, "You said: typed on a phone");
   // acknowledged and answered: no status left on the message
@@ -515,4 +387,41 @@ scenario("a message from another tab under \"a parallel leg\" runs beside the tu
   assert.deepEqual(tab.problems, []);
   await other.context().close();
   await tab.context().close();
+});
+
+scenario("a tool call that needs approval waits for it: Approve runs it, Deny tells the model why", async () => {
+  const page = await newPage({ viewport: { width: 1000, height: 760 } });
+  await loggedIn(page, "alice"); // a new session
+  // the offline demo's send_postcard declares cyrene.tool.approval = required
+  await sendMessage(page, "Send a postcard to Grandma, please");
+  const pending = page.locator('.approval[data-state="pending"]');
+  await pending.waitFor({ timeout: WAIT });
+  const card = page.getByRole("region", { name: "approval of send_postcard" });
+  assert.equal(await card.locator(".approval-tool").innerText(), "send_postcard");
+  // its arguments (the demo puts markup in them) are text
+  assert.equal(JSON.parse(await card.locator("pre.args").innerText()).to, "Grandma <img src=x onerror=alert(1)>");
+  assert.equal(await page.locator(FINAL).count(), 0, "the turn waits: no answer yet");
+  await card.getByRole("button", { name: "Approve" }).click();
+  await card.getByRole("status").filter({ hasText: "Approved by you" }).waitFor({ timeout: WAIT });
+  await answered(page, "a postcard is on its way to Grandma");
+  await page.locator("details.tool pre.result", { hasText: "a postcard is on its way" }).first().waitFor({ state: "attached", timeout: WAIT });
+
+  // Deny, with a reason: the tool does not run, the model is told why
+  await sendMessage(page, "One more postcard, please");
+  await pending.waitFor({ timeout: WAIT });
+  await pending.getByLabel("Reason for a denial (optional)").fill("one is enough");
+  await pending.getByRole("button", { name: "Deny" }).click();
+  const denied = page.locator('.approval[data-state="deny"]');
+  await denied.getByRole("status").filter({ hasText: "Denied by you — one is enough" }).waitFor({ timeout: WAIT });
+  const turn = await answered(page, "was not approved");
+  assert.match(await turn.locator(".answer").innerText(), /This tool call was not approved, so it did not run\. Reason: one is enough/);
+  assert.equal(await page.locator(".approval").count(), 2);
+
+  // a reload shows no card waiting any more: both were decided
+  await page.reload();
+  await loggedIn(page, "alice", new globalThis.URL(page.url()).hash);
+  await answered(page, "was not approved");
+  assert.equal(await page.locator('.approval[data-state="pending"]').count(), 0);
+  await inert(page);
+  await page.context().close();
 });

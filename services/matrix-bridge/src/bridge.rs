@@ -17,18 +17,30 @@
 //!   They are read when a turn ends, at start (what ended while the bridge was down), and every
 //!   [`SWEEP_EVERY`] for sessions still waiting (an event lost in a reconnect).
 //! - The bot's own messages are never sent back in; edits are not sent (the original was).
+//! - Approval (docs/matrix-bridge.md, "Approving"): an `approval_requested` event is posted as a
+//!   notice in the session's room once (transaction `cyrene-approval-<call>`, and `asked` in the
+//!   state across restarts; at start the pending approvals of every known session are posted if
+//!   they were not). Only the owner's decision reply ([`approval::parse`]) about a call of the
+//!   room's session sends `cyrene.bridge.session.approve`, and is not passed on as a message;
+//!   anyone else's is an ordinary message. The decision that holds is posted once per call
+//!   (transaction `cyrene-decided-<call>`), by the answer or by the `approval_decided` event,
+//!   whichever comes first, with the same text.
 //!
 //! # Pitfalls
 //! - The first sync of a bridge with no saved token only records where "now" is: messages from
 //!   before the bridge's first start are not answered. A sync whose timeline was `limited` (the
 //!   bridge was down long and a room was busy) skips what the homeserver left out.
 
+use crate::approval::{self, Reply};
 use crate::config::{Config, GroupAnswers, JoinPolicy};
 use crate::matrix::{Homeserver, MatrixError};
 use crate::rooms::{self, MessageEvent, RoomKind};
 use crate::state::State;
 use base64::Engine as _;
 use cyrene_bus::{RequestError, request_json};
+use cyrene_protocol::approval::{
+    ApprovalsRequest, ApprovalsResponse, ApproveRequest, ApproveResponse, DECIDED_BY_BRIDGE,
+};
 use cyrene_protocol::document::{MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
@@ -283,6 +295,12 @@ impl Bridge {
         // context only (no turn; docs/matrix-bridge.md, "Group rooms").
         let context_only = !addressed;
         let session_id = rooms::session_id(&self.config.owner_person, room_id.as_str(), kind);
+        // The owner deciding a call that waits: a decision, not a message.
+        if event.sender == self.owner
+            && let Some((session, reply)) = self.decision_in(room_id, &session_id, event).await?
+        {
+            return self.decide(room_id, &session, &event.event_id, reply).await;
+        }
         let mut message = self.message_of(&session_id, event).await?;
         if event.sender != self.owner {
             let display = members.get(&event.sender).cloned().flatten();
@@ -348,6 +366,152 @@ impl Bridge {
             }
             Err(err) => Err(Retry(format!("{session_id}: {err}"))),
         }
+    }
+
+    /// The decision the owner's `event` states, and the session of its call: a reply to the
+    /// bridge's notice, or `approve <call>` / `deny <call> [reason]` naming a call of
+    /// `session_id` (listed by `cyrene.bridge.session.approvals`, pending or decided). `None`:
+    /// an ordinary message.
+    async fn decision_in(
+        &self,
+        room_id: &OwnedRoomId,
+        session_id: &str,
+        event: &MessageEvent,
+    ) -> Result<Option<(String, Reply)>, Retry> {
+        let content = &event.content;
+        if content.msgtype != "m.text" {
+            return Ok(None);
+        }
+        let text = content.text();
+        if !approval::starts_like_a_decision(&text) {
+            return Ok(None);
+        }
+        if let Some(event_id) = content.reply_to()
+            && let Some((session, call)) = self.quoted_notice(room_id, event_id).await
+        {
+            return Ok(approval::parse(&text, Some(&call)).map(|reply| (session, reply)));
+        }
+        let Some(reply) = approval::parse(&text, None) else {
+            return Ok(None);
+        };
+        let request = ApprovalsRequest {
+            session_id: session_id.to_owned(),
+        };
+        let listed: Result<ApprovalsResponse, RequestError> = request_json(
+            &self.nats,
+            subjects::BRIDGE_SESSION_APPROVALS,
+            &request,
+            self.config.request_timeout,
+        )
+        .await;
+        match listed {
+            Ok(listed) if listed.approvals.iter().any(|a| a.call_id == reply.call_id) => {
+                Ok(Some((session_id.to_owned(), reply)))
+            }
+            Ok(_) => Ok(None),
+            Err(RequestError::Remote(body)) if !body.code.is_retryable() => Ok(None),
+            Err(err) => Err(Retry(format!("approvals of {session_id}: {err}"))),
+        }
+    }
+
+    /// The session and call of the bridge's approval notice `event_id`, if it is one.
+    async fn quoted_notice(
+        &self,
+        room_id: &OwnedRoomId,
+        event_id: &str,
+    ) -> Option<(String, String)> {
+        let event_id = OwnedEventId::try_from(event_id).ok()?;
+        let request = get_room_event::v3::Request::new(room_id.clone(), event_id);
+        let found = self.hs.call(request).await.ok()?;
+        let envelope = serde_json::from_str::<Envelope>(found.event.json().get()).ok()?;
+        if envelope.sender != self.bot.as_str() {
+            return None;
+        }
+        let field = |name: &str| envelope.content.get(name)?.as_str().map(str::to_owned);
+        Some((
+            field(approval::SESSION_ID_FIELD)?,
+            field(approval::CALL_ID_FIELD)?,
+        ))
+    }
+
+    /// Sends the owner's decision (`cyrene.bridge.session.approve`) and posts the decision that
+    /// holds; a refusal is told to the room.
+    async fn decide(
+        &self,
+        room_id: &OwnedRoomId,
+        session_id: &str,
+        event_id: &str,
+        reply: Reply,
+    ) -> Result<(), Retry> {
+        let request = ApproveRequest {
+            session_id: session_id.to_owned(),
+            call_id: reply.call_id.clone(),
+            decision: reply.decision,
+            reason: reply.reason.clone(),
+        };
+        let sent: Result<ApproveResponse, RequestError> = request_json(
+            &self.nats,
+            subjects::BRIDGE_SESSION_APPROVE,
+            &request,
+            self.config.request_timeout,
+        )
+        .await;
+        let (txn, body) = match sent {
+            Ok(held) => {
+                // A batch read again repeats the bridge's own decision: still its own.
+                let mine = !held.already_decided
+                    || (held.decided_by == DECIDED_BY_BRIDGE && held.decision == reply.decision);
+                metrics::counter!("cyrene_matrix_bridge_decisions_total",
+                    "outcome" => if mine { "decided" } else { "already_decided" })
+                .increment(1);
+                if mine {
+                    let text = approval::decision_text(
+                        held.decision,
+                        &held.call_id,
+                        &held.decided_by,
+                        reply.reason.as_deref(),
+                    );
+                    (decided_txn(&held.call_id), text)
+                } else {
+                    let text = approval::decision_text(
+                        held.decision,
+                        &held.call_id,
+                        &held.decided_by,
+                        None,
+                    );
+                    (
+                        format!("cyrene-already-{}", txn_safe(event_id)),
+                        format!("Already decided: {text}"),
+                    )
+                }
+            }
+            Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
+                tracing::warn!(session = %session_id, code = %body.code, error = %body.message,
+                    "the orchestrator refused a decision");
+                metrics::counter!("cyrene_matrix_bridge_decisions_total", "outcome" => "refused")
+                    .increment(1);
+                let text = if body.code == ErrorCode::NotFound {
+                    format!("No call {} waits for a decision here.", reply.call_id)
+                } else {
+                    format!(
+                        "I couldn't take that decision about {} ({}). A reason may have at most \
+                         {} bytes.",
+                        reply.call_id,
+                        body.code,
+                        approval::MAX_REASON_BYTES
+                    )
+                };
+                (format!("cyrene-refused-{}", txn_safe(event_id)), text)
+            }
+            Err(err) => return Err(Retry(format!("decision in {session_id}: {err}"))),
+        };
+        if let Err(err) = self
+            .post_content(room_id, &txn, approval::notice(&body))
+            .await
+        {
+            tracing::warn!(error = %err, "cannot post a decision");
+        }
+        Ok(())
     }
 
     /// The user message of a room message: its text, an image part, a document part (a file,
@@ -589,6 +753,14 @@ impl Bridge {
             };
             match event.kind {
                 SessionEventType::TurnStarted => self.typing_on(&event.session_id).await,
+                SessionEventType::ApprovalRequested => {
+                    self.typing_off(&event.session_id);
+                    if let (Some(call_id), Some(tool)) = (&event.call_id, &event.tool) {
+                        let arguments = event.arguments.clone().unwrap_or_default();
+                        self.ask(&event.session_id, call_id, tool, &arguments).await;
+                    }
+                }
+                SessionEventType::ApprovalDecided => self.decided(&event).await,
                 SessionEventType::TurnEnded => {
                     self.typing_off(&event.session_id);
                     if event.message.is_none() && event.error.is_some() {
@@ -664,16 +836,127 @@ impl Bridge {
         }
     }
 
+    /// The room a session's answers go to.
+    async fn room_of(&self, session_id: &str) -> Option<OwnedRoomId> {
+        let state = self.state.lock().await;
+        let known = state.sessions.get(session_id)?;
+        OwnedRoomId::try_from(known.room_id.as_str()).ok()
+    }
+
+    /// Posts the notice asking for a decision about `call_id`, unless it was posted before.
+    async fn ask(
+        &self,
+        session_id: &str,
+        call_id: &str,
+        tool: &str,
+        arguments: &serde_json::Map<String, serde_json::Value>,
+    ) {
+        let asked = {
+            let state = self.state.lock().await;
+            state
+                .sessions
+                .get(session_id)
+                .is_some_and(|s| s.asked.contains(call_id))
+        };
+        let Some(room_id) = self.room_of(session_id).await else {
+            return;
+        };
+        if asked {
+            return;
+        }
+        let content = approval::request_content(session_id, tool, call_id, arguments);
+        let txn = format!("cyrene-approval-{}", txn_safe(call_id));
+        if let Err(err) = self.post_content(&room_id, &txn, content).await {
+            tracing::warn!(session = %session_id, error = %err, "cannot ask for a decision");
+            return;
+        }
+        metrics::counter!("cyrene_matrix_bridge_approvals_asked_total").increment(1);
+        let mut state = self.state.lock().await;
+        if let Some(session) = state.sessions.get_mut(session_id) {
+            session.asked.insert(call_id.to_owned());
+        }
+        if let Err(err) = state.save(&self.config.data_dir) {
+            tracing::error!(error = %err, "cannot save what was asked");
+        }
+    }
+
+    /// Posts the decision that holds (an `approval_decided` event), once per call.
+    async fn decided(&self, event: &SessionEvent) {
+        let (Some(call_id), Some(decision)) = (&event.call_id, event.decision) else {
+            return;
+        };
+        let Some(room_id) = self.room_of(&event.session_id).await else {
+            return;
+        };
+        let text = approval::decision_text(
+            decision,
+            call_id,
+            event.decided_by.as_deref().unwrap_or_default(),
+            event.reason.as_deref(),
+        );
+        if let Err(err) = self
+            .post_content(&room_id, &decided_txn(call_id), approval::notice(&text))
+            .await
+        {
+            tracing::warn!(error = %err, "cannot post a decision");
+        }
+        let mut state = self.state.lock().await;
+        if let Some(session) = state.sessions.get_mut(&event.session_id)
+            && session.asked.remove(call_id)
+            && let Err(err) = state.save(&self.config.data_dir)
+        {
+            tracing::error!(error = %err, "cannot save what was decided");
+        }
+    }
+
+    /// Posts the calls of `session_id` that wait for a decision and were not asked about yet
+    /// (they were requested while the bridge was down), and forgets those decided since.
+    pub async fn ask_pending(&self, session_id: &str) {
+        let request = ApprovalsRequest {
+            session_id: session_id.to_owned(),
+        };
+        let listed: ApprovalsResponse = match request_json(
+            &self.nats,
+            subjects::BRIDGE_SESSION_APPROVALS,
+            &request,
+            self.config.request_timeout,
+        )
+        .await
+        {
+            Ok(listed) => listed,
+            Err(err) => {
+                tracing::debug!(session = %session_id, error = %err, "cannot list the approvals");
+                return;
+            }
+        };
+        let pending: Vec<_> = listed
+            .approvals
+            .iter()
+            .filter(|a| a.decision.is_none())
+            .collect();
+        for a in &pending {
+            self.ask(session_id, &a.call_id, &a.tool, &a.arguments)
+                .await;
+        }
+        let mut state = self.state.lock().await;
+        if let Some(session) = state.sessions.get_mut(session_id) {
+            let before = session.asked.len();
+            session
+                .asked
+                .retain(|call| pending.iter().any(|a| a.call_id == *call));
+            if session.asked.len() != before
+                && let Err(err) = state.save(&self.config.data_dir)
+            {
+                tracing::error!(error = %err, "cannot save what was decided");
+            }
+        }
+    }
+
     /// Tells the room a turn failed (once per turn).
     async fn turn_failed(&self, event: &SessionEvent) {
-        let room = self
-            .state
-            .lock()
-            .await
-            .sessions
-            .get(&event.session_id)
-            .and_then(|s| OwnedRoomId::try_from(s.room_id.as_str()).ok());
-        let Some(room_id) = room else { return };
+        let Some(room_id) = self.room_of(&event.session_id).await else {
+            return;
+        };
         let txn = format!("cyrene-failed-{}", txn_safe(&event.turn_id));
         if let Err(err) = self
             .post(&room_id, &txn, "m.notice", notices::TURN_FAILED)
@@ -692,6 +975,16 @@ impl Bridge {
         body: &str,
     ) -> Result<(), MatrixError> {
         let content = serde_json::json!({"msgtype": msgtype, "body": body});
+        self.post_content(room_id, txn, content).await
+    }
+
+    /// Posts one `m.room.message` with `content`, transaction `txn`.
+    async fn post_content(
+        &self,
+        room_id: &OwnedRoomId,
+        txn: &str,
+        content: serde_json::Value,
+    ) -> Result<(), MatrixError> {
         let raw = serde_json::value::to_raw_value(&content).map_err(|e| MatrixError::Build {
             path: "send".into(),
             source: e.into(),
@@ -706,14 +999,9 @@ impl Bridge {
     }
 
     async fn typing_on(self: &Arc<Self>, session_id: &str) {
-        let room = self
-            .state
-            .lock()
-            .await
-            .sessions
-            .get(session_id)
-            .and_then(|s| OwnedRoomId::try_from(s.room_id.as_str()).ok());
-        let Some(room_id) = room else { return };
+        let Some(room_id) = self.room_of(session_id).await else {
+            return;
+        };
         let stop = CancellationToken::new();
         if let Some(old) = lock(&self.typing).insert(session_id.to_owned(), stop.clone()) {
             old.cancel();
@@ -755,6 +1043,11 @@ impl Bridge {
     pub async fn sessions(&self) -> Vec<String> {
         self.state.lock().await.sessions.keys().cloned().collect()
     }
+}
+
+/// The transaction of the notice of the decision that holds about `call_id`.
+fn decided_txn(call_id: &str) -> String {
+    format!("cyrene-decided-{}", txn_safe(call_id))
 }
 
 /// A transaction id made of an id: characters outside `[A-Za-z0-9_-]` become `_`.

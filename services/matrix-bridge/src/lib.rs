@@ -11,6 +11,7 @@
 //! - what a room and a message are to Cyrene: session, restriction, speaker, mention
 //!   ([`rooms`]; pure);
 //! - what is kept across restarts ([`state`]);
+//! - what approving in a room reads and posts ([`approval`]; pure);
 //! - the sync loop and the answers ([`bridge`]).
 //!
 //! # Invariants
@@ -19,6 +20,7 @@
 //!   were posted.
 //! - Secrets (password, access token) never reach a log line or a room.
 
+pub mod approval;
 pub mod bridge;
 pub mod config;
 pub mod matrix;
@@ -101,6 +103,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     tasks.spawn(bridge.clone().follow(events, shutdown.clone()));
     for session in bridge.sessions().await {
         bridge.catch_up(&session).await;
+        bridge.ask_pending(&session).await;
     }
     tracing::info!("matrix bridge syncing");
     bridge

@@ -9,9 +9,10 @@
 //!   at least once, and its Matrix event id (the idempotency key) makes it stored once.
 //! - `posted_seq` of a session is raised only after the answers up to it were posted; a crash
 //!   in between posts them again with the same transaction ids, which the homeserver drops.
+//! - A call enters `asked` only after its approval notice was posted (the same rule).
 
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -41,6 +42,10 @@ pub struct SessionState {
     /// The seq of the last transcript entry whose answer was posted (0: none yet).
     #[serde(default)]
     pub posted_seq: u64,
+    /// The calls waiting for a decision whose notice was posted: not posted again after a
+    /// restart; forgotten once decided.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub asked: BTreeSet<String>,
 }
 
 /// Why the state could not be read or written.
@@ -125,6 +130,7 @@ mod tests {
             SessionState {
                 room_id: "!r:l".into(),
                 posted_seq: 7,
+                asked: ["c1".to_owned()].into(),
             },
         );
         state.save(dir.path()).unwrap();
