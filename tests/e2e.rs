@@ -1123,7 +1123,10 @@ async fn a_gated_call_waits_for_cyrene_approve_then_runs_once_and_the_answer_arr
     // Waiting: nothing ran, the turn did not end, and the list shows it.
     assert!(world.tools.ids_of("count").is_empty());
     let listed = cyrene_cli(&world, &["approvals", "-s", "ap1"]).await;
-    assert!(listed.starts_with("waiting") && listed.contains(&call), "{listed}");
+    assert!(
+        listed.starts_with("waiting") && listed.contains(&call),
+        "{listed}"
+    );
     assert!(
         seen.lock()
             .unwrap()
@@ -1135,7 +1138,11 @@ async fn a_gated_call_waits_for_cyrene_approve_then_runs_once_and_the_answer_arr
     assert_eq!(said.trim(), format!("approved {call} (by operator)"));
     let said = answered(&world, "ap1", 1).await;
     assert_eq!(said, [format!("done: count ran as {}", short(&call))]);
-    assert_eq!(world.tools.ids_of("count"), [call.clone()], "ran once, under its id");
+    assert_eq!(
+        world.tools.ids_of("count"),
+        [call.clone()],
+        "ran once, under its id"
+    );
     // A second decision changes nothing and says what holds.
     let again = tokio::process::Command::new(env!("CARGO_BIN_EXE_cyrene"))
         .args(["deny", "-s", "ap1", &call])
@@ -1195,7 +1202,10 @@ async fn a_denied_call_never_runs_and_the_model_is_told_why() {
         said,
         ["done: This tool call was not approved, so it did not run. Reason: not to bob"]
     );
-    assert!(world.tools.ids_of("count").is_empty(), "the denied tool ran");
+    assert!(
+        world.tools.ids_of("count").is_empty(),
+        "the denied tool ran"
+    );
 }
 
 /// A worker SIGKILLed while an approved call of a tool that must not run twice runs: the
@@ -1252,7 +1262,12 @@ async fn an_orchestrator_killed_between_the_decision_and_the_dispatch_still_cont
     orchestrator.wait().await.unwrap();
     kill_workers(&mut world).await;
     assert!(world.tools.ids_of("count").is_empty());
-    let personas = world.data.path().join("personas.json").display().to_string();
+    let personas = world
+        .data
+        .path()
+        .join("personas.json")
+        .display()
+        .to_string();
     let _replacement = world
         .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
         .await;

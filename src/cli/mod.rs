@@ -154,12 +154,20 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Checkpoints(args) => session::checkpoints(client.clone(), args).await,
         Command::Approvals(args) => approvals::list(client.clone(), args).await,
         Command::Approve(args) => {
-            approvals::decide(client.clone(), args, cyrene_protocol::approval::Decision::Approve)
-                .await
+            approvals::decide(
+                client.clone(),
+                args,
+                cyrene_protocol::approval::Decision::Approve,
+            )
+            .await
         }
         Command::Deny(args) => {
-            approvals::decide(client.clone(), args, cyrene_protocol::approval::Decision::Deny)
-                .await
+            approvals::decide(
+                client.clone(),
+                args,
+                cyrene_protocol::approval::Decision::Deny,
+            )
+            .await
         }
         Command::Web(_) => Ok(()),
     };

@@ -147,7 +147,11 @@ impl Approver {
         let (this, client) = (self.clone(), client.clone());
         tokio::spawn(async move {
             tokio::time::sleep(think).await;
-            let asks = if twice { vec![first, second] } else { vec![first] };
+            let asks = if twice {
+                vec![first, second]
+            } else {
+                vec![first]
+            };
             for asked in asks {
                 let request = ApproveRequest {
                     session_id: session_id.clone(),

@@ -8,9 +8,9 @@
 //! - `make chaos` runs the full runs (`#[ignore]`d here): a single node and a 3-node cluster.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+mod approver;
 #[path = "../common/mod.rs"]
 mod common;
-mod approver;
 mod provider;
 mod report;
 mod script;

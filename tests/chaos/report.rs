@@ -31,8 +31,8 @@ use crate::script;
 use crate::tools::Execution;
 use crate::wire::{EventSeen, JobSeen, WireLog};
 use crate::world::WorkerKill;
-use cyrene_protocol::message::Role;
 use cyrene_protocol::approval::Decision;
+use cyrene_protocol::message::Role;
 use cyrene_protocol::session::{HistoryEntry, SendAck, SessionEventType};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -624,7 +624,9 @@ pub fn approval_figures(
         if e.event.kind == SessionEventType::ApprovalRequested
             && let Some(call) = e.event.call_id.as_deref()
         {
-            asked.entry(call).or_insert((e.event.turn_id.as_str(), e.at));
+            asked
+                .entry(call)
+                .or_insert((e.event.turn_id.as_str(), e.at));
         }
     }
     let mut replies: BTreeMap<&str, Vec<&Answer>> = BTreeMap::new();
@@ -658,8 +660,9 @@ pub fn approval_figures(
         }
         let firsts = rs.iter().filter(|r| !r.already_decided).count();
         if firsts > 1 {
-            a.twice
-                .push(format!("{call}: {firsts} replies say they made the decision"));
+            a.twice.push(format!(
+                "{call}: {firsts} replies say they made the decision"
+            ));
         }
         a.second_answers += rs.iter().filter(|r| r.already_decided).count();
         let first = rs[0];
@@ -674,11 +677,13 @@ pub fn approval_figures(
         decided_at.insert(call, first.answered_at);
         let ran = runs.get(call).copied().unwrap_or(0);
         if first.held == Decision::Approve && ran == 0 && !unknown.contains(call) {
-            a.lost
-                .push(format!("{call}: approved, never ran nor reported outcome-unknown"));
+            a.lost.push(format!(
+                "{call}: approved, never ran nor reported outcome-unknown"
+            ));
         }
         if ran > 1 {
-            a.twice.push(format!("{call}: the approved call ran {ran} times"));
+            a.twice
+                .push(format!("{call}: the approved call ran {ran} times"));
         }
     }
     for (call, n) in &runs {
@@ -788,7 +793,10 @@ mod tests {
             &ended,
         );
         assert!(a.clean(), "{a:?}");
-        assert_eq!((a.asked, a.approved, a.denied, a.second_answers), (2, 1, 1, 1));
+        assert_eq!(
+            (a.asked, a.approved, a.denied, a.second_answers),
+            (2, 1, 1, 1)
+        );
         assert_eq!(a.waits, [Duration::from_millis(100); 2]);
         assert_eq!(a.continued, [2 * s - Duration::from_millis(100)]);
     }
@@ -843,7 +851,13 @@ mod tests {
                 event: unknown,
             },
         ];
-        let answers = [answer("c1", Decision::Approve, Decision::Approve, false, t0)];
+        let answers = [answer(
+            "c1",
+            Decision::Approve,
+            Decision::Approve,
+            false,
+            t0,
+        )];
         let ended: HashMap<String, Instant> = [("t1".to_owned(), t0)].into();
         let a = approval_figures(&events, &[], &answers, &[], &ended);
         assert!(a.clean(), "{a:?}");

@@ -354,7 +354,9 @@ impl Engine {
             return self.await_approval(req).await;
         }
         if !req.approvals.is_empty() {
-            return Err(bad("only an awaiting_approval completion names calls that wait"));
+            return Err(bad(
+                "only an awaiting_approval completion names calls that wait",
+            ));
         }
         let done = bounded(self.config.db_timeout, self.store.complete(&req)).await?;
         if !done.first {

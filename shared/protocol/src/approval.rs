@@ -174,10 +174,9 @@ mod tests {
         let req: ApproveRequest = serde_json::from_value(doc.clone()).unwrap();
         assert_eq!(req.decision, Decision::Deny);
         assert_eq!(serde_json::to_value(&req).unwrap(), doc);
-        let bare: ApproveRequest = serde_json::from_value(
-            json!({"session_id":"s1","call_id":"c1","decision":"approve"}),
-        )
-        .unwrap();
+        let bare: ApproveRequest =
+            serde_json::from_value(json!({"session_id":"s1","call_id":"c1","decision":"approve"}))
+                .unwrap();
         assert_eq!(bare.reason, None);
         assert!(
             serde_json::from_value::<ApproveRequest>(

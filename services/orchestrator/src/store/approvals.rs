@@ -27,7 +27,7 @@
 use super::steer::TurnRef;
 use super::{NewTurn, Store, StoreError, encode, now_ms};
 use cyrene_protocol::approval::{
-    APPROVALS_DECIDED_LIMIT, Approval, CallDecision, Decision, DEFAULT_APPROVAL_TIMEOUT_MS,
+    APPROVALS_DECIDED_LIMIT, Approval, CallDecision, DEFAULT_APPROVAL_TIMEOUT_MS, Decision,
 };
 use cyrene_protocol::turn::{TurnComplete, TurnJob};
 use sqlx::{Any, Row, Transaction};
@@ -264,12 +264,12 @@ impl Store {
     ) -> Result<Decided, StoreError> {
         let mut tx = self.begin().await?;
         self.lock_session(&mut tx, call.session_id(), false).await?;
-        let found = match call {
-            CallRef::Session {
-                session_id,
-                call_id,
-            } => {
-                sqlx::query_as::<_, ApprovalRow>(sqlx::AssertSqlSafe(format!(
+        let found =
+            match call {
+                CallRef::Session {
+                    session_id,
+                    call_id,
+                } => sqlx::query_as::<_, ApprovalRow>(sqlx::AssertSqlSafe(format!(
                     "SELECT {COLUMNS} FROM orch_approvals WHERE session_id = $1 AND call_id = $2 \
                      ORDER BY CASE WHEN decision IS NULL THEN 0 ELSE 1 END, \
                      CASE WHEN decision IS NULL THEN requested_at ELSE -requested_at END \
@@ -278,14 +278,12 @@ impl Store {
                 .bind(session_id)
                 .bind(call_id)
                 .fetch_optional(&mut *tx)
-                .await?
-            }
-            CallRef::Exact {
-                session_id,
-                turn_id,
-                call_id,
-            } => {
-                sqlx::query_as::<_, ApprovalRow>(sqlx::AssertSqlSafe(format!(
+                .await?,
+                CallRef::Exact {
+                    session_id,
+                    turn_id,
+                    call_id,
+                } => sqlx::query_as::<_, ApprovalRow>(sqlx::AssertSqlSafe(format!(
                     "SELECT {COLUMNS} FROM orch_approvals WHERE session_id = $1 AND turn_id = $2 \
                      AND call_id = $3"
                 )))
@@ -293,9 +291,8 @@ impl Store {
                 .bind(turn_id)
                 .bind(call_id)
                 .fetch_optional(&mut *tx)
-                .await?
-            }
-        };
+                .await?,
+            };
         let Some(mut row) = found else {
             return Err(StoreError::NotFound(format!(
                 "no call of session {:?} waits for approval under that id",
@@ -370,7 +367,10 @@ impl Store {
         let resumes: i64 = turn.try_get::<i64, _>(5)? + 1;
         let mut job: TurnJob = serde_json::from_str(&job_text)
             .map_err(|e| StoreError::Internal(format!("corrupt job of turn {turn_id}: {e}")))?;
-        job.decisions = rows.iter().filter_map(ApprovalRow::to_call_decision).collect();
+        job.decisions = rows
+            .iter()
+            .filter_map(ApprovalRow::to_call_decision)
+            .collect();
         job.attempt_base = u32::try_from(attempt).unwrap_or(u32::MAX);
         // The wait does not count against the persona's turn timeout.
         let waited = u64::try_from(now.saturating_sub(since)).unwrap_or(0);
@@ -401,10 +401,11 @@ impl Store {
     /// [`APPROVALS_DECIDED_LIMIT`] decided, oldest→newest within each group. `not_found` for
     /// an unknown session.
     pub async fn approvals(&self, session_id: &str) -> Result<Vec<ApprovalRow>, StoreError> {
-        let known: Option<String> = sqlx::query_scalar("SELECT id FROM orch_sessions WHERE id = $1")
-            .bind(session_id)
-            .fetch_optional(&self.pool)
-            .await?;
+        let known: Option<String> =
+            sqlx::query_scalar("SELECT id FROM orch_sessions WHERE id = $1")
+                .bind(session_id)
+                .fetch_optional(&self.pool)
+                .await?;
         if known.is_none() {
             return Err(StoreError::NotFound(format!("no session {session_id:?}")));
         }
@@ -589,18 +590,30 @@ mod tests {
         assert!(!again.first, "a repeated completion changes nothing");
         assert!(again.pending.iter().all(|r| r.requested_at == AT));
         assert!(
-            store.undispatched_at(AT + 3_600_000, Duration::ZERO).await.unwrap().is_empty(),
+            store
+                .undispatched_at(AT + 3_600_000, Duration::ZERO)
+                .await
+                .unwrap()
+                .is_empty(),
             "a waiting turn is never republished"
         );
 
         let one = store
-            .decide_at(call("s1", "c1"), by(Decision::Approve, "person:alice", None), AT + 10)
+            .decide_at(
+                call("s1", "c1"),
+                by(Decision::Approve, "person:alice", None),
+                AT + 10,
+            )
             .await
             .unwrap();
         assert!(!one.already);
         assert!(one.resumed.is_none(), "c2 still waits");
         let twice = store
-            .decide_at(call("s1", "c1"), by(Decision::Deny, "operator", Some("no")), AT + 11)
+            .decide_at(
+                call("s1", "c1"),
+                by(Decision::Deny, "operator", Some("no")),
+                AT + 11,
+            )
             .await
             .unwrap();
         assert!(twice.already, "the first decision holds");
@@ -608,17 +621,27 @@ mod tests {
         assert_eq!(twice.row.decided_by.as_deref(), Some("person:alice"));
         for (session, call_id) in [("s1", "c9"), ("s2", "c2"), ("nobody", "c2")] {
             let err = store
-                .decide_at(call(session, call_id), by(Decision::Approve, "operator", None), AT)
+                .decide_at(
+                    call(session, call_id),
+                    by(Decision::Approve, "operator", None),
+                    AT,
+                )
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), ErrorCode::NotFound, "{session} {call_id}");
         }
 
         let last = store
-            .decide_at(call("s1", "c2"), by(Decision::Deny, "bridge", Some("not bob")), AT + 20)
+            .decide_at(
+                call("s1", "c2"),
+                by(Decision::Deny, "bridge", Some("not bob")),
+                AT + 20,
+            )
             .await
             .unwrap();
-        let resumed = last.resumed.expect("every call decided: the turn continues");
+        let resumed = last
+            .resumed
+            .expect("every call decided: the turn continues");
         assert_eq!(resumed.turn_id, turn.turn_id);
         assert_eq!(resumed.resumes, 1);
         assert_eq!(resumed.msg_id(), format!("{}.1", turn.turn_id));
@@ -645,15 +668,34 @@ mod tests {
         );
         // Not published yet: the sweeper's, once its grace has passed since the decision.
         let grace = Duration::from_secs(2);
-        assert!(store.undispatched_at(AT + 20 + 1_999, grace).await.unwrap().is_empty());
+        assert!(
+            store
+                .undispatched_at(AT + 20 + 1_999, grace)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         let swept = store.undispatched_at(AT + 20 + 2_000, grace).await.unwrap();
         assert_eq!(swept.len(), 1);
         assert_eq!((swept[0].resumes, &swept[0].job), (1, &resumed.job));
         // A late mark of the first job does not confirm this one; its own mark does.
         store.mark_dispatched(&turn.turn_id).await.unwrap();
-        assert_eq!(store.undispatched_at(AT + 9_999, grace).await.unwrap().len(), 1);
+        assert_eq!(
+            store
+                .undispatched_at(AT + 9_999, grace)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
         store.mark_dispatched(&resumed.msg_id()).await.unwrap();
-        assert!(store.undispatched_at(AT + 9_999, grace).await.unwrap().is_empty());
+        assert!(
+            store
+                .undispatched_at(AT + 9_999, grace)
+                .await
+                .unwrap()
+                .is_empty()
+        );
 
         // The earlier job's attempt is fenced off; the new job's first attempt is not.
         let stale = store
@@ -668,7 +710,10 @@ mod tests {
             .collect();
         assert_eq!(
             order,
-            [("c1", Some(Decision::Approve)), ("c2", Some(Decision::Deny))]
+            [
+                ("c1", Some(Decision::Approve)),
+                ("c2", Some(Decision::Deny))
+            ]
         );
         let second = store
             .await_approval_at(&awaiting(&turn, 2, &["c3"]), AT + 40)
@@ -691,9 +736,19 @@ mod tests {
             .await_approval_at(&awaiting(&turn, 1, &["c1", "c2"]), AT)
             .await
             .unwrap();
-        assert!(store.expired_approvals(AT + TIMEOUT - 1, 10).await.unwrap().is_empty());
+        assert!(
+            store
+                .expired_approvals(AT + TIMEOUT - 1, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         store
-            .decide_at(call("s1", "c1"), by(Decision::Approve, "operator", None), AT + 1)
+            .decide_at(
+                call("s1", "c1"),
+                by(Decision::Approve, "operator", None),
+                AT + 1,
+            )
             .await
             .unwrap();
         let expired = store.expired_approvals(AT + TIMEOUT, 10).await.unwrap();
@@ -713,7 +768,13 @@ mod tests {
             .unwrap();
         assert_eq!(denied.row.decided_by.as_deref(), Some("deadline"));
         assert!(denied.resumed.is_some());
-        assert!(store.expired_approvals(AT + TIMEOUT * 9, 10).await.unwrap().is_empty());
+        assert!(
+            store
+                .expired_approvals(AT + TIMEOUT * 9, 10)
+                .await
+                .unwrap()
+                .is_empty()
+        );
         assert_eq!(store.approvals_pending().await.unwrap(), 0);
     }
 
@@ -726,7 +787,11 @@ mod tests {
             .await
             .unwrap();
         let decided = store
-            .decide_at(call("s1", "c1"), by(Decision::Approve, "operator", None), AT + 1)
+            .decide_at(
+                call("s1", "c1"),
+                by(Decision::Approve, "operator", None),
+                AT + 1,
+            )
             .await
             .unwrap();
         assert!(decided.resumed.is_some());
@@ -736,13 +801,20 @@ mod tests {
         assert_eq!(asked.pending.len(), 1, "asked anew");
         assert_eq!(asked.pending[0].step, 3);
         let again = store
-            .decide_at(call("s1", "c1"), by(Decision::Deny, "operator", None), AT + 3)
+            .decide_at(
+                call("s1", "c1"),
+                by(Decision::Deny, "operator", None),
+                AT + 3,
+            )
             .await
             .unwrap();
         assert!(!again.already);
         let job: TurnJob = serde_json::from_str(&again.resumed.unwrap().job).unwrap();
         assert_eq!(job.decisions.len(), 1);
-        assert_eq!((job.decisions[0].step, job.decisions[0].decision), (3, Decision::Deny));
+        assert_eq!(
+            (job.decisions[0].step, job.decisions[0].decision),
+            (3, Decision::Deny)
+        );
         assert_eq!(job.attempt_base, 2);
     }
 

@@ -56,9 +56,9 @@ mod send;
 mod start;
 mod steer;
 
-pub use approvals::{ApprovalRow, Awaited, CallRef, Decided, NewDecision};
 pub use crate::job::JobSettings;
 use crate::job::{JobError, Pending};
+pub use approvals::{ApprovalRow, Awaited, CallRef, Decided, NewDecision};
 use cyrene_protocol::message::Message;
 use cyrene_protocol::session::{BusyPolicy, SendAck, SessionEnv};
 use cyrene_protocol::turn::SteeredMessage;

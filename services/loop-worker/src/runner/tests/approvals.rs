@@ -80,7 +80,10 @@ fn result_text(messages: &[Message], call_id: &str) -> (String, bool) {
 /// The first attempt of [`gated`] when the model calls `MAIL` (c1) and `LOOKUP` (c2): the row
 /// it leaves, and its completion.
 async fn stopped() -> (Fake, TurnComplete) {
-    let fake = declared(Fake::scripted([reply_calls(&[("c1", MAIL), ("c2", LOOKUP)])]));
+    let fake = declared(Fake::scripted([reply_calls(&[
+        ("c1", MAIL),
+        ("c2", LOOKUP),
+    ])]));
     let done = completed(run_turn(&fake, &gated(), 1, &CFG).await);
     (fake, done)
 }
@@ -97,14 +100,24 @@ async fn a_gated_call_holds_its_batch_and_ends_the_job_without_running_anything(
     assert_eq!(done.message, None);
     assert_eq!(done.approvals.len(), 1, "only the gated call waits");
     let asked = &done.approvals[0];
-    assert_eq!((asked.step, asked.call_id.as_str(), asked.tool.as_str()), (1, "c1", MAIL));
+    assert_eq!(
+        (asked.step, asked.call_id.as_str(), asked.tool.as_str()),
+        (1, "c1", MAIL)
+    );
     assert_eq!(asked.arguments["to"], "bob@example.com");
     // Nothing of the batch went out, not even the call that needs no approval; one save.
     assert!(fake.tool_runs.lock().unwrap().is_empty());
     assert_eq!(*fake.log.lock().unwrap(), ["save:awaiting_approval:1"]);
     let row = fake.saved_state(0);
     assert_eq!(row.unsent, ["c1", "c2"], "the row says nothing was sent");
-    assert!(row.messages.last().unwrap().content.iter().any(|p| matches!(p, Part::ToolCall { .. })));
+    assert!(
+        row.messages
+            .last()
+            .unwrap()
+            .content
+            .iter()
+            .any(|p| matches!(p, Part::ToolCall { .. }))
+    );
     // The turn is not over: no answer, no error.
     let events = fake.events.lock().unwrap();
     assert!(
@@ -132,7 +145,10 @@ async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
     assert_eq!(done.outcome, TurnOutcome::AwaitingApproval);
     assert_eq!(done.approvals[0].call_id, "c1");
     assert!(fake.tool_runs.lock().unwrap().is_empty());
-    assert!(fake.requests.lock().unwrap().is_empty(), "the model is not asked again");
+    assert!(
+        fake.requests.lock().unwrap().is_empty(),
+        "the model is not asked again"
+    );
     assert_eq!(fake.saved_state(0).unsent, ["c1", "c2"]);
 }
 
@@ -153,14 +169,20 @@ async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
     assert!(fake.saved_state(0).unsent.is_empty());
     let requests = fake.requests.lock().unwrap();
     assert_eq!(requests.len(), 1, "step 1 is not asked again");
-    assert_eq!(result_text(&requests[0].messages, "c1"), ("result of c1".into(), false));
+    assert_eq!(
+        result_text(&requests[0].messages, "c1"),
+        ("result of c1".into(), false)
+    );
 }
 
 #[tokio::test]
 async fn denied_the_model_is_told_why_and_the_call_never_runs() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies.lock().unwrap().push_back(reply_text("I did not mail bob"));
+    fake.replies
+        .lock()
+        .unwrap()
+        .push_back(reply_text("I did not mail bob"));
     let job = continued(&[("c1", Decision::Deny, Some("not bob"), "operator")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -176,7 +198,10 @@ async fn denied_the_model_is_told_why_and_the_call_never_runs() {
 async fn a_denial_by_the_deadline_says_so() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies.lock().unwrap().push_back(reply_text("nobody answered"));
+    fake.replies
+        .lock()
+        .unwrap()
+        .push_back(reply_text("nobody answered"));
     let job = continued(&[("c1", Decision::Deny, Some("late"), "deadline")]);
     completed(run_turn(&fake, &job, 2, &CFG).await);
     let requests = fake.requests.lock().unwrap();
@@ -198,7 +223,10 @@ async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
     assert_eq!(state(&started).stop_reason, "tool_calls_started");
 
     let fake = declared(Fake::resuming(Some(started)));
-    fake.replies.lock().unwrap().push_back(reply_text("maybe mailed"));
+    fake.replies
+        .lock()
+        .unwrap()
+        .push_back(reply_text("maybe mailed"));
     let done = completed(run_turn(&fake, &approved, 3, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert_eq!(
