@@ -664,6 +664,18 @@ pub fn approval_figures(
                 "{call}: {firsts} replies say they made the decision"
             ));
         }
+        // A reply that says it made the decision must hold what was asked for.
+        for r in rs
+            .iter()
+            .filter(|r| !r.already_decided && r.held != r.asked)
+        {
+            a.lost.push(format!(
+                "{call} (session {}): asked {}, the reply made {}",
+                r.session_id,
+                r.asked.as_str(),
+                r.held.as_str()
+            ));
+        }
         a.second_answers += rs.iter().filter(|r| r.already_decided).count();
         let first = rs[0];
         held.insert(call, first.held);
@@ -861,5 +873,20 @@ mod tests {
         let ended: HashMap<String, Instant> = [("t1".to_owned(), t0)].into();
         let a = approval_figures(&events, &[], &answers, &[], &ended);
         assert!(a.clean(), "{a:?}");
+    }
+
+    #[test]
+    fn a_reply_that_made_another_decision_than_asked_is_a_lost_decision() {
+        let t0 = Instant::now();
+        let events = [asked("c1", "t1", t0)];
+        let answers = [answer("c1", Decision::Deny, Decision::Approve, false, t0)];
+        let ended: HashMap<String, Instant> = [("t1".to_owned(), t0)].into();
+        let a = approval_figures(&events, &[], &answers, &[ran("c1", t0)], &ended);
+        assert_eq!(a.lost.len(), 1, "{:?}", a.lost);
+        assert!(
+            a.lost[0].contains("asked deny, the reply made approve"),
+            "{:?}",
+            a.lost
+        );
     }
 }
