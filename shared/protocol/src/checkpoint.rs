@@ -312,7 +312,7 @@ mod tests {
         let cp = Checkpoint::unfenced("s1", 3, state);
         let doc = json!({"id":"s1:3","agent_id":"s1","step":3,"state":{"step":3,"messages":[
             {"role":"user","content":[{"type":"text","text":"hi"}]}],"stop_reason":"tool_calls",
-            "turn_id":"t1"}});
+            "turn_id":"t1","unsent":["c2"]}});
         assert_eq!(serde_json::to_value(&cp).unwrap(), doc);
         assert_eq!(serde_json::from_value::<Checkpoint>(doc).unwrap(), cp);
     }
