@@ -1140,7 +1140,7 @@ async fn a_gated_call_waits_for_cyrene_approve_then_runs_once_and_the_answer_arr
     assert_eq!(said, [format!("done: count ran as {}", short(&call))]);
     assert_eq!(
         world.tools.ids_of("count"),
-        [call.clone()],
+        std::slice::from_ref(&call),
         "ran once, under its id"
     );
     // A second decision changes nothing and says what holds.
