@@ -2,7 +2,8 @@
 //! the guarantee per tool kind: docs/reliability.md, "Tool calls in flight"): a step's tool-call
 //! message is durable before any of its calls goes out, so a redelivered turn continues *those*
 //! calls under *those* ids instead of asking the model again, and a call to a tool that must not
-//! run twice never runs twice.
+//! run twice never runs twice. Owns a step's tool batch ([`Batch`]): who its calls run as, how
+//! each is sent or answered without being sent, and its result messages.
 //!
 //! # Invariants
 //! - **Intent before request.** Before the first request of a batch goes out, the step is saved
@@ -48,7 +49,7 @@
 //!   the turn covers: that one save carries the turn's steps so far, not only the batch.
 
 use super::{Exit, Turn};
-use crate::ports::{Idempotence, ToolOutput, TurnPorts};
+use crate::ports::{Idempotence, ToolContext, ToolOutput, TurnPorts};
 use crate::resume::stop_reason;
 use cyrene_protocol::ErrorCode;
 use cyrene_protocol::approval::{CallDecision, Decision, PendingCall};
@@ -214,7 +215,7 @@ impl<P: TurnPorts> Turn<'_, P> {
             .collect();
         self.window.push(batch.assistant.clone());
         if !waiting.is_empty() {
-            self.unsent = never_sent;
+            self.saves.unsent = never_sent;
             self.save_before_calls(step, stop_reason::AWAITING_APPROVAL, &batch.recorded)
                 .await?;
             tracing::info!(turn = %self.job.turn_id, step, calls = waiting.len(),
@@ -247,11 +248,11 @@ impl<P: TurnPorts> Turn<'_, P> {
         // The intent: a fresh batch's, or a resumed one's whose calls were held for approval
         // (the row says they were never sent; from now on they may be).
         if sends && (!batch.resumed || !batch.unsent.is_empty()) {
-            self.unsent.clear();
+            self.saves.unsent.clear();
             self.save_before_calls(step, stop_reason::TOOL_CALLS_STARTED, &known)
                 .await?;
         }
-        self.unsent.clear();
+        self.saves.unsent.clear();
         let running = AtomicUsize::new(plans.iter().filter(|p| matches!(p, Plan::Run)).count());
         // The results so far (recorded first, then in the order they return); held while a
         // record is saved, so records go one at a time.
@@ -271,7 +272,7 @@ impl<P: TurnPorts> Turn<'_, P> {
                     Plan::Run => this.run_call(context, call).await,
                 };
                 let message = match (message.unanswered, kind) {
-                    (false, _) => super::tool_message(call, message),
+                    (false, _) => tool_message(call, message),
                     (true, Idempotence::NotIdempotent) => {
                         this.outcome_unknown(step, call).await;
                         unknown_result(call)
@@ -282,7 +283,7 @@ impl<P: TurnPorts> Turn<'_, P> {
                             true => this.run_call(context, call).await,
                             false => message,
                         };
-                        super::tool_message(call, again)
+                        tool_message(call, again)
                     }
                 };
                 let others = running.fetch_sub(1, Ordering::SeqCst) > 1;
@@ -301,6 +302,27 @@ impl<P: TurnPorts> Turn<'_, P> {
         }
         self.window.extend(messages.iter().cloned());
         Ok(messages)
+    }
+
+    /// Who this turn's tool calls run as.
+    fn tool_context(&self) -> ToolContext {
+        ToolContext {
+            agent_id: self.job.env.persona.clone(),
+            session_id: self.job.session_id.clone(),
+            turn_id: self.job.turn_id.clone(),
+            allowed: self.job.tools.clone(),
+            ask_chain: self.job.ask_chain.clone(),
+        }
+    }
+
+    /// Runs one call of a step's batch (the batch runs its calls concurrently, intents).
+    async fn run_call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
+        match &call.args_error {
+            Some(err) => ToolOutput::error(format!(
+                "the arguments of this call are not valid JSON ({err}); the tool did not run"
+            )),
+            None => self.ports.call_tool(context, call).await,
+        }
     }
 
     /// Whether a call of `name` waits for a person's approval: the persona's list or the
@@ -327,7 +349,7 @@ impl<P: TurnPorts> Turn<'_, P> {
         stop: &str,
         known: &[Message],
     ) -> Result<(), Exit> {
-        let from = self.stored.unwrap_or(self.seed).min(self.window.len());
+        let from = self.delta_from();
         let mut pauses = cyrene_bus::retry::REPORT.delays();
         let mut tries = 0;
         loop {
@@ -336,7 +358,7 @@ impl<P: TurnPorts> Turn<'_, P> {
             match self.ports.save_checkpoint(checkpoint).await {
                 // The step's later saves rewrite this row from the same point.
                 Ok(()) => {
-                    self.stored = Some(from);
+                    self.saves.stored = Some(from);
                     return Ok(());
                 }
                 Err(err) if err.code == ErrorCode::Conflict => {
@@ -416,10 +438,21 @@ pub(super) fn denial(call: &ToolCall, decision: &CallDecision) -> Message {
         (Some(reason), _) => format!("{DENIED} Reason: {reason}"),
         (None, _) => DENIED.to_owned(),
     };
-    super::tool_message(call, ToolOutput::error(text))
+    tool_message(call, ToolOutput::error(text))
 }
 
 /// The deterministic result of a call whose outcome is unknown.
 pub(super) fn unknown_result(call: &ToolCall) -> Message {
-    super::tool_message(call, ToolOutput::error(OUTCOME_UNKNOWN))
+    tool_message(call, ToolOutput::error(OUTCOME_UNKNOWN))
+}
+
+/// A call's result message: its text, and its images as image parts.
+fn tool_message(call: &ToolCall, out: ToolOutput) -> Message {
+    let mut message = Message::tool_result(&call.id, &call.name, out.text, out.is_error);
+    message.content.extend(
+        out.images
+            .into_iter()
+            .map(|image_url| Part::ImageUrl { image_url }),
+    );
+    message
 }

@@ -1,5 +1,13 @@
-//! One turn, step by step (docs/architecture.md §5): resume or start fresh, assemble the view, call
-//! the model, run the tool batch, checkpoint, steer, repeat; settle every exit.
+//! One turn, step by step (docs/architecture.md §5, "The step loop"; docs/loop-worker.md, "What
+//! a worker does with it"): resume or start fresh, assemble the view, call the model, run the
+//! tool batch, checkpoint, steer, repeat; settle every exit. This file owns the step loop and
+//! its exits; each part of a turn's state lives with the file that changes it:
+//! - [`checkpoint`]: the rows as deltas, and how much of the window the store holds;
+//! - [`steering`]: what was steered in and taken in, pushed input and the steer request;
+//! - [`request`]: the view's other parts (blocks, documents, images) and the held view;
+//! - [`intents`]: a step's tool batch, its intent and approvals;
+//! - [`guardrails`]: asking the persona's guard about calls and answers;
+//! - [`settle`]: every exit as a non-resumable checkpoint and a completion.
 //!
 //! # Invariants
 //! - **Window vs view.** Steered messages and the parallel notice live only in the view rebuilt
@@ -9,40 +17,38 @@
 //!   `{turn_id, attempt}`. A step that ends in tool calls is saved as `tool_calls` (the only
 //!   resumable stop reason, and only the loop writes it: a final answer is saved as `stop`
 //!   whatever the provider's finish reason, which goes beside it as `finish_reason`; a row
-//!   that holds a final answer is never resumed); every other exit — final answer, `safety_net` answer, budget
-//!   exhausted, deadline at a boundary (`canceled`) or during a model call (`aborted`), error —
-//!   is settled by a non-resumable checkpoint before it is reported. A checkpoint is a delta
-//!   (docs/checkpoint-store.md, "Incremental checkpoints"): the turn's base once, then only what
-//!   each step added, from the last point the store is known to hold.
+//!   that holds a final answer is never resumed); every other exit — final answer, `safety_net`
+//!   answer, budget exhausted, deadline at a boundary (`canceled`) or during a model call
+//!   (`aborted`), error — is settled by a non-resumable checkpoint before it is reported
+//!   ([`settle`]). A checkpoint is a delta ([`checkpoint`]; docs/checkpoint-store.md,
+//!   "Incremental checkpoints"): the turn's base once, then only what each step added, from the
+//!   last point the store is known to hold.
 //! - **The step budget has a safety net.** When step `max_steps` ends in tool calls, one more
 //!   model call with tool use off asks for an answer from what the window holds; it shares the
 //!   last step's number and checkpoint. Only when it gives no text does the turn end as
 //!   `budget_exhausted`.
-//! - **Steering never cancels** (I1–I3): it happens only at boundaries, after the whole tool batch
-//!   finished, and only adds to the next view. The first boundary of a delivery asks
-//!   `cyrene.turn.steer`; later ones take what the orchestrator pushed meanwhile, with no round
-//!   trip (docs/orchestrator.md, "Steering"). A failed steer or a lost push yields nothing; the
-//!   messages are handed back at completion and answered later.
-//! - **Taken in means answered.** A steered message counts as taken in (checkpointed and
-//!   reported in `steered_ids`) only once a model call whose view held it has answered; a turn
-//!   past its deadline steers no more. Any other claimed message is handed back at completion
-//!   and gets a turn of its own (D16: never consumed by a turn that ends first).
-//! - **Fencing.** A `conflict` from a checkpoint save or a steer means a newer attempt of this
-//!   turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
+//! - **Steering never cancels, and taken in means answered** ([`steering`]; I1–I3, D16): input
+//!   is taken only at boundaries, after the whole tool batch finished, and counts as taken in
+//!   only once a model call whose view held it has answered; a turn past its deadline steers no
+//!   more.
+//! - **Fencing.** A `conflict` from a checkpoint read or save or a steer means a newer attempt of
+//!   this turn owns it: the runner stops at once ([`TurnEnd::Stale`]) and reports nothing.
 //! - **Overlap, never reorder.** After a tool batch, the step's checkpoint save, the next
 //!   boundary's input and the next model call run together; the next tool batch starts only when
 //!   the save is back. So a step is durable before any later side effect, and a fenced-off
 //!   attempt runs no tool after its refused save (at most one model call overlapped it).
-//! - **Intent before a tool runs** (`intents`): a batch that calls anything but read-only tools
+//! - **Intent before a tool runs** ([`intents`]): a batch that calls anything but read-only tools
 //!   is first saved as `tool_calls_started` with the step's tool-call message; a redelivery
 //!   continues that batch with the same calls and ids, never asking the model again, and a call
 //!   that may not run twice and has no recorded result gets [`OUTCOME_UNKNOWN`] instead of
 //!   running again.
 //! - **Resume never redoes work.** A delivery reads only its own turn's latest checkpoint, fenced
 //!   (no older attempt can save after the read). A resumed turn continues after its last
-//!   completed step, or within its started batch; a job whose turn already reached a settled checkpoint is reported again
-//!   (the orchestrator's completion is idempotent) instead of being run again; a failed read
-//!   hands the job back for redelivery and never means "start fresh".
+//!   completed step, or within its started batch; a job whose turn already reached a settled
+//!   checkpoint is reported again (the orchestrator's completion is idempotent) instead of being
+//!   run again; a failed read hands the job back for redelivery and never means "start fresh".
+//! - **Guarded** ([`guardrails`]; docs/loop-worker.md, "Guardrails"): a turn whose job names a
+//!   guard runs no call of a batch and settles no answer the guard did not allow.
 //!
 //! # Pitfalls
 //! - A checkpoint save failure other than `conflict` never fails the turn (WARN): losing a
@@ -51,34 +57,22 @@
 //!   by their own timeout); it is checked again at the next boundary.
 //! - A tool call whose arguments could not be decoded (`args_error`) is answered with an
 //!   `is_error` result without running the tool.
-//!
-//! # Guardrails
-//! A turn whose job names a guard (docs/loop-worker.md, "Guardrails") asks it about every call
-//! of a tool batch (concurrently, `args_error` calls excepted) before any of them runs, and
-//! about the answer (a step's or the safety net's) before it is settled. A deny, or a failure
-//! under `closed`, runs none of the batch / sends nothing of the answer: the turn settles with
-//! stop reason `guardrail`, the persona's configured message as its answer (the guard's reason
-//! only in the log and the checkpoint's `guard_reason`), and a redelivery reports that again.
-//! Such a turn publishes no `delta` events (crate::deltas), so no text of an answer reaches the
-//! session before the guard allowed it.
 
-use crate::assemble::{self, ContextBlocks, SteeredMessage, ViewInputs, merge_steered};
-use crate::attribution::{PersonaNames, SpeakerEnv};
-use crate::documents::DocumentTexts;
-use crate::images::ImageResolver;
-use crate::memory;
-use crate::ports::{ToolContext, ToolOutput, TurnInput, TurnPorts};
+use crate::ports::TurnPorts;
 use crate::resume::{self, ResumeDecision, stop_reason};
-use cyrene_protocol::checkpoint::{
-    Checkpoint, CheckpointState, CheckpointStateRef, checkpoint_id, owner_key,
-};
-use cyrene_protocol::message::{Message, Part, Role, ToolCall};
+use cyrene_protocol::checkpoint::owner_key;
+use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::session::{SessionEvent, SessionEventType};
-use cyrene_protocol::turn::{SteerRequest, SteerResponse, TurnComplete, TurnJob, TurnOutcome};
-use cyrene_protocol::{ErrorBody, ErrorCode, JsonObject};
+use cyrene_protocol::turn::{TurnComplete, TurnJob};
+use cyrene_protocol::{ErrorBody, ErrorCode};
 
+mod checkpoint;
+mod guardrails;
 mod intents;
+mod request;
+mod settle;
+mod steering;
 pub use intents::OUTCOME_UNKNOWN;
 
 /// What the worker does with the job after the runner returns.
@@ -138,44 +132,21 @@ enum Exit {
     AwaitingApproval(Vec<cyrene_protocol::approval::PendingCall>),
 }
 
-/// The mutable state of one turn.
+/// The mutable state of one turn: what every part reads (the ports, the job, the window), and
+/// the state each part owns.
 struct Turn<'a, P> {
     ports: &'a P,
     job: &'a TurnJob,
     attempt: u32,
-    owner: String,
+    /// The seeded messages, the assistant's messages and the tool results: what checkpoints
+    /// hold (never a steered message or the notice, which only the view holds).
     window: Vec<Message>,
-    /// How many messages of `window` the store already holds for this turn (its base and the
-    /// rows saved so far): a save sends only what follows. `None` while the turn's base is not
-    /// stored: the next save carries the first `seed` messages as the base.
-    stored: Option<usize>,
-    seed: usize,
-    steered: Vec<SteeredMessage>,
-    /// The ids of `steered` messages this turn has taken in: a model call whose view held them
-    /// answered (or, for a resumed turn, the resumed checkpoint says one did). Only these are
-    /// reported and checkpointed as `steered_ids`; every other claimed message goes back to
-    /// pending at completion and is answered as a turn of its own (docs/loop-worker.md,
-    /// "Steering").
-    taken_in: Vec<String>,
-    after_seq: u64,
-    /// What the orchestrator pushes to this turn; once the first steer of the delivery has
-    /// answered, later boundaries take from here instead of asking.
-    input: TurnInput,
-    asked: bool,
-    blocks: ContextBlocks,
-    speakers: SpeakerEnv,
-    names: PersonaNames,
-    /// The main model's vision and the image descriptions made so far in this turn.
-    images: ImageResolver,
-    /// Document URL → its text in the view, so each document is read once per turn.
-    documents: DocumentTexts,
-    /// The view the steps' model calls sent, held by a gateway replica (crate::deltas).
-    view: crate::deltas::SentView,
-    /// Why the guard ended the turn (saved as the settled checkpoint's `guard_reason`).
-    guard_reason: String,
-    /// The calls of the current tool batch known never to have been sent (saved as the rows'
-    /// `unsent` while the batch waits for approval, intents).
-    unsent: Vec<String>,
+    /// Where the rows go and how much of the window the store holds (checkpoint).
+    saves: checkpoint::Saves,
+    /// What was steered in and taken in, and how the next boundary gets input (steering).
+    steering: steering::Steering,
+    /// What the view is built from besides the window, and the view a replica holds (request).
+    view: request::ViewState,
 }
 
 /// The system note closing the view of the safety-net call at the step budget (ours: the
@@ -205,7 +176,7 @@ pub async fn run_turn<P: TurnPorts>(
             return TurnEnd::Retry(err);
         }
     };
-    if let Some(done) = already_settled(job, attempt, latest.as_ref()) {
+    if let Some(done) = settle::already_settled(job, attempt, latest.as_ref()) {
         tracing::info!(turn = %job.turn_id, "turn already settled; reporting it again");
         return TurnEnd::Complete(Box::new(done));
     }
@@ -242,10 +213,6 @@ pub async fn run_turn<P: TurnPorts>(
         }
     };
     let seed = window.len();
-    let mut names = PersonaNames::new();
-    for (id, name) in &job.persona_names {
-        names.insert(id.clone(), name.clone());
-    }
     // Subscribed before the first steer: whatever is claimed for this turn after that steer's
     // read is pushed to a subscription that already exists.
     let input = ports.turn_input(&job.turn_id).await;
@@ -253,29 +220,10 @@ pub async fn run_turn<P: TurnPorts>(
         ports,
         job,
         attempt,
-        owner,
         window,
-        stored,
-        seed,
-        steered: Vec::new(),
-        taken_in,
-        after_seq: job.base_seq,
-        input,
-        asked: false,
-        blocks: ContextBlocks {
-            instructions: job.instructions.clone(),
-            // Stamped once per attempt: every step of it shows the same block, so a provider's
-            // prompt cache keeps matching the prefix.
-            time: assemble::time_block(chrono::Utc::now()),
-            ..Default::default()
-        },
-        speakers: SpeakerEnv::new(job.env.restricted, job.env.persona.clone()),
-        names,
-        images: ImageResolver::default(),
-        documents: DocumentTexts::default(),
-        view: crate::deltas::SentView::default(),
-        guard_reason: String::new(),
-        unsent: Vec::new(),
+        saves: checkpoint::Saves::new(owner, stored, seed),
+        steering: steering::Steering::new(taken_in, job.base_seq, input),
+        view: request::ViewState::new(job),
     };
     turn.load_memory().await;
     let (exit, step) = turn.steps(next_step, started, config).await;
@@ -391,14 +339,14 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         self.resolve_documents().await?;
         let request = self.step_request(config);
         let request = self.resolve_images(request).await;
-        let seen = self.steered.len();
+        let seen = self.steering.steered.len();
         // The held view is lent to the call (taken out of the turn, put back after it).
-        let mut view = std::mem::take(&mut self.view);
-        let result = self.model_call(request, Some((step, &mut view))).await;
-        self.view = view;
+        let mut sent = std::mem::take(&mut self.view.sent);
+        let result = self.model_call(request, Some((step, &mut sent))).await;
+        self.view.sent = sent;
         match result? {
             Ok(response) => {
-                self.took_in(seen);
+                self.steering.took_in(seen);
                 Ok(response)
             }
             Err(err) if err.code.is_retryable() => Err(Exit::Retry(err)),
@@ -458,7 +406,8 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             Ok(Ok(response))
                 if response.tool_calls.is_empty() && !response.content.trim().is_empty() =>
             {
-                self.took_in(self.steered.len());
+                let steering = &mut self.steering;
+                steering.took_in(steering.steered.len());
                 Exit::Final {
                     message: Box::new(self.assistant_message(&response)),
                     stop_reason: stop_reason::SAFETY_NET,
@@ -469,441 +418,6 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
             Ok(Err(err)) => {
                 tracing::warn!(turn = %self.job.turn_id, error = %err, "safety-net answer failed");
                 Exit::Budget
-            }
-        }
-    }
-
-    /// Asks the guard about every call of a batch at once, `args_error` calls excepted (they do
-    /// not run anyway): the first deny (or closed failure), in call order, as the reason the turn
-    /// ends; `None` when every call may run or the turn has no guard.
-    async fn guard_calls(&self, calls: &[ToolCall]) -> Option<String> {
-        let spec = self.job.guard.as_ref()?;
-        let asked = calls.iter().filter(|c| c.args_error.is_none()).map(|call| {
-            let request = crate::guard::tool_call(self.job, call);
-            async move { (call, crate::guard::check(self.ports, spec, &request).await) }
-        });
-        for (call, verdict) in futures::future::join_all(asked).await {
-            if let crate::guard::Verdict::Deny { reason, failed } = verdict {
-                tracing::warn!(turn = %self.job.turn_id, tool = %call.name, call_id = %call.id,
-                    failed, reason = %reason, "the guard stopped a tool call; no call of the batch runs");
-                return Some(format!("tool_call {}: {reason}", call.name));
-            }
-        }
-        None
-    }
-
-    /// Asks the guard about an answer before it is settled (and so before any of it reaches the
-    /// session): a deny (or closed failure) turns it into [`Exit::Guardrail`].
-    async fn guard_answer(&self, exit: Exit) -> Exit {
-        let (Some(spec), Exit::Final { message, .. }) = (self.job.guard.as_ref(), &exit) else {
-            return exit;
-        };
-        let request = crate::guard::answer(self.job, message.text_content());
-        match crate::guard::check(self.ports, spec, &request).await {
-            crate::guard::Verdict::Allow => exit,
-            crate::guard::Verdict::Deny { reason, failed } => {
-                tracing::warn!(turn = %self.job.turn_id, failed, reason = %reason,
-                    "the guard stopped the answer; the person gets the persona's message");
-                Exit::Guardrail {
-                    reason: format!("answer: {reason}"),
-                }
-            }
-        }
-    }
-
-    /// The answer a guard's deny gives the person: the persona's configured message.
-    fn guard_message(&self) -> Message {
-        let text = self
-            .job
-            .guard
-            .as_ref()
-            .map_or(cyrene_protocol::guard::DEFAULT_GUARD_MESSAGE, |g| {
-                g.message.as_str()
-            });
-        let mut message = Message::text(Role::Assistant, text);
-        message.sender_name = self.job.env.persona.clone();
-        message
-    }
-
-    /// Settles every exit: a non-resumable checkpoint, an event, the completion to report.
-    async fn settle(mut self, exit: Exit, step: u32, config: &RunnerConfig) -> TurnEnd {
-        let mut finish = String::new();
-        let (outcome, stop, message, error) = match exit {
-            Exit::Stale => return TurnEnd::Stale,
-            // The row is saved; the turn is not over, so no event ends it.
-            Exit::AwaitingApproval(approvals) => {
-                return TurnEnd::Complete(Box::new(TurnComplete {
-                    turn_id: self.job.turn_id.clone(),
-                    session_id: self.job.session_id.clone(),
-                    leg_id: self.job.leg_id.clone(),
-                    attempt: self.attempt,
-                    outcome: TurnOutcome::AwaitingApproval,
-                    message: None,
-                    stop_reason: stop_reason::AWAITING_APPROVAL.to_owned(),
-                    steps: step,
-                    steered_ids: self.taken_in.clone(),
-                    error: None,
-                    approvals,
-                }));
-            }
-            // The deliveries of this job (its attempts count on from `attempt_base`).
-            Exit::Retry(err)
-                if self.attempt.saturating_sub(self.job.attempt_base) < config.max_attempts =>
-            {
-                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
-                    "retryable failure; the job will be redelivered");
-                return TurnEnd::Retry(err);
-            }
-            Exit::Retry(err) | Exit::Failed(err) => (
-                TurnOutcome::Error,
-                stop_reason::ERROR.to_owned(),
-                None,
-                Some(err),
-            ),
-            Exit::Final {
-                message,
-                stop_reason,
-                finish_reason,
-            } => {
-                self.window.push((*message).clone());
-                finish = finish_reason;
-                (
-                    TurnOutcome::Final,
-                    stop_reason.to_owned(),
-                    Some(*message),
-                    None,
-                )
-            }
-            Exit::Guardrail { reason } => {
-                // The denied call or answer is in no message: the window ends with what the
-                // person is told, so a redelivery reports it again.
-                self.guard_reason = reason;
-                let message = self.guard_message();
-                self.window.push(message.clone());
-                (
-                    TurnOutcome::Final,
-                    stop_reason::GUARDRAIL.to_owned(),
-                    Some(message),
-                    None,
-                )
-            }
-            Exit::Budget => (
-                TurnOutcome::BudgetExhausted,
-                stop_reason::BUDGET_EXHAUSTED.to_owned(),
-                None,
-                None,
-            ),
-            Exit::Deadline => (
-                TurnOutcome::Cancelled,
-                stop_reason::CANCELED.to_owned(),
-                None,
-                None,
-            ),
-            Exit::Aborted => (
-                TurnOutcome::Cancelled,
-                stop_reason::ABORTED.to_owned(),
-                None,
-                None,
-            ),
-        };
-        let saved = self
-            .ports
-            .save_checkpoint(self.checkpoint(step, &stop, &finish))
-            .await;
-        if self.saved(saved, self.window.len()).is_err() {
-            return TurnEnd::Stale;
-        }
-        match (&message, &error) {
-            (Some(m), _) => {
-                self.event(SessionEventType::Final, |e| e.message = Some(m.clone()))
-                    .await
-            }
-            (None, Some(err)) => {
-                self.event(SessionEventType::Error, |e| e.error = Some(err.clone()))
-                    .await
-            }
-            (None, None) => {}
-        }
-        TurnEnd::Complete(Box::new(TurnComplete {
-            turn_id: self.job.turn_id.clone(),
-            session_id: self.job.session_id.clone(),
-            leg_id: self.job.leg_id.clone(),
-            attempt: self.attempt,
-            outcome,
-            message,
-            stop_reason: stop,
-            steps: step,
-            steered_ids: self.taken_in.clone(),
-            error,
-            approvals: Vec::new(),
-        }))
-    }
-
-    fn view_inputs(&self) -> ViewInputs<'_> {
-        ViewInputs {
-            blocks: &self.blocks,
-            window: &self.window,
-            speakers: &self.speakers,
-            names: &self.names,
-            steered: &self.steered,
-            notice: self.job.notice.as_ref(),
-        }
-    }
-
-    /// The request of the whole view.
-    fn request(&self, config: &RunnerConfig) -> ModelRequest {
-        let view = assemble::assemble_view(&self.view_inputs(), &self.documents);
-        self.request_of(view, config)
-    }
-
-    /// A step's request: only what its view appends to the view a gateway replica holds when it
-    /// is such an extension, else the whole view; staged on the held view (crate::deltas).
-    fn step_request(&mut self, config: &RunnerConfig) -> ModelRequest {
-        let inputs = self.view_inputs();
-        let extended = self
-            .view
-            .shape()
-            .and_then(|shape| assemble::extend_view(&inputs, &self.documents, shape));
-        let (messages, shape, added) = match extended {
-            Some((added, shape)) => (added, shape, true),
-            None => {
-                let (whole, shape) = assemble::assemble_shaped(&inputs, &self.documents);
-                (whole, shape, false)
-            }
-        };
-        self.view.stage(shape, added);
-        self.request_of(messages, config)
-    }
-
-    fn request_of(&self, messages: Vec<Message>, config: &RunnerConfig) -> ModelRequest {
-        ModelRequest {
-            messages,
-            purpose: config.purpose.clone(),
-            persona_id: self.job.env.persona.clone(),
-            tools: self.ports.tool_specs(self.job.tools.as_deref()),
-            ..Default::default()
-        }
-    }
-
-    /// Fills the working-memory and memory blocks from the persona's memory (docs/memory.md);
-    /// when memory cannot be read the blocks stay empty and the turn goes on.
-    async fn load_memory(&mut self) {
-        let persona = &self.job.env.persona;
-        match self.ports.memory(persona, &self.job.session_id).await {
-            Ok(read) => {
-                self.blocks.working_memory =
-                    memory::block(memory::WORKING_MEMORY_HEADER, &read.working_memory);
-                self.blocks.memory = memory::block(memory::MEMORY_HEADER, &read.memory);
-            }
-            Err(err) => {
-                tracing::warn!(turn = %self.job.turn_id, error = %err, "memory unavailable; the turn goes on without it");
-            }
-        }
-    }
-
-    /// Reads and extracts every document of the window and the steered messages not read yet
-    /// this turn (docs/loop-worker.md, "Documents"). A document service that stays unreachable
-    /// is a retryable exit: the job is handed back, never answered with "could not extract".
-    async fn resolve_documents(&mut self) -> Result<(), Exit> {
-        let messages = self
-            .window
-            .iter()
-            .chain(self.steered.iter().map(|s| &s.message));
-        self.documents
-            .fill(self.ports, &self.job.session_id, messages)
-            .await
-            .map_err(Exit::Retry)
-    }
-
-    /// The view's images, described for a main model without vision (crate::images).
-    async fn resolve_images(&mut self, request: ModelRequest) -> ModelRequest {
-        self.images
-            .resolve(self.ports, &self.job.env.persona, request)
-            .await
-    }
-
-    /// The assistant message of a reply, labelled with the answering persona (its lane), and
-    /// holding its tool calls even if the gateway put them only in `tool_calls`.
-    fn assistant_message(&self, response: &ModelResponse) -> Message {
-        let mut message = response.message.clone();
-        message.role = Role::Assistant;
-        let has_calls = message
-            .content
-            .iter()
-            .any(|p| matches!(p, Part::ToolCall { .. }));
-        if !response.tool_calls.is_empty() && !has_calls {
-            let calls = Message::assistant_tool_calls(&response.tool_calls);
-            message.content.extend(calls.content);
-        }
-        if message.content.is_empty() && !response.content.is_empty() {
-            message.content.push(Part::text(response.content.clone()));
-        }
-        message.sender_name = self.job.env.persona.clone();
-        message
-    }
-
-    /// Who this turn's tool calls run as.
-    fn tool_context(&self) -> ToolContext {
-        ToolContext {
-            agent_id: self.job.env.persona.clone(),
-            session_id: self.job.session_id.clone(),
-            turn_id: self.job.turn_id.clone(),
-            allowed: self.job.tools.clone(),
-            ask_chain: self.job.ask_chain.clone(),
-        }
-    }
-
-    /// Runs one call of a step's batch (the batch runs its calls concurrently, intents).
-    async fn run_call(&self, context: &ToolContext, call: &ToolCall) -> ToolOutput {
-        match &call.args_error {
-            Some(err) => ToolOutput::error(format!(
-                "the arguments of this call are not valid JSON ({err}); the tool did not run"
-            )),
-            None => self.ports.call_tool(context, call).await,
-        }
-    }
-
-    /// The step's checkpoint as a delta (docs/checkpoint-store.md, "Incremental checkpoints"):
-    /// the window's messages past what the store holds, and the turn's base when it holds none.
-    /// Its size does not grow with the window.
-    fn checkpoint(&self, step: u32, stop: &str, finish: &str) -> Checkpoint {
-        self.checkpoint_with(step, stop, finish, &[])
-    }
-
-    /// [`Self::checkpoint`] with `more` after the window (a started batch's results so far).
-    fn checkpoint_with(&self, step: u32, stop: &str, finish: &str, more: &[Message]) -> Checkpoint {
-        let steered_ids = &self.taken_in;
-        let from = self.stored.unwrap_or(self.seed).min(self.window.len());
-        let added: std::borrow::Cow<'_, [Message]> = if more.is_empty() {
-            (&self.window[from..]).into()
-        } else {
-            [&self.window[from..], more].concat().into()
-        };
-        let state = CheckpointStateRef {
-            step,
-            from: Some(from),
-            messages: &added,
-            stop_reason: stop,
-            finish_reason: finish,
-            turn_id: &self.job.turn_id,
-            steered_ids,
-            guard_reason: &self.guard_reason,
-            unsent: &self.unsent,
-        };
-        #[derive(serde::Serialize)]
-        struct Base<'m> {
-            messages: &'m [Message],
-        }
-        // A struct of messages always encodes, and as an object.
-        let base = self.stored.is_none().then(|| {
-            JsonObject::encode(&Base {
-                messages: &self.window[..from],
-            })
-            .unwrap_or_default()
-        });
-        let state = JsonObject::encode(&state).unwrap_or_default();
-        Checkpoint {
-            id: checkpoint_id(&self.owner, Some(&self.job.turn_id), step),
-            agent_id: self.owner.clone(),
-            step,
-            state,
-            turn_id: Some(self.job.turn_id.clone()),
-            attempt: Some(self.attempt),
-            base,
-            created_at: None,
-            updated_at: None,
-        }
-    }
-
-    /// Takes a save's outcome; `covered` is the window length the saved checkpoint reached.
-    /// Only a save known to have landed moves `stored` on: after any other outcome the next
-    /// save sends again from the last known point (and the base, if that was never stored).
-    fn saved(&mut self, result: Result<(), ErrorBody>, covered: usize) -> Result<(), Exit> {
-        match result {
-            Ok(()) => {
-                self.stored = Some(covered);
-                Ok(())
-            }
-            Err(err) if err.code == ErrorCode::Conflict => {
-                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
-                    "checkpoint refused: a newer attempt owns this turn; stopping");
-                Err(Exit::Stale)
-            }
-            Err(err) => {
-                tracing::warn!(turn = %self.job.turn_id, error = %err, "checkpoint save failed");
-                Ok(())
-            }
-        }
-    }
-
-    fn steer_request(
-        &self,
-        step: u32,
-    ) -> impl std::future::Future<Output = Result<SteerResponse, ErrorBody>> + '_ {
-        self.ports.steer(SteerRequest {
-            session_id: self.job.session_id.clone(),
-            turn_id: self.job.turn_id.clone(),
-            leg_id: self.job.leg_id.clone(),
-            step,
-            after_seq: self.after_seq,
-            attempt: self.attempt,
-        })
-    }
-
-    /// A boundary's input. The delivery's first boundary asks `cyrene.turn.steer` (it claims
-    /// what is pending and returns everything already claimed for the turn — all of it again
-    /// for a resumed turn); every later one takes what was pushed since, with no round trip.
-    /// Without a live subscription every boundary asks.
-    async fn steer(&mut self, step: u32) -> Result<(), Exit> {
-        if self.asked && self.input.is_live() {
-            let mut messages = self.input.take();
-            messages.sort_by_key(|m| m.seq);
-            return self.merge(Ok(SteerResponse { messages }), step).await;
-        }
-        let steered = self.steer_request(step).await;
-        self.asked = true;
-        self.merge(steered, step).await
-    }
-
-    /// Takes a steer reply into the view; failures yield nothing (the messages stay pending).
-    async fn merge(
-        &mut self,
-        steered: Result<SteerResponse, ErrorBody>,
-        step: u32,
-    ) -> Result<(), Exit> {
-        let response = match steered {
-            Ok(response) => response,
-            Err(err) if err.code == ErrorCode::Conflict => {
-                tracing::warn!(turn = %self.job.turn_id, attempt = self.attempt, error = %err,
-                    "steer refused: a newer attempt owns this turn; stopping");
-                return Err(Exit::Stale);
-            }
-            Err(err) => {
-                tracing::debug!(turn = %self.job.turn_id, error = %err, "steer yielded nothing");
-                return Ok(());
-            }
-        };
-        if let Some(max) = response.messages.iter().map(|m| m.seq).max() {
-            self.after_seq = self.after_seq.max(max);
-        }
-        let added = merge_steered(&mut self.steered, response.messages);
-        if !added.is_empty() {
-            tracing::info!(turn = %self.job.turn_id, step, messages = added.len(), "input steered");
-            self.event(SessionEventType::SteerAck, |e| {
-                e.at_step = Some(step);
-                e.message_ids = added;
-            })
-            .await;
-        }
-        Ok(())
-    }
-
-    /// The first `seen` steered messages were in the view of a model call that answered: they
-    /// are taken in (reported in `steered_ids`, no longer handed back).
-    fn took_in(&mut self, seen: usize) {
-        for message in &self.steered[..seen.min(self.steered.len())] {
-            if !self.taken_in.contains(&message.id) {
-                self.taken_in.push(message.id.clone());
             }
         }
     }
@@ -931,67 +445,6 @@ enum Next {
     Started(intents::Batch),
 }
 
-/// A call's result message: its text, and its images as image parts.
-fn tool_message(call: &ToolCall, out: ToolOutput) -> Message {
-    let mut message = Message::tool_result(&call.id, &call.name, out.text, out.is_error);
-    message.content.extend(
-        out.images
-            .into_iter()
-            .map(|image_url| Part::ImageUrl { image_url }),
-    );
-    message
-}
-
-/// A redelivered job whose turn already reached a settled checkpoint — any stop reason but
-/// `tool_calls`, or a row whose window ends in a final answer whatever it says (D18) —: rebuild
-/// its completion, steered messages included, exactly as the first report said it.
-fn already_settled(
-    job: &TurnJob,
-    attempt: u32,
-    latest: Option<&Checkpoint>,
-) -> Option<TurnComplete> {
-    let checkpoint = latest?;
-    let mut state: CheckpointState = checkpoint.state.parse().ok()?;
-    let answered = resume::holds_final_answer(&state.messages);
-    if state.turn_id != job.turn_id
-        || (resume::resumable_stop_reason(&state.stop_reason) && !answered)
-    {
-        return None;
-    }
-    if resume::resumable_stop_reason(&state.stop_reason) {
-        // A row saved under the provider's `tool_calls` though it holds the answer (D18).
-        state.stop_reason = stop_reason::STOP.to_owned();
-    }
-    let (outcome, message) = match state.stop_reason.as_str() {
-        stop_reason::BUDGET_EXHAUSTED => (TurnOutcome::BudgetExhausted, None),
-        stop_reason::CANCELED | stop_reason::ABORTED => (TurnOutcome::Cancelled, None),
-        stop_reason::ERROR => (TurnOutcome::Error, None),
-        _ => (
-            TurnOutcome::Final,
-            state
-                .messages
-                .last()
-                .filter(|m| m.role == Role::Assistant)
-                .cloned(),
-        ),
-    };
-    let error = (outcome == TurnOutcome::Error)
-        .then(|| ErrorBody::new(ErrorCode::Internal, "the turn had already failed"));
-    Some(TurnComplete {
-        turn_id: job.turn_id.clone(),
-        session_id: job.session_id.clone(),
-        leg_id: job.leg_id.clone(),
-        attempt,
-        outcome,
-        message,
-        stop_reason: state.stop_reason,
-        steps: checkpoint.step,
-        steered_ids: state.steered_ids,
-        error,
-        approvals: Vec::new(),
-    })
-}
-
 fn now_unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1003,8 +456,13 @@ fn now_unix_ms() -> u64 {
 pub(crate) mod tests {
     use super::*;
     use crate::notice::PARALLEL_NOTICE_HEADER;
+    use crate::ports::{ToolContext, ToolOutput, TurnInput};
+    use cyrene_protocol::JsonObject;
+    use cyrene_protocol::checkpoint::{Checkpoint, CheckpointState, checkpoint_id};
     use cyrene_protocol::guard::{GuardFail, GuardKind, GuardRequest, GuardSpec};
+    use cyrene_protocol::message::{Part, ToolCall};
     use cyrene_protocol::turn::{ParallelNotice, SteerResponse, SteeredMessage};
+    use cyrene_protocol::turn::{SteerRequest, TurnComplete, TurnOutcome};
     use serde_json::Map;
     use std::collections::VecDeque;
     use std::sync::Mutex;
