@@ -244,8 +244,8 @@ async fn describe<P: TurnPorts>(ports: &P, image_url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixtures::reply_text;
     use crate::ports::{ToolContext, ToolOutput, TurnInput};
-    use crate::runner::tests::reply_text;
     use cyrene_protocol::checkpoint::Checkpoint;
     use cyrene_protocol::message::ToolCall;
     use cyrene_protocol::model::{ModelResponse, ToolSpec};

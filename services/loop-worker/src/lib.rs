@@ -33,10 +33,18 @@ pub mod worker;
 
 pub use config::{Args, Config};
 
-/// Messages and parts the unit tests of the view modules build their transcripts from.
+/// Messages and parts the unit tests of the view modules build their transcripts from, and the
+/// scripted model's text answer (the runner's and the image resolver's fakes both give it).
 #[cfg(test)]
 pub(crate) mod fixtures {
+    use cyrene_protocol::ErrorBody;
     use cyrene_protocol::message::{Message, Part, Role};
+    use cyrene_protocol::model::ModelResponse;
+
+    /// A plain text answer of a scripted model.
+    pub fn reply_text(text: &str) -> Result<ModelResponse, ErrorBody> {
+        Ok(ModelResponse::offline_text("scripted", "offline", text))
+    }
 
     pub fn user(text: &str) -> Message {
         Message::text(Role::User, text)
