@@ -59,6 +59,13 @@ pub(crate) mod fixtures {
         Message::text(Role::Assistant, text)
     }
 
+    /// An image part, by URL.
+    pub fn image(url: &str) -> Part {
+        Part::ImageUrl {
+            image_url: url.into(),
+        }
+    }
+
     /// A PDF document part of `size` bytes, by reference.
     pub fn pdf(name: &str, size: u64) -> Part {
         Part::Document {

@@ -231,7 +231,7 @@ mod tests {
     use cyrene_protocol::message::ToolCall;
     use serde_json::{Map, json};
 
-    use crate::fixtures::{assistant, user, user_parts};
+    use crate::fixtures::{assistant, image, user, user_parts};
 
     fn document(name: &str) -> Part {
         crate::fixtures::pdf(name, 10)
@@ -285,21 +285,24 @@ mod tests {
         )
     }
 
+    /// The decision to resume `messages` at `next_step`, with nothing steered and no call held
+    /// back; `started`: within a started tool batch.
+    fn resumed(messages: Vec<Message>, next_step: u32, started: bool) -> ResumeDecision {
+        ResumeDecision::Resume {
+            messages,
+            next_step,
+            steered_ids: vec![],
+            started,
+            unsent: vec![],
+        }
+    }
+
     /// Asserts that the snapshot a crash left after step `step` is resumed, with its window, at
     /// `next_step` when the job is seeded with `seeded`. Returns the decision.
     fn assert_crash_left_resumes(step: u32, seeded: &[Message], next_step: u32) -> ResumeDecision {
         let (cp, window) = crash_left(step);
         let decision = decide(Some(cp), seeded);
-        assert_eq!(
-            decision,
-            ResumeDecision::Resume {
-                messages: window,
-                next_step,
-                steered_ids: vec![],
-                started: false,
-                unsent: vec![],
-            }
-        );
+        assert_eq!(decision, resumed(window, next_step, false));
         decision
     }
 
@@ -314,9 +317,7 @@ mod tests {
     fn key_concatenates_parts_in_order() {
         let m = user_parts(vec![
             Part::text("look "),
-            Part::ImageUrl {
-                image_url: "https://x/a.png".into(),
-            },
+            image("https://x/a.png"),
             Part::text("and read"),
             document("d-1"),
         ]);
@@ -425,16 +426,7 @@ mod tests {
         window.extend(tool_step());
         window.truncate(2); // the calls, no result recorded
         let cp = checkpoint(3, window.clone(), stop_reason::TOOL_CALLS_STARTED);
-        assert_eq!(
-            decide(Some(cp), &[user("q1")]),
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 3,
-                steered_ids: vec![],
-                started: true,
-                unsent: vec![],
-            }
-        );
+        assert_eq!(decide(Some(cp), &[user("q1")]), resumed(window, 3, true));
     }
 
     #[test]
@@ -672,15 +664,6 @@ mod tests {
         let mut state = cp.state.to_map();
         state.insert("future_field".into(), json!(true));
         cp.state = state.into();
-        assert_eq!(
-            decide(Some(cp), &[user("q1")]),
-            ResumeDecision::Resume {
-                messages: window,
-                next_step: 3,
-                steered_ids: vec![],
-                started: false,
-                unsent: vec![],
-            }
-        );
+        assert_eq!(decide(Some(cp), &[user("q1")]), resumed(window, 3, false));
     }
 }

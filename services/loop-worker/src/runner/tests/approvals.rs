@@ -2,41 +2,23 @@
 //! out, and the job that carries the decisions continues it under the same ids.
 
 use super::*;
-use crate::ports::Idempotence;
 use crate::runner::intents::{DENIED, DENIED_BY_DEADLINE};
 use cyrene_protocol::approval::{CallDecision, Decision};
-use serde_json::json;
 
 /// A tool that must not run twice and needs approval, and one that may run again.
 const MAIL: &str = "send_mail";
 const LOOKUP: &str = "lookup";
 
 fn call(id: &str, name: &str) -> ToolCall {
-    let mut args = serde_json::Map::new();
-    args.insert("to".into(), json!("bob@example.com"));
-    ToolCall {
-        id: id.into(),
-        name: name.into(),
-        args,
-        args_error: None,
-    }
+    call_to(id, name, "bob@example.com".into())
 }
 
 fn reply_calls(calls: &[(&str, &str)]) -> Result<ModelResponse, ErrorBody> {
-    let calls: Vec<ToolCall> = calls.iter().map(|(id, name)| call(id, name)).collect();
-    let mut r = reply_text("")?;
-    r.message = Message::assistant_tool_calls(&calls);
-    r.tool_calls = calls;
-    r.stop_reason = "tool_calls".into();
-    Ok(r)
+    reply_calling(calls.iter().map(|(id, name)| call(id, name)).collect())
 }
 
 fn declared(fake: Fake) -> Fake {
-    let mut kinds = fake.idempotence.lock().unwrap();
-    kinds.insert(MAIL.into(), Idempotence::NotIdempotent);
-    kinds.insert(LOOKUP.into(), Idempotence::Idempotent);
-    drop(kinds);
-    fake
+    declaring(fake, MAIL, LOOKUP)
 }
 
 /// The job of a persona whose `MAIL` calls need approval.

@@ -2,40 +2,22 @@
 //! out, a redelivery continues a started batch under the same ids, lost replies, fencing.
 
 use super::*;
-use crate::ports::Idempotence;
-use serde_json::json;
 
 /// A tool that must not run twice, one that may run again under its id, and their calls.
 const ONCE: &str = "send_mail";
 const AGAIN: &str = "lookup";
 
 fn call(id: &str, name: &str) -> ToolCall {
-    let mut args = serde_json::Map::new();
-    args.insert("to".into(), json!(format!("{id}@example.com")));
-    ToolCall {
-        id: id.into(),
-        name: name.into(),
-        args,
-        args_error: None,
-    }
+    call_to(id, name, format!("{id}@example.com"))
 }
 
 fn reply_calls(calls: &[(&str, &str)]) -> Result<ModelResponse, ErrorBody> {
-    let calls: Vec<ToolCall> = calls.iter().map(|(id, name)| call(id, name)).collect();
-    let mut r = reply_text("")?;
-    r.message = Message::assistant_tool_calls(&calls);
-    r.tool_calls = calls;
-    r.stop_reason = "tool_calls".into();
-    Ok(r)
+    reply_calling(calls.iter().map(|(id, name)| call(id, name)).collect())
 }
 
 /// A bus whose tools declare `ONCE` not idempotent and `AGAIN` idempotent.
 fn declared(fake: Fake) -> Fake {
-    let mut kinds = fake.idempotence.lock().unwrap();
-    kinds.insert(ONCE.into(), Idempotence::NotIdempotent);
-    kinds.insert(AGAIN.into(), Idempotence::Idempotent);
-    drop(kinds);
-    fake
+    declaring(fake, ONCE, AGAIN)
 }
 
 /// The tool result for `call_id` in `messages`.

@@ -320,11 +320,37 @@ fn reply_tools(ids: &[&str]) -> Result<ModelResponse, ErrorBody> {
             args_error: None,
         })
         .collect();
+    reply_calling(calls)
+}
+
+/// The model's answer calling `calls`.
+fn reply_calling(calls: Vec<ToolCall>) -> Result<ModelResponse, ErrorBody> {
     let mut r = reply_text("")?;
     r.message = Message::assistant_tool_calls(&calls);
     r.tool_calls = calls;
     r.stop_reason = "tool_calls".into();
     Ok(r)
+}
+
+/// A call of tool `name` whose one argument is `to`.
+fn call_to(id: &str, name: &str, to: String) -> ToolCall {
+    let mut args = serde_json::Map::new();
+    args.insert("to".into(), serde_json::Value::String(to));
+    ToolCall {
+        id: id.into(),
+        name: name.into(),
+        args,
+        args_error: None,
+    }
+}
+
+/// `fake` with its tools declaring `once` not idempotent and `again` idempotent.
+fn declaring(fake: Fake, once: &str, again: &str) -> Fake {
+    let mut kinds = fake.idempotence.lock().unwrap();
+    kinds.insert(once.into(), crate::ports::Idempotence::NotIdempotent);
+    kinds.insert(again.into(), crate::ports::Idempotence::Idempotent);
+    drop(kinds);
+    fake
 }
 
 fn job() -> TurnJob {
@@ -337,6 +363,19 @@ fn job() -> TurnJob {
 
 fn state(cp: &Checkpoint) -> CheckpointState {
     cp.state.parse().unwrap()
+}
+
+/// Asserts that the attempt handed its job back (`unavailable`, for redelivery) before it asked
+/// the model anything.
+fn assert_handed_back(end: &TurnEnd, fake: &Fake) {
+    assert!(
+        matches!(end, TurnEnd::Retry(e) if e.code == ErrorCode::Unavailable),
+        "{end:?}"
+    );
+    assert!(
+        fake.requests.lock().unwrap().is_empty(),
+        "the model was asked"
+    );
 }
 
 fn completed(end: TurnEnd) -> TurnComplete {

@@ -111,14 +111,7 @@ async fn a_document_service_that_stays_down_hands_the_job_back() {
             .map(|_| Err(ErrorBody::new(ErrorCode::Unavailable, "no responders"))),
     );
     let end = run_turn(&fake, &job_with_a_document(), 1, &CFG).await;
-    assert!(
-        matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
-        "{end:?}"
-    );
-    assert!(
-        fake.requests.lock().unwrap().is_empty(),
-        "the model was asked"
-    );
+    assert_handed_back(&end, &fake);
 
     let gone = Fake::scripted([reply_text("answered")]);
     let done = completed(run_turn(&gone, &job_with_a_document(), 1, &CFG).await);

@@ -123,14 +123,7 @@ async fn a_failed_checkpoint_read_hands_the_job_back_instead_of_starting_fresh()
     let fake = Fake::scripted([reply_tools(&["c1"])]);
     *fake.load_error.lock().unwrap() = Some(ErrorBody::new(ErrorCode::Unavailable, "store down"));
     let end = run_turn(&fake, &job(), 2, &CFG).await;
-    assert!(
-        matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
-        "{end:?}"
-    );
-    assert!(
-        fake.requests.lock().unwrap().is_empty(),
-        "the model was asked"
-    );
+    assert_handed_back(&end, &fake);
     assert!(fake.tool_runs.lock().unwrap().is_empty(), "a tool ran");
     assert!(fake.steer_requests.lock().unwrap().is_empty());
 }
