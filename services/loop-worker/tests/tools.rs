@@ -242,22 +242,25 @@ async fn a_reply_that_never_comes_is_marked_unanswered_and_a_tool_declares_its_i
     let server = NatsServer::start();
     let client = server.connect().await;
     let service = start_service(&client, "silent-tools", "0.0.0").await;
-    let mut silent = add_tool_declaring(
-        &service,
-        "silent",
-        "never answers",
-        r#"{"type":"object"}"#,
-        &[("cyrene.tool.idempotent", "true")],
-    )
-    .await;
-    let mut failing = add_tool_declaring(
-        &service,
-        "failing",
-        "answers with an error",
-        r#"{"type":"object"}"#,
-        &[("cyrene.tool.idempotent", "false")],
-    )
-    .await;
+    // A tool with no parameters that declares `cyrene.tool.idempotent` = `idempotent`.
+    async fn declaring(
+        service: &async_nats::service::Service,
+        name: &str,
+        description: &str,
+        idempotent: &str,
+    ) -> async_nats::service::endpoint::Endpoint {
+        let declared = [("cyrene.tool.idempotent", idempotent)];
+        add_tool_declaring(
+            service,
+            name,
+            description,
+            r#"{"type":"object"}"#,
+            &declared,
+        )
+        .await
+    }
+    let mut silent = declaring(&service, "silent", "never answers", "true").await;
+    let mut failing = declaring(&service, "failing", "answers with an error", "false").await;
     let served = Arc::new(AtomicUsize::new(0));
     let count = served.clone();
     tokio::spawn(async move {
