@@ -1,13 +1,13 @@
-//! One turn, step by step (docs/architecture.md §5, "The step loop"; docs/loop-worker.md, "What
-//! a worker does with it"): resume or start fresh, assemble the view, call the model, run the
-//! tool batch, checkpoint, steer, repeat; settle every exit. This file owns the step loop and
+//! One turn, step by step (docs/architecture.md, "§5 A turn on a loop worker"; docs/loop-worker.md,
+//! "What a worker does with it"): resume or start fresh, assemble the view, call the model, run
+//! the tool batch, checkpoint, steer, repeat; settle every exit. This file owns the step loop and
 //! its exits; each part of a turn's state lives with the file that changes it:
-//! - [`checkpoint`]: the rows as deltas, and how much of the window the store holds;
-//! - [`steering`]: what was steered in and taken in, pushed input and the steer request;
-//! - [`request`]: the view's other parts (blocks, documents, images) and the held view;
-//! - [`intents`]: a step's tool batch, its intent and approvals;
-//! - [`guardrails`]: asking the persona's guard about calls and answers;
-//! - [`settle`]: every exit as a non-resumable checkpoint and a completion.
+//! - `checkpoint`: the rows as deltas, and how much of the window the store holds;
+//! - `steering`: what was steered in and taken in, pushed input and the steer request;
+//! - `request`: the view's other parts (blocks, documents, images) and the held view;
+//! - `intents`: a step's tool batch, its intent and approvals;
+//! - `guardrails`: asking the persona's guard about calls and answers;
+//! - `settle`: every exit as a non-resumable checkpoint and a completion.
 //!
 //! # Invariants
 //! - **Window vs view.** Steered messages and the parallel notice live only in the view rebuilt
@@ -20,14 +20,14 @@
 //!   that holds a final answer is never resumed); every other exit — final answer, `safety_net`
 //!   answer, budget exhausted, deadline at a boundary (`canceled`) or during a model call
 //!   (`aborted`), error — is settled by a non-resumable checkpoint before it is reported
-//!   ([`settle`]). A checkpoint is a delta ([`checkpoint`]; docs/checkpoint-store.md,
+//!   (`settle`). A checkpoint is a delta (`checkpoint`; docs/checkpoint-store.md,
 //!   "Incremental checkpoints"): the turn's base once, then only what each step added, from the
 //!   last point the store is known to hold.
 //! - **The step budget has a safety net.** When step `max_steps` ends in tool calls, one more
 //!   model call with tool use off asks for an answer from what the window holds; it shares the
 //!   last step's number and checkpoint. Only when it gives no text does the turn end as
 //!   `budget_exhausted`.
-//! - **Steering never cancels, and taken in means answered** ([`steering`]; I1–I3, D16): input
+//! - **Steering never cancels, and taken in means answered** (`steering`; I1–I3, D16): input
 //!   is taken only at boundaries, after the whole tool batch finished, and counts as taken in
 //!   only once a model call whose view held it has answered; a turn past its deadline steers no
 //!   more.
@@ -37,7 +37,7 @@
 //!   boundary's input and the next model call run together; the next tool batch starts only when
 //!   the save is back. So a step is durable before any later side effect, and a fenced-off
 //!   attempt runs no tool after its refused save (at most one model call overlapped it).
-//! - **Intent before a tool runs** ([`intents`]): a batch that calls anything but read-only tools
+//! - **Intent before a tool runs** (`intents`): a batch that calls anything but read-only tools
 //!   is first saved as `tool_calls_started` with the step's tool-call message; a redelivery
 //!   continues that batch with the same calls and ids, never asking the model again, and a call
 //!   that may not run twice and has no recorded result gets [`OUTCOME_UNKNOWN`] instead of
@@ -47,7 +47,7 @@
 //!   completed step, or within its started batch; a job whose turn already reached a settled
 //!   checkpoint is reported again (the orchestrator's completion is idempotent) instead of being
 //!   run again; a failed read hands the job back for redelivery and never means "start fresh".
-//! - **Guarded** ([`guardrails`]; docs/loop-worker.md, "Guardrails"): a turn whose job names a
+//! - **Guarded** (`guardrails`; docs/loop-worker.md, "Guardrails"): a turn whose job names a
 //!   guard runs no call of a batch and settles no answer the guard did not allow.
 //!
 //! # Pitfalls
