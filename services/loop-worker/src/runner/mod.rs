@@ -340,11 +340,7 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
         let request = self.step_request(config);
         let request = self.resolve_images(request).await;
         let seen = self.steering.steered.len();
-        // The held view is lent to the call (taken out of the turn, put back after it).
-        let mut sent = std::mem::take(&mut self.view.sent);
-        let result = self.model_call(request, Some((step, &mut sent))).await;
-        self.view.sent = sent;
-        match result? {
+        match self.model_call(request, Some(step)).await? {
             Ok(response) => {
                 self.steering.took_in(seen);
                 Ok(response)
@@ -358,25 +354,28 @@ impl<'a, P: TurnPorts> Turn<'a, P> {
     /// A step's call (`step` given) streams its answer text as `delta` events and continues
     /// the turn's held view (crate::deltas).
     async fn model_call(
-        &self,
+        &mut self,
         request: ModelRequest,
-        step: Option<(u32, &mut crate::deltas::SentView)>,
+        step: Option<u32>,
     ) -> Result<Result<ModelResponse, ErrorBody>, Exit> {
-        let step = step.map(|(s, view)| {
+        // The ports and the job are shared references of the turn: copied out, they leave the
+        // held view (`self.view.sent`) free to lend to the call.
+        let (ports, job, attempt) = (self.ports, self.job, self.attempt);
+        let streamed = step.map(|s| {
             (
-                crate::deltas::DeltaTag::new(self.job, self.attempt, s),
-                view,
+                crate::deltas::DeltaTag::new(job, attempt, s),
+                &mut self.view.sent,
             )
         });
-        let call = crate::ports::complete(self.ports, request, step);
-        let Some(deadline) = self.job.deadline_unix_ms else {
+        let call = crate::ports::complete(ports, request, streamed);
+        let Some(deadline) = job.deadline_unix_ms else {
             return Ok(call.await);
         };
         let left = std::time::Duration::from_millis(deadline.saturating_sub(now_unix_ms()));
         match tokio::time::timeout(left, call).await {
             Ok(result) => Ok(result),
             Err(_) => {
-                tracing::warn!(turn = %self.job.turn_id, "deadline passed during a model call; abandoned");
+                tracing::warn!(turn = %job.turn_id, "deadline passed during a model call; abandoned");
                 Err(Exit::Aborted)
             }
         }
