@@ -473,7 +473,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{JobSettings, NewMessage, StoreOptions};
+    use crate::store::NewMessage;
     use cyrene_protocol::ErrorCode;
     use cyrene_protocol::approval::PendingCall;
     use cyrene_protocol::message::{Message, Role};
@@ -492,15 +492,7 @@ mod tests {
                 "approval":["send_email"],"approval_timeout_ms":60000}]}"#,
         )
         .unwrap();
-        let settings = JobSettings {
-            personas,
-            window: 40,
-            max_steps: 8,
-            max_job_bytes: 768 * 1024,
-        };
-        Store::open(url, &StoreOptions::default(), settings)
-            .await
-            .unwrap()
+        crate::store::testing::store_on(url, personas).await
     }
 
     /// A session `session` with one running turn (dispatched), whose id is returned.
@@ -818,35 +810,8 @@ mod tests {
         assert_eq!(job.attempt_base, 2);
     }
 
-    macro_rules! on_both_backends {
-        ($($name:ident),* $(,)?) => {
-            mod sqlite {
-                $(
-                    #[tokio::test]
-                    async fn $name() {
-                        let dir = tempfile::tempdir().unwrap();
-                        let url = format!("sqlite://{}/orch.db", dir.path().display());
-                        let store = super::store_on(&url).await;
-                        super::$name(&store).await;
-                        store.close().await;
-                    }
-                )*
-            }
-            mod postgres {
-                $(
-                    #[tokio::test]
-                    async fn $name() {
-                        let db = cyrene_sql::testing::TestDatabase::create("orch_approvals").await;
-                        let store = super::store_on(&db.url).await;
-                        super::$name(&store).await;
-                        store.close().await;
-                    }
-                )*
-            }
-        };
-    }
-
-    on_both_backends!(
+    crate::store::testing::on_both_backends!(
+        store_on, "orch_approvals";
         a_waiting_turn_is_recorded_once_and_each_call_decided_once,
         the_deadline_denies_exactly_when_it_passes,
         a_repeated_call_id_in_a_later_step_is_asked_again,

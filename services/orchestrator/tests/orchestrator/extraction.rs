@@ -118,6 +118,19 @@ async fn wait_memory(client: &async_nats::Client, persona: &str, n: usize) -> Me
     .await
 }
 
+/// The state of the `CYRENE_MEMORY` stream now.
+async fn memory_stream(client: &async_nats::Client) -> async_nats::jetstream::stream::State {
+    async_nats::jetstream::new(client.clone())
+        .get_stream(extraction::STREAM)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .clone()
+}
+
 /// Fast retries for the tests (the delay doubles per delivery).
 fn fast(c: &mut cyrene_orchestrator::Config) {
     c.memory_retry_delay = Duration::from_millis(50);
@@ -263,15 +276,7 @@ async fn restricted_sessions_write_nothing(backend: Backend) {
     let requests = gateway.requests();
     assert_eq!(requests.len(), 1, "only the owner's turn was extracted");
     assert!(requests[0].messages[1].text_content().contains("Kyoto"));
-    let stream = async_nats::jetstream::new(c.clone())
-        .get_stream(extraction::STREAM)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .clone();
+    let stream = memory_stream(c).await;
     assert_eq!(stream.last_sequence, 1, "one job was ever published");
 }
 
@@ -311,18 +316,8 @@ async fn bad_answers_and_failures_write_nothing(backend: Backend) {
         "the failing job was retried"
     );
     // Dropped after its last delivery: it leaves the work queue.
-    let js = async_nats::jetstream::new(c.clone());
     wait_async("the dropped job to leave the stream", || async {
-        let state = js
-            .get_stream(extraction::STREAM)
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .clone();
-        (state.messages == 0).then_some(())
+        (memory_stream(c).await.messages == 0).then_some(())
     })
     .await;
     assert_eq!(gateway.requests().len(), 5, "no fourth delivery");
