@@ -327,11 +327,7 @@ async fn bad_answers_and_failures_write_nothing(backend: Backend) {
     .await;
     assert_eq!(gateway.requests().len(), 5, "no fourth delivery");
     assert!(memory_of(c, "cyrene").await.memory.is_empty());
-    let said: Vec<String> = history(c, "s1")
-        .await
-        .iter()
-        .map(|e| e.message.text_content())
-        .collect();
+    let said = history_texts(c, "s1").await;
     assert_eq!(
         said,
         [
@@ -369,11 +365,7 @@ async fn a_job_not_queued_is_queued_by_the_resent_completion(backend: Backend) {
         .await
         .unwrap_err();
     assert_eq!(code(&err), ErrorCode::Unavailable);
-    let said: Vec<String> = history(c, "s1")
-        .await
-        .iter()
-        .map(|e| e.message.text_content())
-        .collect();
+    let said = history_texts(c, "s1").await;
     assert_eq!(
         said,
         ["I play the cello", "Lovely!"],
