@@ -226,24 +226,12 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
             format!("{who}: {}{leg}", m.text_content())
         }
         SessionEventType::ToolOutcomeUnknown => format!(
-            "? outcome unknown: {}({}) call {} was running when the runtime stopped; not run again{leg}",
-            event.tool.as_deref().unwrap_or_default(),
-            event
-                .arguments
-                .clone()
-                .map(Value::Object)
-                .unwrap_or(Value::Null),
-            event.call_id.as_deref().unwrap_or_default()
+            "? outcome unknown: {} was running when the runtime stopped; not run again{leg}",
+            call_of(event)
         ),
         SessionEventType::ApprovalRequested => format!(
-            "? approval wanted: {}({}) call {} — `cyrene approve -s {} {}` or `cyrene deny`{leg}",
-            event.tool.as_deref().unwrap_or_default(),
-            event
-                .arguments
-                .clone()
-                .map(Value::Object)
-                .unwrap_or(Value::Null),
-            event.call_id.as_deref().unwrap_or_default(),
+            "? approval wanted: {} — `cyrene approve -s {} {}` or `cyrene deny`{leg}",
+            call_of(event),
             event.session_id,
             event.call_id.as_deref().unwrap_or_default()
         ),
@@ -271,6 +259,20 @@ pub fn describe(event: &SessionEvent) -> Option<String> {
                 .unwrap_or_default()
         ),
     })
+}
+
+/// The tool call an event is about: `tool({arguments}) call <id>`.
+fn call_of(event: &SessionEvent) -> String {
+    format!(
+        "{}({}) call {}",
+        event.tool.as_deref().unwrap_or_default(),
+        event
+            .arguments
+            .clone()
+            .map(Value::Object)
+            .unwrap_or(Value::Null),
+        event.call_id.as_deref().unwrap_or_default()
+    )
 }
 
 fn short(id: &str) -> &str {

@@ -63,9 +63,8 @@ impl Config {
 
     /// Checks the values and resolves which database to open.
     pub fn database(&self) -> Result<Database, ConfigError> {
-        self.validate().map_err(|p| ConfigError(p.to_string()))?;
-        self.resolve_database()
-            .map_err(|e| ConfigError(e.to_string()))
+        self.validate()?;
+        Ok(self.resolve_database()?)
     }
 
     fn resolve_database(&self) -> Result<Database, cyrene_sql::UnsupportedUrl> {
@@ -89,8 +88,14 @@ impl Config {
 
 /// An invalid configuration value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(pub String);
+pub enum ConfigError {
+    /// The values' problems ([`Config::validate`]).
+    #[error(transparent)]
+    Invalid(#[from] Problems),
+    /// A database URL of a scheme no store speaks.
+    #[error(transparent)]
+    Database(#[from] cyrene_sql::UnsupportedUrl),
+}
 
 /// Command line and environment of the `cyrene-checkpoint-store` binary.
 #[derive(Debug, Clone, clap::Parser)]
@@ -181,7 +186,7 @@ mod tests {
             Database::Sqlite("sqlite://x.db".into())
         );
         config.database_url = Some("mysql://x".into());
-        assert!(config.database().unwrap_err().0.contains("mysql"));
+        assert!(config.database().unwrap_err().to_string().contains("mysql"));
         config.database_url = None;
         config.max_state_bytes = 0;
         assert!(config.database().is_err());

@@ -49,11 +49,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// Opens the configured database (applying its migrations) and serves it until `shutdown` fires.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {

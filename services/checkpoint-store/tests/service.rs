@@ -9,7 +9,7 @@ use async_nats::service::{NATS_SERVICE_ERROR, NATS_SERVICE_ERROR_CODE};
 use common::{PgTestDb, RunningService, big_state, checkpoint, fenced, note};
 use cyrene_checkpoint_client::{CheckpointClient, Error as ClientError};
 use cyrene_checkpoint_store::Config;
-use cyrene_protocol::checkpoint::RetainRequest;
+use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest};
 use cyrene_protocol::{ErrorCode, ErrorEnvelope, subjects};
 use cyrene_test_support::{NatsServer, micro};
 use serde_json::{Value, json};
@@ -54,6 +54,12 @@ async fn json_req(
     body: Value,
 ) -> Result<Value, ErrorCode> {
     raw(client, subject, body.to_string().as_bytes()).await
+}
+
+/// `cp` saved over the bus: the saved row, or the code it was refused with.
+async fn save(client: &async_nats::Client, cp: &Checkpoint) -> Result<Value, ErrorCode> {
+    let body = serde_json::to_vec(cp).unwrap();
+    raw(client, subjects::CHECKPOINT_SAVE, &body).await
 }
 
 /// A request that must be answered (not refused).
@@ -249,8 +255,7 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
         );
         // The service still serves after every refusal.
         let step = u32::try_from(n).unwrap() + 1;
-        let ok = serde_json::to_vec(&checkpoint("alive", step, "ok")).unwrap();
-        raw(&c, subjects::CHECKPOINT_SAVE, &ok).await.unwrap();
+        save(&c, &checkpoint("alive", step, "ok")).await.unwrap();
         let latest = answered(&c, subjects::CHECKPOINT_LATEST, json!({"agent_id":"alive"})).await;
         assert_eq!(latest["step"], step);
     }
@@ -267,21 +272,9 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
 async fn fenced_saves_over_nats_answer_conflict() {
     let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
-    let save = |cp| serde_json::to_vec(&cp).unwrap();
-    raw(
-        &c,
-        subjects::CHECKPOINT_SAVE,
-        &save(fenced("s1", 1, "a2", "t1", 2)),
-    )
-    .await
-    .unwrap();
+    save(&c, &fenced("s1", 1, "a2", "t1", 2)).await.unwrap();
     assert_eq!(
-        raw(
-            &c,
-            subjects::CHECKPOINT_SAVE,
-            &save(fenced("s1", 1, "a1", "t1", 1))
-        )
-        .await,
+        save(&c, &fenced("s1", 1, "a1", "t1", 1)).await,
         Err(ErrorCode::Conflict)
     );
     let row = answered(&c, subjects::CHECKPOINT_GET, json!({"id":"s1:t1:1"})).await;
@@ -504,14 +497,7 @@ async fn every_stored_checkpoint_can_be_read_back_over_the_bus() {
 async fn a_person_cannot_raise_a_turns_fence() {
     let ((nats, _dir), service) = sqlite_service().await;
     let c = nats.connect().await;
-    let save = |cp| serde_json::to_vec(&cp).unwrap();
-    raw(
-        &c,
-        subjects::CHECKPOINT_SAVE,
-        &save(fenced("s1", 1, "a1", "t1", 1)),
-    )
-    .await
-    .unwrap();
+    save(&c, &fenced("s1", 1, "a1", "t1", 1)).await.unwrap();
     let alice = "cyrene.person.alice.checkpoint.latest";
     for asked in [
         // her own session, someone else's turn
@@ -532,13 +518,7 @@ async fn a_person_cannot_raise_a_turns_fence() {
         Err(ErrorCode::NotFound)
     );
     // the turn's worker still writes with its attempt
-    raw(
-        &c,
-        subjects::CHECKPOINT_SAVE,
-        &save(fenced("s1", 2, "a1", "t1", 1)),
-    )
-    .await
-    .unwrap();
+    save(&c, &fenced("s1", 2, "a1", "t1", 1)).await.unwrap();
     // and the worker's own fenced read still raises the record
     answered(
         &c,
@@ -547,12 +527,7 @@ async fn a_person_cannot_raise_a_turns_fence() {
     )
     .await;
     assert_eq!(
-        raw(
-            &c,
-            subjects::CHECKPOINT_SAVE,
-            &save(fenced("s1", 3, "a1", "t1", 1))
-        )
-        .await,
+        save(&c, &fenced("s1", 3, "a1", "t1", 1)).await,
         Err(ErrorCode::Conflict)
     );
     service.stop().await.unwrap();

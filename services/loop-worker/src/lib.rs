@@ -101,11 +101,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// Runs the worker until `shutdown`; running turns get `shutdown_grace` to finish.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {

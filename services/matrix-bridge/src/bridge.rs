@@ -41,7 +41,6 @@ use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::approval::{
     ApprovalsRequest, ApprovalsResponse, ApproveRequest, ApproveResponse, DECIDED_BY_BRIDGE,
 };
-use cyrene_protocol::document::{MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Part, Role};
 use cyrene_protocol::session::{
     HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv, SessionEvent,
@@ -612,58 +611,30 @@ impl Bridge {
             .clone()
             .filter(|n| !n.trim().is_empty())
             .unwrap_or_else(|| content.body.clone());
-        let mut chunks = bytes.chunks(MAX_CHUNK_BYTES).peekable();
-        let mut upload_id = String::new();
-        let mut seq = 0;
-        while let Some(chunk) = chunks.next() {
-            let last = chunks.peek().is_none();
-            let request = UploadRequest {
-                session_id: session_id.to_owned(),
-                name: if seq == 0 {
-                    name.clone()
+        let sent = cyrene_bus::upload::upload_document(
+            &self.nats,
+            subjects::BRIDGE_DOCUMENT_UPLOAD,
+            session_id,
+            &name,
+            &mime,
+            &bytes,
+            self.config.request_timeout,
+        )
+        .await;
+        match sent {
+            Ok(Some(document)) => Ok(Ok(document.part)),
+            Ok(None) => Ok(Err(notices::FILE)),
+            Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
+                tracing::warn!(session = %session_id, code = %body.code, error = %body.message,
+                    "the orchestrator refused a file");
+                Ok(Err(if body.code == ErrorCode::TooLarge {
+                    notices::FILE_TOO_LARGE
                 } else {
-                    String::new()
-                },
-                mime: if seq == 0 {
-                    mime.clone()
-                } else {
-                    String::new()
-                },
-                upload_id: upload_id.clone(),
-                seq,
-                data: base64::engine::general_purpose::STANDARD.encode(chunk),
-                last,
-            };
-            let sent: Result<UploadAck, RequestError> = request_json(
-                &self.nats,
-                subjects::BRIDGE_DOCUMENT_UPLOAD,
-                &request,
-                self.config.request_timeout,
-            )
-            .await;
-            let ack = match sent {
-                Ok(ack) => ack,
-                Err(RequestError::Remote(body)) if !body.code.is_retryable() => {
-                    tracing::warn!(session = %session_id, code = %body.code, error = %body.message,
-                        "the orchestrator refused a file");
-                    return Ok(Err(if body.code == ErrorCode::TooLarge {
-                        notices::FILE_TOO_LARGE
-                    } else {
-                        notices::FILE
-                    }));
-                }
-                Err(err) => return Err(Retry(format!("upload to {session_id}: {err}"))),
-            };
-            if last {
-                return Ok(match ack.document {
-                    Some(document) => Ok(document.part),
-                    None => Err(notices::FILE),
-                });
+                    notices::FILE
+                }))
             }
-            upload_id = ack.upload_id;
-            seq += 1;
+            Err(err) => Err(Retry(format!("upload to {session_id}: {err}"))),
         }
-        Ok(Err(notices::FILE))
     }
 
     /// Whether `content` replies to one of the bot's messages.

@@ -110,8 +110,7 @@ impl Config {
 
     /// Checks every value; all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.problems()
-            .map_err(|p| ConfigError::Invalid(p.to_string()))
+        Ok(self.problems()?)
     }
 
     /// Every problem with the values.
@@ -160,10 +159,10 @@ impl Config {
 }
 
 fn user_id(field: &str, text: &str) -> Result<OwnedUserId, ConfigError> {
-    OwnedUserId::try_from(text).map_err(|e| {
-        ConfigError::Invalid(format!(
-            "{field}: {text:?} is not a Matrix user id (@name:server): {e}"
-        ))
+    OwnedUserId::try_from(text).map_err(|source| ConfigError::UserId {
+        field: field.to_owned(),
+        text: text.to_owned(),
+        source,
     })
 }
 
@@ -172,6 +171,16 @@ fn user_id(field: &str, text: &str) -> Result<OwnedUserId, ConfigError> {
 pub enum ConfigError {
     #[error("{0}")]
     Invalid(String),
+    /// The values' problems ([`Config::validate`]).
+    #[error(transparent)]
+    Problems(#[from] Problems),
+    #[error("{field}: {text:?} is not a Matrix user id (@name:server): {source}")]
+    UserId {
+        field: String,
+        text: String,
+        #[source]
+        source: ruma::IdParseError,
+    },
 }
 
 /// Command line and environment of the `cyrene-matrix-bridge` binary.

@@ -59,11 +59,7 @@ pub enum Error {
     Http(#[source] reqwest::Error),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// Runs the bridge until `shutdown`: logs in (or reuses its token), follows the owner's
 /// sessions' events, posts answers missed while it was down, then syncs.

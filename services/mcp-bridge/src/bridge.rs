@@ -73,9 +73,9 @@ enum ConnectError {
         source: std::io::Error,
     },
     #[error("the server did not complete the MCP handshake: {0}")]
-    Handshake(String),
+    Handshake(#[source] Box<rmcp::service::ClientInitializeError>),
     #[error("cannot list its tools: {0}")]
-    List(String),
+    List(#[source] Box<rmcp::ServiceError>),
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("invalid header {0:?}")]
@@ -155,7 +155,7 @@ async fn connect(
         .peer()
         .list_all_tools()
         .await
-        .map_err(|e| ConnectError::List(e.to_string()))?;
+        .map_err(|e| ConnectError::List(Box::new(e)))?;
     tracing::info!(server = %name, tools = tools.len(), "MCP server connected");
     Ok((running, handler, tools))
 }
@@ -223,7 +223,7 @@ async fn start_stdio(
     handler
         .serve(transport)
         .await
-        .map_err(|e| ConnectError::Handshake(e.to_string()))
+        .map_err(|e| ConnectError::Handshake(Box::new(e)))
 }
 
 async fn connect_http(server: &HttpServer, handler: Client_) -> Result<Running, ConnectError> {
@@ -241,7 +241,7 @@ async fn connect_http(server: &HttpServer, handler: Client_) -> Result<Running, 
     handler
         .serve(transport)
         .await
-        .map_err(|e| ConnectError::Handshake(e.to_string()))
+        .map_err(|e| ConnectError::Handshake(Box::new(e)))
 }
 
 /// Serves `tools` of a connected server until it dies or `shutdown`.

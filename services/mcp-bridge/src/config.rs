@@ -44,8 +44,7 @@ impl Config {
 
     /// Checks every value; all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.problems()
-            .map_err(|p| ConfigError::Invalid(p.to_string()))
+        Ok(self.problems()?)
     }
 
     /// Every problem with the values.
@@ -123,8 +122,7 @@ pub const MAX_SERVER_NAME: usize = 32;
 impl Servers {
     /// Parses the file's text.
     pub fn parse(text: &str) -> Result<Servers, ConfigError> {
-        let value: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| ConfigError::Invalid(format!("the servers file is not JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(ConfigError::NotJson)?;
         if value.get("mcpServers").is_none_or(|s| !s.is_object()) {
             return Err(ConfigError::Invalid(
                 "the servers file needs an object \"mcpServers\": {\"<name>\": {\"command\": …} or {\"url\": …}}".into(),
@@ -154,8 +152,9 @@ impl Servers {
 
     /// Reads and parses the file at `path`.
     pub fn load(path: &std::path::Path) -> Result<Servers, ConfigError> {
-        let unreadable = |e: std::io::Error| {
-            ConfigError::Invalid(format!("cannot read {}: {e}", path.display()))
+        let unreadable = |source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
         };
         let size = std::fs::metadata(path).map_err(unreadable)?.len();
         if size > MAX_SERVERS_FILE_BYTES {
@@ -209,10 +208,21 @@ fn shown(name: &str) -> String {
 }
 
 /// An invalid configuration.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{0}")]
     Invalid(String),
+    /// The values' problems ([`Config::validate`]).
+    #[error(transparent)]
+    Problems(#[from] Problems),
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the servers file is not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
 }
 
 /// Command line and environment of the `cyrene-mcp-bridge` binary.

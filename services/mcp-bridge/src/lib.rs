@@ -38,11 +38,7 @@ pub enum Error {
     Config(#[from] ConfigError),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// Runs the bridge until `shutdown`: every enabled server supervised in a task of its own.
 /// Ready (`/readyz`) once every server had its first attempt, whatever its outcome: a server

@@ -49,7 +49,7 @@ pub struct Bridged {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Skipped {
     #[error("its name cannot be a tool name: {0}")]
-    Name(String),
+    Name(#[source] ids::IdError),
     #[error("its input schema is larger than {MAX_SCHEMA_BYTES} bytes")]
     Schema,
 }
@@ -57,7 +57,7 @@ pub enum Skipped {
 /// The endpoint of `tool` of server `server`.
 pub fn bridge(server: &str, tool: &Tool) -> Result<Bridged, Skipped> {
     let endpoint = format!("{server}__{}", tool.name);
-    ids::validate(IdKind::Tool, &endpoint).map_err(|e| Skipped::Name(e.to_string()))?;
+    ids::validate(IdKind::Tool, &endpoint).map_err(Skipped::Name)?;
     let schema = serde_json::to_string(&*tool.input_schema).unwrap_or_else(|_| "{}".into());
     if schema.len() > MAX_SCHEMA_BYTES {
         return Err(Skipped::Schema);

@@ -29,11 +29,12 @@
 
 mod common;
 
+use common::KEY;
+
 use async_nats::client::RequestError;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::subjects::MODEL_COMPLETE;
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::cost;
 use cyrene_test_support::echo::{ECHO_SUBJECT, EchoProcess, run_echo_if_asked};
 use serde_json::{Value, json};
@@ -239,7 +240,6 @@ fn report(label: &str, f: &Figures, targets: Option<(f64, f64)>) {
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const KEY: &str = "bench-client-key";
 const HTTP_SEQUENTIAL: usize = 3_000;
 const HTTP_IN_FLIGHT: usize = 32;
 const HTTP_PER_CONNECTION: usize = 600;
@@ -402,34 +402,20 @@ async fn http_door(paths: &HttpPaths) -> Vec<cost::Row> {
 }
 
 fn main() {
-    if common::filtered_out("gateway") {
-        return;
-    }
     run_echo_if_asked();
-    common::run_proxy_if_asked();
-    common::block_on(run());
+    common::main("gateway", run());
 }
 
 async fn run() {
     let upstream = mock_upstream().await;
-    let server = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let door = format!("127.0.0.1:{}", common::free_port());
-    let _gateway = common::start_gateway(&server.url(), &upstream, dir.path(), |command| {
-        command
-            .arg("--http-addr")
-            .arg(&door)
-            .env("CYRENE_GATEWAY_HTTP_KEYS", KEY);
-    });
-    let proxy = format!("127.0.0.1:{}", common::free_port());
-    let _proxy = common::ProxyProcess::start(&proxy, &upstream).await;
-    let _echo = EchoProcess::start(&server.url()).await;
-    let nats = server.connect().await;
+    let stage = common::Stage::start(&upstream).await;
+    let _echo = EchoProcess::start(&stage.server.url()).await;
+    let nats = stage.server.connect().await;
     let http = cyrene_model_gateway::http_client().unwrap();
     let http_paths = HttpPaths {
         upstream: upstream.clone(),
-        proxy: format!("http://{proxy}"),
-        door: format!("http://{door}"),
+        proxy: stage.proxy.clone(),
+        door: stage.front_door.clone(),
     };
     let paths = Paths {
         http,

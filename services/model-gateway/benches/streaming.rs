@@ -21,10 +21,11 @@
 
 mod common;
 
+use common::KEY;
+
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::Delta;
-use cyrene_test_support::NatsServer;
 use cyrene_test_support::cost;
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
@@ -36,7 +37,6 @@ const CHUNKS: usize = 12;
 /// The pause between two events of the mock's reply: each event crosses every hop on its own,
 /// as a model's tokens do, so what a path adds per chunk is measured per chunk.
 const GAP: Duration = Duration::from_millis(1);
-const KEY: &str = "bench-client-key";
 const TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The reply's events: the first text chunk, then one event per write.
@@ -70,21 +70,6 @@ async fn mock_upstream() -> String {
     );
     writes[0].splice(0..0, head.into_bytes());
     common::mock_upstream_paced(writes, GAP).await
-}
-
-/// The gateway with its OpenAI-compatible front door on `http`, open to [`KEY`].
-fn start_gateway(
-    nats_url: &str,
-    upstream: &str,
-    http: &str,
-    dir: &std::path::Path,
-) -> common::GatewayProcess {
-    common::start_gateway(nats_url, upstream, dir, |command| {
-        command
-            .arg("--http-addr")
-            .arg(http)
-            .env("CYRENE_GATEWAY_HTTP_KEYS", KEY);
-    })
 }
 
 /// One call's timings: first text chunk after the request, first → last text chunk, and the
@@ -241,27 +226,18 @@ fn summary(calls: &[Call]) -> Summary {
 }
 
 fn main() {
-    if common::filtered_out("streaming") {
-        return;
-    }
-    common::run_proxy_if_asked();
-    common::block_on(run());
+    common::main("streaming", run());
 }
 
 async fn run() {
     let upstream = mock_upstream().await;
-    let server = NatsServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let http_addr = format!("127.0.0.1:{}", common::free_port());
-    let _gateway = start_gateway(&server.url(), &upstream, &http_addr, dir.path());
-    let proxy = format!("127.0.0.1:{}", common::free_port());
-    let _proxy = common::ProxyProcess::start(&proxy, &upstream).await;
+    let stage = common::Stage::start(&upstream).await;
     let paths = Paths {
         http: cyrene_model_gateway::http_client().unwrap(),
         upstream,
-        proxy: format!("http://{proxy}"),
-        front_door: format!("http://{http_addr}"),
-        nats: server.connect().await,
+        proxy: stage.proxy.clone(),
+        front_door: stage.front_door.clone(),
+        nats: stage.server.connect().await,
     };
     // Ready when both doors answer (bounded).
     let mut ready = false;

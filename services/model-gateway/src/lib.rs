@@ -189,11 +189,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// The ring-backed rustls provider is installed and one pooled client built.
 pub fn http_client() -> Result<reqwest::Client, Error> {

@@ -598,7 +598,7 @@ mod tests {
                         message: "slow down".into(),
                         retry_after: Some(after),
                     },
-                    None => ProviderError::Transport("down".into()),
+                    None => ProviderError::stream_ended("down"),
                 })
             } else {
                 Ok(serde_json::from_value(serde_json::json!({

@@ -139,8 +139,7 @@ impl Config {
 
     /// Checks every value; all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.problems()
-            .map_err(|p| ConfigError::Invalid(p.to_string()))
+        Ok(self.problems()?)
     }
 
     /// Every problem with the values.
@@ -224,20 +223,23 @@ impl Config {
 
     /// Which database to open.
     pub fn database(&self) -> Result<Database, ConfigError> {
-        Database::resolve(
+        Ok(Database::resolve(
             self.database_url.as_deref(),
             &self.data_dir,
             DEFAULT_SQLITE_FILE,
-        )
-        .map_err(|e| ConfigError::Invalid(e.to_string()))
+        )?)
     }
 }
 
 /// An invalid configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{0}")]
-    Invalid(String),
+    /// The values' problems ([`Config::validate`]).
+    #[error(transparent)]
+    Invalid(#[from] Problems),
+    /// A database URL of a scheme no store speaks.
+    #[error(transparent)]
+    Database(#[from] cyrene_sql::UnsupportedUrl),
     #[error(transparent)]
     Personas(#[from] PersonasError),
 }

@@ -154,6 +154,28 @@ fn unix_ms(t: SystemTime) -> u64 {
         .unwrap_or(0)
 }
 
+/// Why the document bucket could not be opened or swept: what was being done, and JetStream's
+/// error.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct BucketError {
+    what: &'static str,
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl BucketError {
+    /// The `map_err` of a JetStream call doing `what`.
+    fn of<E: std::error::Error + Send + Sync + 'static>(
+        what: &'static str,
+    ) -> impl FnOnce(E) -> Self {
+        move |source| BucketError {
+            what,
+            source: Box::new(source),
+        }
+    }
+}
+
 /// What one [`Documents::sweep`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SweepReport {
@@ -264,7 +286,7 @@ impl Documents {
         js: &jetstream::Context,
         replicas: usize,
         limits: DocumentLimits,
-    ) -> Result<Documents, String> {
+    ) -> Result<Documents, BucketError> {
         let max_bytes = i64::try_from(limits.store_bytes).unwrap_or(i64::MAX);
         let bucket = match js.get_object_store(BUCKET).await {
             Ok(bucket) => bucket,
@@ -277,24 +299,24 @@ impl Documents {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| format!("cannot create the document bucket: {e}"))?,
+                .map_err(BucketError::of("cannot create the document bucket"))?,
         };
         // A bucket made before the limit (or with another one) gets it.
         let stream_name = format!("OBJ_{BUCKET}");
         let mut stream = js
             .get_stream(&stream_name)
             .await
-            .map_err(|e| format!("cannot read the document bucket: {e}"))?;
+            .map_err(BucketError::of("cannot read the document bucket"))?;
         let info = stream
             .info()
             .await
-            .map_err(|e| format!("cannot read the document bucket: {e}"))?;
+            .map_err(BucketError::of("cannot read the document bucket"))?;
         if info.config.max_bytes != max_bytes {
             let mut config = info.config.clone();
             config.max_bytes = max_bytes;
-            js.update_stream(config)
-                .await
-                .map_err(|e| format!("cannot set the document bucket's max_bytes: {e}"))?;
+            js.update_stream(config).await.map_err(BucketError::of(
+                "cannot set the document bucket's max_bytes",
+            ))?;
         }
         let documents = Documents {
             bucket,
@@ -361,7 +383,7 @@ impl Documents {
 
     /// Deletes the staged chunks of uploads last touched before `now - upload_ttl` and recounts
     /// what every owner stores. Each replica sweeps; deleting a chunk twice is harmless.
-    pub async fn sweep(&self, now: SystemTime) -> Result<SweepReport, String> {
+    pub async fn sweep(&self, now: SystemTime) -> Result<SweepReport, BucketError> {
         let cutoff = unix_ms(now)
             .saturating_sub(u64::try_from(self.limits.upload_ttl.as_millis()).unwrap_or(u64::MAX));
         let (since, since_total) = {
@@ -372,10 +394,10 @@ impl Documents {
             .bucket
             .list()
             .await
-            .map_err(|e| format!("cannot list the document bucket: {e}"))?;
+            .map_err(BucketError::of("cannot list the document bucket"))?;
         let (mut counted, mut total, mut stale) = (HashMap::<String, u64>::new(), 0u64, Vec::new());
         while let Some(info) = list.next().await {
-            let info = info.map_err(|e| format!("cannot list the document bucket: {e}"))?;
+            let info = info.map_err(BucketError::of("cannot list the document bucket"))?;
             if info.deleted {
                 continue;
             }
@@ -690,8 +712,8 @@ impl Documents {
                 .filter(filter)
                 .await
                 .map(drop)
-                .map_err(|e| e.to_string()),
-            Err(err) => Err(err.to_string()),
+                .map_err(async_nats::Error::from),
+            Err(err) => Err(err.into()),
         };
         if let Err(err) = purged {
             tracing::debug!(error = %err, upload_id, "cannot purge an upload's chunk claims");

@@ -563,12 +563,8 @@ impl Engine {
             .headers(headers)
             .message_id(msg_id);
         let result = tokio::time::timeout(PUBLISH_TIMEOUT, async {
-            let ack = self
-                .js
-                .send_publish(subjects::TURN_RUN, publish)
-                .await
-                .map_err(|e| e.to_string())?;
-            ack.await.map_err(|e| e.to_string())
+            let ack = self.js.send_publish(subjects::TURN_RUN, publish).await?;
+            ack.await
         })
         .await;
         match result {

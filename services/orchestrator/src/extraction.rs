@@ -123,25 +123,25 @@ pub async fn open(
 }
 
 /// Publishes `job` and waits for JetStream's ack (a duplicate within the window is fine).
-pub(crate) async fn publish(js: &jetstream::Context, job: &MemoryExtractJob) -> Result<(), String> {
-    let subject = subjects::memory_extract(&job.turn_id).map_err(|e| e.to_string())?;
-    let payload = Bytes::from(serde_json::to_vec(job).map_err(|e| e.to_string())?);
+pub(crate) async fn publish(
+    js: &jetstream::Context,
+    job: &MemoryExtractJob,
+) -> Result<(), async_nats::Error> {
+    let subject = subjects::memory_extract(&job.turn_id)?;
+    let payload = Bytes::from(serde_json::to_vec(job)?);
     let publish = jetstream::message::PublishMessage::build()
         .payload(payload)
         .headers(cyrene_bus::trace::current_headers())
         .message_id(&job.turn_id);
     let sent = tokio::time::timeout(PUBLISH_TIMEOUT, async {
-        let ack = js
-            .send_publish(subject, publish)
-            .await
-            .map_err(|e| e.to_string())?;
-        ack.await.map_err(|e| e.to_string())
+        let ack = js.send_publish(subject, publish).await?;
+        ack.await
     })
     .await;
     match sent {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(err)) => Err(err),
-        Err(_) => Err("the memory stream did not acknowledge the job in time".to_owned()),
+        Ok(Err(err)) => Err(err.into()),
+        Err(_) => Err("the memory stream did not acknowledge the job in time".into()),
     }
 }
 

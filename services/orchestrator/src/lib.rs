@@ -81,11 +81,7 @@ pub enum Error {
     Host(#[from] cyrene_bus::host::HostError),
 }
 
-impl cyrene_runtime::entry::RunError for Error {
-    fn is_config(&self) -> bool {
-        matches!(self, Error::Config(_))
-    }
-}
+cyrene_runtime::run_error!(Error::Config);
 
 /// Opens the store described by `config` (applying the migrations).
 pub async fn open_store(config: &Config) -> Result<Store, Error> {

@@ -281,18 +281,10 @@ impl MemoryStore for SqlMemory {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use crate::store::{JobSettings, Store, StoreOptions};
+    use crate::store::Store;
 
     async fn memory_on(url: &str) -> (Store, SqlMemory) {
-        let settings = JobSettings {
-            personas: crate::Personas::builtin(),
-            window: 40,
-            max_steps: 8,
-            max_job_bytes: 768 * 1024,
-        };
-        let store = Store::open(url, &StoreOptions::default(), settings)
-            .await
-            .unwrap();
+        let store = crate::store::testing::store_on(url, crate::Personas::builtin()).await;
         let memory = SqlMemory::new(store.pool().clone(), Duration::from_secs(5));
         (store, memory)
     }

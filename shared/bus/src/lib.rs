@@ -6,7 +6,7 @@
 //! and its endpoint table ([`host`]), turning typed errors into the micro error headers plus the
 //! JSON envelope and the bounded serving loop ([`service`]), the JetStream streams several
 //! services create ([`streams`]) and the one pull loop over a shared consumer ([`pull`]), the retry schedule of every loop that waits for the bus or a
-//! peer ([`retry`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
+//! peer ([`retry`]), the client side of a chunked document upload ([`upload`]), W3C trace-context propagation in NATS headers ([`trace`]), writing headers
 //! without panicking ([`headers`]) and the payload size guard ([`guard`]).
 //!
 //! Not here: a binary's process runtime (entry, settings, signals, health and metrics) is
@@ -29,6 +29,7 @@ pub mod retry;
 pub mod service;
 pub mod streams;
 pub mod trace;
+pub mod upload;
 
 pub use connect::{Auth, BusArgs, BusConfig, ConnectMode, Secret, connect};
 pub use request::{RequestError, request_json};

@@ -85,11 +85,25 @@ pub trait ServiceArgs: clap::Parser + Sized {
 }
 
 /// A service failure that may be a configuration problem found only while starting (a personas
-/// file that does not parse, a database URL of an unknown scheme).
+/// file that does not parse, a database URL of an unknown scheme). Services implement it with
+/// [`crate::run_error!`].
 pub trait RunError: std::error::Error + 'static {
     fn is_config(&self) -> bool {
         false
     }
+}
+
+/// Implements [`RunError`] for a service's error enum whose one variant `$error::$variant` holds
+/// its configuration failures (they exit 2, every other failure 1): `run_error!(Error::Config);`.
+#[macro_export]
+macro_rules! run_error {
+    ($error:ident :: $variant:ident) => {
+        impl $crate::entry::RunError for $error {
+            fn is_config(&self) -> bool {
+                matches!(self, $error::$variant(..))
+            }
+        }
+    };
 }
 
 /// The whole `main` of a service binary: parse `A`, set up telemetry, check the configuration,

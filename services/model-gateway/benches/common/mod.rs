@@ -1,6 +1,6 @@
 //! What both gateway benches run: a minimal keep-alive HTTP/1.1 mock upstream, the real
 //! `cyrene-model-gateway` binary pointed at it, the pass-through proxy that is the HTTP front
-//! door's floor, a minimal HTTP client, and the `main` around a bench.
+//! door's floor (together a [`Stage`]), a minimal HTTP client, and the `main` around a bench.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 // Each bench uses a part of this module.
 #![allow(dead_code)]
@@ -137,6 +137,59 @@ pub fn filtered_out(bench: &str) -> bool {
     std::env::args()
         .skip(1)
         .any(|a| !a.starts_with('-') && !bench.contains(a.as_str()))
+}
+
+/// A bench binary's `main`: nothing when `cargo bench` filtered `bench` out, the proxy when
+/// this process is a [`ProxyProcess`], else `run` to its end.
+pub fn main(bench: &str, run: impl Future<Output = ()>) {
+    if filtered_out(bench) {
+        return;
+    }
+    run_proxy_if_asked();
+    block_on(run);
+}
+
+/// The key bench clients present at the front door.
+pub const KEY: &str = "bench-client-key";
+
+/// What both benches measure against, on `upstream`: a nats-server, the gateway with its HTTP
+/// front door (keyed [`KEY`]) and the pass-through proxy that is the door's floor, each on a
+/// free port; all stopped when dropped.
+pub struct Stage {
+    /// The front door's base URL (`http://…`).
+    pub front_door: String,
+    /// The proxy's base URL (`http://…`).
+    pub proxy: String,
+    // Dropped in this order: the processes before the models file and the server they use.
+    _proxy: ProxyProcess,
+    _gateway: GatewayProcess,
+    _dir: tempfile::TempDir,
+    pub server: cyrene_test_support::NatsServer,
+}
+
+impl Stage {
+    /// Starts everything; the proxy listens when this returns, the gateway may not yet.
+    pub async fn start(upstream: &str) -> Stage {
+        let server = cyrene_test_support::NatsServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let door = format!("127.0.0.1:{}", free_port());
+        let gateway = start_gateway(&server.url(), upstream, dir.path(), |command| {
+            command
+                .arg("--http-addr")
+                .arg(&door)
+                .env("CYRENE_GATEWAY_HTTP_KEYS", KEY);
+        });
+        let proxy = format!("127.0.0.1:{}", free_port());
+        let proxy_process = ProxyProcess::start(&proxy, upstream).await;
+        Stage {
+            front_door: format!("http://{door}"),
+            proxy: format!("http://{proxy}"),
+            _proxy: proxy_process,
+            _gateway: gateway,
+            _dir: dir,
+            server,
+        }
+    }
 }
 
 /// Runs `bench` on a multi-threaded runtime.

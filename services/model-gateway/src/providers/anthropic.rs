@@ -179,8 +179,8 @@ impl StreamEvents for StreamAccumulator {
     /// The non-streamed reply these events add up to, decoded.
     fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
         if !self.stopped {
-            return Err(ProviderError::Transport(
-                "the event stream ended before message_stop".to_owned(),
+            return Err(ProviderError::stream_ended(
+                "the event stream ended before message_stop",
             ));
         }
         let reply = json!({
@@ -231,7 +231,7 @@ impl StreamAccumulator {
             Some("content_block_delta") => {
                 let delta = v.get("delta").unwrap_or(&Value::Null);
                 let Some(block) = self.blocks.get_mut(&index) else {
-                    return Err(ProviderError::BadResponse(format!(
+                    return Err(ProviderError::bad_response(format!(
                         "content_block_delta for block {index}, which never started"
                     )));
                 };
@@ -288,7 +288,7 @@ impl StreamAccumulator {
             }
             Some("error") => {
                 let body = serde_json::to_vec(v).unwrap_or_default();
-                return Err(ProviderError::BadResponse(format!(
+                return Err(ProviderError::bad_response(format!(
                     "the provider reported an error mid-stream: {}",
                     upstream_message(&body)
                 )));
@@ -493,7 +493,7 @@ pub fn decode(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let blocks = v
         .get("content")
         .and_then(Value::as_array)
-        .ok_or_else(|| ProviderError::BadResponse("no content list".to_owned()))?;
+        .ok_or_else(|| ProviderError::bad_response("no content list"))?;
     let mut parts = Vec::with_capacity(blocks.len());
     let mut text = String::new();
     let mut tool_calls = Vec::new();

@@ -24,6 +24,7 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -120,12 +121,22 @@ pub fn response_deltas(response: &ModelResponse) -> Vec<Delta> {
     out
 }
 
+/// A foreign error kept whole under a [`ProviderError`] (reqwest's, serde_json's, the event
+/// stream parser's); shared, so that the error stays `Clone`.
+pub type Cause = Arc<dyn std::error::Error + Send + Sync>;
+
 /// Why one attempt failed.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ProviderError {
-    /// Connecting, sending or reading failed.
-    #[error("transport error: {0}")]
-    Transport(String),
+    /// Connecting, sending or reading failed: the HTTP client's error, or (no `source`) an event
+    /// stream that ended before the reply did, which `what` says.
+    #[error("transport error: {}", describe(what, source.as_ref()))]
+    Transport {
+        /// Our words; empty when `source` says it all.
+        what: Cow<'static, str>,
+        #[source]
+        source: Option<Cause>,
+    },
     /// The attempt's deadline passed.
     #[error("no answer within {} ms", .0.as_millis())]
     Timeout(Duration),
@@ -136,9 +147,14 @@ pub enum ProviderError {
         message: String,
         retry_after: Option<Duration>,
     },
-    /// A 2xx whose body is not the dialect's response.
-    #[error("unreadable response: {0}")]
-    BadResponse(String),
+    /// A 2xx whose body is not the dialect's response: what is wrong with it, and the decoder's
+    /// error when one failed.
+    #[error("unreadable response: {}", describe(what, source.as_ref()))]
+    BadResponse {
+        what: Cow<'static, str>,
+        #[source]
+        source: Option<Cause>,
+    },
     /// The request cannot be expressed in this dialect (e.g. a malformed data URI).
     #[error("{0}")]
     Invalid(String),
@@ -148,11 +164,46 @@ impl ProviderError {
     /// Whether the router may try the next step of the chain.
     pub fn is_retryable(&self) -> bool {
         match self {
-            ProviderError::Transport(_)
+            ProviderError::Transport { .. }
             | ProviderError::Timeout(_)
-            | ProviderError::BadResponse(_) => true,
+            | ProviderError::BadResponse { .. } => true,
             ProviderError::Status { status, .. } => *status == 429 || *status >= 500,
             ProviderError::Invalid(_) => false,
+        }
+    }
+
+    /// The HTTP client failed to connect, send or read.
+    pub(crate) fn transport(source: reqwest::Error) -> Self {
+        ProviderError::Transport {
+            what: Cow::Borrowed(""),
+            source: Some(Arc::new(source)),
+        }
+    }
+
+    /// An event stream that ended before the reply did (`what` says how it should have ended).
+    pub(crate) fn stream_ended(what: &'static str) -> Self {
+        ProviderError::Transport {
+            what: Cow::Borrowed(what),
+            source: None,
+        }
+    }
+
+    /// A 2xx body that is not the dialect's response, for a reason we found ourselves.
+    pub(crate) fn bad_response(what: impl Into<Cow<'static, str>>) -> Self {
+        ProviderError::BadResponse {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// A 2xx body that `source` (a decoder) could not read; `what` names the part.
+    pub(crate) fn unreadable(
+        what: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        ProviderError::BadResponse {
+            what: Cow::Borrowed(what),
+            source: Some(Arc::new(source)),
         }
     }
 
@@ -186,8 +237,8 @@ pub(crate) type Decode = fn(&Value, &str) -> Result<ModelResponse, ProviderError
 
 /// A whole reply's bytes, decoded by the dialect `D`.
 fn decode_whole<D: HttpDialect>(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
-    let reply: Value = serde_json::from_slice(body)
-        .map_err(|e| ProviderError::BadResponse(format!("not JSON: {e}")))?;
+    let reply: Value =
+        serde_json::from_slice(body).map_err(|e| ProviderError::unreadable("not JSON", e))?;
     (D::DECODE)(&reply, model)
 }
 
@@ -274,7 +325,7 @@ pub(crate) trait StreamEvents: Default + Send {
 /// A stream event's data as JSON.
 pub(crate) fn event_json(data: &str) -> Result<Value, ProviderError> {
     serde_json::from_str(data)
-        .map_err(|e| ProviderError::BadResponse(format!("a stream event is not JSON: {e}")))
+        .map_err(|e| ProviderError::unreadable("a stream event is not JSON", e))
 }
 
 /// `body` as the request's bytes.
@@ -360,10 +411,7 @@ pub(crate) async fn post_json(
 ) -> Result<bytes::Bytes, ProviderError> {
     within(deadline, async {
         let response = send(request, body).await?;
-        response
-            .bytes()
-            .await
-            .map_err(|e| ProviderError::Transport(error_chain(&e)))
+        response.bytes().await.map_err(ProviderError::transport)
     })
     .await
 }
@@ -391,7 +439,7 @@ async fn send(
         .body(body)
         .send()
         .await
-        .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+        .map_err(ProviderError::transport)?;
     let status = response.status();
     if status.is_success() {
         return Ok(response);
@@ -401,10 +449,7 @@ async fn send(
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(parse_retry_after);
-    let bytes = response
-        .bytes()
-        .await
-        .map_err(|e| ProviderError::Transport(error_chain(&e)))?;
+    let bytes = response.bytes().await.map_err(ProviderError::transport)?;
     Err(ProviderError::Status {
         status: status.as_u16(),
         message: upstream_message(&bytes),
@@ -444,7 +489,7 @@ pub(crate) async fn whole_reply(
     }
     match tokio::time::timeout_at(deadline, response.bytes()).await {
         Ok(Ok(bytes)) => Ok(Ok(bytes)),
-        Ok(Err(e)) => Err(ProviderError::Transport(error_chain(&e))),
+        Ok(Err(e)) => Err(ProviderError::transport(e)),
         Err(_) => Err(ProviderError::Timeout(
             deadline.saturating_duration_since(started),
         )),
@@ -477,6 +522,16 @@ pub(crate) fn upstream_message(body: &[u8]) -> String {
         "(empty body)".to_owned()
     } else {
         text.chars().take(500).collect()
+    }
+}
+
+/// `what: <source's chain>`, or whichever of the two there is (the text of
+/// [`ProviderError::Transport`] and [`ProviderError::BadResponse`] on the wire).
+fn describe(what: &str, source: Option<&Cause>) -> String {
+    match source {
+        None => what.to_owned(),
+        Some(source) if what.is_empty() => error_chain(source.as_ref()),
+        Some(source) => format!("{what}: {}", error_chain(source.as_ref())),
     }
 }
 
@@ -591,7 +646,8 @@ mod tests {
         assert!(!status(400).is_retryable());
         assert!(!status(401).is_retryable());
         assert!(!status(404).is_retryable());
-        assert!(ProviderError::Transport("x".into()).is_retryable());
+        assert!(ProviderError::stream_ended("x").is_retryable());
+        assert!(ProviderError::bad_response("x").is_retryable());
         assert!(ProviderError::Timeout(Duration::from_millis(1)).is_retryable());
         assert!(!ProviderError::Invalid("x".into()).is_retryable());
     }

@@ -208,9 +208,8 @@ impl StreamEvents for StreamAccumulator {
     /// The non-streamed reply these events add up to, decoded.
     fn finish(self, model: &str) -> Result<ModelResponse, ProviderError> {
         if !self.done && self.finish_reason.is_none() {
-            return Err(ProviderError::Transport(
-                "the event stream ended before the reply did (no finish_reason, no [DONE])"
-                    .to_owned(),
+            return Err(ProviderError::stream_ended(
+                "the event stream ended before the reply did (no finish_reason, no [DONE])",
             ));
         }
         let calls: Vec<Value> = self
@@ -241,7 +240,7 @@ impl StreamAccumulator {
     fn feed(&mut self, v: &Value, sink: &DeltaSink) -> Result<(), ProviderError> {
         if let Some(error) = v.get("error") {
             let body = serde_json::to_vec(&json!({ "error": error })).unwrap_or_default();
-            return Err(ProviderError::BadResponse(format!(
+            return Err(ProviderError::bad_response(format!(
                 "the provider reported an error mid-stream: {}",
                 upstream_message(&body)
             )));
@@ -476,7 +475,7 @@ pub fn decode(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
     let choice = v
         .get("choices")
         .and_then(|c| c.get(0))
-        .ok_or_else(|| ProviderError::BadResponse("no choices".to_owned()))?;
+        .ok_or_else(|| ProviderError::bad_response("no choices"))?;
     let msg = choice.get("message").unwrap_or(&Value::Null);
     let text = match msg.get("content") {
         Some(Value::String(s)) => s.clone(),
@@ -668,7 +667,7 @@ mod tests {
         assert_eq!(resp.cache_hit_rate(), 0.0);
         assert!(matches!(
             decode(&json!({"choices":[]}), "m"),
-            Err(ProviderError::BadResponse(_))
+            Err(ProviderError::BadResponse { .. })
         ));
     }
 

@@ -7,7 +7,7 @@
 //!   deadline is a [`ProviderError`] like any other; whether the router may still fall back is
 //!   the router's decision (only before the first delta, docs/model-gateway.md "Streaming").
 
-use super::{ProviderError, error_chain};
+use super::ProviderError;
 use eventsource_stream::{Event, Eventsource};
 use futures::{Stream, StreamExt};
 use std::pin::Pin;
@@ -49,12 +49,13 @@ impl SseReader {
                 }
                 Ok(None) => return Ok(None),
                 Ok(Some(Err(eventsource_stream::EventStreamError::Transport(e)))) => {
-                    return Err(ProviderError::Transport(error_chain(&e)));
+                    return Err(ProviderError::transport(e));
                 }
                 Ok(Some(Err(e))) => {
-                    return Err(ProviderError::BadResponse(format!(
-                        "the event stream is malformed: {e}"
-                    )));
+                    return Err(ProviderError::unreadable(
+                        "the event stream is malformed",
+                        e,
+                    ));
                 }
                 Ok(Some(Ok(event))) => event,
             };

@@ -473,8 +473,9 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{JobSettings, NewMessage, StoreOptions};
+    use crate::store::NewMessage;
     use cyrene_protocol::ErrorCode;
+    use cyrene_protocol::approval::Decision::{Approve, Deny};
     use cyrene_protocol::approval::PendingCall;
     use cyrene_protocol::message::{Message, Role};
     use cyrene_protocol::session::{BusyPolicy, SessionEnv};
@@ -492,15 +493,7 @@ mod tests {
                 "approval":["send_email"],"approval_timeout_ms":60000}]}"#,
         )
         .unwrap();
-        let settings = JobSettings {
-            personas,
-            window: 40,
-            max_steps: 8,
-            max_job_bytes: 768 * 1024,
-        };
-        Store::open(url, &StoreOptions::default(), settings)
-            .await
-            .unwrap()
+        crate::store::testing::store_on(url, personas).await
     }
 
     /// A session `session` with one running turn (dispatched), whose id is returned.
@@ -564,6 +557,14 @@ mod tests {
         }
     }
 
+    /// `decision` on call `call_id` of session `s1` at `at`.
+    async fn decide(store: &Store, call_id: &str, decision: NewDecision<'_>, at: i64) -> Decided {
+        store
+            .decide_at(call("s1", call_id), decision, at)
+            .await
+            .unwrap()
+    }
+
     fn call<'a>(session_id: &'a str, call_id: &'a str) -> CallRef<'a> {
         CallRef::Session {
             session_id,
@@ -598,47 +599,22 @@ mod tests {
             "a waiting turn is never republished"
         );
 
-        let one = store
-            .decide_at(
-                call("s1", "c1"),
-                by(Decision::Approve, "person:alice", None),
-                AT + 10,
-            )
-            .await
-            .unwrap();
+        let one = decide(store, "c1", by(Approve, "person:alice", None), AT + 10).await;
         assert!(!one.already);
         assert!(one.resumed.is_none(), "c2 still waits");
-        let twice = store
-            .decide_at(
-                call("s1", "c1"),
-                by(Decision::Deny, "operator", Some("no")),
-                AT + 11,
-            )
-            .await
-            .unwrap();
+        let twice = decide(store, "c1", by(Deny, "operator", Some("no")), AT + 11).await;
         assert!(twice.already, "the first decision holds");
         assert_eq!(twice.row.decision(), Some(Decision::Approve));
         assert_eq!(twice.row.decided_by.as_deref(), Some("person:alice"));
         for (session, call_id) in [("s1", "c9"), ("s2", "c2"), ("nobody", "c2")] {
             let err = store
-                .decide_at(
-                    call(session, call_id),
-                    by(Decision::Approve, "operator", None),
-                    AT,
-                )
+                .decide_at(call(session, call_id), by(Approve, "operator", None), AT)
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), ErrorCode::NotFound, "{session} {call_id}");
         }
 
-        let last = store
-            .decide_at(
-                call("s1", "c2"),
-                by(Decision::Deny, "bridge", Some("not bob")),
-                AT + 20,
-            )
-            .await
-            .unwrap();
+        let last = decide(store, "c2", by(Deny, "bridge", Some("not bob")), AT + 20).await;
         let resumed = last
             .resumed
             .expect("every call decided: the turn continues");
@@ -743,14 +719,7 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        store
-            .decide_at(
-                call("s1", "c1"),
-                by(Decision::Approve, "operator", None),
-                AT + 1,
-            )
-            .await
-            .unwrap();
+        decide(store, "c1", by(Approve, "operator", None), AT + 1).await;
         let expired = store.expired_approvals(AT + TIMEOUT, 10).await.unwrap();
         let ids: Vec<&str> = expired.iter().map(|r| r.call_id.as_str()).collect();
         assert_eq!(ids, ["c2"], "only the undecided call");
@@ -761,7 +730,7 @@ mod tests {
                     turn_id: &turn.turn_id,
                     call_id: "c2",
                 },
-                by(Decision::Deny, "deadline", Some("late")),
+                by(Deny, "deadline", Some("late")),
                 AT + TIMEOUT,
             )
             .await
@@ -786,28 +755,14 @@ mod tests {
             .await_approval_at(&awaiting(&turn, 1, &["c1"]), AT)
             .await
             .unwrap();
-        let decided = store
-            .decide_at(
-                call("s1", "c1"),
-                by(Decision::Approve, "operator", None),
-                AT + 1,
-            )
-            .await
-            .unwrap();
+        let decided = decide(store, "c1", by(Approve, "operator", None), AT + 1).await;
         assert!(decided.resumed.is_some());
         let mut later = awaiting(&turn, 2, &["c1"]);
         later.approvals[0].step = 3;
         let asked = store.await_approval_at(&later, AT + 2).await.unwrap();
         assert_eq!(asked.pending.len(), 1, "asked anew");
         assert_eq!(asked.pending[0].step, 3);
-        let again = store
-            .decide_at(
-                call("s1", "c1"),
-                by(Decision::Deny, "operator", None),
-                AT + 3,
-            )
-            .await
-            .unwrap();
+        let again = decide(store, "c1", by(Deny, "operator", None), AT + 3).await;
         assert!(!again.already);
         let job: TurnJob = serde_json::from_str(&again.resumed.unwrap().job).unwrap();
         assert_eq!(job.decisions.len(), 1);
@@ -818,35 +773,8 @@ mod tests {
         assert_eq!(job.attempt_base, 2);
     }
 
-    macro_rules! on_both_backends {
-        ($($name:ident),* $(,)?) => {
-            mod sqlite {
-                $(
-                    #[tokio::test]
-                    async fn $name() {
-                        let dir = tempfile::tempdir().unwrap();
-                        let url = format!("sqlite://{}/orch.db", dir.path().display());
-                        let store = super::store_on(&url).await;
-                        super::$name(&store).await;
-                        store.close().await;
-                    }
-                )*
-            }
-            mod postgres {
-                $(
-                    #[tokio::test]
-                    async fn $name() {
-                        let db = cyrene_sql::testing::TestDatabase::create("orch_approvals").await;
-                        let store = super::store_on(&db.url).await;
-                        super::$name(&store).await;
-                        store.close().await;
-                    }
-                )*
-            }
-        };
-    }
-
-    on_both_backends!(
+    crate::store::testing::on_both_backends!(
+        store_on, "orch_approvals";
         a_waiting_turn_is_recorded_once_and_each_call_decided_once,
         the_deadline_denies_exactly_when_it_passes,
         a_repeated_call_id_in_a_later_step_is_asked_again,

@@ -178,18 +178,9 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{JobSettings, StoreOptions};
 
     async fn store_on(url: &str) -> Store {
-        let settings = JobSettings {
-            personas: crate::Personas::builtin(),
-            window: 40,
-            max_steps: 8,
-            max_job_bytes: 768 * 1024,
-        };
-        Store::open(url, &StoreOptions::default(), settings)
-            .await
-            .unwrap()
+        crate::store::testing::store_on(url, crate::Personas::builtin()).await
     }
 
     /// Marks asked for together are written in fewer statements than marks, and every one of
@@ -286,37 +277,9 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn sqlite_the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/orch.db", dir.path().display());
-        let store = store_on(&url).await;
-        the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed(&store).await;
-        store.close().await;
-    }
-
-    #[tokio::test]
-    async fn postgres_the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed() {
-        let db = cyrene_sql::testing::TestDatabase::create("orch_grace").await;
-        let store = store_on(&db.url).await;
-        the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed(&store).await;
-        store.close().await;
-    }
-
-    #[tokio::test]
-    async fn sqlite_marks_asked_for_together_are_written_together() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/orch.db", dir.path().display());
-        let store = store_on(&url).await;
-        marks_asked_for_together_are_written_together(&store).await;
-        store.close().await;
-    }
-
-    #[tokio::test]
-    async fn postgres_marks_asked_for_together_are_written_together() {
-        let db = cyrene_sql::testing::TestDatabase::create("orch_marks").await;
-        let store = store_on(&db.url).await;
-        marks_asked_for_together_are_written_together(&store).await;
-        store.close().await;
-    }
+    crate::store::testing::on_both_backends!(
+        store_on, "orch_dispatch";
+        the_sweeper_takes_a_turn_exactly_when_its_grace_has_passed,
+        marks_asked_for_together_are_written_together,
+    );
 }

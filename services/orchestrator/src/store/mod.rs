@@ -482,6 +482,59 @@ fn sqlite_url(url: &str) -> Result<String, StoreError> {
     }
 }
 
+/// What the store's unit tests (and the memory's) open their stores with.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) mod testing {
+    use super::{JobSettings, Store, StoreOptions};
+
+    /// A store on `url` (migrated) with `personas` and a 40-message window, 8 steps and
+    /// 768 KiB jobs.
+    pub(crate) async fn store_on(url: &str, personas: crate::Personas) -> Store {
+        let settings = JobSettings {
+            personas,
+            window: 40,
+            max_steps: 8,
+            max_job_bytes: 768 * 1024,
+        };
+        Store::open(url, &StoreOptions::default(), settings)
+            .await
+            .unwrap()
+    }
+
+    /// A test per backend of each `async fn(&Store)` named: `sqlite::<name>` on a fresh file,
+    /// `postgres::<name>` on a fresh database named after `$db`; `$open` is the test module's
+    /// `async fn(&str) -> Store`, and the store is closed after the test.
+    macro_rules! on_both_backends {
+        ($open:ident, $db:literal; $($name:ident),* $(,)?) => {
+            mod sqlite {
+                $(
+                    #[tokio::test]
+                    async fn $name() {
+                        let dir = tempfile::tempdir().unwrap();
+                        let url = format!("sqlite://{}/orch.db", dir.path().display());
+                        let store = super::$open(&url).await;
+                        super::$name(&store).await;
+                        store.close().await;
+                    }
+                )*
+            }
+            mod postgres {
+                $(
+                    #[tokio::test]
+                    async fn $name() {
+                        let db = cyrene_sql::testing::TestDatabase::create($db).await;
+                        let store = super::$open(&db.url).await;
+                        super::$name(&store).await;
+                        store.close().await;
+                    }
+                )*
+            }
+        };
+    }
+    pub(crate) use on_both_backends;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -118,6 +118,26 @@ async fn wait_memory(client: &async_nats::Client, persona: &str, n: usize) -> Me
     .await
 }
 
+/// One replica with [`fast`] retries, and the stand-in gateway answering `script`.
+async fn extracting(backend: Backend, script: Vec<Answer>) -> (World, Replica, JobQueue, Gateway) {
+    let (world, replica, jobs) = one_replica_with(backend, fast).await;
+    let gateway = Gateway::start(&world.client, script).await;
+    (world, replica, jobs, gateway)
+}
+
+/// The state of the `CYRENE_MEMORY` stream now.
+async fn memory_stream(client: &async_nats::Client) -> async_nats::jetstream::stream::State {
+    async_nats::jetstream::new(client.clone())
+        .get_stream(extraction::STREAM)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .clone()
+}
+
 /// Fast retries for the tests (the delay doubles per delivery).
 fn fast(c: &mut cyrene_orchestrator::Config) {
     c.memory_retry_delay = Duration::from_millis(50);
@@ -127,15 +147,14 @@ fn fast(c: &mut cyrene_orchestrator::Config) {
 /// A turn answered, its facts in memory with where they came from; the same job published again
 /// (a repeated completion, a republish past the window) writes nothing twice.
 async fn extracted_once_with_provenance(backend: Backend) {
-    let (world, _replica, mut jobs) = one_replica_with(backend, fast).await;
-    let c = &world.client;
-    let gateway = Gateway::start(
-        c,
+    let (world, _replica, mut jobs, gateway) = extracting(
+        backend,
         vec![Answer::Text(
             "```json\n[\"the user's cat is called Mochi\", \"likes oolong\", 7]\n```",
         )],
     )
     .await;
+    let c = &world.client;
 
     let (_, job) = start_turn(
         c,
@@ -263,15 +282,7 @@ async fn restricted_sessions_write_nothing(backend: Backend) {
     let requests = gateway.requests();
     assert_eq!(requests.len(), 1, "only the owner's turn was extracted");
     assert!(requests[0].messages[1].text_content().contains("Kyoto"));
-    let stream = async_nats::jetstream::new(c.clone())
-        .get_stream(extraction::STREAM)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .clone();
+    let stream = memory_stream(c).await;
     assert_eq!(stream.last_sequence, 1, "one job was ever published");
 }
 
@@ -282,10 +293,8 @@ on_both_backends!(restricted_sessions_write_nothing:
 /// Hostile answers write nothing and the consumer goes on; a failing model is retried, then
 /// dropped, and the answer the person got stays as it was.
 async fn bad_answers_and_failures_write_nothing(backend: Backend) {
-    let (world, _replica, mut jobs) = one_replica_with(backend, fast).await;
-    let c = &world.client;
-    let gateway = Gateway::start(
-        c,
+    let (world, _replica, mut jobs, gateway) = extracting(
+        backend,
         vec![
             Answer::Text("Sure! Here is what I remember: the cat."),
             Answer::Text(r#"{"facts":["not an array"]}"#),
@@ -293,6 +302,7 @@ async fn bad_answers_and_failures_write_nothing(backend: Backend) {
         ],
     )
     .await;
+    let c = &world.client;
 
     for (i, text) in ["one", "two"].into_iter().enumerate() {
         let key = format!("k{i}");
@@ -311,27 +321,13 @@ async fn bad_answers_and_failures_write_nothing(backend: Backend) {
         "the failing job was retried"
     );
     // Dropped after its last delivery: it leaves the work queue.
-    let js = async_nats::jetstream::new(c.clone());
     wait_async("the dropped job to leave the stream", || async {
-        let state = js
-            .get_stream(extraction::STREAM)
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .clone();
-        (state.messages == 0).then_some(())
+        (memory_stream(c).await.messages == 0).then_some(())
     })
     .await;
     assert_eq!(gateway.requests().len(), 5, "no fourth delivery");
     assert!(memory_of(c, "cyrene").await.memory.is_empty());
-    let said: Vec<String> = history(c, "s1")
-        .await
-        .iter()
-        .map(|e| e.message.text_content())
-        .collect();
+    let said = history_texts(c, "s1").await;
     assert_eq!(
         said,
         [
@@ -353,9 +349,9 @@ on_both_backends!(bad_answers_and_failures_write_nothing:
 /// take the job, so the completion is answered `unavailable` — with the answer already in the
 /// transcript — and the worker's resend, a repeat, publishes it.
 async fn a_job_not_queued_is_queued_by_the_resent_completion(backend: Backend) {
-    let (world, _replica, mut jobs) = one_replica_with(backend, fast).await;
+    let (world, _replica, mut jobs, gateway) =
+        extracting(backend, vec![Answer::Text(r#"["plays the cello"]"#)]).await;
     let c = &world.client;
-    let gateway = Gateway::start(c, vec![Answer::Text(r#"["plays the cello"]"#)]).await;
     let js = async_nats::jetstream::new(c.clone());
     js.delete_stream(extraction::STREAM).await.unwrap();
 
@@ -369,11 +365,7 @@ async fn a_job_not_queued_is_queued_by_the_resent_completion(backend: Backend) {
         .await
         .unwrap_err();
     assert_eq!(code(&err), ErrorCode::Unavailable);
-    let said: Vec<String> = history(c, "s1")
-        .await
-        .iter()
-        .map(|e| e.message.text_content())
-        .collect();
+    let said = history_texts(c, "s1").await;
     assert_eq!(
         said,
         ["I play the cello", "Lovely!"],

@@ -406,11 +406,7 @@ async fn a_completion_naming_another_session_is_refused(backend: Backend) {
         code(&complete(c, &wrong).await.unwrap_err()),
         ErrorCode::BadRequest
     );
-    let s2: Vec<String> = history(c, "s2")
-        .await
-        .iter()
-        .map(|e| e.message.text_content())
-        .collect();
+    let s2 = history_texts(c, "s2").await;
     assert_eq!(s2, ["theirs"], "nothing was written into s2");
     // The turn is still running: its own completion is the first.
     let done = complete(c, &completion(&job, attempt, "answer"))

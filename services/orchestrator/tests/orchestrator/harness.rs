@@ -366,6 +366,15 @@ pub async fn history(client: &async_nats::Client, session: &str) -> Vec<HistoryE
     history_raw(client, &req).await.unwrap().messages
 }
 
+/// The text of every message in `session`'s transcript, oldest first.
+pub async fn history_texts(client: &async_nats::Client, session: &str) -> Vec<String> {
+    history(client, session)
+        .await
+        .iter()
+        .map(|e| e.message.text_content())
+        .collect()
+}
+
 pub async fn steer(
     client: &async_nats::Client,
     job: &TurnJob,
