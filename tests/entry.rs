@@ -612,7 +612,12 @@ fn every_setting_of_every_service_is_a_flag() {
     assert_eq!((max_state_bytes, db_timeout, max_in_flight), (100, s(2), 5));
     assert_eq!((pool.max_connections, pool.acquire_timeout), (4, s(3)));
 
-    let models = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cli/offline-models.json");
+    // A model config file: the offline demo's (`cyrene up`).
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models.json");
+    let demo = cyrene::stack::demo::models().unwrap();
+    std::fs::write(&models, serde_json::to_vec(&demo).unwrap()).unwrap();
+    let models = models.display().to_string();
     let cyrene_model_gateway::Config {
         models: read,
         // API keys: read from the variables the model config names (`api_key_env`), not settings.
@@ -634,7 +639,7 @@ fn every_setting_of_every_service_is_a_flag() {
     .unwrap()
     .into_config()
     .unwrap();
-    let want = cyrene_model_gateway::config::ModelsConfig::from_file(std::path::Path::new(models))
+    let want = cyrene_model_gateway::config::ModelsConfig::from_file(std::path::Path::new(&models))
         .unwrap();
     assert_eq!(format!("{read:?}"), format!("{want:?}"));
     assert_eq!(serve.max_in_flight, 7);

@@ -135,17 +135,7 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
                         "after_tools": "It is {tool_results}."},
                        {"contains": "hold", "tool_calls": [{"name": "hold"}],
                         "after_tools": "Held: {tool_results}."}]);
-    std::fs::write(
-        &models,
-        json!({
-            "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
-                "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-            "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-            "active_group": "default"
-        })
-        .to_string(),
-    )
-    .unwrap();
+    std::fs::write(&models, serde_json::to_vec(&common::models(rules)).unwrap()).unwrap();
     let models = models.display().to_string();
     let mut addrs = BTreeMap::new();
     let mut children = BTreeMap::new();
