@@ -125,6 +125,26 @@ impl World {
         }
     }
 
+    /// The first user message the model was sent whose text contains `text`, waited for
+    /// (bounded): the turn reached the model.
+    async fn model_saw(&self, text: &str) -> Message {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let asked = self.bus.log.snapshot().into_iter().find_map(|r| {
+                    r.messages
+                        .into_iter()
+                        .find(|m| m.role == Role::User && m.text_content().contains(text))
+                });
+                if let Some(message) = asked {
+                    return message;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the turn reached the model")
+    }
+
     async fn send(&self, session: &str, content: Vec<Part>) -> Result<SendAck, ErrorBody> {
         let request = SendRequest {
             session_id: session.into(),
@@ -452,21 +472,7 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
         exe.part.clone(),
     ];
     world.send("s1", content).await.unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
-                r.messages
-                    .into_iter()
-                    .find(|m| m.role == Role::User && m.text_content().contains("please summarise"))
-            });
-            if let Some(message) = asked {
-                return message;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the turn reached the model");
+    let seen = world.model_saw("please summarise").await;
     assert!(
         seen.content.iter().all(|p| matches!(p, Part::Text { .. })),
         "no document part reaches a provider: {seen:?}"
@@ -537,21 +543,7 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
         fine.part.clone(),
     ];
     world.send("s1", content).await.unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
-                r.messages
-                    .into_iter()
-                    .find(|m| m.role == Role::User && m.text_content().contains("read both"))
-            });
-            if let Some(message) = asked {
-                return message;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the turn reached the model");
+    let seen = world.model_saw("read both").await;
     let texts: Vec<String> = seen
         .content
         .iter()

@@ -812,6 +812,31 @@ async fn the_safety_net_answers_on_both_dialects() {
     }
 }
 
+/// Starts gateway processes on `stack`'s bus, each named by its argument (`OTEL_SERVICE_NAME`),
+/// whose one provider speaks OpenAI at `base_url` (the model config is in the stack's data dir).
+fn openai_gateways(
+    stack: &Stack,
+    base_url: &str,
+) -> impl Fn(&str) -> tokio::process::Child + use<> {
+    let models = stack.data.path().join("models.json");
+    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": base_url,
+        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
+        "active_group": "g"});
+    std::fs::write(&models, config.to_string()).unwrap();
+    let models = models.display().to_string();
+    let url = stack.server.url();
+    move |name| {
+        common::service(
+            "cyrene-model-gateway",
+            &url,
+            &[
+                ("CYRENE_GATEWAY_MODELS", models.as_str()),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        )
+    }
+}
+
 /// A stack whose gateway (in this process) has one provider of `protocol` at `upstream`.
 async fn stack_over(protocol: &str, upstream: &wiremock::MockServer) -> Stack {
     let stack = Stack::start_with(rules(), None, false).await;
@@ -937,23 +962,7 @@ async fn a_gateway_killed_mid_call_costs_a_retry_on_another_replica_not_the_mode
         .mount(&upstream)
         .await;
     let stack = Stack::start_with(rules(), None, false).await;
-    let models = stack.data.path().join("models.json");
-    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": upstream.uri(),
-        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
-        "active_group": "g"});
-    std::fs::write(&models, config.to_string()).unwrap();
-    let models = models.display().to_string();
-    let url = stack.server.url();
-    let gateway = |name: &str| {
-        common::service(
-            "cyrene-model-gateway",
-            &url,
-            &[
-                ("CYRENE_GATEWAY_MODELS", models.as_str()),
-                ("OTEL_SERVICE_NAME", name),
-            ],
-        )
-    };
+    let gateway = openai_gateways(&stack, &upstream.uri());
     let mut first = gateway("first");
     common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
     let mut config = worker_config();
@@ -1093,23 +1102,7 @@ async fn a_provider_that_hangs_after_its_first_words() -> String {
 async fn text_streamed_before_a_gateway_died_is_superseded_by_a_marked_retry() {
     let base_url = a_provider_that_hangs_after_its_first_words().await;
     let stack = Stack::start_with(rules(), None, false).await;
-    let models = stack.data.path().join("models.json");
-    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": base_url,
-        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
-        "active_group": "g"});
-    std::fs::write(&models, config.to_string()).unwrap();
-    let models = models.display().to_string();
-    let url = stack.server.url();
-    let gateway = |name: &str| {
-        common::service(
-            "cyrene-model-gateway",
-            &url,
-            &[
-                ("CYRENE_GATEWAY_MODELS", models.as_str()),
-                ("OTEL_SERVICE_NAME", name),
-            ],
-        )
-    };
+    let gateway = openai_gateways(&stack, &base_url);
     let mut first = gateway("first");
     common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
     let mut events = session_events(&stack, "sr").await;

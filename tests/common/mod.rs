@@ -51,6 +51,11 @@ impl Drop for Stack {
 /// sends them as they are instead of describing them first). What the model is not scripted for
 /// it echoes (`echo: <input>`).
 pub fn models(rules: Value) -> ModelsConfig {
+    models_replying(rules, "echo: {input}")
+}
+
+/// [`models`] answering what it is not scripted for with `default_reply`.
+pub fn models_replying(rules: Value, default_reply: &str) -> ModelsConfig {
     let (rules, vision) = match rules {
         Value::Object(mut o) => (
             o.remove("rules").unwrap_or_default(),
@@ -60,7 +65,7 @@ pub fn models(rules: Value) -> ModelsConfig {
     };
     let script = Script {
         rules: serde_json::from_value(rules).unwrap(),
-        default_reply: Some("echo: {input}".to_owned()),
+        default_reply: Some(default_reply.to_owned()),
         word_delay_ms: 0,
     };
     let caps = ModelCaps {
@@ -68,6 +73,13 @@ pub fn models(rules: Value) -> ModelsConfig {
         ..ModelCaps::default()
     };
     ModelsConfig::offline_with(script, caps)
+}
+
+/// `models` written to `dir/models.json` (for `CYRENE_GATEWAY_MODELS`); its path.
+pub fn models_file(dir: &std::path::Path, models: &ModelsConfig) -> PathBuf {
+    let path = dir.join("models.json");
+    std::fs::write(&path, serde_json::to_vec(models).unwrap()).unwrap();
+    path
 }
 
 /// How the services of a [`cyrene::stack::Stack`] reach `server` (no credentials).
