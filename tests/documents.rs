@@ -36,6 +36,18 @@ struct World {
     _children: Vec<Child>,
 }
 
+/// The text of each part of `message` (empty for a part that is not text).
+fn part_texts(message: &Message) -> Vec<String> {
+    message
+        .content
+        .iter()
+        .map(|p| match p {
+            Part::Text { text } => text.clone(),
+            _ => String::new(),
+        })
+        .collect()
+}
+
 impl World {
     async fn start() -> World {
         let bus = common::Bus::with_gateway(json!([])).await;
@@ -477,14 +489,7 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
         seen.content.iter().all(|p| matches!(p, Part::Text { .. })),
         "no document part reaches a provider: {seen:?}"
     );
-    let texts: Vec<String> = seen
-        .content
-        .iter()
-        .map(|p| match p {
-            Part::Text { text } => text.clone(),
-            _ => String::new(),
-        })
-        .collect();
+    let texts = part_texts(&seen);
     assert_eq!(texts[0], "please summarise");
     assert!(
         texts[1].contains("The launch moves to Thursday."),
@@ -544,14 +549,7 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
     ];
     world.send("s1", content).await.unwrap();
     let seen = world.model_saw("read both").await;
-    let texts: Vec<String> = seen
-        .content
-        .iter()
-        .map(|p| match p {
-            Part::Text { text } => text.clone(),
-            _ => String::new(),
-        })
-        .collect();
+    let texts = part_texts(&seen);
     assert_eq!(
         texts[1],
         format!("[文档] {poison_name}（{poison_mime}，{poison_size} 字节）：未能提取文字内容。")
