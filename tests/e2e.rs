@@ -923,15 +923,7 @@ async fn a_guard_stops_a_tool_call_and_an_answer_and_the_person_gets_the_persona
     let _orchestrator = world
         .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
         .await;
-    let mut events = subscribed(client, "cyrene.session.g1.events").await;
-    let seen: Arc<Mutex<Vec<SessionEvent>>> = Arc::default();
-    let recorded = seen.clone();
-    tokio::spawn(async move {
-        while let Some(m) = events.next().await {
-            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
-            recorded.lock().unwrap().push(event);
-        }
-    });
+    let seen = follow(client, "g1").await;
 
     // A tool call the guard denies: the tool never runs, the person gets the message.
     world.send("g1", "count for me please", "g1-1").await;
