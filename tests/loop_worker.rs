@@ -521,10 +521,10 @@ async fn a_step_whose_view_replica_is_gone_sends_the_view_whole_to_another() {
     second.cancel();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
-    let stack = Stack::start(rules(), None).await;
-    let ports = NatsPorts::new(
+/// A runner's ports over `stack`'s bus: tools and checkpoints bounded at 5 s, steers at 2 s,
+/// model calls at `model`.
+fn ports_on(stack: &Stack, model: Duration) -> NatsPorts {
+    NatsPorts::new(
         stack.client.clone(),
         Tools::new(
             stack.client.clone(),
@@ -532,11 +532,17 @@ async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
             Duration::from_secs(5),
         ),
         Timeouts {
-            model: Duration::from_secs(5),
+            model,
             checkpoint: Duration::from_secs(5),
             steer: Duration::from_secs(2),
         },
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
+    let stack = Stack::start(rules(), None).await;
+    let ports = ports_on(&stack, Duration::from_secs(5));
     let cfg = RunnerConfig {
         purpose: "chat".into(),
         max_attempts: 5,
@@ -763,19 +769,7 @@ async fn the_safety_net_answers_on_both_dialects() {
     for protocol in ["anthropic", "openai"] {
         let upstream = a_tool_happy_provider(protocol).await;
         let stack = stack_over(protocol, &upstream).await;
-        let ports = NatsPorts::new(
-            stack.client.clone(),
-            Tools::new(
-                stack.client.clone(),
-                Duration::from_secs(5),
-                Duration::from_secs(5),
-            ),
-            Timeouts {
-                model: Duration::from_secs(10),
-                checkpoint: Duration::from_secs(5),
-                steer: Duration::from_secs(2),
-            },
-        );
+        let ports = ports_on(&stack, Duration::from_secs(10));
         let mut j = job(
             &format!("tn-{protocol}"),
             &format!("sn-{protocol}"),
