@@ -16,6 +16,7 @@
 mod common;
 
 use common::{wait_for_service, worker_config};
+use cyrene::stack::Stack;
 use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ViewRef};
@@ -26,7 +27,6 @@ use cyrene_test_support::cost;
 use futures::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 // The services' allocator, as in their binaries.
 #[global_allocator]
@@ -54,16 +54,11 @@ fn rules() -> serde_json::Value {
 
 /// All four services in this process on one bus and one database.
 struct Real {
+    /// Stops the services when dropped (first: before the server goes).
+    _stack: Stack,
     server: NatsServer,
     client: async_nats::Client,
     data: tempfile::TempDir,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Real {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
 }
 
 impl Real {
@@ -71,56 +66,32 @@ impl Real {
     async fn start(database_url: Option<String>, window: usize, worker: bool) -> Real {
         let server = NatsServer::start();
         let client = server.connect().await;
-        let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
-        // Served without taking its request log: a log nobody watches copies nothing.
-        tokio::spawn(cyrene_model_gateway::serve(
-            std::sync::Arc::new(common::scripted_gateway(rules())),
-            server.connect().await,
-            cyrene_bus::service::ServeOptions::default(),
-            shutdown.clone(),
-        ));
-        let mut store = cyrene_checkpoint_store::Config::new(data.path());
-        store.database_url = database_url.clone();
-        tokio::spawn(cyrene_checkpoint_store::run(
-            store,
-            server.connect().await,
-            shutdown.clone(),
-        ));
-        let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
-        orchestrator.database_url = database_url;
-        orchestrator.window = window;
-        orchestrator.max_steps = ROUNDS as u32 + 2;
-        tokio::spawn(cyrene_orchestrator::run(
-            orchestrator,
-            server.connect().await,
-            shutdown.clone(),
-        ));
-        for name in [
-            "cyrene-model-gateway",
-            "cyrene-checkpoint-store",
-            "cyrene-orchestrator",
-        ] {
-            wait_for_service(&client, name).await;
-        }
-        let real = Real {
-            server,
-            client,
-            data,
-            shutdown,
-        };
-        if worker {
-            tokio::spawn(cyrene_loop_worker::run(
+        // The gateway's request log is not taken: a log nobody watches copies nothing.
+        let stack = Stack::builder(common::bus_config(&server), data.path())
+            .models(common::models(rules()))
+            .database_url(database_url)
+            .orchestrator_with(|orchestrator| {
+                orchestrator.window = window;
+                orchestrator.max_steps = ROUNDS as u32 + 2;
+            })
+            .workers(
+                usize::from(worker),
                 cyrene_loop_worker::Config {
                     concurrency: 16,
                     ..worker_config()
                 },
-                real.server.connect().await,
-                real.shutdown.clone(),
-            ));
-            wait_for_service(&real.client, "cyrene-loop-worker").await;
+            )
+            .start()
+            .await
+            .unwrap();
+        common::wait_for_stack(&stack, &client).await;
+        Real {
+            _stack: stack,
+            server,
+            client,
+            data,
         }
-        real
     }
 
     async fn send(&self, session: &str, text: &str) -> SendAck {

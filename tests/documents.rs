@@ -36,6 +36,18 @@ struct World {
     _children: Vec<Child>,
 }
 
+/// The text of each part of `message` (empty for a part that is not text).
+fn part_texts(message: &Message) -> Vec<String> {
+    message
+        .content
+        .iter()
+        .map(|p| match p {
+            Part::Text { text } => text.clone(),
+            _ => String::new(),
+        })
+        .collect()
+}
+
 impl World {
     async fn start() -> World {
         let bus = common::Bus::with_gateway(json!([])).await;
@@ -123,6 +135,26 @@ impl World {
                 return Ok(bytes);
             }
         }
+    }
+
+    /// The first user message the model was sent whose text contains `text`, waited for
+    /// (bounded): the turn reached the model.
+    async fn model_saw(&self, text: &str) -> Message {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let asked = self.bus.log.snapshot().into_iter().find_map(|r| {
+                    r.messages
+                        .into_iter()
+                        .find(|m| m.role == Role::User && m.text_content().contains(text))
+                });
+                if let Some(message) = asked {
+                    return message;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the turn reached the model")
     }
 
     async fn send(&self, session: &str, content: Vec<Part>) -> Result<SendAck, ErrorBody> {
@@ -452,33 +484,12 @@ async fn a_text_and_a_pdf_documents_text_reach_the_model() {
         exe.part.clone(),
     ];
     world.send("s1", content).await.unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
-                r.messages
-                    .into_iter()
-                    .find(|m| m.role == Role::User && m.text_content().contains("please summarise"))
-            });
-            if let Some(message) = asked {
-                return message;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the turn reached the model");
+    let seen = world.model_saw("please summarise").await;
     assert!(
         seen.content.iter().all(|p| matches!(p, Part::Text { .. })),
         "no document part reaches a provider: {seen:?}"
     );
-    let texts: Vec<String> = seen
-        .content
-        .iter()
-        .map(|p| match p {
-            Part::Text { text } => text.clone(),
-            _ => String::new(),
-        })
-        .collect();
+    let texts = part_texts(&seen);
     assert_eq!(texts[0], "please summarise");
     assert!(
         texts[1].contains("The launch moves to Thursday."),
@@ -537,29 +548,8 @@ async fn a_pdf_that_stopped_workers_twice_is_not_extracted_again() {
         fine.part.clone(),
     ];
     world.send("s1", content).await.unwrap();
-    let seen = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let asked = world.bus.log.snapshot().into_iter().find_map(|r| {
-                r.messages
-                    .into_iter()
-                    .find(|m| m.role == Role::User && m.text_content().contains("read both"))
-            });
-            if let Some(message) = asked {
-                return message;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the turn reached the model");
-    let texts: Vec<String> = seen
-        .content
-        .iter()
-        .map(|p| match p {
-            Part::Text { text } => text.clone(),
-            _ => String::new(),
-        })
-        .collect();
+    let seen = world.model_saw("read both").await;
+    let texts = part_texts(&seen);
     assert_eq!(
         texts[1],
         format!("[文档] {poison_name}（{poison_mime}，{poison_size} 字节）：未能提取文字内容。")

@@ -97,14 +97,19 @@ impl World {
         world.children.push(store);
         wait_for_service(&world.bus.client, "cyrene-checkpoint-store").await;
         for _ in 0..2 {
-            let worker = service(
-                "cyrene-loop-worker",
-                &world.bus.server.url(),
-                &[("CYRENE_WORKER_ACK_WAIT", "2s")],
-            );
-            world.children.push(worker);
+            world.add_worker();
         }
         world
+    }
+
+    /// One more loop-worker process (ack wait 2 s) on this world's bus.
+    fn add_worker(&mut self) {
+        let worker = service(
+            "cyrene-loop-worker",
+            &self.bus.server.url(),
+            &[("CYRENE_WORKER_ACK_WAIT", "2s")],
+        );
+        self.children.push(worker);
     }
 
     /// A service binary with this world's bus, data dir and database.
@@ -918,15 +923,7 @@ async fn a_guard_stops_a_tool_call_and_an_answer_and_the_person_gets_the_persona
     let _orchestrator = world
         .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
         .await;
-    let mut events = subscribed(client, "cyrene.session.g1.events").await;
-    let seen: Arc<Mutex<Vec<SessionEvent>>> = Arc::default();
-    let recorded = seen.clone();
-    tokio::spawn(async move {
-        while let Some(m) = events.next().await {
-            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
-            recorded.lock().unwrap().push(event);
-        }
-    });
+    let seen = follow(client, "g1").await;
 
     // A tool call the guard denies: the tool never runs, the person gets the message.
     world.send("g1", "count for me please", "g1-1").await;
@@ -1227,12 +1224,7 @@ async fn an_approved_call_in_flight_at_a_worker_kill_never_runs_twice() {
     kill_workers(&mut world).await;
     *world.tools.gate.lock().unwrap() = None;
     gate.notify_waiters();
-    let worker = service(
-        "cyrene-loop-worker",
-        &world.bus.server.url(),
-        &[("CYRENE_WORKER_ACK_WAIT", "2s")],
-    );
-    world.children.push(worker);
+    world.add_worker();
 
     let said = answered(&world, "ap3", 1).await;
     assert!(
@@ -1271,12 +1263,7 @@ async fn an_orchestrator_killed_between_the_decision_and_the_dispatch_still_cont
     let _replacement = world
         .orchestrator_with(&[("CYRENE_ORCHESTRATOR_PERSONAS", personas.as_str())])
         .await;
-    let worker = service(
-        "cyrene-loop-worker",
-        &world.bus.server.url(),
-        &[("CYRENE_WORKER_ACK_WAIT", "2s")],
-    );
-    world.children.push(worker);
+    world.add_worker();
 
     let said = answered(&world, "ap4", 1).await;
     assert_eq!(said, [format!("done: count ran as {}", short(&call))]);

@@ -11,6 +11,7 @@ use cyrene_protocol::checkpoint::Checkpoint;
 use cyrene_protocol::{ErrorCode, subjects};
 use cyrene_test_support::NatsServer;
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::process::Command;
 
@@ -39,99 +40,46 @@ async fn run_binary(
 }
 
 /// A binary, its flags, its env, and the problems it must list.
-type Case<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
+type Case = (String, Vec<String>, BTreeMap<String, String>, Vec<String>);
 
 #[tokio::test]
 async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap();
-    let cases: [Case; 6] = [
-        (
-            "cyrene-model-gateway",
-            vec![
-                "--max-in-flight",
-                "0",
-                "--models",
-                "/nonexistent/models.json",
-            ],
-            vec![],
-            vec![
-                "max_in_flight must be at least 1",
-                "/nonexistent/models.json",
-            ],
-        ),
-        (
-            "cyrene-checkpoint-store",
-            vec![
-                "--max-state-bytes",
-                "0",
-                "--max-connections",
-                "0",
-                "--data-dir",
-                data,
-            ],
-            vec![("DATABASE_URL", "mysql://db/x")],
-            vec![
-                "max_state_bytes must be at least 1",
-                "max_connections must be at least 1",
-                "\"mysql\" is not supported",
-            ],
-        ),
-        (
-            "cyrene-orchestrator",
-            vec![
-                "--max-steps",
-                "0",
-                "--parallel-sessions",
-                "not.an.id",
-                "--data-dir",
-                data,
-            ],
-            vec![("DATABASE_URL", "mysql://db/x")],
-            vec![
-                "max_steps must be at least 1",
-                "parallel_sessions",
-                "\"mysql\" is not supported",
-            ],
-        ),
-        (
-            "cyrene-loop-worker",
-            vec!["--concurrency", "0", "--ack-wait", "10ms"],
-            vec![("CYRENE_WORKER_MAX_DELIVER", "0")],
-            vec![
-                "concurrency must be at least 1",
-                "max_deliver must be at least 1",
-                "ack_wait must be at least 300ms",
-            ],
-        ),
-        (
-            "cyrene-matrix-bridge",
-            vec!["--homeserver", "matrix.example.org", "--owner", "alice"],
-            vec![("CYRENE_MATRIX_BRIDGE_OWNER_PERSON", "alice")],
-            vec![
-                "CYRENE_MATRIX_BRIDGE_USER is required",
-                "is not an http(s) URL",
-                "password or an access token",
-            ],
-        ),
-        (
-            "cyrene-mcp-bridge",
-            vec!["--call-timeout", "0s"],
-            vec![],
-            vec![
-                "CYRENE_MCP_BRIDGE_CONFIG is required",
-                "call_timeout must be longer than zero",
-            ],
-        ),
-    ];
+    // One row per binary, in `json!` so that rustfmt leaves the table compact.
+    let mysql = json!({"DATABASE_URL": "mysql://db/x"});
+    let cases: [Case; 6] = serde_json::from_value(json!([
+        ["cyrene-model-gateway", ["--max-in-flight", "0", "--models", "/nonexistent/models.json"],
+            {}, ["max_in_flight must be at least 1", "/nonexistent/models.json"]],
+        ["cyrene-checkpoint-store",
+            ["--max-state-bytes", "0", "--max-connections", "0", "--data-dir", data], mysql,
+            ["max_state_bytes must be at least 1", "max_connections must be at least 1",
+             "\"mysql\" is not supported"]],
+        ["cyrene-orchestrator",
+            ["--max-steps", "0", "--parallel-sessions", "not.an.id", "--data-dir", data], mysql,
+            ["max_steps must be at least 1", "parallel_sessions", "\"mysql\" is not supported"]],
+        ["cyrene-loop-worker", ["--concurrency", "0", "--ack-wait", "10ms"],
+            {"CYRENE_WORKER_MAX_DELIVER": "0"},
+            ["concurrency must be at least 1", "max_deliver must be at least 1",
+             "ack_wait must be at least 300ms"]],
+        ["cyrene-matrix-bridge", ["--homeserver", "matrix.example.org", "--owner", "alice"],
+            {"CYRENE_MATRIX_BRIDGE_OWNER_PERSON": "alice"},
+            ["CYRENE_MATRIX_BRIDGE_USER is required", "is not an http(s) URL",
+             "password or an access token"]],
+        ["cyrene-mcp-bridge", ["--call-timeout", "0s"], {},
+            ["CYRENE_MCP_BRIDGE_CONFIG is required", "call_timeout must be longer than zero"]]
+    ]))
+    .unwrap();
     for (binary, args, envs, problems) in cases {
-        let (code, stderr) = run_binary(workspace_binary(binary), &args, &envs).await;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let (code, stderr) = run_binary(workspace_binary(&binary), &args, &envs).await;
         assert_eq!(code, 2, "{binary}: {stderr}");
         assert!(
             stderr.contains("invalid configuration"),
             "{binary}: {stderr}"
         );
-        for problem in problems {
+        for problem in &problems {
             assert!(
                 stderr.contains(problem),
                 "{binary} did not list {problem:?}: {stderr}"
@@ -612,7 +560,12 @@ fn every_setting_of_every_service_is_a_flag() {
     assert_eq!((max_state_bytes, db_timeout, max_in_flight), (100, s(2), 5));
     assert_eq!((pool.max_connections, pool.acquire_timeout), (4, s(3)));
 
-    let models = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cli/offline-models.json");
+    // A model config file: the offline demo's (`cyrene up`).
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models.json");
+    let demo = cyrene::stack::demo::models().unwrap();
+    std::fs::write(&models, serde_json::to_vec(&demo).unwrap()).unwrap();
+    let models = models.display().to_string();
     let cyrene_model_gateway::Config {
         models: read,
         // API keys: read from the variables the model config names (`api_key_env`), not settings.
@@ -634,7 +587,7 @@ fn every_setting_of_every_service_is_a_flag() {
     .unwrap()
     .into_config()
     .unwrap();
-    let want = cyrene_model_gateway::config::ModelsConfig::from_file(std::path::Path::new(models))
+    let want = cyrene_model_gateway::config::ModelsConfig::from_file(std::path::Path::new(&models))
         .unwrap();
     assert_eq!(format!("{read:?}"), format!("{want:?}"));
     assert_eq!(serve.max_in_flight, 7);

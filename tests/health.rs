@@ -130,22 +130,11 @@ async fn start_binaries(server: &NatsServer, client: &async_nats::Client) -> Bin
     let data = tempfile::tempdir().unwrap();
     let data_dir = data.path().display().to_string();
     // The scripted provider answers a question about the time with a current_time call first.
-    let models = data.path().join("models.json");
     let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
                         "after_tools": "It is {tool_results}."},
                        {"contains": "hold", "tool_calls": [{"name": "hold"}],
                         "after_tools": "Held: {tool_results}."}]);
-    std::fs::write(
-        &models,
-        json!({
-            "providers": {"offline": {"protocol": "scripted", "models": {"scripted": {}},
-                "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-            "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-            "active_group": "default"
-        })
-        .to_string(),
-    )
-    .unwrap();
+    let models = common::models_file(data.path(), &common::models(rules));
     let models = models.display().to_string();
     let mut addrs = BTreeMap::new();
     let mut children = BTreeMap::new();

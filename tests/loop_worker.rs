@@ -521,10 +521,10 @@ async fn a_step_whose_view_replica_is_gone_sends_the_view_whole_to_another() {
     second.cancel();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
-    let stack = Stack::start(rules(), None).await;
-    let ports = NatsPorts::new(
+/// A runner's ports over `stack`'s bus: tools and checkpoints bounded at 5 s, steers at 2 s,
+/// model calls at `model`.
+fn ports_on(stack: &Stack, model: Duration) -> NatsPorts {
+    NatsPorts::new(
         stack.client.clone(),
         Tools::new(
             stack.client.clone(),
@@ -532,11 +532,17 @@ async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
             Duration::from_secs(5),
         ),
         Timeouts {
-            model: Duration::from_secs(5),
+            model,
             checkpoint: Duration::from_secs(5),
             steer: Duration::from_secs(2),
         },
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_attempt_is_refused_once_a_newer_attempt_wrote() {
+    let stack = Stack::start(rules(), None).await;
+    let ports = ports_on(&stack, Duration::from_secs(5));
     let cfg = RunnerConfig {
         purpose: "chat".into(),
         max_attempts: 5,
@@ -763,19 +769,7 @@ async fn the_safety_net_answers_on_both_dialects() {
     for protocol in ["anthropic", "openai"] {
         let upstream = a_tool_happy_provider(protocol).await;
         let stack = stack_over(protocol, &upstream).await;
-        let ports = NatsPorts::new(
-            stack.client.clone(),
-            Tools::new(
-                stack.client.clone(),
-                Duration::from_secs(5),
-                Duration::from_secs(5),
-            ),
-            Timeouts {
-                model: Duration::from_secs(10),
-                checkpoint: Duration::from_secs(5),
-                steer: Duration::from_secs(2),
-            },
-        );
+        let ports = ports_on(&stack, Duration::from_secs(10));
         let mut j = job(
             &format!("tn-{protocol}"),
             &format!("sn-{protocol}"),
@@ -809,6 +803,31 @@ async fn the_safety_net_answers_on_both_dialects() {
             json!("none")
         };
         assert_eq!(last["tool_choice"], sent, "{protocol}");
+    }
+}
+
+/// Starts gateway processes on `stack`'s bus, each named by its argument (`OTEL_SERVICE_NAME`),
+/// whose one provider speaks OpenAI at `base_url` (the model config is in the stack's data dir).
+fn openai_gateways(
+    stack: &Stack,
+    base_url: &str,
+) -> impl Fn(&str) -> tokio::process::Child + use<> {
+    let models = stack.data.path().join("models.json");
+    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": base_url,
+        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
+        "active_group": "g"});
+    std::fs::write(&models, config.to_string()).unwrap();
+    let models = models.display().to_string();
+    let url = stack.server.url();
+    move |name| {
+        common::service(
+            "cyrene-model-gateway",
+            &url,
+            &[
+                ("CYRENE_GATEWAY_MODELS", models.as_str()),
+                ("OTEL_SERVICE_NAME", name),
+            ],
+        )
     }
 }
 
@@ -937,23 +956,7 @@ async fn a_gateway_killed_mid_call_costs_a_retry_on_another_replica_not_the_mode
         .mount(&upstream)
         .await;
     let stack = Stack::start_with(rules(), None, false).await;
-    let models = stack.data.path().join("models.json");
-    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": upstream.uri(),
-        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
-        "active_group": "g"});
-    std::fs::write(&models, config.to_string()).unwrap();
-    let models = models.display().to_string();
-    let url = stack.server.url();
-    let gateway = |name: &str| {
-        common::service(
-            "cyrene-model-gateway",
-            &url,
-            &[
-                ("CYRENE_GATEWAY_MODELS", models.as_str()),
-                ("OTEL_SERVICE_NAME", name),
-            ],
-        )
-    };
+    let gateway = openai_gateways(&stack, &upstream.uri());
     let mut first = gateway("first");
     common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
     let mut config = worker_config();
@@ -1093,23 +1096,7 @@ async fn a_provider_that_hangs_after_its_first_words() -> String {
 async fn text_streamed_before_a_gateway_died_is_superseded_by_a_marked_retry() {
     let base_url = a_provider_that_hangs_after_its_first_words().await;
     let stack = Stack::start_with(rules(), None, false).await;
-    let models = stack.data.path().join("models.json");
-    let config = json!({"providers": {"p": {"protocol": "openai", "base_url": base_url,
-        "models": {"m": {}}}}, "groups": {"g": [{"provider": "p", "model": "m"}]},
-        "active_group": "g"});
-    std::fs::write(&models, config.to_string()).unwrap();
-    let models = models.display().to_string();
-    let url = stack.server.url();
-    let gateway = |name: &str| {
-        common::service(
-            "cyrene-model-gateway",
-            &url,
-            &[
-                ("CYRENE_GATEWAY_MODELS", models.as_str()),
-                ("OTEL_SERVICE_NAME", name),
-            ],
-        )
-    };
+    let gateway = openai_gateways(&stack, &base_url);
     let mut first = gateway("first");
     common::wait_for_service(&stack.client, "cyrene-model-gateway").await;
     let mut events = session_events(&stack, "sr").await;

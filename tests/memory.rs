@@ -14,8 +14,9 @@ use cyrene_protocol::memory::{
     MemoryReadRequest, MemoryReadResponse, MemoryWriteAck, MemoryWriteRequest,
 };
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{SendAck, SendRequest};
+use cyrene_protocol::session::SendAck;
 use cyrene_protocol::{ErrorCode, subjects};
+use cyrene_test_support::fixtures::send_request;
 use serde_json::json;
 
 use std::time::Duration;
@@ -33,6 +34,30 @@ async fn write(client: &async_nats::Client, session: &str, text: &str) -> Memory
         .unwrap()
 }
 
+/// The checkpoint store, the orchestrator and a loop worker as processes on `server`, with
+/// their data in a directory of their own, once each answers on `client`; killed when dropped.
+async fn services_on(
+    server: &cyrene_test_support::NatsServer,
+    client: &async_nats::Client,
+) -> (tempfile::TempDir, [tokio::process::Child; 3]) {
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().display().to_string();
+    let envs = [("CYRENE_DATA_DIR", dir.as_str())];
+    let children = [
+        service("cyrene-checkpoint-store", &server.url(), &envs),
+        service("cyrene-orchestrator", &server.url(), &envs),
+        service("cyrene-loop-worker", &server.url(), &envs),
+    ];
+    for name in [
+        "cyrene-checkpoint-store",
+        "cyrene-orchestrator",
+        "cyrene-loop-worker",
+    ] {
+        wait_for_service(client, name).await;
+    }
+    (data, children)
+}
+
 /// The system messages leading a model request's view, as text.
 fn system_messages(view: &[Message]) -> Vec<String> {
     view.iter()
@@ -45,21 +70,7 @@ fn system_messages(view: &[Message]) -> Vec<String> {
 async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     let bus = common::Bus::with_gateway(json!([])).await;
     let (server, client, log) = (&bus.server, bus.client.clone(), bus.log.clone());
-    let data = tempfile::tempdir().unwrap();
-    let dir = data.path().display().to_string();
-    let envs = [("CYRENE_DATA_DIR", dir.as_str())];
-    let _children = [
-        service("cyrene-checkpoint-store", &server.url(), &envs),
-        service("cyrene-orchestrator", &server.url(), &envs),
-        service("cyrene-loop-worker", &server.url(), &envs),
-    ];
-    for name in [
-        "cyrene-checkpoint-store",
-        "cyrene-orchestrator",
-        "cyrene-loop-worker",
-    ] {
-        wait_for_service(&client, name).await;
-    }
+    let _services = services_on(server, &client).await;
 
     write(&client, "", "the user's cat is called Mochi").await;
     write(&client, "m1", "we are planning Saturday's picnic").await;
@@ -80,17 +91,7 @@ async fn memory_reaches_the_view_after_the_time_block_and_forget_removes_it() {
     let send = |text: &'static str| {
         let client = client.clone();
         async move {
-            let request = SendRequest {
-                session_id: "m1".into(),
-                message: Message::text(Role::User, text),
-                client_id: "mem".into(),
-                idempotency_key: text.into(),
-                env: None,
-                parallel: false,
-                when_busy: None,
-                persona: String::new(),
-                context_only: false,
-            };
+            let request = send_request("m1", Message::text(Role::User, text), "mem", text);
             let _: SendAck = request_json(&client, subjects::SESSION_SEND, &request, WAIT)
                 .await
                 .unwrap();
@@ -222,35 +223,11 @@ async fn memory_gathered_after_a_turn_reaches_the_next_view_and_the_cli_forgets_
         json!([{"contains": "[本轮对话]", "reply": "[\"the user's dog is called Pochi\"]"}]);
     let bus = common::Bus::with_gateway(rules).await;
     let (server, client, log) = (&bus.server, bus.client.clone(), bus.log.clone());
-    let data = tempfile::tempdir().unwrap();
-    let dir = data.path().display().to_string();
-    let envs = [("CYRENE_DATA_DIR", dir.as_str())];
-    let _children = [
-        service("cyrene-checkpoint-store", &server.url(), &envs),
-        service("cyrene-orchestrator", &server.url(), &envs),
-        service("cyrene-loop-worker", &server.url(), &envs),
-    ];
-    for name in [
-        "cyrene-checkpoint-store",
-        "cyrene-orchestrator",
-        "cyrene-loop-worker",
-    ] {
-        wait_for_service(&client, name).await;
-    }
+    let _services = services_on(server, &client).await;
     let send = |text: &'static str| {
         let client = client.clone();
         async move {
-            let request = SendRequest {
-                session_id: "e1".into(),
-                message: Message::text(Role::User, text),
-                client_id: "mem".into(),
-                idempotency_key: text.into(),
-                env: None,
-                parallel: false,
-                when_busy: None,
-                persona: String::new(),
-                context_only: false,
-            };
+            let request = send_request("e1", Message::text(Role::User, text), "mem", text);
             let ack: SendAck = request_json(&client, subjects::SESSION_SEND, &request, WAIT)
                 .await
                 .unwrap();

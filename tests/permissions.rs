@@ -11,14 +11,15 @@ mod common;
 use async_nats::{ConnectOptions, Event, ServerError};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use cyrene_bus::service::ServeOptions;
-use cyrene_bus::{BusConfig, ConnectMode, request_json};
+use cyrene::stack::Stack;
+use cyrene_bus::{Auth, BusConfig, ConnectMode, Secret, request_json};
 use cyrene_comm::Probe;
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::document::{DOCUMENT_UPLOAD, MAX_CHUNK_BYTES, UploadAck, UploadRequest};
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::session::{HistoryRequest, HistoryResponse, SendAck, SendRequest, SessionEnv};
 use cyrene_protocol::subjects;
+use cyrene_test_support::fixtures::send_request;
 use cyrene_test_support::shipped::shipped_config;
 use cyrene_test_support::{MALFORMED_HEADER_BLOCKS, NatsServer, RawConnection, subscribed};
 use futures::StreamExt;
@@ -654,11 +655,6 @@ async fn connect_as(
     cyrene_bus::connect(&config).await.unwrap()
 }
 
-/// Connects as the service `user`, named after itself (as the service's own binary connects).
-async fn as_service(server: &NatsServer, user: &str, password: &str) -> async_nats::Client {
-    connect_as(server, user, password, user).await
-}
-
 /// The permission violations the server reported to a [`watched`] connection.
 type Violations = Arc<Mutex<Vec<String>>>;
 
@@ -768,21 +764,6 @@ async fn forged_ask_is_forbidden(client: &async_nats::Client, me: &str, forged: 
     assert_eq!(body["error"]["code"], "forbidden", "{body}");
 }
 
-/// A message to `session`, sent once (`key`) by the client `client_id`.
-fn send_request(session: &str, message: Message, client_id: &str, key: &str) -> SendRequest {
-    SendRequest {
-        session_id: session.into(),
-        message,
-        client_id: client_id.into(),
-        idempotency_key: key.into(),
-        env: None,
-        parallel: false,
-        when_busy: None,
-        persona: String::new(),
-        context_only: false,
-    }
-}
-
 /// Sends `send` on `subject` as `client`; the orchestrator acknowledges it.
 async fn sent(client: &async_nats::Client, subject: &str, send: &SendRequest) -> SendAck {
     request_json(client, subject, send, Duration::from_secs(5))
@@ -861,16 +842,22 @@ async fn discovered(operator: &async_nats::Client) -> Vec<String> {
     names
 }
 
+/// The services of [`start_services`] and their data dir; stopped when dropped.
+struct Running {
+    _stack: Stack,
+    _data: tempfile::TempDir,
+}
+
 /// The four services, each connected as its own user, and the test tools as `cyrene-tools`;
-/// returns once an operator sees every one of them (the operator, the tools, the data dir, what
-/// the model was asked). The owner is `alice`.
+/// returns once an operator sees every one of them (the operator, the tools, the running
+/// services, what the model was asked). The owner is `alice`.
 async fn start_services(
     server: &NatsServer,
     shutdown: &CancellationToken,
 ) -> (
     async_nats::Client,
     Arc<common::TestTools>,
-    tempfile::TempDir,
+    Running,
     RequestLog,
 ) {
     let data = tempfile::tempdir().unwrap();
@@ -879,38 +866,25 @@ async fn start_services(
                         "after_tools": "It is {tool_results}."},
                        {"contains": "count", "tool_calls": [{"name": "count"}],
                         "after_tools": "Counted: {tool_results}."}]);
-    let gateway = common::scripted_gateway(rules);
-    let model = gateway.request_log("offline").unwrap();
-    let client = as_service(server, "cyrene-model-gateway", "pw-gateway").await;
-    tokio::spawn(cyrene_model_gateway::serve(
-        Arc::new(gateway),
-        client,
-        ServeOptions::default(),
-        shutdown.clone(),
-    ));
-    let client = as_service(server, "cyrene-checkpoint-store", "pw-store").await;
-    tokio::spawn(cyrene_checkpoint_store::run(
-        cyrene_checkpoint_store::Config::new(data.path()),
-        client,
-        shutdown.clone(),
-    ));
-    let client = as_service(server, "cyrene-orchestrator", "pw-orchestrator").await;
-    let mut orchestrator = cyrene_orchestrator::Config::new(data.path());
-    orchestrator.owner = Some("alice".into());
-    tokio::spawn(cyrene_orchestrator::run(
-        orchestrator,
-        client,
-        shutdown.clone(),
-    ));
-    let client = as_service(server, "cyrene-loop-worker", "pw-worker").await;
-    tokio::spawn(cyrene_loop_worker::run(
-        common::worker_config(),
-        client,
-        shutdown.clone(),
-    ));
-
-    // External tools run as the tools user.
-    let client = connect_as(server, "cyrene-tools", "pw-tools", "cyrene-tools").await;
+    let mut stack = Stack::builder(common::bus_config(server), data.path())
+        .shutdown(shutdown.clone())
+        .models(common::models(rules))
+        .orchestrator_with(|orchestrator| orchestrator.owner = Some("alice".into()))
+        .workers(1, common::worker_config());
+    // Each service as its own user, and external tools as the tools user.
+    for (user, password) in MATRIX_USERS {
+        if SERVICES.contains(&user) || user == "cyrene-tools" {
+            let password = Secret::new(password);
+            let auth = Auth::UserPassword {
+                user: user.into(),
+                password,
+            };
+            stack = stack.user(user, auth);
+        }
+    }
+    let stack = stack.start().await.unwrap();
+    let model = stack.model_log("offline").unwrap();
+    let client = stack.connect("cyrene-tools").await.unwrap();
     let tools = common::TestTools::start(&client, shutdown.clone()).await;
 
     // An operator (as `cyrene probe` connects) waits for the services.
@@ -919,7 +893,11 @@ async fn start_services(
         common::wait_for_service(&operator, name).await;
     }
 
-    (operator, tools, data, model)
+    let running = Running {
+        _stack: stack,
+        _data: data,
+    };
+    (operator, tools, running, model)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,7 @@ mod common;
 use common::{service, wait_for_service};
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::otlp;
+use serde_json::json;
 use std::time::Duration;
 use wiremock::MockServer;
 
@@ -75,6 +76,47 @@ async fn a_service_exports_its_spans_in_the_callers_trace() {
     );
 }
 
+/// The four service binaries, in this order.
+const BINARIES: [&str; 4] = [
+    "cyrene-model-gateway",
+    "cyrene-checkpoint-store",
+    "cyrene-orchestrator",
+    "cyrene-loop-worker",
+];
+
+/// The four binaries ([`BINARIES`]) on `nats`, each exporting its spans to `otlp` under its
+/// `service.name` of `names`, the scripted model following `rules` (echoing the rest as it is),
+/// their data in `data`; each with the name it exports under.
+fn exporting_binaries(
+    nats: &NatsServer,
+    data: &std::path::Path,
+    rules: serde_json::Value,
+    otlp: &str,
+    names: [&'static str; 4],
+) -> Vec<(&'static str, tokio::process::Child)> {
+    let models = common::models_file(data, &common::models_replying(rules, "{input}"));
+    let dir = data.to_str().unwrap();
+    let extras = [
+        ("CYRENE_GATEWAY_MODELS", models.to_str().unwrap()),
+        ("CYRENE_STORE_DATA_DIR", dir),
+        ("CYRENE_ORCHESTRATOR_DATA_DIR", dir),
+        ("CYRENE_WORKER_CONCURRENCY", "2"),
+    ];
+    BINARIES
+        .into_iter()
+        .zip(extras)
+        .zip(names)
+        .map(|((binary, extra), name)| {
+            let envs = [
+                extra,
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp),
+                ("OTEL_SERVICE_NAME", name),
+            ];
+            (name, service(binary, &nats.url(), &envs))
+        })
+        .collect()
+}
+
 /// One turn is one trace: a message sent with a `traceparent` becomes spans of that trace in the
 /// orchestrator (send, dispatch), the loop worker (the turn, its steer, saves, tool call and
 /// completion), the gateway (the model calls) and the checkpoint store (the saves) — each exported
@@ -85,52 +127,15 @@ async fn one_turn_is_one_trace_across_the_four_services() {
     let collector = otlp::collector().await;
     let nats = NatsServer::start();
     let data = tempfile::tempdir().unwrap();
-    let models = data.path().join("models.json");
-    std::fs::write(
-        &models,
-        r#"{"providers":{"offline":{"protocol":"scripted","models":{"scripted":{}},
-            "script":{"rules":[{"contains":"time","tool_calls":[{"name":"current_time"}],
-            "after_tools":"It is {tool_results}."}],"default_reply":"{input}"}}},
-            "groups":{"default":[{"provider":"offline","model":"scripted"}]},
-            "active_group":"default"}"#,
-    )
-    .unwrap();
-    let dir = data.path().to_str().unwrap();
-    let otlp = collector.uri();
-    let mut children = Vec::new();
-    for (binary, name, extra) in [
-        (
-            "cyrene-model-gateway",
-            "gateway-under-test",
-            ("CYRENE_GATEWAY_MODELS", models.to_str().unwrap()),
-        ),
-        (
-            "cyrene-checkpoint-store",
-            "store-under-test",
-            ("CYRENE_STORE_DATA_DIR", dir),
-        ),
-        (
-            "cyrene-orchestrator",
-            "orchestrator-under-test",
-            ("CYRENE_ORCHESTRATOR_DATA_DIR", dir),
-        ),
-        (
-            "cyrene-loop-worker",
-            "worker-under-test",
-            ("CYRENE_WORKER_CONCURRENCY", "2"),
-        ),
-    ] {
-        let child = service(
-            binary,
-            &nats.url(),
-            &[
-                extra,
-                ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
-                ("OTEL_SERVICE_NAME", name),
-            ],
-        );
-        children.push((name, child));
-    }
+    let rules = json!([{"contains": "time", "tool_calls": [{"name": "current_time"}],
+                        "after_tools": "It is {tool_results}."}]);
+    let names = [
+        "gateway-under-test",
+        "store-under-test",
+        "orchestrator-under-test",
+        "worker-under-test",
+    ];
+    let mut children = exporting_binaries(&nats, data.path(), rules, &collector.uri(), names);
     let client = nats.connect().await;
     common::wait_for_the_four_services(&client).await;
     let mut events = client
@@ -193,39 +198,15 @@ async fn a_steered_message_is_an_event_of_the_turns_trace() {
     let gate = std::sync::Arc::new(tokio::sync::Notify::new());
     *tools.gate.lock().unwrap() = Some(gate.clone());
     let data = tempfile::tempdir().unwrap();
-    let models = data.path().join("models.json");
-    std::fs::write(
-        &models,
-        r#"{"providers":{"offline":{"protocol":"scripted","models":{"scripted":{}},
-            "script":{"rules":[{"contains":"picnic","tool_calls":[{"name":"hold"}],
-            "after_tools":"found {tool_results}"}],"default_reply":"{input}"}}},
-            "groups":{"default":[{"provider":"offline","model":"scripted"}]},
-            "active_group":"default"}"#,
-    )
-    .unwrap();
-    let dir = data.path().to_str().unwrap();
-    let otlp = collector.uri();
-    let mut children = Vec::new();
-    for (binary, extra) in [
-        (
-            "cyrene-model-gateway",
-            ("CYRENE_GATEWAY_MODELS", models.to_str().unwrap()),
-        ),
-        ("cyrene-checkpoint-store", ("CYRENE_STORE_DATA_DIR", dir)),
-        ("cyrene-orchestrator", ("CYRENE_ORCHESTRATOR_DATA_DIR", dir)),
-        ("cyrene-loop-worker", ("CYRENE_WORKER_CONCURRENCY", "2")),
-    ] {
-        let child = service(
-            binary,
-            &nats.url(),
-            &[
-                extra,
-                ("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp),
-                ("OTEL_SERVICE_NAME", "steer-under-test"),
-            ],
-        );
-        children.push((binary, child));
-    }
+    let rules = json!([{"contains": "picnic", "tool_calls": [{"name": "hold"}],
+                        "after_tools": "found {tool_results}"}]);
+    let names = ["steer-under-test"; 4];
+    let mut children: Vec<_> =
+        exporting_binaries(&nats, data.path(), rules, &collector.uri(), names)
+            .into_iter()
+            .zip(BINARIES)
+            .map(|((_, child), binary)| (binary, child))
+            .collect();
     common::wait_for_the_four_services(&client).await;
     let mut events = client
         .subscribe("cyrene.session.steered.events")

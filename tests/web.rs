@@ -180,6 +180,29 @@ fn browser(script: &str, url: &str, chromium: &Path, shots: &Path) -> Browser {
     Browser { node, stdin, lines }
 }
 
+impl Browser {
+    /// Runs the script to its end (within `minutes`), printing its output; `answer` does what
+    /// each line it asks (`@@…`) says and tells whether it was an ask, which the driver then
+    /// reports done. The script must succeed.
+    async fn drive(mut self, minutes: u64, mut answer: impl AsyncFnMut(&str) -> bool) {
+        let run = tokio::time::timeout(Duration::from_secs(minutes * 60), async {
+            while let Some(line) = self.lines.next_line().await.unwrap() {
+                println!("{line}");
+                if answer(line.trim_start()).await {
+                    done(&mut self.stdin).await;
+                }
+            }
+            self.node.wait().await.unwrap()
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the browser tests end within {minutes} minutes"));
+        assert!(
+            run.success(),
+            "the browser tests failed ({run}): see their output above"
+        );
+    }
+}
+
 /// Tells the script the driver did what it asked.
 async fn done(stdin: &mut tokio::process::ChildStdin) {
     stdin.write_all(b"done\n").await.unwrap();
@@ -198,36 +221,23 @@ async fn the_web_chat_in_a_real_browser() {
     let (mut up, url) = cyrene_up(&server, ws_port, data.path()).await;
     demo_tool_offered(server.port()).await;
 
-    let Browser {
-        mut node,
-        mut stdin,
-        mut lines,
-    } = browser("tests/chat.test.mjs", &url, &chromium, &shots);
     let mut restarts = 0;
     let mut kills = 0;
-    let run = tokio::time::timeout(Duration::from_secs(480), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            println!("{line}");
-            let asked = line.trim_start();
-            if asked.starts_with("@@kill-nats") {
-                server.kill();
-                kills += 1;
-            } else if asked.starts_with("@@start-nats") {
-                server.start_again();
-                restarts += 1;
-            } else {
-                continue;
-            }
-            done(&mut stdin).await;
+    let answer = async |asked: &str| {
+        if asked.starts_with("@@kill-nats") {
+            server.kill();
+            kills += 1;
+        } else if asked.starts_with("@@start-nats") {
+            server.start_again();
+            restarts += 1;
+        } else {
+            return false;
         }
-        node.wait().await.unwrap()
-    })
-    .await
-    .expect("the browser tests end within 8 minutes");
-    assert!(
-        run.success(),
-        "the browser tests failed ({run}): see their output above"
-    );
+        true
+    };
+    browser("tests/chat.test.mjs", &url, &chromium, &shots)
+        .drive(8, answer)
+        .await;
     assert_eq!(
         (kills, restarts),
         (1, 1),
@@ -453,46 +463,33 @@ async fn approval_cards_in_a_real_browser() {
     let stub = ApprovalStub::start(stub, "cyrene.person.alice.", "person:alice").await;
     let (web, url) = cyrene_web(ws_port).await;
 
-    let Browser {
-        mut node,
-        mut stdin,
-        mut lines,
-    } = browser("tests/approval.test.mjs", &url, &chromium, &shots);
-    let run = tokio::time::timeout(Duration::from_secs(300), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            println!("{line}");
-            let asked = line.trim_start();
-            if let Some(ask) = asked.strip_prefix("@@ask ") {
-                let ask: serde_json::Value = serde_json::from_str(ask).unwrap();
-                let (call, tool) = (
-                    ask["call_id"].as_str().unwrap(),
-                    ask["tool"].as_str().unwrap(),
-                );
-                stub.ask(STUB_SESSION, call, tool, ask["arguments"].clone())
-                    .await;
-            } else if let Some(call) = asked.strip_prefix("@@deadline ") {
-                stub.decided_elsewhere(call, Decision::Deny, "deadline");
-            } else if let Some(unknown) = asked.strip_prefix("@@unknown ") {
-                let unknown: serde_json::Value = serde_json::from_str(unknown).unwrap();
-                let (call, tool) = (
-                    unknown["call_id"].as_str().unwrap(),
-                    unknown["tool"].as_str().unwrap(),
-                );
-                stub.outcome_unknown(STUB_SESSION, call, tool, unknown["arguments"].clone())
-                    .await;
-            } else {
-                continue;
-            }
-            done(&mut stdin).await;
+    let answer = async |asked: &str| {
+        if let Some(ask) = asked.strip_prefix("@@ask ") {
+            let ask: serde_json::Value = serde_json::from_str(ask).unwrap();
+            let (call, tool) = (
+                ask["call_id"].as_str().unwrap(),
+                ask["tool"].as_str().unwrap(),
+            );
+            stub.ask(STUB_SESSION, call, tool, ask["arguments"].clone())
+                .await;
+        } else if let Some(call) = asked.strip_prefix("@@deadline ") {
+            stub.decided_elsewhere(call, Decision::Deny, "deadline");
+        } else if let Some(unknown) = asked.strip_prefix("@@unknown ") {
+            let unknown: serde_json::Value = serde_json::from_str(unknown).unwrap();
+            let (call, tool) = (
+                unknown["call_id"].as_str().unwrap(),
+                unknown["tool"].as_str().unwrap(),
+            );
+            stub.outcome_unknown(STUB_SESSION, call, tool, unknown["arguments"].clone())
+                .await;
+        } else {
+            return false;
         }
-        node.wait().await.unwrap()
-    })
-    .await
-    .expect("the browser tests end within 5 minutes");
-    assert!(
-        run.success(),
-        "the browser tests failed ({run}): see their output above"
-    );
+        true
+    };
+    browser("tests/approval.test.mjs", &url, &chromium, &shots)
+        .drive(5, answer)
+        .await;
     // what the page sent, each a valid ApproveRequest: c1 approved, c2 denied with its reason,
     // c3 approved too late, c4 denied from the phone
     let sent: Vec<(String, Decision, Option<String>)> = stub

@@ -1,6 +1,7 @@
 //! A Cyrene stack for cross-service tests: a real nats-server, the real gateway (scripted
-//! provider), the real checkpoint store (SQLite or PostgreSQL), loop workers in-process or as
-//! processes, a test tool, and a test double for the orchestrator's steer/complete endpoints.
+//! provider) and the real checkpoint store (SQLite or PostgreSQL) started by the one
+//! [`cyrene::stack::Stack`], loop workers in-process or as processes, a test tool, and a test
+//! double for the orchestrator's steer/complete endpoints.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)] // shared by several test crates
 
 pub mod approval_stub;
@@ -9,7 +10,7 @@ use async_nats::jetstream;
 use cyrene_bus::service::{RequestContext, ServeOptions, serve_json};
 use cyrene_bus::{RequestError, request_json};
 use cyrene_model_gateway::Gateway;
-use cyrene_model_gateway::config::{ModelsConfig, Secrets};
+use cyrene_model_gateway::config::{ModelCaps, ModelsConfig, Script, Secrets};
 use cyrene_model_gateway::providers::scripted::RequestLog;
 use cyrene_protocol::session::{SendAck, SendRequest};
 use cyrene_protocol::turn::{
@@ -30,6 +31,8 @@ use tokio_util::sync::CancellationToken;
 pub struct Stack {
     pub server: NatsServer,
     pub client: async_nats::Client,
+    /// The real services (gateway, store).
+    pub services: cyrene::stack::Stack,
     pub log: RequestLog,
     pub orchestrator: Arc<FakeOrchestrator>,
     pub tools: Arc<TestTools>,
@@ -45,22 +48,48 @@ impl Drop for Stack {
 
 /// The scripted model config: `rules` as in docs/model-gateway.md, or
 /// `{"rules": […], "vision": true}` for a scripted model that takes images (so the loop worker
-/// sends them as they are instead of describing them first).
+/// sends them as they are instead of describing them first). What the model is not scripted for
+/// it echoes (`echo: <input>`).
 pub fn models(rules: Value) -> ModelsConfig {
-    let (rules, caps) = match rules {
+    models_replying(rules, "echo: {input}")
+}
+
+/// [`models`] answering what it is not scripted for with `default_reply`.
+pub fn models_replying(rules: Value, default_reply: &str) -> ModelsConfig {
+    let (rules, vision) = match rules {
         Value::Object(mut o) => (
             o.remove("rules").unwrap_or_default(),
-            json!({"vision": o.get("vision") == Some(&json!(true))}),
+            o.get("vision") == Some(&json!(true)),
         ),
-        rules => (rules, json!({})),
+        rules => (rules, false),
     };
-    serde_json::from_value(json!({
-        "providers": {"offline": {"protocol": "scripted", "models": {"scripted": caps},
-            "script": {"rules": rules, "default_reply": "echo: {input}"}}},
-        "groups": {"default": [{"provider": "offline", "model": "scripted"}]},
-        "active_group": "default"
-    }))
-    .unwrap()
+    let script = Script {
+        rules: serde_json::from_value(rules).unwrap(),
+        default_reply: Some(default_reply.to_owned()),
+        word_delay_ms: 0,
+    };
+    let caps = ModelCaps {
+        vision,
+        ..ModelCaps::default()
+    };
+    ModelsConfig::offline_with(script, caps)
+}
+
+/// `models` written to `dir/models.json` (for `CYRENE_GATEWAY_MODELS`); its path.
+pub fn models_file(dir: &std::path::Path, models: &ModelsConfig) -> PathBuf {
+    let path = dir.join("models.json");
+    std::fs::write(&path, serde_json::to_vec(models).unwrap()).unwrap();
+    path
+}
+
+/// How the services of a [`cyrene::stack::Stack`] reach `server` (no credentials).
+pub fn bus_config(server: &NatsServer) -> cyrene_bus::BusConfig {
+    cyrene_bus::BusConfig::new(server.url(), "cyrene", cyrene_bus::ConnectMode::Client)
+}
+
+/// Waits (bounded) until every service of `stack` answers `$SRV.PING` on `client`.
+pub async fn wait_for_stack(stack: &cyrene::stack::Stack, client: &async_nats::Client) {
+    stack.ready(client, Duration::from_secs(20)).await.unwrap();
 }
 
 /// A nats-server, a client of it, and [`spawn_scripted_gateway`] serving on that client until
@@ -203,33 +232,33 @@ impl Stack {
         let shutdown = CancellationToken::new();
         let data = tempfile::tempdir().unwrap();
 
-        // Each service on its own connection, as in production.
-        let log = if gateway {
-            spawn_scripted_gateway(rules, server.connect().await, &shutdown)
-        } else {
-            scripted_gateway(rules).request_log("offline").unwrap()
+        // Each service on its own connection, as in production; the fake stands in for the
+        // orchestrator, and the tests start their workers themselves.
+        let mut services = cyrene::stack::Stack::builder(bus_config(&server), data.path())
+            .shutdown(shutdown.clone())
+            .models(models(rules.clone()))
+            .database_url(database_url)
+            .orchestrator(None)
+            .workers(0, worker_config());
+        if !gateway {
+            services = services.gateway(None);
+        }
+        let services = services.start().await.unwrap();
+        let log = match services.model_log("offline") {
+            Some(log) => log,
+            None => scripted_gateway(rules).request_log("offline").unwrap(),
         };
-
-        let mut store = cyrene_checkpoint_store::Config::new(data.path());
-        store.database_url = database_url;
-        tokio::spawn(cyrene_checkpoint_store::run(
-            store,
-            server.connect().await,
-            shutdown.clone(),
-        ));
 
         let orchestrator = FakeOrchestrator::start(&server.connect().await, shutdown.clone()).await;
         let tools = TestTools::start(&server.connect().await, shutdown.clone()).await;
 
         let js = jetstream::new(client.clone());
         cyrene_bus::streams::ensure_turns_stream(&js).await.unwrap();
-        if gateway {
-            wait_for_service(&client, "cyrene-model-gateway").await;
-        }
-        wait_for_service(&client, "cyrene-checkpoint-store").await;
+        wait_for_stack(&services, &client).await;
         Stack {
             server,
             client,
+            services,
             log,
             orchestrator,
             tools,

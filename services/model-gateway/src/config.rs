@@ -302,24 +302,32 @@ impl ModelsConfig {
         }
     }
 
-    /// The built-in offline config: one scripted provider, echoing what it is told.
+    /// The built-in offline config: one scripted provider, echoing what it is told
+    /// ([`FALLBACK_REPLY`](crate::providers::scripted::FALLBACK_REPLY)).
     pub fn offline() -> ModelsConfig {
-        let mut models = BTreeMap::new();
-        models.insert("scripted".to_owned(), ModelCaps::default());
+        ModelsConfig::offline_with(
+            Script {
+                default_reply: Some(crate::providers::scripted::FALLBACK_REPLY.to_owned()),
+                ..Script::default()
+            },
+            ModelCaps::default(),
+        )
+    }
+
+    /// The offline config with `script`: one scripted provider `offline` with one model
+    /// `scripted` (`caps`), the only step of the active group `default`. The one shape of every
+    /// offline config (the built-in one, `cyrene up`'s demo, the tests' scripted models).
+    pub fn offline_with(script: Script, caps: ModelCaps) -> ModelsConfig {
         let provider = ProviderConfig {
             protocol: Protocol::Scripted,
             base_url: String::new(),
             api_key_env: String::new(),
-            models,
+            models: BTreeMap::from([("scripted".to_owned(), caps)]),
             vendor: None,
             timeout_ms: None,
             cooldown: CooldownConfig::default(),
             reasoning_efforts: None,
-            script: Some(Script {
-                rules: Vec::new(),
-                default_reply: Some("(offline scripted reply) You said: {input}".to_owned()),
-                word_delay_ms: 0,
-            }),
+            script: Some(script),
         };
         let chain = vec![Step::new("offline", "scripted")];
         ModelsConfig {

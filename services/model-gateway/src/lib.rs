@@ -374,7 +374,21 @@ pub async fn run(
         &config.secrets,
         http_client()?,
     )?);
-    let front_door = match config.http {
+    run_gateway(gateway, config.http, config.serve, client, shutdown).await
+}
+
+/// Serves a built `gateway` until `shutdown`: on the bus with `options`, and on the HTTP front
+/// door when `http` is given. What [`run`] does once it has built the gateway; a caller that
+/// builds the gateway itself can first take a scripted provider's request log
+/// ([`Gateway::request_log`]).
+pub async fn run_gateway(
+    gateway: Arc<Gateway>,
+    http: Option<http::HttpConfig>,
+    options: ServeOptions,
+    client: async_nats::Client,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let front_door = match http {
         Some(http) => Some(
             http::serve(http, gateway.clone(), client.clone(), shutdown.clone())
                 .await
@@ -383,7 +397,7 @@ pub async fn run(
         ),
         None => None,
     };
-    let served = serve(gateway, client, config.serve, shutdown).await;
+    let served = serve(gateway, client, options, shutdown).await;
     if let Some(task) = front_door {
         let _ = task.await;
     }

@@ -1,7 +1,7 @@
 //! Protocol values that the tests of several crates start from.
 
 use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::SessionEnv;
+use cyrene_protocol::session::{SendRequest, SessionEnv};
 use cyrene_protocol::turn::TurnJob;
 
 /// A turn job of the built-in persona `cyrene` (昔涟, "You are Cyrene.") for session `session`,
@@ -29,5 +29,21 @@ pub fn turn_job(turn_id: &str, session: &str, text: &str) -> TurnJob {
         approval: Vec::new(),
         decisions: Vec::new(),
         attempt_base: 0,
+    }
+}
+
+/// A message to `session`, sent once (idempotency key `key`) by the client `client_id`, with
+/// every option at its default.
+pub fn send_request(session: &str, message: Message, client_id: &str, key: &str) -> SendRequest {
+    SendRequest {
+        session_id: session.into(),
+        message,
+        client_id: client_id.into(),
+        idempotency_key: key.into(),
+        env: None,
+        parallel: false,
+        when_busy: None,
+        persona: String::new(),
+        context_only: false,
     }
 }

@@ -321,17 +321,7 @@ pub fn user(text: &str) -> Message {
 }
 
 pub fn send_req(session: &str, text: &str, key: &str, client_id: &str) -> SendRequest {
-    SendRequest {
-        session_id: session.into(),
-        message: user(text),
-        client_id: client_id.into(),
-        idempotency_key: key.into(),
-        env: None,
-        parallel: false,
-        when_busy: None,
-        persona: String::new(),
-        context_only: false,
-    }
+    cyrene_test_support::fixtures::send_request(session, user(text), client_id, key)
 }
 
 pub async fn send(client: &async_nats::Client, req: &SendRequest) -> Result<SendAck, RequestError> {
