@@ -138,7 +138,7 @@ async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
 async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies.lock().unwrap().push_back(reply_text("mailed"));
+    fake.then_replies(reply_text("mailed"));
     let job = continued(&[("c1", Decision::Approve, None, "person:alice")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -161,10 +161,7 @@ async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
 async fn denied_the_model_is_told_why_and_the_call_never_runs() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("I did not mail bob"));
+    fake.then_replies(reply_text("I did not mail bob"));
     let job = continued(&[("c1", Decision::Deny, Some("not bob"), "operator")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -180,10 +177,7 @@ async fn denied_the_model_is_told_why_and_the_call_never_runs() {
 async fn a_denial_by_the_deadline_says_so() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("nobody answered"));
+    fake.then_replies(reply_text("nobody answered"));
     let job = continued(&[("c1", Decision::Deny, Some("late"), "deadline")]);
     completed(run_turn(&fake, &job, 2, &CFG).await);
     let requests = fake.requests.lock().unwrap();
@@ -205,10 +199,7 @@ async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
     assert_eq!(state(&started).stop_reason, "tool_calls_started");
 
     let fake = declared(Fake::resuming(Some(started)));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("maybe mailed"));
+    fake.then_replies(reply_text("maybe mailed"));
     let done = completed(run_turn(&fake, &approved, 3, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert_eq!(
@@ -239,7 +230,7 @@ async fn a_continued_job_counts_its_deliveries_from_its_own_first() {
     let (first, _) = stopped().await;
     let fake = declared(Fake::resuming(Some(last_row(&first))));
     let down = ErrorBody::new(ErrorCode::Unavailable, "gateway down");
-    fake.replies.lock().unwrap().push_back(Err(down));
+    fake.then_replies(Err(down));
     // Attempt 3 is this job's 2nd delivery (base 1): not the last of 3, so handed back.
     let job = continued(&[("c1", Decision::Deny, None, "operator")]);
     let end = run_turn(&fake, &job, 3, &CFG).await;

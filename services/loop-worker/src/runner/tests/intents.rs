@@ -143,7 +143,7 @@ async fn a_redelivered_started_batch_continues_its_calls_under_their_ids() {
     // The batch had three calls; c3's result was recorded, c1 and c2 were running.
     let row = started_row(1, &[("c1", ONCE), ("c2", AGAIN), ("c3", ONCE)], &["c3"]);
     let fake = declared(Fake::resuming(Some(row)));
-    fake.replies.lock().unwrap().push_back(reply_text("done"));
+    fake.then_replies(reply_text("done"));
     let done = completed(run_turn(&fake, &job(), 2, &CFG).await);
 
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -304,7 +304,7 @@ async fn a_fenced_off_attempt_calls_nothing_again_after_a_lost_reply() {
 async fn a_started_row_with_every_result_recorded_runs_nothing_again() {
     let row = started_row(2, &[("c1", ONCE), ("c2", ONCE)], &["c2", "c1"]);
     let fake = declared(Fake::resuming(Some(row)));
-    fake.replies.lock().unwrap().push_back(reply_text("done"));
+    fake.then_replies(reply_text("done"));
     let done = completed(run_turn(&fake, &job(), 2, &CFG).await);
     assert_eq!(done.steps, 3);
     assert!(fake.tool_runs.lock().unwrap().is_empty());
