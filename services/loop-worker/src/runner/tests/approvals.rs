@@ -70,8 +70,11 @@ async fn stopped() -> (Fake, TurnComplete) {
     (fake, done)
 }
 
-fn last_row(fake: &Fake) -> Checkpoint {
-    fake.saved.lock().unwrap().last().cloned().unwrap()
+/// A bus whose store holds the last row [`stopped`] left: what the turn's next job finds.
+async fn after_stop() -> Fake {
+    let (first, _) = stopped().await;
+    let last = first.saved.lock().unwrap().last().cloned().unwrap();
+    declared(Fake::resuming(Some(last)))
 }
 
 #[tokio::test]
@@ -121,8 +124,7 @@ async fn a_tools_own_metadata_asks_for_approval_too() {
 
 #[tokio::test]
 async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let done = completed(run_turn(&fake, &gated(), 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::AwaitingApproval);
     assert_eq!(done.approvals[0].call_id, "c1");
@@ -136,8 +138,7 @@ async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
 
 #[tokio::test]
 async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     fake.then_replies(reply_text("mailed"));
     let job = continued(&[("c1", Decision::Approve, None, "person:alice")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
@@ -159,8 +160,7 @@ async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
 
 #[tokio::test]
 async fn denied_the_model_is_told_why_and_the_call_never_runs() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     fake.then_replies(reply_text("I did not mail bob"));
     let job = continued(&[("c1", Decision::Deny, Some("not bob"), "operator")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
@@ -175,8 +175,7 @@ async fn denied_the_model_is_told_why_and_the_call_never_runs() {
 
 #[tokio::test]
 async fn a_denial_by_the_deadline_says_so() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     fake.then_replies(reply_text("nobody answered"));
     let job = continued(&[("c1", Decision::Deny, Some("late"), "deadline")]);
     completed(run_turn(&fake, &job, 2, &CFG).await);
@@ -189,10 +188,9 @@ async fn a_denial_by_the_deadline_says_so() {
 
 #[tokio::test]
 async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
-    let (first, _) = stopped().await;
     let approved = continued(&[("c1", Decision::Approve, None, "operator")]);
     // The continuing attempt saved its intent, then died with both calls in flight.
-    let dying = declared(Fake::resuming(Some(last_row(&first))));
+    let dying = after_stop().await;
     *dying.conflict_from.lock().unwrap() = Some(1);
     let _ = run_turn(&dying, &approved, 2, &CFG).await;
     let started = dying.saved.lock().unwrap()[0].clone();
@@ -216,8 +214,7 @@ async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
 
 #[tokio::test]
 async fn a_decision_binds_to_its_step() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let mut job = continued(&[("c1", Decision::Approve, None, "operator")]);
     job.decisions[0].step = 2;
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
@@ -227,8 +224,7 @@ async fn a_decision_binds_to_its_step() {
 
 #[tokio::test]
 async fn a_continued_job_counts_its_deliveries_from_its_own_first() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let down = ErrorBody::new(ErrorCode::Unavailable, "gateway down");
     fake.then_replies(Err(down));
     // Attempt 3 is this job's 2nd delivery (base 1): not the last of 3, so handed back.
