@@ -47,8 +47,10 @@ fn continued(decisions: &[(&str, Decision, Option<&str>, &str)]) -> TurnJob {
     }
 }
 
-fn result_text(messages: &[Message], call_id: &str) -> (String, bool) {
-    messages
+/// The result of `call_id` (text, is error) as the model saw it in its first request.
+fn first_result(fake: &Fake, call_id: &str) -> (String, bool) {
+    fake.requests.lock().unwrap()[0]
+        .messages
         .iter()
         .filter(|m| m.role == Role::Tool && m.tool_call_id == call_id)
         .flat_map(|m| &m.content)
@@ -150,12 +152,12 @@ async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
     let log = fake.log.lock().unwrap().clone();
     assert_eq!(log[0], "save:tool_calls_started:1", "{log:?}");
     assert!(fake.saved_state(0).unsent.is_empty());
-    let requests = fake.requests.lock().unwrap();
-    assert_eq!(requests.len(), 1, "step 1 is not asked again");
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
-        ("result of c1".into(), false)
+        fake.requests.lock().unwrap().len(),
+        1,
+        "step 1 is not asked again"
     );
+    assert_eq!(first_result(&fake, "c1"), ("result of c1".into(), false));
 }
 
 #[tokio::test]
@@ -166,9 +168,8 @@ async fn denied_the_model_is_told_why_and_the_call_never_runs() {
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert_eq!(*fake.tool_runs.lock().unwrap(), ["c2"]);
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (format!("{DENIED} Reason: not bob"), true)
     );
 }
@@ -179,9 +180,8 @@ async fn a_denial_by_the_deadline_says_so() {
     fake.then_replies(reply_text("nobody answered"));
     let job = continued(&[("c1", Decision::Deny, Some("late"), "deadline")]);
     completed(run_turn(&fake, &job, 2, &CFG).await);
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (DENIED_BY_DEADLINE.to_owned(), true)
     );
 }
@@ -205,9 +205,8 @@ async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
         ["c2"],
         "the not-idempotent call is never run again; the idempotent one is, under its id"
     );
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (OUTCOME_UNKNOWN.to_owned(), true)
     );
 }
