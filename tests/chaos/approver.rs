@@ -8,7 +8,7 @@
 //! reply must name the first one, `already_decided`.
 
 use crate::script::{self, Rng};
-use cyrene_bus::request_json;
+use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::approval::{
     ApprovalsRequest, ApprovalsResponse, ApproveRequest, ApproveResponse, Decision,
 };
@@ -46,6 +46,19 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct Approver {
     state: Arc<Mutex<State>>,
+}
+
+/// One request to the orchestrator, as a page would make it: an answer within five seconds.
+async fn ask<Req, Resp>(
+    client: &async_nats::Client,
+    subject: &str,
+    request: &Req,
+) -> Result<Resp, RequestError>
+where
+    Req: serde::Serialize,
+    Resp: serde::de::DeserializeOwned,
+{
+    request_json(client, subject, request, Duration::from_secs(5)).await
 }
 
 /// Whether the approver approves `call_id` (three in four) — a stable choice per call.
@@ -92,13 +105,8 @@ impl Approver {
                     let request = ApprovalsRequest {
                         session_id: session_id.clone(),
                     };
-                    let listed: Result<ApprovalsResponse, _> = request_json(
-                        &c,
-                        subjects::SESSION_APPROVALS,
-                        &request,
-                        Duration::from_secs(5),
-                    )
-                    .await;
+                    let listed: Result<ApprovalsResponse, _> =
+                        ask(&c, subjects::SESSION_APPROVALS, &request).await;
                     for waiting in listed.map(|l| l.approvals).unwrap_or_default() {
                         if waiting.decision.is_none() {
                             a.decide(&c, &rng, session_id.clone(), waiting.call_id);
@@ -161,13 +169,8 @@ impl Approver {
                 };
                 let give_up = Instant::now() + Duration::from_secs(120);
                 while Instant::now() < give_up {
-                    let reply: Result<ApproveResponse, _> = request_json(
-                        &client,
-                        subjects::SESSION_APPROVE,
-                        &request,
-                        Duration::from_secs(5),
-                    )
-                    .await;
+                    let reply: Result<ApproveResponse, _> =
+                        ask(&client, subjects::SESSION_APPROVE, &request).await;
                     match reply {
                         Ok(reply) => {
                             this.state.lock().unwrap().answers.push(Answer {

@@ -155,6 +155,8 @@ fn record(log: &Mutex<WireLog>, m: async_nats::Message) {
             }
         }
         subjects::MODEL_COMPLETE | subjects::MODEL_COMPLETE_STREAM => {
+            // Loosely on purpose: only `messages` is read, so a request `ModelRequest` would
+            // refuse (it denies unknown fields) is still seen as sent.
             let Ok(body) = serde_json::from_slice::<Value>(&m.payload) else {
                 return;
             };
@@ -184,6 +186,8 @@ fn record(log: &Mutex<WireLog>, m: async_nats::Message) {
             let Ok(checkpoint) = serde_json::from_slice::<Checkpoint>(&m.payload) else {
                 return;
             };
+            // The state as plain JSON, not `CheckpointState`: a delta save carries only the
+            // step's new messages (`from` set), and an odd state is still logged as a save.
             let state = Value::Object(checkpoint.state.to_map());
             let messages: Vec<Message> =
                 serde_json::from_value(state["messages"].clone()).unwrap_or_default();

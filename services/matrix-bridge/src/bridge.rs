@@ -321,13 +321,8 @@ impl Bridge {
         };
         // Known before the send: the turn it starts may end before the ack arrives.
         self.remember(&session_id, room_id.as_str()).await;
-        let sent: Result<SendAck, RequestError> = request_json(
-            &self.nats,
-            subjects::BRIDGE_SESSION_SEND,
-            &request,
-            self.config.request_timeout,
-        )
-        .await;
+        let sent: Result<SendAck, RequestError> =
+            self.request(subjects::BRIDGE_SESSION_SEND, &request).await;
         match sent {
             Ok(ack) if context_only => {
                 tracing::debug!(session = %session_id, message_id = %ack.message_id,
@@ -393,17 +388,7 @@ impl Bridge {
         let Some(reply) = approval::parse(&text, None) else {
             return Ok(None);
         };
-        let request = ApprovalsRequest {
-            session_id: session_id.to_owned(),
-        };
-        let listed: Result<ApprovalsResponse, RequestError> = request_json(
-            &self.nats,
-            subjects::BRIDGE_SESSION_APPROVALS,
-            &request,
-            self.config.request_timeout,
-        )
-        .await;
-        match listed {
+        match self.approvals(session_id).await {
             Ok(listed) if listed.approvals.iter().any(|a| a.call_id == reply.call_id) => {
                 Ok(Some((session_id.to_owned(), reply)))
             }
@@ -448,13 +433,9 @@ impl Bridge {
             decision: reply.decision,
             reason: reply.reason.clone(),
         };
-        let sent: Result<ApproveResponse, RequestError> = request_json(
-            &self.nats,
-            subjects::BRIDGE_SESSION_APPROVE,
-            &request,
-            self.config.request_timeout,
-        )
-        .await;
+        let sent: Result<ApproveResponse, RequestError> = self
+            .request(subjects::BRIDGE_SESSION_APPROVE, &request)
+            .await;
         let (txn, body) = match sent {
             Ok(held) => {
                 // A batch read again repeats the bridge's own decision: still its own.
@@ -747,6 +728,25 @@ impl Bridge {
         }
     }
 
+    /// Asks the orchestrator over the bridge subjects, waiting at most the configured
+    /// request timeout.
+    async fn request<Req, Resp>(&self, subject: &str, request: &Req) -> Result<Resp, RequestError>
+    where
+        Req: serde::Serialize,
+        Resp: serde::de::DeserializeOwned,
+    {
+        request_json(&self.nats, subject, request, self.config.request_timeout).await
+    }
+
+    /// The approvals of `session_id`, decided or not.
+    async fn approvals(&self, session_id: &str) -> Result<ApprovalsResponse, RequestError> {
+        let request = ApprovalsRequest {
+            session_id: session_id.to_owned(),
+        };
+        self.request(subjects::BRIDGE_SESSION_APPROVALS, &request)
+            .await
+    }
+
     /// Posts the answers of `session_id` not posted yet (the module's outbound rules).
     pub async fn catch_up(&self, session_id: &str) {
         let _posting = self.posting.lock().await;
@@ -761,13 +761,9 @@ impl Bridge {
             limit: Some(HISTORY_PAGE),
             before_seq: None,
         };
-        let history: HistoryResponse = match request_json(
-            &self.nats,
-            subjects::BRIDGE_SESSION_HISTORY,
-            &request,
-            self.config.request_timeout,
-        )
-        .await
+        let history: HistoryResponse = match self
+            .request(subjects::BRIDGE_SESSION_HISTORY, &request)
+            .await
         {
             Ok(history) => history,
             Err(err) => {
@@ -883,17 +879,7 @@ impl Bridge {
     /// Posts the calls of `session_id` that wait for a decision and were not asked about yet
     /// (they were requested while the bridge was down), and forgets those decided since.
     pub async fn ask_pending(&self, session_id: &str) {
-        let request = ApprovalsRequest {
-            session_id: session_id.to_owned(),
-        };
-        let listed: ApprovalsResponse = match request_json(
-            &self.nats,
-            subjects::BRIDGE_SESSION_APPROVALS,
-            &request,
-            self.config.request_timeout,
-        )
-        .await
-        {
+        let listed = match self.approvals(session_id).await {
             Ok(listed) => listed,
             Err(err) => {
                 tracing::debug!(session = %session_id, error = %err, "cannot list the approvals");

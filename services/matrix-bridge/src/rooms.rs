@@ -86,52 +86,47 @@ pub struct MessageEvent {
 
 /// `content` of an `m.room.message`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct MessageContent {
-    #[serde(default)]
     pub msgtype: String,
-    #[serde(default)]
     pub body: String,
     /// `mxc://…` of an image or file.
-    #[serde(default)]
     pub url: Option<String>,
-    #[serde(default)]
     pub info: Option<MediaInfo>,
-    #[serde(default)]
     pub filename: Option<String>,
-    #[serde(rename = "m.mentions", default)]
+    #[serde(rename = "m.mentions")]
     pub mentions: Option<Mentions>,
-    #[serde(rename = "m.relates_to", default)]
+    #[serde(rename = "m.relates_to")]
     pub relates_to: Option<RelatesTo>,
     /// An edit's new content: edits are not passed on (the original was).
-    #[serde(rename = "m.new_content", default)]
+    #[serde(rename = "m.new_content")]
     pub new_content: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct MediaInfo {
-    #[serde(default)]
     pub mimetype: Option<String>,
-    #[serde(default)]
     pub size: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct Mentions {
-    #[serde(default)]
     pub user_ids: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct RelatesTo {
-    #[serde(rename = "m.in_reply_to", default)]
+    #[serde(rename = "m.in_reply_to")]
     pub in_reply_to: Option<InReplyTo>,
-    #[serde(default)]
     pub rel_type: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
 pub struct InReplyTo {
-    #[serde(default)]
     pub event_id: String,
 }
 

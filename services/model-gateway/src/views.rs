@@ -471,13 +471,9 @@ mod tests {
         assert_eq!(generations.current_bytes, 6);
     }
 
-    fn turn(
-        views: &Views,
-        id: &str,
-        base: u32,
-        messages: &[&str],
-    ) -> Result<ModelRequest, ErrorBody> {
-        let mut request = ModelRequest {
+    /// A request naming view `id` at `base`, carrying user `messages`.
+    fn viewed(id: &str, base: u32, messages: &[&str]) -> ModelRequest {
+        ModelRequest {
             messages: messages
                 .iter()
                 .map(|m| Message::text(Role::User, *m))
@@ -487,7 +483,16 @@ mod tests {
                 base,
             }),
             ..Default::default()
-        };
+        }
+    }
+
+    fn turn(
+        views: &Views,
+        id: &str,
+        base: u32,
+        messages: &[&str],
+    ) -> Result<ModelRequest, ErrorBody> {
+        let mut request = viewed(id, base, messages);
         let held = views.resolve(&mut request, 100)?.expect("a view was named");
         assert_eq!(
             request.view, None,
@@ -543,27 +548,13 @@ mod tests {
     fn a_view_is_not_continued_past_its_largest_size() {
         let views = Views::default();
         let id = "0123456789abcdef";
-        let mut first = ModelRequest {
-            messages: vec![Message::text(Role::User, "a")],
-            view: Some(ViewRef {
-                id: id.into(),
-                base: 0,
-            }),
-            ..Default::default()
-        };
+        let mut first = viewed(id, 0, &["a"]);
         let held = views
             .resolve(&mut first, LARGEST_VIEW - 10)
             .unwrap()
             .unwrap();
         views.hold(held, first.messages);
-        let mut next = ModelRequest {
-            messages: vec![Message::text(Role::User, "b")],
-            view: Some(ViewRef {
-                id: id.into(),
-                base: 1,
-            }),
-            ..Default::default()
-        };
+        let mut next = viewed(id, 1, &["b"]);
         let err = views.resolve(&mut next, 11).unwrap_err();
         assert_eq!(err.code, ErrorCode::NotFound);
         assert!(

@@ -802,6 +802,7 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
 
     // A "replica" that takes the call, says so with a heartbeat and dies: silence, then
     // `Vanished` well before the timeout.
+    let call_timeout = Duration::from_secs(60);
     let mut sink = client.subscribe("test.silent").await.unwrap();
     let replier = client.clone();
     tokio::spawn(async move {
@@ -813,12 +814,7 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
     });
     client.flush().await.unwrap();
     let err = inbox
-        .complete_stream_at(
-            "test.silent",
-            &ask("hello?"),
-            Duration::from_secs(60),
-            |_, _| {},
-        )
+        .complete_stream_at("test.silent", &ask("hello?"), call_timeout, |_, _| {})
         .await
         .unwrap_err();
     assert!(matches!(err, RequestError::Vanished { .. }), "{err:?}");
@@ -832,7 +828,7 @@ async fn heartbeats_keep_a_slow_call_alive_and_silence_means_the_replica_is_gone
         .complete_stream_at(
             "test.swallowed",
             &ask("anyone there?"),
-            Duration::from_secs(60),
+            call_timeout,
             |_, _| {},
         )
         .await

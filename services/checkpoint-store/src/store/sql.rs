@@ -360,6 +360,20 @@ on_every_dialect! {
             None => Err(no_checkpoint(what)),
         }
     }
+
+    /// The checkpoint `sql` reads by its one parameter `key`; else not found, naming `what`.
+    async fn find_by(
+        &self,
+        sql: &'static str,
+        key: &str,
+        what: &str,
+    ) -> Result<Checkpoint, StoreError> {
+        let row = sqlx::query(sql)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        self.found(row, what).await
+    }
 }
 }
 
@@ -376,11 +390,7 @@ on_every_dialect! {
 
     async fn latest(&self, agent_id: &str) -> Result<Checkpoint, StoreError> {
         check_owner(agent_id)?;
-        let row = sqlx::query(D::LATEST)
-            .bind(agent_id)
-            .fetch_optional(&self.pool)
-            .await?;
-        self.found(row, &format!("agent_id {agent_id}")).await
+        self.find_by(D::LATEST, agent_id, &format!("agent_id {agent_id}")).await
     }
 
     async fn latest_of_turn(
@@ -417,11 +427,7 @@ on_every_dialect! {
 
     async fn get(&self, id: &str) -> Result<Checkpoint, StoreError> {
         parse_id(id)?;
-        let row = sqlx::query(D::BY_ID)
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
-        self.found(row, &format!("id {id}")).await
+        self.find_by(D::BY_ID, id, &format!("id {id}")).await
     }
 
     async fn list_before(

@@ -47,8 +47,10 @@ fn continued(decisions: &[(&str, Decision, Option<&str>, &str)]) -> TurnJob {
     }
 }
 
-fn result_text(messages: &[Message], call_id: &str) -> (String, bool) {
-    messages
+/// The result of `call_id` (text, is error) as the model saw it in its first request.
+fn first_result(fake: &Fake, call_id: &str) -> (String, bool) {
+    fake.requests.lock().unwrap()[0]
+        .messages
         .iter()
         .filter(|m| m.role == Role::Tool && m.tool_call_id == call_id)
         .flat_map(|m| &m.content)
@@ -70,8 +72,11 @@ async fn stopped() -> (Fake, TurnComplete) {
     (fake, done)
 }
 
-fn last_row(fake: &Fake) -> Checkpoint {
-    fake.saved.lock().unwrap().last().cloned().unwrap()
+/// A bus whose store holds the last row [`stopped`] left: what the turn's next job finds.
+async fn after_stop() -> Fake {
+    let (first, _) = stopped().await;
+    let last = first.saved.lock().unwrap().last().cloned().unwrap();
+    declared(Fake::resuming(Some(last)))
 }
 
 #[tokio::test]
@@ -121,8 +126,7 @@ async fn a_tools_own_metadata_asks_for_approval_too() {
 
 #[tokio::test]
 async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let done = completed(run_turn(&fake, &gated(), 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::AwaitingApproval);
     assert_eq!(done.approvals[0].call_id, "c1");
@@ -136,9 +140,8 @@ async fn a_redelivery_without_decisions_stops_at_the_same_calls_again() {
 
 #[tokio::test]
 async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies.lock().unwrap().push_back(reply_text("mailed"));
+    let fake = after_stop().await;
+    fake.then_replies(reply_text("mailed"));
     let job = continued(&[("c1", Decision::Approve, None, "person:alice")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -149,66 +152,52 @@ async fn approved_the_call_runs_once_under_its_id_after_its_intent() {
     let log = fake.log.lock().unwrap().clone();
     assert_eq!(log[0], "save:tool_calls_started:1", "{log:?}");
     assert!(fake.saved_state(0).unsent.is_empty());
-    let requests = fake.requests.lock().unwrap();
-    assert_eq!(requests.len(), 1, "step 1 is not asked again");
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
-        ("result of c1".into(), false)
+        fake.requests.lock().unwrap().len(),
+        1,
+        "step 1 is not asked again"
     );
+    assert_eq!(first_result(&fake, "c1"), ("result of c1".into(), false));
 }
 
 #[tokio::test]
 async fn denied_the_model_is_told_why_and_the_call_never_runs() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("I did not mail bob"));
+    let fake = after_stop().await;
+    fake.then_replies(reply_text("I did not mail bob"));
     let job = continued(&[("c1", Decision::Deny, Some("not bob"), "operator")]);
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert_eq!(*fake.tool_runs.lock().unwrap(), ["c2"]);
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (format!("{DENIED} Reason: not bob"), true)
     );
 }
 
 #[tokio::test]
 async fn a_denial_by_the_deadline_says_so() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("nobody answered"));
+    let fake = after_stop().await;
+    fake.then_replies(reply_text("nobody answered"));
     let job = continued(&[("c1", Decision::Deny, Some("late"), "deadline")]);
     completed(run_turn(&fake, &job, 2, &CFG).await);
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (DENIED_BY_DEADLINE.to_owned(), true)
     );
 }
 
 #[tokio::test]
 async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
-    let (first, _) = stopped().await;
     let approved = continued(&[("c1", Decision::Approve, None, "operator")]);
     // The continuing attempt saved its intent, then died with both calls in flight.
-    let dying = declared(Fake::resuming(Some(last_row(&first))));
+    let dying = after_stop().await;
     *dying.conflict_from.lock().unwrap() = Some(1);
     let _ = run_turn(&dying, &approved, 2, &CFG).await;
     let started = dying.saved.lock().unwrap()[0].clone();
     assert_eq!(state(&started).stop_reason, "tool_calls_started");
 
     let fake = declared(Fake::resuming(Some(started)));
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("maybe mailed"));
+    fake.then_replies(reply_text("maybe mailed"));
     let done = completed(run_turn(&fake, &approved, 3, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert_eq!(
@@ -216,17 +205,15 @@ async fn a_crash_after_an_approved_call_started_never_runs_it_twice() {
         ["c2"],
         "the not-idempotent call is never run again; the idempotent one is, under its id"
     );
-    let requests = fake.requests.lock().unwrap();
     assert_eq!(
-        result_text(&requests[0].messages, "c1"),
+        first_result(&fake, "c1"),
         (OUTCOME_UNKNOWN.to_owned(), true)
     );
 }
 
 #[tokio::test]
 async fn a_decision_binds_to_its_step() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let mut job = continued(&[("c1", Decision::Approve, None, "operator")]);
     job.decisions[0].step = 2;
     let done = completed(run_turn(&fake, &job, 2, &CFG).await);
@@ -236,10 +223,9 @@ async fn a_decision_binds_to_its_step() {
 
 #[tokio::test]
 async fn a_continued_job_counts_its_deliveries_from_its_own_first() {
-    let (first, _) = stopped().await;
-    let fake = declared(Fake::resuming(Some(last_row(&first))));
+    let fake = after_stop().await;
     let down = ErrorBody::new(ErrorCode::Unavailable, "gateway down");
-    fake.replies.lock().unwrap().push_back(Err(down));
+    fake.then_replies(Err(down));
     // Attempt 3 is this job's 2nd delivery (base 1): not the last of 3, so handed back.
     let job = continued(&[("c1", Decision::Deny, None, "operator")]);
     let end = run_turn(&fake, &job, 3, &CFG).await;

@@ -38,11 +38,7 @@ async fn each_save_sends_only_what_its_step_added_and_the_base_once() {
 
 #[tokio::test]
 async fn after_a_failed_save_the_next_one_resends_from_the_last_stored_point() {
-    let fake = Fake::scripted([
-        reply_tools(&["c1"]),
-        reply_tools(&["c2"]),
-        reply_text("done"),
-    ]);
+    let fake = Fake::scripted(tool_steps_then(&["c1", "c2"], "done"));
     // The first save (with the base) fails: the second carries the base and both steps.
     *fake.failing_saves.lock().unwrap() = 1;
     completed(run_turn(&fake, &job(), 1, &CFG).await);
@@ -78,11 +74,7 @@ async fn a_fenced_off_attempt_stops_without_reporting() {
     assert!(fake.saved.lock().unwrap().is_empty());
 
     let fenced = Fake::default();
-    fenced
-        .steers
-        .lock()
-        .unwrap()
-        .push_back(Err(ErrorBody::new(ErrorCode::Conflict, "old")));
+    fenced.then_steers(Err(ErrorBody::new(ErrorCode::Conflict, "old")));
     assert_eq!(run_turn(&fenced, &job(), 1, &CFG).await, TurnEnd::Stale);
     assert!(fenced.requests.lock().unwrap().is_empty());
 }

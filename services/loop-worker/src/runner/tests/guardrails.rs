@@ -186,11 +186,10 @@ async fn a_denied_answer_never_reaches_the_session_or_the_checkpoint() {
 
 #[tokio::test]
 async fn the_safety_net_answer_is_asked_about_too() {
-    let fake = Fake::scripted([
-        reply_tools(&["a"]),
-        reply_tools(&["b"]),
-        reply_text("the secret, from what I found"),
-    ]);
+    let fake = Fake::scripted(tool_steps_then(
+        &["a", "b"],
+        "the secret, from what I found",
+    ));
     *fake.guard_rule.lock().unwrap() = Some(policy);
     let mut j = guarded(GuardFail::Closed);
     j.max_steps = 2;

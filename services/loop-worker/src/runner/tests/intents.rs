@@ -20,6 +20,14 @@ fn declared(fake: Fake) -> Fake {
     declaring(fake, ONCE, AGAIN)
 }
 
+/// A [`declared`] bus whose model calls `AGAIN` (c1) and `ONCE` (c2) in one step, then answers.
+fn again_and_once() -> Fake {
+    declared(Fake::scripted([
+        reply_calls(&[("c1", AGAIN), ("c2", ONCE)]),
+        reply_text("ok"),
+    ]))
+}
+
 /// The tool result for `call_id` in `messages`.
 fn result_of<'m>(messages: &'m [Message], call_id: &str) -> &'m Message {
     messages
@@ -143,7 +151,7 @@ async fn a_redelivered_started_batch_continues_its_calls_under_their_ids() {
     // The batch had three calls; c3's result was recorded, c1 and c2 were running.
     let row = started_row(1, &[("c1", ONCE), ("c2", AGAIN), ("c3", ONCE)], &["c3"]);
     let fake = declared(Fake::resuming(Some(row)));
-    fake.replies.lock().unwrap().push_back(reply_text("done"));
+    fake.then_replies(reply_text("done"));
     let done = completed(run_turn(&fake, &job(), 2, &CFG).await);
 
     assert_eq!(done.outcome, TurnOutcome::Final);
@@ -190,10 +198,7 @@ async fn a_redelivered_started_batch_continues_its_calls_under_their_ids() {
 
 #[tokio::test]
 async fn a_lost_reply_is_called_again_under_its_id_only_if_the_tool_is_idempotent() {
-    let fake = declared(Fake::scripted([
-        reply_calls(&[("c1", AGAIN), ("c2", ONCE)]),
-        reply_text("ok"),
-    ]));
+    let fake = again_and_once();
     fake.unanswered
         .lock()
         .unwrap()
@@ -221,10 +226,7 @@ async fn a_lost_reply_is_called_again_under_its_id_only_if_the_tool_is_idempoten
 
 #[tokio::test(start_paused = true)]
 async fn a_result_back_while_others_still_run_is_recorded_at_once() {
-    let fake = declared(Fake::scripted([
-        reply_calls(&[("c1", AGAIN), ("c2", ONCE)]),
-        reply_text("ok"),
-    ]));
+    let fake = again_and_once();
     fake.tool_delay
         .lock()
         .unwrap()
@@ -304,7 +306,7 @@ async fn a_fenced_off_attempt_calls_nothing_again_after_a_lost_reply() {
 async fn a_started_row_with_every_result_recorded_runs_nothing_again() {
     let row = started_row(2, &[("c1", ONCE), ("c2", ONCE)], &["c2", "c1"]);
     let fake = declared(Fake::resuming(Some(row)));
-    fake.replies.lock().unwrap().push_back(reply_text("done"));
+    fake.then_replies(reply_text("done"));
     let done = completed(run_turn(&fake, &job(), 2, &CFG).await);
     assert_eq!(done.steps, 3);
     assert!(fake.tool_runs.lock().unwrap().is_empty());

@@ -285,6 +285,16 @@ impl Fake {
         fake
     }
 
+    /// Queues `reply` as the model's next answer.
+    fn then_replies(&self, reply: Result<ModelResponse, ErrorBody>) {
+        self.replies.lock().unwrap().push_back(reply);
+    }
+
+    /// Queues `steer` as the next answer to a steer request.
+    fn then_steers(&self, steer: Result<SteerResponse, ErrorBody>) {
+        self.steers.lock().unwrap().push_back(steer);
+    }
+
     /// The state of the `index`th full snapshot saved.
     fn saved_state(&self, index: usize) -> CheckpointState {
         state(&self.saved.lock().unwrap()[index])
@@ -308,6 +318,14 @@ async fn tool_step_left_by(attempt: u32) -> Checkpoint {
     rows_left_by([reply_tools(&["c1"]), reply_text("x")], attempt)
         .await
         .swap_remove(0)
+}
+
+/// One step calling tool `id` for each of `ids`, then the final answer `answer`.
+fn tool_steps_then(ids: &[&str], answer: &str) -> Vec<Result<ModelResponse, ErrorBody>> {
+    ids.iter()
+        .map(|id| reply_tools(&[id]))
+        .chain([reply_text(answer)])
+        .collect()
 }
 
 fn reply_tools(ids: &[&str]) -> Result<ModelResponse, ErrorBody> {

@@ -83,7 +83,7 @@ async fn an_answer_the_provider_calls_tool_calls_is_settled_and_never_answered_t
 #[tokio::test]
 async fn a_settled_turn_is_reported_again_with_its_steered_messages() {
     let first = Fake::scripted([reply_text("Noon, and sunny.")]);
-    first.steers.lock().unwrap().push_back(Ok(SteerResponse {
+    first.then_steers(Ok(SteerResponse {
         messages: vec![SteeredMessage {
             id: "m2".into(),
             seq: 2,

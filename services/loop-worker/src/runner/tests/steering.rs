@@ -51,11 +51,7 @@ async fn a_steered_message_reaches_the_next_step_but_never_a_checkpoint() {
 #[tokio::test]
 async fn pushed_input_reaches_the_next_boundary_without_a_steer_request() {
     let (push, receiver) = futures::channel::mpsc::unbounded();
-    let fake = Fake::scripted([
-        reply_tools(&["c1"]),
-        reply_tools(&["c2"]),
-        reply_text("done"),
-    ]);
+    let fake = Fake::scripted(tool_steps_then(&["c1", "c2"], "done"));
     *fake.pushes.lock().unwrap() = Some(receiver);
     let pushed = |id: &str, seq: u64| SteeredMessage {
         id: id.into(),
@@ -64,7 +60,7 @@ async fn pushed_input_reaches_the_next_boundary_without_a_steer_request() {
     };
     // Two pushes before the second boundary, out of order, one of them also returned by the
     // first steer: taken in once each, in seq order.
-    fake.steers.lock().unwrap().push_back(Ok(SteerResponse {
+    fake.then_steers(Ok(SteerResponse {
         messages: vec![pushed("m2", 2)],
     }));
     push.unbounded_send(pushed("m3", 3)).unwrap();
@@ -93,10 +89,7 @@ async fn pushed_input_reaches_the_next_boundary_without_a_steer_request() {
 #[tokio::test]
 async fn a_failed_steer_yields_nothing_and_the_turn_goes_on() {
     let fake = Fake::scripted([reply_text("fine")]);
-    fake.steers
-        .lock()
-        .unwrap()
-        .push_back(Err(ErrorBody::new(ErrorCode::Timeout, "slow")));
+    fake.then_steers(Err(ErrorBody::new(ErrorCode::Timeout, "slow")));
     let done = completed(run_turn(&fake, &job(), 1, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Final);
     assert!(done.steered_ids.is_empty());
@@ -140,7 +133,7 @@ async fn a_message_waiting_when_the_deadline_passes_is_not_taken_in() {
 async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() {
     let first = Fake::scripted([reply_text("never sent")]);
     *first.model_delay.lock().unwrap() = Some(std::time::Duration::from_secs(3600));
-    first.steers.lock().unwrap().push_back(Ok(SteerResponse {
+    first.then_steers(Ok(SteerResponse {
         messages: vec![steered("m2", 2, "and the weather?")],
     }));
     let crashed = tokio::time::timeout(
@@ -154,7 +147,7 @@ async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() 
     // The orchestrator answers attempt 2's first steer with everything claimed for the turn.
     let again = || {
         let fake = Fake::default();
-        fake.steers.lock().unwrap().push_back(Ok(SteerResponse {
+        fake.then_steers(Ok(SteerResponse {
             messages: vec![steered("m2", 2, "and the weather?")],
         }));
         fake
@@ -169,11 +162,7 @@ async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() 
 
     // Redelivered on its last attempt and the model call fails: an error, m2 not taken in.
     let failing = again();
-    failing
-        .replies
-        .lock()
-        .unwrap()
-        .push_back(Err(ErrorBody::new(ErrorCode::Upstream, "400")));
+    failing.then_replies(Err(ErrorBody::new(ErrorCode::Upstream, "400")));
     let done = completed(run_turn(&failing, &job(), 3, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Error);
     assert!(done.steered_ids.is_empty(), "{:?}", done.steered_ids);
@@ -181,11 +170,7 @@ async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() 
 
     // Redelivered and answered: m2 was in the answering call's view, so it is taken in.
     let answered = again();
-    answered
-        .replies
-        .lock()
-        .unwrap()
-        .push_back(reply_text("sunny"));
+    answered.then_replies(reply_text("sunny"));
     let done = completed(run_turn(&answered, &job(), 2, &CFG).await);
     assert_eq!(done.steered_ids, ["m2"]);
     assert_eq!(answered.saved_state(0).steered_ids, ["m2"]);

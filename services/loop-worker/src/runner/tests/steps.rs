@@ -66,10 +66,7 @@ async fn retryable_model_failures_retry_until_the_last_attempt_then_settle() {
         "nothing settled: the next attempt runs"
     );
 
-    fake.replies
-        .lock()
-        .unwrap()
-        .push_back(Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway")));
+    fake.then_replies(Err(ErrorBody::new(ErrorCode::Unavailable, "no gateway")));
     let done = completed(run_turn(&fake, &job(), 3, &CFG).await);
     assert_eq!(done.outcome, TurnOutcome::Error);
     assert_eq!(done.error.unwrap().code, ErrorCode::Unavailable);
@@ -133,11 +130,7 @@ async fn a_passed_deadline_settles_as_cancelled() {
 
 #[tokio::test]
 async fn the_step_budget_ends_with_a_safety_net_answer_without_tools() {
-    let fake = Fake::scripted([
-        reply_tools(&["a"]),
-        reply_tools(&["b"]),
-        reply_text("From what I found: noon."),
-    ]);
+    let fake = Fake::scripted(tool_steps_then(&["a", "b"], "From what I found: noon."));
     let mut j = job();
     j.max_steps = 2;
     let done = completed(run_turn(&fake, &j, 1, &CFG).await);
