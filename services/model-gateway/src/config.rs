@@ -193,6 +193,10 @@ fn default_cooldown_ms() -> u64 {
     DEFAULT_COOLDOWN_MS
 }
 
+/// What the scripted provider answers when its script gives no reply (no rule matched and no
+/// `default_reply`); `{input}` is the last user text.
+pub const FALLBACK_REPLY: &str = "(offline scripted reply) You said: {input}";
+
 /// The script of the offline provider: rules tried in order against the last user text.
 #[skip_serializing_none]
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -303,11 +307,11 @@ impl ModelsConfig {
     }
 
     /// The built-in offline config: one scripted provider, echoing what it is told
-    /// ([`FALLBACK_REPLY`](crate::providers::scripted::FALLBACK_REPLY)).
+    /// ([`FALLBACK_REPLY`]).
     pub fn offline() -> ModelsConfig {
         ModelsConfig::offline_with(
             Script {
-                default_reply: Some(crate::providers::scripted::FALLBACK_REPLY.to_owned()),
+                default_reply: Some(FALLBACK_REPLY.to_owned()),
                 ..Script::default()
             },
             ModelCaps::default(),

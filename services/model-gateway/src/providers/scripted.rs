@@ -40,9 +40,6 @@ pub const LOG_CAPACITY: usize = 1000;
 /// How many messages the requests a [`RequestLog`] keeps may hold together.
 pub const LOG_MESSAGES: usize = 10_000;
 
-/// What the default reply says when the script gives none.
-pub const FALLBACK_REPLY: &str = "(offline scripted reply) You said: {input}";
-
 /// The requests a scripted provider received since the log was first watched, oldest first.
 /// Cheap to clone (shared).
 #[derive(Debug, Clone, Default)]
@@ -247,7 +244,7 @@ impl ScriptedProvider {
                     self.script
                         .default_reply
                         .as_deref()
-                        .unwrap_or(FALLBACK_REPLY),
+                        .unwrap_or(crate::config::FALLBACK_REPLY),
                 ),
                 Vec::new(),
             ),
