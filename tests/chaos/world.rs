@@ -24,7 +24,7 @@ use cyrene_protocol::session::{
 use cyrene_protocol::subjects;
 use cyrene_test_support::{NatsCluster, NatsServer};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -189,10 +189,15 @@ impl World {
         let approver = Approver::start(&client, options.seed ^ 0xa11).await;
 
         let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        // Logs of earlier runs with this label go (each run keeps only its own).
+        // Logs of earlier runs with this label go (each run keeps only its own); a run whose
+        // process is still alive (a second run of the same binary beside this one) keeps them.
         let earlier = format!("chaos-{}-", options.label);
         for entry in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
-            if entry.file_name().to_string_lossy().starts_with(&earlier) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let running = name
+                .strip_prefix(&earlier)
+                .is_some_and(|pid| Path::new("/proc").join(pid).exists());
+            if name.starts_with(&earlier) && !running {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
