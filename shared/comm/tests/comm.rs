@@ -532,3 +532,29 @@ async fn the_default_ask_timeout_caps_a_longer_caller_deadline() {
     assert!(waited < Duration::from_secs(31), "waited {waited:?}");
     silent.stop_within(Duration::ZERO).await;
 }
+
+/// Answers every ask with more text than the bus carries.
+struct Huge;
+
+impl Handler for Huge {
+    async fn on_ask(&self, _ask: Ask) -> Result<Answer, ErrorBody> {
+        Ok(Answer {
+            text: "x".repeat(2 * 1024 * 1024),
+            data: json!(null),
+        })
+    }
+}
+
+#[tokio::test]
+async fn an_answer_the_bus_cannot_carry_comes_back_as_too_large() {
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let _agent = serving(&client, "b", Arc::new(Huge)).await;
+    let asker = Probe::new(client.clone(), "a");
+    match ask_within(&asker, "b", "tell me everything", Duration::from_secs(10)).await {
+        Err(AskError::Remote { error, .. }) => {
+            assert_eq!(error.code, ErrorCode::TooLarge, "{error:?}")
+        }
+        other => panic!("expected a too_large error, got {other:?}"),
+    }
+}

@@ -3,6 +3,7 @@
 //! queued), and sending the handler's [`Answer`] or error to the ask's reply-to.
 
 use super::{Probe, encode};
+use async_nats::client::PublishErrorKind;
 use async_nats::{HeaderMap, Message};
 use bytes::Bytes;
 use cyrene_bus::{service, trace};
@@ -109,13 +110,37 @@ impl Probe {
         self.send_reply(reply_to, headers, payload).await;
     }
 
+    /// Sends the reply; one the connection cannot carry (over the server's `max_payload`) is
+    /// replaced by a `too_large` error, so the asker hears back instead of waiting out its
+    /// deadline (as `cyrene_bus::service::respond` does for services).
     async fn send_reply(&self, reply_to: String, mut headers: HeaderMap, payload: Bytes) {
         trace::inject_current(&mut headers);
-        if let Err(err) = self
+        let size = payload.len();
+        let sent = match self
             .client
-            .publish_with_headers(reply_to, headers, payload)
+            .publish_with_headers(reply_to.clone(), headers, payload)
             .await
         {
+            Err(err) if err.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                tracing::warn!(
+                    size,
+                    "answer over the connection's max_payload; answered too_large"
+                );
+                let err = ErrorBody::new(
+                    ErrorCode::TooLarge,
+                    format!(
+                        "the answer is {size} bytes, more than the bus carries (its max_payload)"
+                    ),
+                );
+                let mut headers = service::error_headers(&err);
+                trace::inject_current(&mut headers);
+                self.client
+                    .publish_with_headers(reply_to, headers, service::error_payload(&err))
+                    .await
+            }
+            sent => sent,
+        };
+        if let Err(err) = sent {
             tracing::warn!(error = %err, "could not send the reply");
         }
     }
