@@ -188,17 +188,11 @@ impl Documents {
         let title = meta(META_TITLE);
         if req.last {
             let mut all = Vec::with_capacity(usize::try_from(total).unwrap_or(0));
-            for seq in 0..req.seq {
-                let mut object = self
-                    .bucket
-                    .get(chunk_name(&req.upload_id, seq))
-                    .await
-                    .map_err(|e| unavailable("cannot read a staged chunk", e))?;
-                object
-                    .read_to_end(&mut all)
-                    .await
-                    .map_err(|e| unavailable("cannot read a staged chunk", e))?;
-            }
+            // A staged chunk that cannot be read (the sweep may have taken it) gives the
+            // reservation back, as every other failure here does.
+            self.read_staged(&req.upload_id, req.seq, &mut all)
+                .await
+                .inspect_err(|_| self.release(&req.session_id, data_len))?;
             all.extend_from_slice(&data);
             if all.len() as u64 != total {
                 self.release(&req.session_id, data_len);
@@ -223,6 +217,27 @@ impl Documents {
             .stage(req.upload_id, req.seq, &req.session_id, title, total, &data)
             .await;
         staged_ack.inspect_err(|_| self.release(&req.session_id, data_len))
+    }
+
+    /// Appends the staged chunks `0..upto` of `upload_id` to `all`, in order.
+    async fn read_staged(
+        &self,
+        upload_id: &str,
+        upto: u32,
+        all: &mut Vec<u8>,
+    ) -> Result<(), ErrorBody> {
+        for seq in 0..upto {
+            let mut object = self
+                .bucket
+                .get(chunk_name(upload_id, seq))
+                .await
+                .map_err(|e| unavailable("cannot read a staged chunk", e))?;
+            object
+                .read_to_end(all)
+                .await
+                .map_err(|e| unavailable("cannot read a staged chunk", e))?;
+        }
+        Ok(())
     }
 
     /// Stages chunk `seq` of an upload that goes on, labelled with what the next chunk checks
