@@ -300,8 +300,10 @@ impl Store {
         } else if url.starts_with("sqlite:") {
             Backend::Sqlite
         } else {
+            // The scheme alone: the rest of a URL may hold a password.
+            let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
             return Err(StoreError::open("DATABASE_URL")(format!(
-                "unsupported database URL {url:?}"
+                "unsupported database URL scheme {scheme:?}"
             )));
         };
         let url = match backend {
