@@ -262,19 +262,7 @@ async fn the_bridge_killed_mid_turn_answers_each_message_once() {
         .keys()
         .next()
         .unwrap();
-    let request = HistoryRequest {
-        session_id: session.clone(),
-        limit: None,
-        before_seq: None,
-    };
-    let history: HistoryResponse = cyrene_bus::request_json(
-        &world.client,
-        subjects::BRIDGE_SESSION_HISTORY,
-        &request,
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
+    let history = bridge_history(&world.client, session).await;
     let users: Vec<String> = history
         .messages
         .iter()
@@ -542,21 +530,9 @@ async fn the_owner_approves_a_tool_call_from_matrix() {
         session_id: group_session.clone(),
     };
     // ming's line is stored (context only) while the call still waits
-    let history = HistoryRequest {
-        session_id: group_session.clone(),
-        limit: None,
-        before_seq: None,
-    };
     let start = Instant::now();
     loop {
-        let read: HistoryResponse = cyrene_bus::request_json(
-            &world.client,
-            subjects::BRIDGE_SESSION_HISTORY,
-            &history,
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let read = bridge_history(&world.client, &group_session).await;
         let approve = format!("approve {call}");
         if read
             .messages
@@ -608,4 +584,21 @@ async fn the_owner_approves_a_tool_call_from_matrix() {
         1,
         "a denied call never runs"
     );
+}
+
+/// The whole transcript of `session`, read as the bridge reads it.
+async fn bridge_history(client: &async_nats::Client, session: &str) -> HistoryResponse {
+    let request = HistoryRequest {
+        session_id: session.to_owned(),
+        limit: None,
+        before_seq: None,
+    };
+    cyrene_bus::request_json(
+        client,
+        subjects::BRIDGE_SESSION_HISTORY,
+        &request,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap()
 }

@@ -58,21 +58,13 @@ pub async fn tools(
     );
     let search_notes = |args: Value, _ctx: RequestContext| async move {
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let query = args
-            .get("query")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
+        let query = text_arg(&args, "query");
         Ok::<_, ErrorBody>(
             json!({"text": format!("3 notes mention {query:?}: the picnic, the tea shop, the lighthouse"), "is_error": false}),
         )
     };
     let send_postcard = |args: Value, _ctx: RequestContext| async move {
-        let to = args
-            .get("to")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
+        let to = text_arg(&args, "to");
         Ok::<_, ErrorBody>(
             json!({"text": format!("a postcard is on its way to {to}"), "is_error": false}),
         )
@@ -105,6 +97,14 @@ pub async fn tools(
         .run()
         .await;
     Ok(())
+}
+
+/// The text argument `key` of a demo tool's call, empty when absent or not a string.
+fn text_arg(args: &Value, key: &str) -> String {
+    args.get(key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned()
 }
 
 #[cfg(test)]

@@ -175,15 +175,6 @@ impl<P: TurnPorts> Turn<'_, P> {
         step: u32,
         batch: Batch,
     ) -> Result<Vec<Message>, Exit> {
-        let kinds: Vec<Idempotence> = batch
-            .calls
-            .iter()
-            .map(|call| match call.args_error {
-                // Answered without being sent.
-                Some(_) => Idempotence::ReadOnly,
-                None => self.ports.tool_idempotence(&call.name),
-            })
-            .collect();
         // Approval: a gated call without a decision holds the whole batch; a denied one gets
         // its denial without being sent.
         let mut waiting = Vec::new();
@@ -222,6 +213,15 @@ impl<P: TurnPorts> Turn<'_, P> {
                 "tool calls wait for approval; the job ends");
             return Err(Exit::AwaitingApproval(waiting));
         }
+        let kinds: Vec<Idempotence> = batch
+            .calls
+            .iter()
+            .map(|call| match call.args_error {
+                // Answered without being sent.
+                Some(_) => Idempotence::ReadOnly,
+                None => self.ports.tool_idempotence(&call.name),
+            })
+            .collect();
         let plans: Vec<Plan> = batch
             .calls
             .iter()
@@ -247,12 +247,11 @@ impl<P: TurnPorts> Turn<'_, P> {
             .any(|(plan, kind)| matches!(plan, Plan::Run) && *kind != Idempotence::ReadOnly);
         // The intent: a fresh batch's, or a resumed one's whose calls were held for approval
         // (the row says they were never sent; from now on they may be).
+        self.saves.unsent.clear();
         if sends && (!batch.resumed || !batch.unsent.is_empty()) {
-            self.saves.unsent.clear();
             self.save_before_calls(step, stop_reason::TOOL_CALLS_STARTED, &known)
                 .await?;
         }
-        self.saves.unsent.clear();
         let running = AtomicUsize::new(plans.iter().filter(|p| matches!(p, Plan::Run)).count());
         // The results so far (recorded first, then in the order they return); held while a
         // record is saved, so records go one at a time.

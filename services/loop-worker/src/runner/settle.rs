@@ -33,17 +33,15 @@ impl<P: TurnPorts> Turn<'_, P> {
             // The row is saved; the turn is not over, so no event ends it.
             Exit::AwaitingApproval(approvals) => {
                 return TurnEnd::Complete(Box::new(TurnComplete {
-                    turn_id: self.job.turn_id.clone(),
-                    session_id: self.job.session_id.clone(),
-                    leg_id: self.job.leg_id.clone(),
-                    attempt: self.attempt,
-                    outcome: TurnOutcome::AwaitingApproval,
-                    message: None,
-                    stop_reason: stop_reason::AWAITING_APPROVAL.to_owned(),
-                    steps: step,
-                    steered_ids: self.steering.taken_in.clone(),
-                    error: None,
                     approvals,
+                    ..completion(
+                        self.job,
+                        self.attempt,
+                        TurnOutcome::AwaitingApproval,
+                        stop_reason::AWAITING_APPROVAL.to_owned(),
+                        step,
+                        self.steering.taken_in.clone(),
+                    )
                 }));
             }
             // The deliveries of this job (its attempts count on from `attempt_base`).
@@ -125,17 +123,16 @@ impl<P: TurnPorts> Turn<'_, P> {
             (None, None) => {}
         }
         TurnEnd::Complete(Box::new(TurnComplete {
-            turn_id: self.job.turn_id.clone(),
-            session_id: self.job.session_id.clone(),
-            leg_id: self.job.leg_id.clone(),
-            attempt: self.attempt,
-            outcome,
             message,
-            stop_reason: stop,
-            steps: step,
-            steered_ids: self.steering.taken_in.clone(),
             error,
-            approvals: Vec::new(),
+            ..completion(
+                self.job,
+                self.attempt,
+                outcome,
+                stop,
+                step,
+                self.steering.taken_in.clone(),
+            )
         }))
     }
 }
@@ -176,16 +173,40 @@ pub(super) fn already_settled(
     let error = (outcome == TurnOutcome::Error)
         .then(|| ErrorBody::new(ErrorCode::Internal, "the turn had already failed"));
     Some(TurnComplete {
+        message,
+        error,
+        ..completion(
+            job,
+            attempt,
+            outcome,
+            state.stop_reason,
+            checkpoint.step,
+            state.steered_ids,
+        )
+    })
+}
+
+/// The completion of `job`'s delivery `attempt`, without an answer, an error or calls waiting
+/// for approval (each caller sets the ones it has).
+fn completion(
+    job: &TurnJob,
+    attempt: u32,
+    outcome: TurnOutcome,
+    stop_reason: String,
+    steps: u32,
+    steered_ids: Vec<String>,
+) -> TurnComplete {
+    TurnComplete {
         turn_id: job.turn_id.clone(),
         session_id: job.session_id.clone(),
         leg_id: job.leg_id.clone(),
         attempt,
         outcome,
-        message,
-        stop_reason: state.stop_reason,
-        steps: checkpoint.step,
-        steered_ids: state.steered_ids,
-        error,
+        message: None,
+        stop_reason,
+        steps,
+        steered_ids,
+        error: None,
         approvals: Vec::new(),
-    })
+    }
 }

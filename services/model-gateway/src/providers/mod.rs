@@ -22,6 +22,7 @@ pub mod sse;
 use crate::config::Step;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::stream::Delta;
+use cyrene_runtime::entry::with_sources;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
 use std::borrow::Cow;
@@ -525,26 +526,15 @@ pub(crate) fn upstream_message(body: &[u8]) -> String {
     }
 }
 
-/// `what: <source's chain>`, or whichever of the two there is (the text of
+/// `what: <source's chain>` (reqwest's top level alone says only "error sending request"), or
+/// whichever of the two there is (the text of
 /// [`ProviderError::Transport`] and [`ProviderError::BadResponse`] on the wire).
 fn describe(what: &str, source: Option<&Cause>) -> String {
     match source {
         None => what.to_owned(),
-        Some(source) if what.is_empty() => error_chain(source.as_ref()),
-        Some(source) => format!("{what}: {}", error_chain(source.as_ref())),
+        Some(source) if what.is_empty() => with_sources(source.as_ref()),
+        Some(source) => format!("{what}: {}", with_sources(source.as_ref())),
     }
-}
-
-/// reqwest's error with its sources (the top level alone says only "error sending request").
-pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// A parsed `data:<mime>;base64,<data>` URI.
