@@ -61,7 +61,7 @@ async fn every_binary_exits_2_on_a_bad_configuration_and_lists_every_problem() {
         ["cyrene-loop-worker", ["--concurrency", "0", "--ack-wait", "10ms"],
             {"CYRENE_WORKER_MAX_DELIVER": "0"},
             ["concurrency must be at least 1", "max_deliver must be at least 1",
-             "ack_wait must be at least 300ms"]],
+             "ack_wait must be at least 200ms"]],
         ["cyrene-matrix-bridge", ["--homeserver", "matrix.example.org", "--owner", "alice"],
             {"CYRENE_MATRIX_BRIDGE_OWNER_PERSON": "alice"},
             ["CYRENE_MATRIX_BRIDGE_USER is required", "is not an http(s) URL",

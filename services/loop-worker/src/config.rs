@@ -8,8 +8,13 @@ use std::time::Duration;
 /// live job is redelivered.
 pub const PROGRESS_EVERY: u32 = 4;
 
-/// The default `ack_wait`: failover within about a second (docs/loop-worker.md, "Failover").
-pub const DEFAULT_ACK_WAIT: Duration = Duration::from_millis(800);
+/// The default `ack_wait`: a dead worker's turn is redelivered 190–250 ms after the kill
+/// (docs/loop-worker.md, "Failover").
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_millis(250);
+
+/// The shortest `ack_wait` accepted: in-progress acks go every [`PROGRESS_EVERY`]th of it, and
+/// below 50 ms between them a busy machine's scheduling delays alone would take live jobs away.
+pub const MIN_ACK_WAIT: Duration = Duration::from_millis(200);
 
 /// Everything `run` needs; tests build it directly, `main` from flags and env.
 #[derive(Debug, Clone)]
@@ -81,9 +86,9 @@ impl Config {
         if self.poison_after == 0 {
             problems.push("poison_after must be at least 1".to_owned());
         }
-        if self.ack_wait < Duration::from_millis(300) {
+        if self.ack_wait < MIN_ACK_WAIT {
             problems.push(
-                "ack_wait must be at least 300ms (in-progress acks go every quarter)".to_owned(),
+                "ack_wait must be at least 200ms (in-progress acks go every quarter)".to_owned(),
             );
         }
         for (name, d) in [
@@ -124,7 +129,7 @@ pub struct Args {
     pub concurrency: usize,
     /// Redelivery delay of a job whose worker stopped acking: the failover time after a worker
     /// dies (live workers send in-progress acks every quarter of it).
-    #[arg(long, env = "CYRENE_WORKER_ACK_WAIT", default_value = "800ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CYRENE_WORKER_ACK_WAIT", default_value = "250ms", value_parser = humantime::parse_duration)]
     pub ack_wait: Duration,
     /// Deliveries of a job before it is reported as failed.
     #[arg(long, env = "CYRENE_WORKER_MAX_DELIVER", default_value_t = 10)]

@@ -6,7 +6,7 @@
 //!   A worker pulls no more jobs than it has free slots, so no pulled job waits unheard.
 //! - While a turn runs, an in-progress ack goes out every quarter of `ack_wait` from its own task,
 //!   whatever the turn is waiting on; a worker that dies stops sending them and the job is
-//!   redelivered to another worker within `ack_wait` (the failover time; 800 ms by default).
+//!   redelivered to another worker within `ack_wait` (the failover time; 250 ms by default).
 //! - The consumer is created **or updated** at start, so a changed `ack_wait` or `max_deliver`
 //!   takes effect; every worker of a deployment should run with the same values.
 //! - A job is acked only after its completion was acknowledged by the orchestrator, so a crash
