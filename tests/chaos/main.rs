@@ -320,6 +320,7 @@ fn figures_of(
         kills: &kills,
         model_calls: world.provider.calls().len(),
         faults: &faults,
+        started: world.started,
         answers: &world.approver.answers(),
     });
     println!("{}", figures.text);

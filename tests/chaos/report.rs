@@ -57,6 +57,8 @@ pub struct Inputs<'a> {
     pub kills: &'a [WorkerKill],
     pub model_calls: usize,
     pub faults: &'a [(f64, String)],
+    /// When the world started: `faults` are seconds since then.
+    pub started: Instant,
     /// The auto-approver's replies.
     pub answers: &'a [Answer],
 }
@@ -80,6 +82,9 @@ pub struct Figures {
     pub stuck: Vec<String>,
     pub interrupted: usize,
     pub failovers: Vec<Duration>,
+    /// Failovers over [`FAILOVER_OUTLIER`], each with the faults noted between its kill and the
+    /// turn's next step (empty: unexplained).
+    pub outliers: Vec<(Duration, Vec<String>)>,
     /// Interrupted turns whose next model request went back behind their last checkpoint.
     pub resumed_behind: usize,
     pub approvals: ApprovalFigures,
@@ -101,6 +106,30 @@ impl Figures {
     pub fn failover_p50(&self) -> Option<Duration> {
         percentile(&self.failovers, 50)
     }
+}
+
+/// A failover longer than this is an outlier, and the report says what else happened meanwhile.
+const FAILOVER_OUTLIER: Duration = Duration::from_secs(1);
+
+/// Faults noted around a failover from a kill at `from` to the next step at `to`: another
+/// worker's kill in between (the turn may have moved to it), or a service, NATS or PostgreSQL
+/// fault in between or in the 10 s before (a service restarted just before may still be
+/// starting, and its callers backing off).
+fn faults_around(inputs: &Inputs<'_>, from: Instant, to: Instant) -> Vec<String> {
+    let secs = |at: Instant| at.saturating_duration_since(inputs.started).as_secs_f64();
+    let (from, to) = (secs(from), secs(to));
+    inputs
+        .faults
+        .iter()
+        .filter(|(at, what)| {
+            if what.starts_with("SIGKILL worker") {
+                *at > from && *at <= to
+            } else {
+                *at >= from - 10.0 && *at <= to
+            }
+        })
+        .map(|(at, what)| format!("{at:.1}s {what}"))
+        .collect()
 }
 
 fn percentile(values: &[Duration], p: usize) -> Option<Duration> {
@@ -416,6 +445,10 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                 }
             };
             f.failovers.push(taken - kill.at);
+            if taken - kill.at > FAILOVER_OUTLIER {
+                let around = faults_around(inputs, kill.at, taken);
+                f.outliers.push((taken - kill.at, around));
+            }
             let Some(next) = next else {
                 continue;
             };
@@ -522,6 +555,22 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         f.failovers.len(),
         unmeasured
     );
+    let unexplained = f.outliers.iter().filter(|(_, around)| around.is_empty()).count();
+    let _ = writeln!(
+        t,
+        "failovers over {} s: {} ({} with no other fault around them)",
+        FAILOVER_OUTLIER.as_secs(),
+        f.outliers.len(),
+        unexplained
+    );
+    for (took, around) in &f.outliers {
+        let around = if around.is_empty() {
+            "nothing else happened: unexplained".to_owned()
+        } else {
+            around.join("; ")
+        };
+        let _ = writeln!(t, "  {:.2} s: {around}", took.as_secs_f64());
+    }
     let _ = writeln!(
         t,
         "interrupted turns that went back behind their last checkpoint {} (of which started from scratch {})",
@@ -531,21 +580,25 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     {
         // Issue 37's failover row (docs/performance.md): no floor is measured here, the anchors
         // are other runtimes' documented defaults.
-        let met = p50 <= Duration::from_millis(300) && p99 <= Duration::from_secs(1);
+        let met = p50 <= Duration::from_millis(300)
+            && p99 <= Duration::from_secs(1)
+            && unexplained == 0;
         t.push_str(&cyrene_test_support::cost::summary(
             "make chaos, failover",
             &[cyrene_test_support::cost::Row::new(
                 "failover",
                 "SIGKILL → the turn's next step on another worker",
                 format!(
-                    "p50 {} p99 {} max {} ({} failovers)",
+                    "p50 {} p99 {} max {} ({} failovers; over 1 s {}, unexplained {})",
                     secs(Some(p50)),
                     secs(Some(p99)),
                     secs(Some(max)),
-                    f.failovers.len()
+                    f.failovers.len(),
+                    f.outliers.len(),
+                    unexplained
                 ),
                 "DBOS 60 s by default; LangGraph deployments minutes (not measured here)",
-                "p50 ≤ 0.3 s, p99 ≤ 1 s, no outlier unexplained (read the max)",
+                "p50 ≤ 0.3 s, p99 ≤ 1 s, no outlier unexplained",
                 met,
             )],
         ));
