@@ -668,15 +668,17 @@ pub fn short_call_id(id: &str) -> String {
 }
 
 /// Path of a workspace binary built next to the `cyrene` binary (`make test` and `make chaos`
-/// build them all).
+/// build them all; `make bench` builds the release ones).
 pub fn workspace_binary(name: &str) -> PathBuf {
     let cyrene = PathBuf::from(env!("CARGO_BIN_EXE_cyrene"));
     let path = cyrene.with_file_name(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --workspace` (make test and make chaos do)",
-        path.display()
-    );
+    let release = cyrene.parent().is_some_and(|dir| dir.ends_with("release"));
+    let build = if release {
+        "`cargo build --release --workspace --bins` (make bench does)"
+    } else {
+        "`cargo build --workspace --bins` (make test and make chaos do)"
+    };
+    assert!(path.exists(), "{} is missing: run {build}", path.display());
     path
 }
 
