@@ -321,6 +321,8 @@ fn figures_of(
         model_calls: world.provider.calls().len(),
         faults: &faults,
         started: world.started,
+        surviving_slots: world.options.workers.saturating_sub(1)
+            * cyrene_loop_worker::config::Config::default().concurrency,
         answers: &world.approver.answers(),
     });
     println!("{}", figures.text);
