@@ -176,3 +176,36 @@ async fn images_pass_through_to_a_main_model_with_vision_or_when_unsure() {
         );
     }
 }
+
+/// The loop bench's turn (benches/loop.rs): a session with history of the answering persona's
+/// own answers, several tool rounds, then the answer. Only the first call sends the view whole;
+/// every later step sends just what it appends (its tool call and result) to the replica
+/// holding the rest, and the model sees exactly the view assembled whole.
+#[tokio::test]
+async fn every_step_after_the_first_continues_the_held_view_with_what_it_appends() {
+    let fake = Fake::scripted(tool_steps_then(&["c1", "c2", "c3"], "done"));
+    let mut j = job();
+    let answer = |text: &str| Message {
+        sender_name: "cyrene".into(),
+        ..Message::text(Role::Assistant, text)
+    };
+    j.messages = vec![
+        Message::text(Role::User, "earlier"),
+        answer("an earlier answer"),
+        Message::text(Role::User, "run the steps"),
+    ];
+    let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(
+        *fake.sent.lock().unwrap(),
+        [None, Some(2), Some(2), Some(2)]
+    );
+    let requests = fake.requests.lock().unwrap();
+    let window = fake.saved_state(3).messages;
+    for (step, request) in requests.iter().enumerate() {
+        // The blocks, then the window as it stood at the step: no lead, no note.
+        let seen: Vec<&Message> = request.messages.iter().skip(2).collect();
+        let expected: Vec<&Message> = window.iter().take(3 + 2 * step).collect();
+        assert_eq!(seen, expected, "step {}", step + 1);
+    }
+}
