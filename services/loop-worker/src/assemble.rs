@@ -241,6 +241,16 @@ pub struct ViewShape {
     steered: usize,
     noticed: bool,
     attribution: attribution::PlanEnd,
+    /// The image parts of the view (every one of its conversation's).
+    images: usize,
+}
+
+/// How many image parts `message` has.
+fn images_of(message: &Message) -> usize {
+    let images = message.content.iter();
+    images
+        .filter(|p| matches!(p, Part::ImageUrl { .. }))
+        .count()
 }
 
 /// [`assemble_view`], and the view's [`ViewShape`].
@@ -276,19 +286,33 @@ pub fn assemble_shaped(
         None => view.extend(conversation.map(replace)),
     }
     notice::append_notice(&mut view, inputs.notice);
-    (view, ViewShape::of(inputs, end))
+    let images = inputs.window.iter().map(images_of).sum::<usize>()
+        + inputs
+            .steered
+            .iter()
+            .map(|s| images_of(&s.message))
+            .sum::<usize>();
+    (view, ViewShape::of(inputs, end, images))
 }
 
 impl ViewShape {
-    /// The shape of the view of `inputs`, attribution standing at `attribution` at its end.
-    fn of(inputs: &ViewInputs<'_>, attribution: attribution::PlanEnd) -> ViewShape {
+    /// The shape of the view of `inputs` holding `images` images, attribution standing at
+    /// `attribution` at its end.
+    fn of(inputs: &ViewInputs<'_>, attribution: attribution::PlanEnd, images: usize) -> ViewShape {
         ViewShape {
             blocks: inputs.blocks.clone(),
             window: inputs.window.len(),
             steered: inputs.steered.len(),
             noticed: inputs.notice.is_some(),
             attribution,
+            images,
         }
+    }
+
+    /// How many images the view holds: a request keeps only its newest ones (crate::images),
+    /// so a view past that limit is no longer the held one followed by what it appends.
+    pub fn images(&self) -> usize {
+        self.images
     }
 }
 
@@ -320,9 +344,10 @@ pub fn extend_view(
     let mut end = shape.attribution.clone();
     let notes = end.plan_more(added.clone(), len, inputs.speakers, inputs.names)?;
     let replace = |m: &Message| replace_documents(&attribution::defused(m), documents);
+    let images = shape.images + added.clone().map(images_of).sum::<usize>();
     let mut messages = attribution::interleave(added, len, &notes, replace);
     notice::append_notice(&mut messages, inputs.notice);
-    Some((messages, ViewShape::of(inputs, end)))
+    Some((messages, ViewShape::of(inputs, end, images)))
 }
 
 #[cfg(test)]
@@ -750,7 +775,7 @@ mod tests {
 
     /// A random conversation growing step by step: whenever [`extend_view`] says the new view
     /// extends the last one, the last one followed by what it returns is exactly the view
-    /// assembled whole, with the same shape.
+    /// assembled whole, with the same shape (its image count included, which is the view's).
     #[test]
     fn an_extended_view_is_the_view_assembled_whole() {
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
@@ -765,12 +790,17 @@ mod tests {
         let (mut extended, mut whole) = (0, 0);
         for run in 0..200 {
             let message = |next: &mut dyn FnMut(u64) -> u64| -> Message {
-                let mut m = match next(6) {
+                let mut m = match next(7) {
                     0 => user("a user line"),
                     1 => user_parts(vec![
                         Part::text("see"),
                         document(["a", "unread"][next(2) as usize]),
                     ]),
+                    3 => user_parts(
+                        (0..=next(2))
+                            .map(|i| crate::fixtures::image(&format!("https://x/{i}.png")))
+                            .collect(),
+                    ),
                     2 => Message {
                         tool_call_id: "c1".into(),
                         ..Message::text(Role::Tool, "a result")
@@ -793,9 +823,11 @@ mod tests {
             let (mut view, mut shape) = assemble_shaped(&fx.inputs(), &documents);
             for step in 0..12u64 {
                 match next(10) {
-                    0 => fx
-                        .steered
-                        .push(steered(&format!("m{step}"), step, "steered in")),
+                    0 => fx.steered.push(SteeredMessage {
+                        id: format!("m{step}"),
+                        seq: step,
+                        message: message(&mut next),
+                    }),
                     1 => fx.notice = Some(ParallelNotice::default()),
                     2 => fx.blocks.memory.push_str(" more"),
                     _ => {}
@@ -807,6 +839,8 @@ mod tests {
                     fx.window.push(message(&mut next));
                 }
                 let (all, all_shape) = assemble_shaped(&fx.inputs(), &documents);
+                let images: usize = all.iter().map(images_of).sum();
+                assert_eq!(all_shape.images(), images, "run {run} step {step}");
                 match extend_view(&fx.inputs(), &documents, &shape) {
                     Some((added, added_shape)) => {
                         extended += 1;

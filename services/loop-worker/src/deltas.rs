@@ -19,8 +19,9 @@
 //! "Held views"): after its first call the gateway replica that answered holds the view, and the
 //! next step sends only the messages after what it holds, to that replica. The runner builds
 //! only those messages when its view provably appends to the held one (crate::assemble,
-//! `extend_view`, checked against whole assembly by a test), else the whole view, which goes
-//! whole. A replica that is gone or no longer holds the view (`no responders`, `not_found`) costs
+//! `extend_view`, checked against whole assembly by a test) and holds no more images than a
+//! request keeps (crate::images), else the whole view, which goes whole. In a turn nobody steers
+//! into, that is every step after the first. A replica that is gone or no longer holds the view (`no responders`, `not_found`) costs
 //! one more call: the whole view (the held one followed by what was added), to any replica.
 
 use crate::assemble::ViewShape;

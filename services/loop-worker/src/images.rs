@@ -7,7 +7,9 @@
 //!   [`IMAGE_OMITTED`] (whether or not the model sees images), so a message of thousands of image
 //!   URLs costs a bounded number of vision calls and bytes in every turn it stays in the window.
 //!   (The orchestrator refuses a message with more than 16 images; older transcripts may hold
-//!   more.)
+//!   more.) A step continues a held view only while its whole view holds no more images than
+//!   that (runner/request.rs), so what the model sees through a held view is what this
+//!   cap gives the whole view.
 //! - The main model's vision is asked once per turn, and only when a view first holds an image;
 //!   when the gateway cannot tell, images pass through (it routes image requests to a vision
 //!   step by itself).

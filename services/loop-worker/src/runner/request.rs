@@ -11,15 +11,17 @@
 //! - **Each document is read once per turn** and images are described once per turn
 //!   (crate::documents, crate::images); a document service that stays unreachable hands the
 //!   job back ([`Exit::Retry`]), never answers with "could not extract".
-//! - **A held view is only extended** when the new view provably appends to it; otherwise the
-//!   whole view is sent (crate::deltas).
+//! - **A held view is only extended** when the new view provably appends to it and holds no more
+//!   images than a request keeps ([`images::MAX_VIEW_IMAGES`]: past it the whole view shows an
+//!   older image as omitted where the held one has it); otherwise the whole view is sent
+//!   (crate::deltas).
 
 use super::{Exit, RunnerConfig, Turn};
 use crate::assemble::{self, ContextBlocks, ViewInputs};
 use crate::attribution::{PersonaNames, SpeakerEnv};
 use crate::deltas::SentView;
 use crate::documents::DocumentTexts;
-use crate::images::ImageResolver;
+use crate::images::{self, ImageResolver};
 use crate::memory;
 use crate::ports::TurnPorts;
 use cyrene_protocol::message::{Message, Part, Role};
@@ -87,11 +89,14 @@ impl<P: TurnPorts> Turn<'_, P> {
     pub(super) fn step_request(&mut self, config: &RunnerConfig) -> ModelRequest {
         let inputs = self.view_inputs();
         let documents = &self.view.documents;
+        // A request keeps only its newest images: past that limit the whole view shows an
+        // older image as omitted where the held view still has it, so it goes whole.
         let extended = self
             .view
             .sent
             .shape()
-            .and_then(|shape| assemble::extend_view(&inputs, documents, shape));
+            .and_then(|shape| assemble::extend_view(&inputs, documents, shape))
+            .filter(|(_, shape)| shape.images() <= images::MAX_VIEW_IMAGES);
         let (messages, shape, added) = match extended {
             Some((added, shape)) => (added, shape, true),
             None => {

@@ -67,6 +67,13 @@ struct Fake {
     tags: Mutex<Vec<crate::deltas::DeltaTag>>,
     /// Tools whose metadata asks for approval of every call.
     approval: Mutex<std::collections::HashSet<String>>,
+    /// The view the fake gateway replica (`r1`) holds for the turn's step calls, as the real
+    /// one does (docs/model-gateway.md, "Held views"): the model is asked with it followed by
+    /// what a continuing call sends.
+    held: Mutex<Vec<Message>>,
+    /// How each step call was sent: `None` whole, `Some(n)` continuing the held view with `n`
+    /// messages.
+    sent: Mutex<Vec<Option<usize>>>,
 }
 
 type GuardRule = fn(&GuardRequest) -> Result<Vec<u8>, ErrorBody>;
@@ -241,8 +248,33 @@ impl TurnPorts for Fake {
         view: &mut crate::deltas::SentView,
     ) -> Result<ModelResponse, ErrorBody> {
         self.tags.lock().unwrap().push(tag);
-        view.whole(&mut request);
-        self.complete(request).await
+        // As the worker's NATS ports do (crate::nats): what the step added, to the replica
+        // holding the rest; else the whole view, which the replica holds from then on.
+        let (messages, asked) = match view.continued(&mut request) {
+            Some((subject, mut continued)) => {
+                assert_eq!(subject, "cyrene.model.complete.stream.r1");
+                let added = std::mem::take(&mut continued.messages);
+                let mut held = self.held.lock().unwrap();
+                let base = continued.view.take().map(|v| v.base as usize);
+                assert_eq!(base, Some(held.len()), "a continuation of the held view");
+                held.extend(added.iter().cloned());
+                continued.messages = held.clone();
+                self.sent.lock().unwrap().push(Some(added.len()));
+                (added, continued)
+            }
+            None => {
+                view.whole(&mut request);
+                *self.held.lock().unwrap() = request.messages.clone();
+                self.sent.lock().unwrap().push(None);
+                (request.messages.clone(), request)
+            }
+        };
+        let response = self.complete(asked).await;
+        match &response {
+            Ok(_) => view.answered(messages, Some("r1".into())),
+            Err(_) => view.forget(),
+        }
+        response
     }
     async fn guard(
         &self,

@@ -176,3 +176,89 @@ async fn images_pass_through_to_a_main_model_with_vision_or_when_unsure() {
         );
     }
 }
+
+/// The loop bench's turn (benches/loop.rs): a session with history of the answering persona's
+/// own answers, several tool rounds, then the answer. Only the first call sends the view whole;
+/// every later step sends just what it appends (its tool call and result) to the replica
+/// holding the rest, and the model sees exactly the view assembled whole.
+#[tokio::test]
+async fn every_step_after_the_first_continues_the_held_view_with_what_it_appends() {
+    let fake = Fake::scripted(tool_steps_then(&["c1", "c2", "c3"], "done"));
+    let mut j = job();
+    let answer = |text: &str| Message {
+        sender_name: "cyrene".into(),
+        ..Message::text(Role::Assistant, text)
+    };
+    j.messages = vec![
+        Message::text(Role::User, "earlier"),
+        answer("an earlier answer"),
+        Message::text(Role::User, "run the steps"),
+    ];
+    let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(
+        *fake.sent.lock().unwrap(),
+        [None, Some(2), Some(2), Some(2)]
+    );
+    let requests = fake.requests.lock().unwrap();
+    let window = fake.saved_state(3).messages;
+    for (step, request) in requests.iter().enumerate() {
+        // The blocks, then the window as it stood at the step: no lead, no note.
+        let seen: Vec<&Message> = request.messages.iter().skip(2).collect();
+        let expected: Vec<&Message> = window.iter().take(3 + 2 * step).collect();
+        assert_eq!(seen, expected, "step {}", step + 1);
+    }
+}
+
+/// A turn whose window holds one image fewer than a request keeps (vision on), and whose step 2
+/// is steered a message of `n` more images: what each step's model saw, as (images shown,
+/// images omitted), and how each step call was sent.
+async fn a_turn_adding_images(n: usize) -> (Vec<(usize, usize)>, Vec<Option<usize>>) {
+    use crate::images::{IMAGE_OMITTED, MAX_VIEW_IMAGES};
+    let fake = Fake::scripted(tool_steps_then(&["c1", "c2"], "seen"));
+    *fake.vision.lock().unwrap() = Some(true);
+    let url = |name: String| format!("https://example.invalid/{name}.png");
+    let mut j = job();
+    j.messages = (0..MAX_VIEW_IMAGES - 1)
+        .map(|i| Message::image(Role::User, "look", url(i.to_string())))
+        .collect();
+    let photos = (0..n)
+        .map(|i| crate::fixtures::image(&url(format!("new-{i}"))))
+        .collect();
+    fake.then_steers(Ok(SteerResponse::default()));
+    fake.then_steers(Ok(SteerResponse {
+        messages: vec![SteeredMessage {
+            id: "m2".into(),
+            seq: 2,
+            message: Message::with_parts(Role::User, photos),
+        }],
+    }));
+    let done = completed(run_turn(&fake, &j, 1, &CFG).await);
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    let images = |request: &ModelRequest| {
+        let parts = request.messages.iter().flat_map(|m| &m.content);
+        let shown = parts.clone().filter(|p| matches!(p, Part::ImageUrl { .. }));
+        let omitted = parts.filter(|p| **p == Part::text(IMAGE_OMITTED));
+        (shown.count(), omitted.count())
+    };
+    let seen = fake.requests.lock().unwrap().iter().map(images).collect();
+    let sent = fake.sent.lock().unwrap().clone();
+    (seen, sent)
+}
+
+/// A request keeps only its newest images (crate::images): a step whose appended images stay
+/// within that continues the held view, but one that brings the view past it sends the view
+/// whole, as the whole view then shows an older image as omitted where the held one has it.
+#[tokio::test]
+async fn a_step_that_brings_the_view_past_the_image_limit_sends_it_whole() {
+    use crate::images::MAX_VIEW_IMAGES as MAX;
+    let (seen, sent) = a_turn_adding_images(1).await;
+    assert_eq!(seen, [(MAX - 1, 0), (MAX, 0), (MAX, 0)]);
+    // Step 2 appended its tool call and result and the steered message. Step 3 goes whole as
+    // every step after a steer does: its tool call and result come before the steered message.
+    assert_eq!(sent, [None, Some(3), None]);
+
+    let (seen, sent) = a_turn_adding_images(2).await;
+    assert_eq!(seen, [(MAX - 1, 0), (MAX, 1), (MAX, 1)]);
+    assert_eq!(sent, [None, None, None]);
+}
