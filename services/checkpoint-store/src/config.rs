@@ -124,7 +124,8 @@ pub struct Args {
     /// How long a request waits for a database connection (e.g. 2s).
     #[arg(long, env = "CYRENE_STORE_ACQUIRE_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
     pub acquire_timeout: Duration,
-    /// Database connection pool size.
+    /// Database connection pool size (SQLite: the reads' pool; writes have one connection of
+    /// their own).
     #[arg(long, env = "CYRENE_STORE_MAX_CONNECTIONS", default_value_t = 8)]
     pub max_connections: u32,
     /// Requests handled at once per endpoint.

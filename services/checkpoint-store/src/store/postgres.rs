@@ -164,6 +164,7 @@ impl PgStore {
             group: options.group_commit.then(|| -> Arc<dyn SaveBatcher> {
                 super::group::SaveGroup::new(pool.clone(), options.max_connections)
             }),
+            writer: pool.clone(),
             pool,
             max_state_bytes: options.max_state_bytes,
         })

@@ -14,6 +14,12 @@
 //! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write.
+//! - Every write — a save, a fenced read's raise, a retention — goes through
+//!   [`SqlStore`]'s `writer`, every plain read through its `pool`. On SQLite the writer is
+//!   one connection (the file has one writer at a time anyway), so its page cache stays valid
+//!   from one save to the next: a commit through another connection of the file would make the
+//!   next one discard its whole cache and read back every page it touches. On PostgreSQL the
+//!   two are the same pool.
 
 use super::{
     CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
@@ -122,7 +128,11 @@ pub(super) trait SaveBatcher: Send + Sync + std::fmt::Debug {
 /// Checkpoints in an SQL database of dialect `D`.
 #[derive(Debug)]
 pub struct SqlStore<D: Database> {
+    /// Plain reads.
     pub(super) pool: Pool<D>,
+    /// Every write (see the module's invariants): SQLite, a pool of one connection that writes
+    /// queue for, as they would for the file's write lock; PostgreSQL, `pool` itself.
+    pub(super) writer: Pool<D>,
     pub(super) max_state_bytes: usize,
     /// PostgreSQL: the group commit a step's fenced save goes through ([`SaveBatcher`]).
     pub(super) group: Option<Arc<dyn SaveBatcher>>,
@@ -132,6 +142,7 @@ impl<D: Database> Clone for SqlStore<D> {
     fn clone(&self) -> Self {
         SqlStore {
             pool: self.pool.clone(),
+            writer: self.writer.clone(),
             max_state_bytes: self.max_state_bytes,
             group: self.group.clone(),
         }
@@ -139,7 +150,7 @@ impl<D: Database> Clone for SqlStore<D> {
 }
 
 impl<D: Database> SqlStore<D> {
-    /// The pool (benchmarks compare against a direct upsert on it).
+    /// The pool of plain reads (benchmarks compare against a direct upsert on it).
     pub fn pool(&self) -> &Pool<D> {
         &self.pool
     }
@@ -270,18 +281,18 @@ on_every_dialect! {
         }
         let (created, updated) = match (&row.fence, &row.checkpoint.base) {
             (None, _) => {
-                let mut conn = self.pool.acquire().await?;
+                let mut conn = self.writer.acquire().await?;
                 Self::upsert(&mut conn, &row).await?
             }
             // One statement: no transaction around it, and no write lock held between round
             // trips.
             (Some(fence), None) => {
-                let mut conn = self.pool.acquire().await?;
+                let mut conn = self.writer.acquire().await?;
                 Self::fenced_upsert(&mut conn, &row, fence).await?
             }
             (Some(fence), base) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await?;
+                let mut tx = D::begin_write(&self.writer).await?;
                 let stored = Self::fenced_upsert(&mut tx, &row, fence).await?;
                 if let Some(base) = base {
                     // A turn (re)starting from its base: the rows of any earlier start are no
@@ -409,13 +420,13 @@ on_every_dialect! {
         let row = match fence {
             None => read().fetch_optional(&self.pool).await,
             Some(fence) if D::RAISE_COMMITS_FIRST => {
-                let mut conn = self.pool.acquire().await?;
+                let mut conn = self.writer.acquire().await?;
                 Self::raise(&mut conn, &fence, now).await?;
                 read().fetch_optional(&mut *conn).await
             }
             Some(fence) => {
                 // Refused: the transaction rolls back when dropped.
-                let mut tx = D::begin_write(&self.pool).await?;
+                let mut tx = D::begin_write(&self.writer).await?;
                 Self::raise(&mut tx, &fence, now).await?;
                 let row = read().fetch_optional(&mut *tx).await?;
                 tx.commit().await.map(|()| row)
@@ -459,7 +470,7 @@ on_every_dialect! {
     }
 
     async fn retain(&self, request: &RetainRequest, now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await?;
+        let mut tx = D::begin_write(&self.writer).await?;
         let done = match retain_mode(request)? {
             RetainMode::KeepLast {
                 agent_id,
@@ -493,6 +504,7 @@ on_every_dialect! {
 
     async fn close(&self) {
         self.pool.close().await;
+        self.writer.close().await;
     }
 
     async fn ping(&self) -> bool {

@@ -15,16 +15,24 @@
 //!   then read), run in one `BEGIN IMMEDIATE` transaction, which takes the lock up front.
 //! - Every write of a row with a turn and an attempt raises that turn's record (the triggers), so
 //!   no statement here may write such a row for an attempt that is not allowed to fence the turn.
+//! - Every write runs on one connection, the store's `writer` (plain reads use the pool): SQLite
+//!   takes one writer at a time anyway, and a connection that alone writes keeps its page cache.
+//!   Each commit through one connection of a WAL file makes every other connection drop its
+//!   whole page cache when it next begins, and read back every page it then touches: with the
+//!   pool's connections taken in turn, every step's save did that for its five b-trees and the
+//!   attempt record.
 //!
 //! # Pitfalls
-//! - WAL mode lets readers run beside the single writer; writers queue on the lock for up to
-//!   `busy_timeout`, after which the save fails with `unavailable` (SQLITE_BUSY).
+//! - WAL mode lets readers run beside the single writer; writes queue for the `writer` connection
+//!   for up to `busy_timeout` (as they would for the file's lock), after which the save fails
+//!   with `unavailable`. Another process writing the same file still takes the lock from it
+//!   (SQLITE_BUSY after `busy_timeout`), and empties the writer's page cache once.
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
 use super::sql::{Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
-use cyrene_sql::SqliteSettings;
+use cyrene_sql::{PoolSettings, SqliteSettings};
 use sqlx::migrate::Migrator;
 use sqlx::query::Query;
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
@@ -139,20 +147,32 @@ impl SqliteStore {
     /// Opens (creating if missing, parent directory included) the database at `url`
     /// (`sqlite://path/to/file.db`), then applies the migrations.
     pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
-        let connect = SqliteSettings::CHECKPOINTS.connect_options(url)?;
+        let settings = SqliteSettings::CHECKPOINTS;
+        let connect = settings.connect_options(url)?;
         let pool = options
             .pool()
             .options::<Sqlite>()
-            .connect_with(connect)
+            .connect_with(connect.clone())
             .await
             .map_err(StoreError::open("sqlite"))?;
         MIGRATOR
             .run(&pool)
             .await
             .map_err(StoreError::open("sqlite migrations"))?;
+        // One connection for every write (the module's invariants); a write waits for it as long
+        // as it would wait for the file's write lock.
+        let writer = PoolSettings {
+            max_connections: 1,
+            acquire_timeout: settings.busy_timeout,
+        }
+        .options::<Sqlite>()
+        .connect_with(connect)
+        .await
+        .map_err(StoreError::open("sqlite"))?;
         Ok(SqlStore {
             group: None,
             pool,
+            writer,
             max_state_bytes: options.max_state_bytes,
         })
     }
@@ -161,6 +181,102 @@ impl SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CheckpointStore;
+    use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest, checkpoint_id};
+    use serde_json::json;
+    use std::time::Duration;
+
+    /// Step `step` of turn `t1` (attempt 1): a delta from message 0, with the turn's base when
+    /// `base`.
+    fn step(step: u32, base: bool) -> Checkpoint {
+        serde_json::from_value(json!({
+            "id": checkpoint_id("s1", Some("t1"), step),
+            "agent_id": "s1", "step": step, "turn_id": "t1", "attempt": 1,
+            "state": {"from": 0, "step": step, "messages": []},
+            "base": base.then(|| json!({"messages": []})),
+        }))
+        .unwrap()
+    }
+
+    /// An unfenced save of owner `s2`.
+    fn unfenced() -> Checkpoint {
+        serde_json::from_value(json!({
+            "id": "s2:1", "agent_id": "s2", "step": 1, "state": {"step": 1, "messages": []},
+        }))
+        .unwrap()
+    }
+
+    async fn open(options: &StoreOptions) -> (SqliteStore, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("c.db").display());
+        (SqliteStore::open(&url, options).await.unwrap(), dir)
+    }
+
+    /// Every kind of write runs on the one writer connection: `PRAGMA data_version` there changes
+    /// only when another connection commits to the file (which would also empty its page
+    /// cache), and it does not move through saves, a fenced read and retentions — until one
+    /// write goes through the read pool.
+    #[tokio::test]
+    async fn every_write_runs_on_the_one_writer_connection() {
+        let (store, _dir) = open(&StoreOptions::default()).await;
+        let version =
+            || sqlx::query_scalar::<_, i64>("PRAGMA data_version").fetch_one(&store.writer);
+        let before = version().await.unwrap();
+        let now = Utc::now();
+        let plain = unfenced();
+        store.save(plain, now).await.unwrap();
+        store.save(step(1, true), now).await.unwrap();
+        store.save(step(2, false), now).await.unwrap();
+        store
+            .latest_of_turn("s1", "t1", Some(1), now)
+            .await
+            .unwrap();
+        assert_eq!(store.list("s1", None).await.unwrap().len(), 2);
+        store
+            .retain(&RetainRequest::keep_last("s1", 5), now)
+            .await
+            .unwrap();
+        store
+            .retain(&RetainRequest::older_than(3600), now)
+            .await
+            .unwrap();
+        assert_eq!(
+            version().await.unwrap(),
+            before,
+            "a write ran on another connection"
+        );
+        sqlx::query("DELETE FROM turn_attempts")
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        assert_ne!(
+            version().await.unwrap(),
+            before,
+            "a commit on another connection shows"
+        );
+    }
+
+    /// Writes never wait for a read connection: with the only one held, saves of every kind and
+    /// a retention still go through.
+    #[tokio::test]
+    async fn writes_do_not_wait_for_the_read_pool() {
+        let options = StoreOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_millis(200),
+            ..StoreOptions::default()
+        };
+        let (store, _dir) = open(&options).await;
+        let _held = store.pool.acquire().await.unwrap();
+        let now = Utc::now();
+        let plain = unfenced();
+        store.save(plain, now).await.unwrap();
+        store.save(step(1, true), now).await.unwrap();
+        store.save(step(2, false), now).await.unwrap();
+        store
+            .retain(&RetainRequest::keep_last("s2", 0), now)
+            .await
+            .unwrap();
+    }
 
     /// The fenced save is the checked upsert alone: it writes nothing once a newer attempt
     /// raised the record (a fenced read), and its own write raises the record, so an older
