@@ -17,10 +17,11 @@
 //!   [`LATE_FLUSH_EVERY`]; past [`MAX_DELTA_MESSAGES`] no more deltas are published (the end
 //!   marker's `done` holds the whole answer). So the end marker always fits in the permission.
 //! - The call record is published exactly as for the non-streamed call ([`Gateway::call`]).
-//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one as the call starts and
-//!   then whenever nothing else was published for the asked interval while the call runs; when
-//!   this replica dies they stop, which is how the caller notices it (docs/model-gateway.md, "A
-//!   replica that dies mid-call").
+//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one whenever nothing was
+//!   published for the asked interval while the call runs, the first one interval after the
+//!   call started (none at all for a call that answers sooner); when this replica dies they
+//!   stop, which is how the caller notices it (docs/model-gateway.md, "A replica that dies
+//!   mid-call").
 //!
 //! # Pitfalls
 //! - Core NATS does not redeliver: a caller too slow for its deltas loses some and sees a gap in
@@ -160,12 +161,9 @@ async fn forward(
     Option<ModelRequest>,
 ) {
     let mut seq = 0u64;
-    // The first heartbeat goes out before the call starts (so publishing it never holds up the
-    // first delta): it tells the caller this replica took the call and sends them.
-    if heartbeat.is_some() {
-        publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
-        seq += 1;
-    }
+    // No heartbeat goes out as the call starts: the first one is due one interval after it, and
+    // only if nothing else was published by then. A call that answers within one interval (a
+    // tool round of a fast model) sends none; the caller's first-message grace is ten intervals.
     let (sink, mut deltas) = DeltaSink::new();
     let call = tokio::spawn({
         let (gateway, client) = (gateway.clone(), client.clone());

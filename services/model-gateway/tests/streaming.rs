@@ -716,6 +716,57 @@ async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
     assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
 }
 
+/// The chunks published on a fresh inbox for `request` sent with `headers`, up to its end.
+async fn wire(
+    client: &async_nats::Client,
+    request: &ModelRequest,
+    headers: async_nats::HeaderMap,
+) -> Vec<StreamChunk> {
+    let reply = client.new_inbox();
+    let mut seen = client.subscribe(reply.clone()).await.unwrap();
+    let payload = serde_json::to_vec(request).unwrap();
+    client
+        .publish_with_reply_and_headers(MODEL_COMPLETE_STREAM, reply, headers, payload.into())
+        .await
+        .unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let m = tokio::time::timeout(WAIT, seen.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let chunk: StreamChunk = serde_json::from_slice(&m.payload).unwrap();
+        let end = chunk.is_end();
+        chunks.push(chunk);
+        if end {
+            return chunks;
+        }
+    }
+}
+
+fn header(name: &str, value: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(&mut headers, name, value).unwrap();
+    headers
+}
+
+/// The first heartbeat is due one interval into the call, not as it starts: a call answered
+/// sooner (the scripted model at once; the interval asked is 10 s) sends its deltas and its end
+/// marker and nothing else. Each of a five-step turn's six calls once paid one message more.
+#[tokio::test]
+async fn a_call_answered_within_one_heartbeat_interval_sends_no_heartbeat() {
+    let bus = start_bus().await;
+    let beat = header(cyrene_protocol::stream::HEARTBEAT_HEADER, "10000");
+    let chunks = wire(&bus.client, &ask("hello there"), beat).await;
+    assert!(chunks.iter().all(|c| c.heartbeat.is_none()), "{chunks:?}");
+    assert!(chunks.iter().any(|c| c.delta.is_some()), "{chunks:?}");
+    assert!(chunks.last().unwrap().done.is_some(), "{chunks:?}");
+    let seqs: Vec<u64> = chunks.iter().map(|c| c.seq).collect();
+    assert_eq!(seqs, (0..chunks.len() as u64).collect::<Vec<_>>());
+    bus.shutdown.cancel();
+    tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+}
+
 /// Issue 29, item 4: a caller that asks for heartbeats gets them while a slow provider thinks,
 /// so a call far longer than the silence limit still ends with its answer; a responder that
 /// takes the call and then says nothing is given up on after five silent intervals

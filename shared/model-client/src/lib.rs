@@ -10,8 +10,9 @@
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
 //! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and
 //!   gives up on a call that hears nothing for [`SILENT_BEATS`] intervals
-//!   ([`RequestError::Vanished`]), or that hears no first heartbeat (a gateway sends it as it
-//!   takes the call) within [`FIRST_BEAT_BEATS`] intervals: a replica that died mid-call, or
+//!   ([`RequestError::Vanished`]), or that hears nothing at all (a gateway's first heartbeat is
+//!   due one interval after it took the call) within [`FIRST_BEAT_BEATS`] intervals: a replica
+//!   that died mid-call, or
 //!   after NATS handed it the request but before it read it, is noticed in about a second, not at
 //!   the call's timeout. So a caller asking for heartbeats needs gateways that send them (every
 //!   gateway since issue 29; docs/operations.md says to upgrade gateways before workers).
@@ -49,9 +50,10 @@ pub async fn complete(
 /// How many heartbeat intervals of silence make a call's responder count as gone.
 pub const SILENT_BEATS: u32 = 5;
 
-/// How many heartbeat intervals a call waits for its first heartbeat (the gateway's "taken")
-/// before its responder counts as gone: longer than [`SILENT_BEATS`], since the gateway decodes
-/// the request (a whole view, perhaps) before it says so.
+/// How many heartbeat intervals a call waits for its first message before its responder counts
+/// as gone: longer than [`SILENT_BEATS`], since the gateway decodes the request (a whole view,
+/// perhaps) before its call starts, and sends its first heartbeat one interval after that
+/// (none when the call answers sooner).
 pub const FIRST_BEAT_BEATS: u32 = 10;
 
 /// Streams `request` through the gateway, calling `on_delta` for each delta in order, and
@@ -266,8 +268,8 @@ async fn exchange(
         .await
         .map_err(transport)?;
     let mut expected = 0u64;
-    // Until the first message (the gateway's first heartbeat) the responder has longer: it
-    // decodes the request before it says it took it.
+    // Until the first message (a delta, the end, or the gateway's first heartbeat one interval
+    // into the call) the responder has longer: it decodes the request before the call starts.
     let mut heard = false;
     loop {
         let quiet = if heard { silent } else { first };
