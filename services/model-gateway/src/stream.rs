@@ -2,8 +2,9 @@
 //! `cyrene.model.complete.stream` (docs/model-gateway.md, "Streaming").
 //!
 //! The caller subscribes to an inbox of its own and publishes the usual [`ModelRequest`] with
-//! that inbox as the reply subject. The gateway publishes one [`StreamChunk`] per delta on the
-//! inbox as the provider produces it, then the end marker (`done` with the whole response, or
+//! that inbox as the reply subject. The gateway publishes one [`StreamChunk`] per delta (of the
+//! kinds the caller wants, [`DELTAS_HEADER`]) on the inbox as the provider produces it, then the
+//! end marker (`done` with the whole response, or
 //! `error`) as the micro reply — so `$SRV.STATS` counts the request and its errors like any
 //! other, and the end marker carries the `Nats-Service-Error` headers too.
 //!
@@ -34,7 +35,8 @@ use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::{
-    Delta, HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS, StreamChunk,
+    DELTAS_HEADER, Delta, DeltaKinds, HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS,
+    StreamChunk,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use std::sync::Arc;
@@ -104,8 +106,9 @@ pub async fn handle(
                 Err(err) => (0, Err(err), None),
                 Ok(held) => {
                     let heartbeat = heartbeat_of(&request);
+                    let kinds = kinds_of(&request);
                     let (seq, result, req) =
-                        forward(&gateway, &client, req, &inbox, heartbeat).await;
+                        forward(&gateway, &client, req, &inbox, heartbeat, kinds).await;
                     let replica = match (held, req) {
                         (Some(held), Some(req)) => {
                             gateway.views.hold(held, req.messages);
@@ -135,6 +138,19 @@ fn heartbeat_of(request: &Request) -> Option<Duration> {
     ))
 }
 
+/// The kinds of delta the caller wants ([`DELTAS_HEADER`]); every kind without the header.
+fn kinds_of(request: &Request) -> DeltaKinds {
+    match request
+        .message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(DELTAS_HEADER))
+    {
+        Some(value) => DeltaKinds::parse(value.as_str()),
+        None => DeltaKinds::ALL,
+    }
+}
+
 /// What woke the forwarding loop.
 enum Next {
     /// A delta from the call, or `None` when the call is over.
@@ -145,16 +161,17 @@ enum Next {
     Beat,
 }
 
-/// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
-/// of provider events never holds up the first delta), and a heartbeat whenever `heartbeat`
-/// passed without one; the next `seq`, the outcome and the request back (`None` if the task
-/// failed).
+/// Runs the call in a task of its own, publishing each delta of a wanted kind on `inbox` as it
+/// comes (so a burst of provider events never holds up the first delta), and a heartbeat
+/// whenever `heartbeat` passed without one; the next `seq`, the outcome and the request back
+/// (`None` if the task failed).
 async fn forward(
     gateway: &Arc<Gateway>,
     client: &async_nats::Client,
     req: ModelRequest,
     inbox: &async_nats::Subject,
     heartbeat: Option<Duration>,
+    kinds: DeltaKinds,
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
@@ -189,9 +206,10 @@ async fn forward(
         };
         let ended = match next {
             Next::Delta(Some(delta)) => {
-                pending.push(delta);
+                // A delta the caller does not want is never published (nor counted in `seq`).
+                pending.extend(Some(delta).filter(|d| kinds.wants(d)));
                 while let Ok(delta) = deltas.try_recv() {
-                    pending.push(delta);
+                    pending.extend(Some(delta).filter(|d| kinds.wants(d)));
                 }
                 false
             }

@@ -26,7 +26,7 @@ use async_nats::StatusCode;
 use cyrene_bus::request::{self, RequestError};
 use cyrene_bus::{service, trace};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
-use cyrene_protocol::stream::{Delta, HEARTBEAT_HEADER, StreamChunk};
+use cyrene_protocol::stream::{DELTAS_HEADER, Delta, DeltaKinds, HEARTBEAT_HEADER, StreamChunk};
 use cyrene_protocol::subjects;
 use futures::{Stream, StreamExt};
 use std::collections::HashMap;
@@ -70,7 +70,14 @@ pub async fn complete_stream(
     let replies = client.subscribe(inbox.clone()).await.map_err(transport)?;
     let subject = subjects::MODEL_COMPLETE_STREAM;
     let (response, _) = exchange(
-        client, subject, payload, inbox, replies, timeout, None, on_delta,
+        client,
+        subject,
+        payload,
+        inbox,
+        replies,
+        timeout,
+        Options::default(),
+        on_delta,
     )
     .await?;
     Ok(response)
@@ -193,6 +200,20 @@ impl StreamInbox {
         timeout: Duration,
         on_delta: impl FnMut(u64, Delta),
     ) -> Result<(ModelResponse, Option<String>), RequestError> {
+        self.complete_stream_wanting(subject, request, timeout, DeltaKinds::ALL, on_delta)
+            .await
+    }
+
+    /// [`StreamInbox::complete_stream_at`] asking the gateway for deltas of `kinds` only
+    /// ([`DELTAS_HEADER`]): `on_delta` hears no other kind, and the bus carries none.
+    pub async fn complete_stream_wanting(
+        &self,
+        subject: &str,
+        request: &ModelRequest,
+        timeout: Duration,
+        kinds: DeltaKinds,
+        on_delta: impl FnMut(u64, Delta),
+    ) -> Result<(ModelResponse, Option<String>), RequestError> {
         let payload = encode(&self.client, request)?;
         self.router.get_or_try_init(|| self.start()).await?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
@@ -216,10 +237,31 @@ impl StreamInbox {
             inbox,
             replies,
             timeout,
-            self.heartbeat,
+            Options {
+                heartbeat: self.heartbeat,
+                kinds,
+            },
             on_delta,
         )
         .await
+    }
+}
+
+/// What a call asks of the gateway besides its request.
+#[derive(Debug, Clone, Copy)]
+struct Options {
+    /// The heartbeat interval, if any.
+    heartbeat: Option<Duration>,
+    /// The deltas wanted; every kind sends no header.
+    kinds: DeltaKinds,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            heartbeat: None,
+            kinds: DeltaKinds::ALL,
+        }
     }
 }
 
@@ -237,8 +279,9 @@ fn transport(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Req
 }
 
 /// Publishes the request to `subject` with `inbox` as its reply subject and reads `replies` to
-/// the end marker: the response and the replica holding the request's view, if any. With
-/// `heartbeat`, asks for heartbeats and gives up after [`SILENT_BEATS`] silent intervals.
+/// the end marker: the response and the replica holding the request's view, if any. With a
+/// heartbeat, asks for heartbeats and gives up after [`SILENT_BEATS`] silent intervals; with
+/// fewer than every kind of delta, names the kinds wanted.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     client: &Client,
@@ -247,9 +290,10 @@ async fn exchange(
     inbox: String,
     replies: impl Stream<Item = async_nats::Message>,
     timeout: Duration,
-    heartbeat: Option<Duration>,
+    options: Options,
     mut on_delta: impl FnMut(u64, Delta),
 ) -> Result<(ModelResponse, Option<String>), RequestError> {
+    let heartbeat = options.heartbeat;
     let mut replies = std::pin::pin!(replies);
     let deadline = Instant::now() + timeout;
     let mut headers = trace::current_headers();
@@ -262,6 +306,11 @@ async fn exchange(
             HEARTBEAT_HEADER,
             &every.as_millis().to_string(),
         );
+    }
+    if options.kinds != DeltaKinds::ALL {
+        // Fixed names: always a valid header.
+        let _ =
+            cyrene_bus::headers::insert(&mut headers, DELTAS_HEADER, &options.kinds.header_value());
     }
     client
         .publish_with_reply_and_headers(subject.to_owned(), inbox, headers, payload.into())
