@@ -11,6 +11,7 @@
 //!   only when it matches nothing does the fence's read say why (`not_found`, `bad_request`,
 //!   `conflict`) or that the turn was already completed.
 
+use super::start::Earlier;
 use super::steer::TurnRef;
 use super::{Completed, Store, StoreError, encode, now_ms};
 use cyrene_protocol::ids::new_id;
@@ -151,12 +152,22 @@ impl Store {
         let running = Self::running_turns(&mut tx, &req.session_id).await?;
         let (next, pushed) = match running.as_slice() {
             [] => {
-                let batch = self.pending_batch(&mut tx, &req.session_id, None).await?;
+                let batch = self
+                    .pending_batch(&mut tx, &req.session_id, None, Earlier::Maybe)
+                    .await?;
                 if batch.is_empty() {
                     (None, None)
                 } else {
                     let next = self
-                        .start_turn(&mut tx, &req.session_id, &env, batch, String::new(), None)
+                        .start_turn(
+                            &mut tx,
+                            &req.session_id,
+                            &env,
+                            batch,
+                            String::new(),
+                            None,
+                            Earlier::Maybe,
+                        )
                         .await?;
                     (Some(next), None)
                 }
