@@ -55,10 +55,13 @@ struct StatementText(String);
 impl tracing::field::Visit for StatementText {
     fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
         // `db.statement` is the whole text when the summary was shortened; else the summary.
-        if field.name() == "db.statement" && !value.is_empty() || field.name() == "summary" {
-            if self.0.is_empty() || field.name() == "db.statement" {
-                self.0 = value.to_owned();
-            }
+        let take = match field.name() {
+            "db.statement" => !value.is_empty(),
+            "summary" => self.0.is_empty(),
+            _ => false,
+        };
+        if take {
+            self.0 = value.to_owned();
         }
     }
     fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}

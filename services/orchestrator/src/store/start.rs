@@ -75,7 +75,9 @@ impl Store {
         Ok(job::batch(pending, self.settings.max_job_bytes))
     }
 
-    /// Claims `batch` for a new turn, seeds its window and records it (not yet dispatched).
+    /// Claims `batch` for a new turn, seeds its window (none read with [`Earlier::None`]) and
+    /// records it (not yet dispatched).
+    #[allow(clippy::too_many_arguments)] // the turn's parts, each from its caller's decision
     pub(super) async fn start_turn(
         &self,
         tx: &mut Transaction<'static, Any>,
