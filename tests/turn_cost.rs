@@ -360,6 +360,8 @@ async fn a_five_step_turn_one_at_a_time_on_postgres() {
     cost.print("one at a time");
     // The turn's own messages: six model calls, six checkpoint saves, its events.
     assert_eq!(cost.messages_on("cyrene.checkpoint.save"), 12.0);
+    // The job's ack asks for no confirmation (a lost ack is a harmless redelivery).
+    assert_eq!(cost.messages_on("reply to $JS.ACK"), 0.0);
     // Every model call of the scripted model answers within one heartbeat interval: none.
     assert_eq!(cost.messages_on("[heartbeat]"), 0.0);
     // The worker asks for text deltas only: the five tool rounds send none, the answer one
@@ -370,6 +372,11 @@ async fn a_five_step_turn_one_at_a_time_on_postgres() {
         cost.bus_in <= 69.0,
         "{} messages into the bus a turn",
         cost.bus_in
+    );
+    assert!(
+        cost.bus_out <= 81.5,
+        "{} messages out of the bus a turn",
+        cost.bus_out
     );
     // Each turn is its session's first message (as in the bench's throughput case): its send
     // reads no running turn, no pending batch and no window; its completion finds in one read
