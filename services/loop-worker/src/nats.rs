@@ -16,7 +16,7 @@ use cyrene_protocol::memory::{self, MemoryReadRequest, MemoryReadResponse};
 use cyrene_protocol::message::ToolCall;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, RouteRequest, RouteResponse, ToolSpec};
 use cyrene_protocol::session::SessionEvent;
-use cyrene_protocol::stream::Delta;
+use cyrene_protocol::stream::{Delta, DeltaKinds};
 use cyrene_protocol::turn::{SteerRequest, SteerResponse, SteeredMessage};
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use futures::StreamExt;
@@ -211,6 +211,12 @@ impl TurnPorts for NatsPorts {
         // A guarded turn's text is not previewed: nothing of it reaches the session before the
         // guard has allowed the answer.
         let preview = tag.preview;
+        // Only answer text is published (docs/loop-worker.md, "Deltas"): the gateway sends no
+        // other kind, and none at all when nothing is previewed.
+        let kinds = match preview {
+            true => DeltaKinds::TEXT,
+            false => DeltaKinds::NONE,
+        };
         let call = async move {
             let result = async {
                 let on_delta = |tx: &tokio::sync::mpsc::UnboundedSender<(u32, String)>,
@@ -230,7 +236,13 @@ impl TurnPorts for NatsPorts {
                 if let Some((subject, continued)) = view.continued(&mut request) {
                     let sent = self
                         .streams
-                        .complete_stream_at(&subject, &continued, left(), on_delta(&tx, retry))
+                        .complete_stream_wanting(
+                            &subject,
+                            &continued,
+                            left(),
+                            kinds,
+                            on_delta(&tx, retry),
+                        )
                         .await;
                     match sent {
                         Ok((response, replica)) => {
@@ -261,7 +273,13 @@ impl TurnPorts for NatsPorts {
                 loop {
                     let sent = self
                         .streams
-                        .complete_stream_at(subject, &request, left(), on_delta(&tx, retry))
+                        .complete_stream_wanting(
+                            subject,
+                            &request,
+                            left(),
+                            kinds,
+                            on_delta(&tx, retry),
+                        )
                         .await;
                     match sent {
                         Ok((response, replica)) => {

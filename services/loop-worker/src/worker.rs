@@ -11,7 +11,9 @@
 //!   takes effect; every worker of a deployment should run with the same values.
 //! - A job is acked only after its completion was acknowledged by the orchestrator, so a crash
 //!   between the two re-runs nothing: the redelivered job finds the settled checkpoint and
-//!   reports again (completion is idempotent).
+//!   reports again (completion is idempotent). For the same reason the ack asks for no
+//!   confirmation: an ack the server never got is that same harmless redelivery, so waiting for
+//!   the server's answer would cost a message and a round trip a turn for nothing.
 //! - An exhausted job (`max_deliver` deliveries without an ack) is reported to the orchestrator
 //!   as an `error` completion and a session `error` event, then deleted from the stream.
 //!
@@ -135,7 +137,7 @@ async fn handle_job(
         TurnEnd::Complete(done) => {
             match tracing::Instrument::instrument(report(client, &done, shutdown), span).await {
                 Reported::Acknowledged => {
-                    if let Err(err) = message.double_ack().await {
+                    if let Err(err) = message.ack().await {
                         tracing::warn!(turn = %job.turn_id, error = %err, "job ack failed; a redelivery will report again");
                     }
                 }

@@ -2,8 +2,9 @@
 //! `cyrene.model.complete.stream` (docs/model-gateway.md, "Streaming").
 //!
 //! The caller subscribes to an inbox of its own and publishes the usual [`ModelRequest`] with
-//! that inbox as the reply subject. The gateway publishes one [`StreamChunk`] per delta on the
-//! inbox as the provider produces it, then the end marker (`done` with the whole response, or
+//! that inbox as the reply subject. The gateway publishes one [`StreamChunk`] per delta (of the
+//! kinds the caller wants, [`DELTAS_HEADER`]) on the inbox as the provider produces it, then the
+//! end marker (`done` with the whole response, or
 //! `error`) as the micro reply — so `$SRV.STATS` counts the request and its errors like any
 //! other, and the end marker carries the `Nats-Service-Error` headers too.
 //!
@@ -17,10 +18,11 @@
 //!   [`LATE_FLUSH_EVERY`]; past [`MAX_DELTA_MESSAGES`] no more deltas are published (the end
 //!   marker's `done` holds the whole answer). So the end marker always fits in the permission.
 //! - The call record is published exactly as for the non-streamed call ([`Gateway::call`]).
-//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one as the call starts and
-//!   then whenever nothing else was published for the asked interval while the call runs; when
-//!   this replica dies they stop, which is how the caller notices it (docs/model-gateway.md, "A
-//!   replica that dies mid-call").
+//! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) gets one whenever nothing was
+//!   published for the asked interval while the call runs, the first one interval after the
+//!   call started (none at all for a call that answers sooner); when this replica dies they
+//!   stop, which is how the caller notices it (docs/model-gateway.md, "A replica that dies
+//!   mid-call").
 //!
 //! # Pitfalls
 //! - Core NATS does not redeliver: a caller too slow for its deltas loses some and sees a gap in
@@ -33,7 +35,8 @@ use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
 use cyrene_protocol::model::ModelRequest;
 use cyrene_protocol::stream::{
-    Delta, HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS, StreamChunk,
+    DELTAS_HEADER, Delta, DeltaKinds, HEARTBEAT_HEADER, HEARTBEAT_MAX_MS, HEARTBEAT_MIN_MS,
+    StreamChunk,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use std::sync::Arc;
@@ -103,8 +106,9 @@ pub async fn handle(
                 Err(err) => (0, Err(err), None),
                 Ok(held) => {
                     let heartbeat = heartbeat_of(&request);
+                    let kinds = kinds_of(&request);
                     let (seq, result, req) =
-                        forward(&gateway, &client, req, &inbox, heartbeat).await;
+                        forward(&gateway, &client, req, &inbox, heartbeat, kinds).await;
                     let replica = match (held, req) {
                         (Some(held), Some(req)) => {
                             gateway.views.hold(held, req.messages);
@@ -134,6 +138,19 @@ fn heartbeat_of(request: &Request) -> Option<Duration> {
     ))
 }
 
+/// The kinds of delta the caller wants ([`DELTAS_HEADER`]); every kind without the header.
+fn kinds_of(request: &Request) -> DeltaKinds {
+    match request
+        .message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(DELTAS_HEADER))
+    {
+        Some(value) => DeltaKinds::parse(value.as_str()),
+        None => DeltaKinds::ALL,
+    }
+}
+
 /// What woke the forwarding loop.
 enum Next {
     /// A delta from the call, or `None` when the call is over.
@@ -144,28 +161,26 @@ enum Next {
     Beat,
 }
 
-/// Runs the call in a task of its own, publishing each delta on `inbox` as it comes (so a burst
-/// of provider events never holds up the first delta), and a heartbeat whenever `heartbeat`
-/// passed without one; the next `seq`, the outcome and the request back (`None` if the task
-/// failed).
+/// Runs the call in a task of its own, publishing each delta of a wanted kind on `inbox` as it
+/// comes (so a burst of provider events never holds up the first delta), and a heartbeat
+/// whenever `heartbeat` passed without one; the next `seq`, the outcome and the request back
+/// (`None` if the task failed).
 async fn forward(
     gateway: &Arc<Gateway>,
     client: &async_nats::Client,
     req: ModelRequest,
     inbox: &async_nats::Subject,
     heartbeat: Option<Duration>,
+    kinds: DeltaKinds,
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
     Option<ModelRequest>,
 ) {
     let mut seq = 0u64;
-    // The first heartbeat goes out before the call starts (so publishing it never holds up the
-    // first delta): it tells the caller this replica took the call and sends them.
-    if heartbeat.is_some() {
-        publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
-        seq += 1;
-    }
+    // No heartbeat goes out as the call starts: the first one is due one interval after it, and
+    // only if nothing else was published by then. A call that answers within one interval (a
+    // tool round of a fast model) sends none; the caller's first-message grace is ten intervals.
     let (sink, mut deltas) = DeltaSink::new();
     let call = tokio::spawn({
         let (gateway, client) = (gateway.clone(), client.clone());
@@ -191,9 +206,10 @@ async fn forward(
         };
         let ended = match next {
             Next::Delta(Some(delta)) => {
-                pending.push(delta);
+                // A delta the caller does not want is never published (nor counted in `seq`).
+                pending.extend(Some(delta).filter(|d| kinds.wants(d)));
                 while let Ok(delta) = deltas.try_recv() {
-                    pending.push(delta);
+                    pending.extend(Some(delta).filter(|d| kinds.wants(d)));
                 }
                 false
             }

@@ -716,6 +716,135 @@ async fn calls_sharing_one_stream_inbox_each_get_their_own_deltas_and_end() {
     assert!(matches!(err, RequestError::NoResponders { .. }), "{err:?}");
 }
 
+/// The chunks published on a fresh inbox for `request` sent with `headers`, up to its end.
+async fn wire(
+    client: &async_nats::Client,
+    request: &ModelRequest,
+    headers: async_nats::HeaderMap,
+) -> Vec<StreamChunk> {
+    let reply = client.new_inbox();
+    let mut seen = client.subscribe(reply.clone()).await.unwrap();
+    let payload = serde_json::to_vec(request).unwrap();
+    client
+        .publish_with_reply_and_headers(MODEL_COMPLETE_STREAM, reply, headers, payload.into())
+        .await
+        .unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let m = tokio::time::timeout(WAIT, seen.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let chunk: StreamChunk = serde_json::from_slice(&m.payload).unwrap();
+        let end = chunk.is_end();
+        chunks.push(chunk);
+        if end {
+            return chunks;
+        }
+    }
+}
+
+fn header(name: &str, value: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    cyrene_bus::headers::insert(&mut headers, name, value).unwrap();
+    headers
+}
+
+/// The first heartbeat is due one interval into the call, not as it starts: a call answered
+/// sooner (the scripted model at once; the interval asked is 10 s) sends its deltas and its end
+/// marker and nothing else. Each of a five-step turn's six calls once paid one message more.
+#[tokio::test]
+async fn a_call_answered_within_one_heartbeat_interval_sends_no_heartbeat() {
+    let bus = start_bus().await;
+    let beat = header(cyrene_protocol::stream::HEARTBEAT_HEADER, "10000");
+    let chunks = wire(&bus.client, &ask("hello there"), beat).await;
+    assert!(chunks.iter().all(|c| c.heartbeat.is_none()), "{chunks:?}");
+    assert!(chunks.iter().any(|c| c.delta.is_some()), "{chunks:?}");
+    assert!(chunks.last().unwrap().done.is_some(), "{chunks:?}");
+    let seqs: Vec<u64> = chunks.iter().map(|c| c.seq).collect();
+    assert_eq!(seqs, (0..chunks.len() as u64).collect::<Vec<_>>());
+    bus.shutdown.cancel();
+    tokio::time::timeout(WAIT, bus.task).await.unwrap().unwrap();
+}
+
+/// A caller that names the deltas it wants (`Cyrene-Stream-Deltas`) gets only those kinds, in
+/// `seq` order without gaps, and the whole response at the end; with `none`, only the end
+/// marker. Without the header every kind comes, as before.
+#[tokio::test]
+async fn a_caller_gets_only_the_kinds_of_delta_it_names() {
+    let gw = Arc::new(gateway(json!({
+        "providers":{"offline":{"protocol":"scripted","models":{"scripted":{}},
+            "script":{"rules":[{"contains":"look it up",
+                "tool_calls":[{"name":"lookup","args":{"q":"x"}}]}]}}},
+        "groups":{"g":[{"provider":"offline","model":"scripted"}]},
+        "active_group":"g"})));
+    let server = NatsServer::start();
+    let client = server.connect().await;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cyrene_model_gateway::serve(
+        gw,
+        client.clone(),
+        ServeOptions::default(),
+        shutdown.clone(),
+    ));
+    cyrene_bus::discovery::wait_for(
+        &client,
+        "cyrene-model-gateway",
+        WAIT,
+        Duration::from_millis(50),
+    )
+    .await;
+    // The deltas of a call's chunks; the end marker is whole whatever was asked.
+    let deltas = |chunks: &[StreamChunk], calls: usize| -> Vec<Delta> {
+        let seqs: Vec<u64> = chunks.iter().map(|c| c.seq).collect();
+        assert_eq!(seqs, (0..chunks.len() as u64).collect::<Vec<_>>());
+        let done = chunks.last().unwrap().done.as_ref().unwrap();
+        assert_eq!(done.tool_calls.len(), calls, "{done:?}");
+        assert_eq!(done.content.is_empty(), calls > 0, "{done:?}");
+        chunks.iter().filter_map(|c| c.delta.clone()).collect()
+    };
+    let (call, hello) = (ask("please look it up"), ask("hello there"));
+    let kinds = cyrene_protocol::stream::DELTAS_HEADER;
+    let all = deltas(&wire(&client, &call, async_nats::HeaderMap::new()).await, 1);
+    assert!(
+        matches!(all.as_slice(), [Delta::ToolCall { .. }]),
+        "{all:?}"
+    );
+    let text = deltas(&wire(&client, &call, header(kinds, "text")).await, 1);
+    assert!(text.is_empty(), "{text:?}");
+    let text = deltas(&wire(&client, &hello, header(kinds, "text")).await, 0);
+    assert!(!texts(&text).is_empty(), "{text:?}");
+    assert!(
+        text.iter().all(|d| matches!(d, Delta::Text { .. })),
+        "{text:?}"
+    );
+    let none = deltas(&wire(&client, &hello, header(kinds, "none")).await, 0);
+    assert!(none.is_empty(), "{none:?}");
+
+    // Through the client: `on_delta` hears text only, and the text adds up to the answer.
+    let inbox = cyrene_model_client::StreamInbox::new(client.clone());
+    for (request, calls) in [(&call, 1), (&hello, 0)] {
+        let mut heard = Vec::new();
+        let (resp, _) = inbox
+            .complete_stream_wanting(
+                MODEL_COMPLETE_STREAM,
+                request,
+                WAIT,
+                cyrene_protocol::stream::DeltaKinds::TEXT,
+                |_, d| heard.push(d),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.tool_calls.len(), calls);
+        assert_eq!(texts(&heard), resp.content);
+        assert!(
+            heard.iter().all(|d| matches!(d, Delta::Text { .. })),
+            "{heard:?}"
+        );
+    }
+    shutdown.cancel();
+}
+
 /// Issue 29, item 4: a caller that asks for heartbeats gets them while a slow provider thinks,
 /// so a call far longer than the silence limit still ends with its answer; a responder that
 /// takes the call and then says nothing is given up on after five silent intervals

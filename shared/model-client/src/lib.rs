@@ -10,8 +10,9 @@
 //! - The subscription is dropped (unsubscribed) when the call returns, however it returns.
 //! - A [`StreamInbox`] made [`StreamInbox::with_heartbeat`] asks the gateway for heartbeats and
 //!   gives up on a call that hears nothing for [`SILENT_BEATS`] intervals
-//!   ([`RequestError::Vanished`]), or that hears no first heartbeat (a gateway sends it as it
-//!   takes the call) within [`FIRST_BEAT_BEATS`] intervals: a replica that died mid-call, or
+//!   ([`RequestError::Vanished`]), or that hears nothing at all (a gateway's first heartbeat is
+//!   due one interval after it took the call) within [`FIRST_BEAT_BEATS`] intervals: a replica
+//!   that died mid-call, or
 //!   after NATS handed it the request but before it read it, is noticed in about a second, not at
 //!   the call's timeout. So a caller asking for heartbeats needs gateways that send them (every
 //!   gateway since issue 29; docs/operations.md says to upgrade gateways before workers).
@@ -25,7 +26,7 @@ use async_nats::StatusCode;
 use cyrene_bus::request::{self, RequestError};
 use cyrene_bus::{service, trace};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
-use cyrene_protocol::stream::{Delta, HEARTBEAT_HEADER, StreamChunk};
+use cyrene_protocol::stream::{DELTAS_HEADER, Delta, DeltaKinds, HEARTBEAT_HEADER, StreamChunk};
 use cyrene_protocol::subjects;
 use futures::{Stream, StreamExt};
 use std::collections::HashMap;
@@ -49,9 +50,10 @@ pub async fn complete(
 /// How many heartbeat intervals of silence make a call's responder count as gone.
 pub const SILENT_BEATS: u32 = 5;
 
-/// How many heartbeat intervals a call waits for its first heartbeat (the gateway's "taken")
-/// before its responder counts as gone: longer than [`SILENT_BEATS`], since the gateway decodes
-/// the request (a whole view, perhaps) before it says so.
+/// How many heartbeat intervals a call waits for its first message before its responder counts
+/// as gone: longer than [`SILENT_BEATS`], since the gateway decodes the request (a whole view,
+/// perhaps) before its call starts, and sends its first heartbeat one interval after that
+/// (none when the call answers sooner).
 pub const FIRST_BEAT_BEATS: u32 = 10;
 
 /// Streams `request` through the gateway, calling `on_delta` for each delta in order, and
@@ -68,7 +70,14 @@ pub async fn complete_stream(
     let replies = client.subscribe(inbox.clone()).await.map_err(transport)?;
     let subject = subjects::MODEL_COMPLETE_STREAM;
     let (response, _) = exchange(
-        client, subject, payload, inbox, replies, timeout, None, on_delta,
+        client,
+        subject,
+        payload,
+        inbox,
+        replies,
+        timeout,
+        Options::default(),
+        on_delta,
     )
     .await?;
     Ok(response)
@@ -191,6 +200,20 @@ impl StreamInbox {
         timeout: Duration,
         on_delta: impl FnMut(u64, Delta),
     ) -> Result<(ModelResponse, Option<String>), RequestError> {
+        self.complete_stream_wanting(subject, request, timeout, DeltaKinds::ALL, on_delta)
+            .await
+    }
+
+    /// [`StreamInbox::complete_stream_at`] asking the gateway for deltas of `kinds` only
+    /// ([`DELTAS_HEADER`]): `on_delta` hears no other kind, and the bus carries none.
+    pub async fn complete_stream_wanting(
+        &self,
+        subject: &str,
+        request: &ModelRequest,
+        timeout: Duration,
+        kinds: DeltaKinds,
+        on_delta: impl FnMut(u64, Delta),
+    ) -> Result<(ModelResponse, Option<String>), RequestError> {
         let payload = encode(&self.client, request)?;
         self.router.get_or_try_init(|| self.start()).await?;
         let token = self.next.fetch_add(1, Ordering::Relaxed);
@@ -214,10 +237,31 @@ impl StreamInbox {
             inbox,
             replies,
             timeout,
-            self.heartbeat,
+            Options {
+                heartbeat: self.heartbeat,
+                kinds,
+            },
             on_delta,
         )
         .await
+    }
+}
+
+/// What a call asks of the gateway besides its request.
+#[derive(Debug, Clone, Copy)]
+struct Options {
+    /// The heartbeat interval, if any.
+    heartbeat: Option<Duration>,
+    /// The deltas wanted; every kind sends no header.
+    kinds: DeltaKinds,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            heartbeat: None,
+            kinds: DeltaKinds::ALL,
+        }
     }
 }
 
@@ -235,8 +279,9 @@ fn transport(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Req
 }
 
 /// Publishes the request to `subject` with `inbox` as its reply subject and reads `replies` to
-/// the end marker: the response and the replica holding the request's view, if any. With
-/// `heartbeat`, asks for heartbeats and gives up after [`SILENT_BEATS`] silent intervals.
+/// the end marker: the response and the replica holding the request's view, if any. With a
+/// heartbeat, asks for heartbeats and gives up after [`SILENT_BEATS`] silent intervals; with
+/// fewer than every kind of delta, names the kinds wanted.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     client: &Client,
@@ -245,9 +290,10 @@ async fn exchange(
     inbox: String,
     replies: impl Stream<Item = async_nats::Message>,
     timeout: Duration,
-    heartbeat: Option<Duration>,
+    options: Options,
     mut on_delta: impl FnMut(u64, Delta),
 ) -> Result<(ModelResponse, Option<String>), RequestError> {
+    let heartbeat = options.heartbeat;
     let mut replies = std::pin::pin!(replies);
     let deadline = Instant::now() + timeout;
     let mut headers = trace::current_headers();
@@ -261,13 +307,18 @@ async fn exchange(
             &every.as_millis().to_string(),
         );
     }
+    if options.kinds != DeltaKinds::ALL {
+        // Fixed names: always a valid header.
+        let _ =
+            cyrene_bus::headers::insert(&mut headers, DELTAS_HEADER, &options.kinds.header_value());
+    }
     client
         .publish_with_reply_and_headers(subject.to_owned(), inbox, headers, payload.into())
         .await
         .map_err(transport)?;
     let mut expected = 0u64;
-    // Until the first message (the gateway's first heartbeat) the responder has longer: it
-    // decodes the request before it says it took it.
+    // Until the first message (a delta, the end, or the gateway's first heartbeat one interval
+    // into the call) the responder has longer: it decodes the request before the call starts.
     let mut heard = false;
     loop {
         let quiet = if heard { silent } else { first };

@@ -7,8 +7,10 @@
 //!   exactly one of `delta`, `done`, `error` is set, and the last message (`done` or `error`) is
 //!   the end marker.
 //! - A caller that asked for heartbeats ([`HEARTBEAT_HEADER`]) also gets `heartbeat` chunks (a
-//!   `seq` of their own, nothing else set): one as the gateway takes the call, then one whenever
-//!   it published nothing for the asked interval; a caller that did not ask never gets one.
+//!   `seq` of their own, nothing else set): one whenever the gateway published nothing for the
+//!   asked interval while the call runs; a caller that did not ask never gets one.
+//! - A caller that names the deltas it wants ([`DELTAS_HEADER`]) gets only those kinds; without
+//!   the header it gets every kind. `done` is whole either way.
 //! - `done` is the same [`ModelResponse`] the non-streamed call answers: the deltas are a preview
 //!   of it, never a second source of truth (concatenating the `text` deltas gives its `content`).
 
@@ -23,6 +25,82 @@ pub const HEARTBEAT_HEADER: &str = "Cyrene-Stream-Heartbeat";
 /// The shortest and longest heartbeat interval a gateway honours (others are clamped).
 pub const HEARTBEAT_MIN_MS: u64 = 50;
 pub const HEARTBEAT_MAX_MS: u64 = 10_000;
+
+/// The request header a streamed call's caller sets to name the kinds of delta it wants, comma
+/// separated: `text`, `reasoning`, `tool_call` (`none` for none). Without it every kind is
+/// published. A caller that shows only answer text (the loop worker) spares the bus a message
+/// per tool call it would drop (docs/model-gateway.md, "Streaming").
+pub const DELTAS_HEADER: &str = "Cyrene-Stream-Deltas";
+
+/// The kinds of [`Delta`] a caller wants ([`DELTAS_HEADER`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaKinds {
+    pub text: bool,
+    pub reasoning: bool,
+    pub tool_calls: bool,
+}
+
+impl DeltaKinds {
+    /// Every kind: what a caller that sends no header gets.
+    pub const ALL: DeltaKinds = DeltaKinds {
+        text: true,
+        reasoning: true,
+        tool_calls: true,
+    };
+    /// Answer text only.
+    pub const TEXT: DeltaKinds = DeltaKinds {
+        text: true,
+        reasoning: false,
+        tool_calls: false,
+    };
+    /// No delta at all: the end marker only.
+    pub const NONE: DeltaKinds = DeltaKinds {
+        text: false,
+        reasoning: false,
+        tool_calls: false,
+    };
+
+    /// The header's value: the wanted kinds' names, comma separated, or `none`.
+    pub fn header_value(&self) -> String {
+        if *self == DeltaKinds::NONE {
+            return "none".to_owned();
+        }
+        [
+            (self.text, "text"),
+            (self.reasoning, "reasoning"),
+            (self.tool_calls, "tool_call"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| *name)
+        .collect::<Vec<_>>()
+        .join(",")
+    }
+
+    /// The kinds a header value names; names it does not know are ignored (a later kind asked
+    /// of an older gateway is simply not sent).
+    pub fn parse(value: &str) -> DeltaKinds {
+        let mut kinds = DeltaKinds::NONE;
+        for name in value.split(',').map(str::trim) {
+            match name {
+                "text" => kinds.text = true,
+                "reasoning" => kinds.reasoning = true,
+                "tool_call" => kinds.tool_calls = true,
+                _ => {}
+            }
+        }
+        kinds
+    }
+
+    /// Whether `delta` is of a wanted kind.
+    pub fn wants(&self, delta: &Delta) -> bool {
+        match delta {
+            Delta::Text { .. } => self.text,
+            Delta::Reasoning { .. } => self.reasoning,
+            Delta::ToolCall { .. } => self.tool_calls,
+        }
+    }
+}
 use crate::model::ModelResponse;
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
@@ -138,6 +216,25 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn delta_kinds_go_through_their_header_and_unknown_names_are_ignored() {
+        for kinds in [DeltaKinds::ALL, DeltaKinds::TEXT, DeltaKinds::NONE] {
+            assert_eq!(DeltaKinds::parse(&kinds.header_value()), kinds);
+        }
+        assert_eq!(DeltaKinds::ALL.header_value(), "text,reasoning,tool_call");
+        assert_eq!(DeltaKinds::NONE.header_value(), "none");
+        assert_eq!(DeltaKinds::parse(" text , later_kind"), DeltaKinds::TEXT);
+        let call = Delta::ToolCall {
+            index: 0,
+            id: "c".into(),
+            name: "f".into(),
+            args: String::new(),
+        };
+        assert!(!DeltaKinds::TEXT.wants(&call));
+        assert!(DeltaKinds::TEXT.wants(&Delta::Text { text: "a".into() }));
+        assert!(!DeltaKinds::TEXT.wants(&Delta::Reasoning { text: "r".into() }));
+    }
 
     #[test]
     fn chunks_have_the_documented_shape() {

@@ -11,6 +11,7 @@
 //!   only when it matches nothing does the fence's read say why (`not_found`, `bad_request`,
 //!   `conflict`) or that the turn was already completed.
 
+use super::start::Earlier;
 use super::steer::TurnRef;
 use super::{Completed, Store, StoreError, encode, now_ms};
 use cyrene_protocol::ids::new_id;
@@ -148,26 +149,43 @@ impl Store {
                 reply_to.push(to);
             }
         }
-        let running = Self::running_turns(&mut tx, &req.session_id).await?;
-        let (next, pushed) = match running.as_slice() {
-            [] => {
-                let batch = self.pending_batch(&mut tx, &req.session_id, None).await?;
-                if batch.is_empty() {
-                    (None, None)
-                } else {
-                    let next = self
-                        .start_turn(&mut tx, &req.session_id, &env, batch, String::new(), None)
-                        .await?;
-                    (Some(next), None)
+        // The common end — no other leg runs and nothing waits — is told by one read (it was two:
+        // the legs, then the batch); anything else reads both as before.
+        let (next, pushed) = match Self::others_or_waiting(&mut tx, &req.session_id).await? {
+            false => (None, None),
+            true => {
+                let running = Self::running_turns(&mut tx, &req.session_id).await?;
+                match running.as_slice() {
+                    [] => {
+                        let batch = self
+                            .pending_batch(&mut tx, &req.session_id, None, Earlier::Maybe)
+                            .await?;
+                        if batch.is_empty() {
+                            (None, None)
+                        } else {
+                            let next = self
+                                .start_turn(
+                                    &mut tx,
+                                    &req.session_id,
+                                    &env,
+                                    batch,
+                                    String::new(),
+                                    None,
+                                    Earlier::Maybe,
+                                )
+                                .await?;
+                            (Some(next), None)
+                        }
+                    }
+                    // One leg left: it is now alone in its session and takes every pending
+                    // message, as its next boundary would have claimed them.
+                    [only] => (
+                        None,
+                        Self::claim_pending(&mut tx, &req.session_id, only).await?,
+                    ),
+                    _ => (None, None),
                 }
             }
-            // One leg left: it is now alone in its session and takes every pending message,
-            // as its next boundary would have claimed them.
-            [only] => (
-                None,
-                Self::claim_pending(&mut tx, &req.session_id, only).await?,
-            ),
-            _ => (None, None),
         };
         tx.commit().await?;
         let memory_job = (self.extraction_wanted(req, &env) && reply_to.is_empty())

@@ -13,6 +13,7 @@
 //! - A context-only message is stored with its seq and ack and nothing else: whatever runs, it
 //!   starts no turn, is claimed by none and pushed to none (see `mod.rs`, "Context only").
 
+use super::start::Earlier;
 use super::{
     NewMessage, Pending, ProgressOf, Pushed, RunningTurn, Sent, Store, StoreError, encode, now_ms,
     to_u64,
@@ -130,7 +131,16 @@ impl Store {
             });
         }
 
-        let running = Self::running_turns(&mut tx, &input.session_id).await?;
+        // The session's first message: no turn runs in it, and nothing waits or was answered
+        // before it (every message takes the next seq), so none of that is read.
+        let earlier = match seq {
+            1 => Earlier::None,
+            _ => Earlier::Maybe,
+        };
+        let running = match earlier {
+            Earlier::None => Vec::new(),
+            Earlier::Maybe => Self::running_turns(&mut tx, &input.session_id).await?,
+        };
         if input.policy == BusyPolicy::Reject && !input.solo && !running.is_empty() {
             // Reject policy: refused while a turn runs, nothing stored (not even the key, so
             // a resend once the session is idle is a new message).
@@ -193,15 +203,23 @@ impl Store {
             // No turn in flight: start one from the pending queue (normally just this message).
             // (An older solo message goes first, alone; this one then waits its turn.)
             let batch = self
-                .pending_batch(&mut tx, &input.session_id, Some(this))
+                .pending_batch(&mut tx, &input.session_id, Some(this), earlier)
                 .await?;
             let mine = batch.iter().any(|m| m.id == message_id);
             let turn = if batch.is_empty() {
                 None
             } else {
                 Some(
-                    self.start_turn(&mut tx, &input.session_id, &env, batch, String::new(), None)
-                        .await?,
+                    self.start_turn(
+                        &mut tx,
+                        &input.session_id,
+                        &env,
+                        batch,
+                        String::new(),
+                        None,
+                        earlier,
+                    )
+                    .await?,
                 )
             };
             let disposition = if mine {
@@ -237,6 +255,7 @@ impl Store {
                     vec![row],
                     new_id(),
                     Some(notice),
+                    Earlier::Maybe,
                 )
                 .await?;
             (Disposition::ParallelLeg, Some(turn))

@@ -7,6 +7,8 @@
 //!   send's own, [`Pending::stored`]) is written afterwards by that send, claimed in its row.
 //! - The job is decided by [`crate::job`] from what is read here; the stored JSON is exactly what
 //!   is published, and republished by the sweeper.
+//! - A session's first message (seq 1: every message takes the next seq, so none came before)
+//!   reads no pending batch and no window: there is nothing to read ([`Earlier::None`]).
 
 use super::{NewTurn, Store, StoreError, encode, now_ms};
 use crate::job::{self, Pending, TurnSeed};
@@ -15,15 +17,32 @@ use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::ParallelNotice;
 use sqlx::{Any, Row, Transaction};
 
+/// What a session holds before the messages a turn is started with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Earlier {
+    /// Perhaps something: read it.
+    Maybe,
+    /// Nothing: the batch is the session's first message, seq 1.
+    None,
+}
+
 impl Store {
     /// The next batch of pending messages to start a turn with (see [`job::batch`]); `unstored`
     /// is the message of the send asking, newer than every stored one and not written yet.
+    /// With [`Earlier::None`] nothing is stored, so nothing is read.
     pub(super) async fn pending_batch(
         &self,
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
         unstored: Option<Pending>,
+        earlier: Earlier,
     ) -> Result<Vec<Pending>, StoreError> {
+        if earlier == Earlier::None {
+            return Ok(job::batch(
+                unstored.into_iter().collect::<Vec<_>>(),
+                self.settings.max_job_bytes,
+            ));
+        }
         let rows = sqlx::query(
             "SELECT id, seq, message, solo, client_id, ask_chain FROM orch_messages \
              WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0 \
@@ -56,7 +75,9 @@ impl Store {
         Ok(job::batch(pending, self.settings.max_job_bytes))
     }
 
-    /// Claims `batch` for a new turn, seeds its window and records it (not yet dispatched).
+    /// Claims `batch` for a new turn, seeds its window (none read with [`Earlier::None`]) and
+    /// records it (not yet dispatched).
+    #[allow(clippy::too_many_arguments)] // the turn's parts, each from its caller's decision
     pub(super) async fn start_turn(
         &self,
         tx: &mut Transaction<'static, Any>,
@@ -65,6 +86,7 @@ impl Store {
         batch: Vec<Pending>,
         leg_id: String,
         notice: Option<ParallelNotice>,
+        earlier: Earlier,
     ) -> Result<NewTurn, StoreError> {
         let turn_id = new_id();
         let now = now_ms();
@@ -90,16 +112,21 @@ impl Store {
         // turns, the answers, and context-only messages), newest first; the job takes what fits
         // its budget.
         let window = i64::try_from(self.settings.window).unwrap_or(i64::MAX);
-        let rows = sqlx::query(
-            "SELECT m.seq, m.message FROM orch_messages m \
-             LEFT JOIN orch_turns t ON t.turn_id = m.claimed_by_turn \
-             WHERE m.session_id = $1 AND (t.status = 'completed' OR m.context = 1) \
-             ORDER BY m.seq DESC LIMIT $2",
-        )
-        .bind(session_id)
-        .bind(window)
-        .fetch_all(&mut **tx)
-        .await?;
+        let rows = match earlier {
+            Earlier::None => Vec::new(),
+            Earlier::Maybe => {
+                sqlx::query(
+                    "SELECT m.seq, m.message FROM orch_messages m \
+                     LEFT JOIN orch_turns t ON t.turn_id = m.claimed_by_turn \
+                     WHERE m.session_id = $1 AND (t.status = 'completed' OR m.context = 1) \
+                     ORDER BY m.seq DESC LIMIT $2",
+                )
+                .bind(session_id)
+                .bind(window)
+                .fetch_all(&mut **tx)
+                .await?
+            }
+        };
         let answered = rows
             .iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
