@@ -529,8 +529,17 @@ impl Floors {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        // Pools like the checkpoint store's: no ping before a connection is handed out (sqlx's
+        // default pings, one more round trip under every commit), and SQLite's commits on one
+        // connection, as the store's writes are (crate docs of cyrene-checkpoint-store).
         let pg = match pg_url {
-            Some(url) => Some(sqlx::PgPool::connect(url).await.unwrap()),
+            Some(url) => Some(
+                sqlx::postgres::PgPoolOptions::new()
+                    .test_before_acquire(false)
+                    .connect(url)
+                    .await
+                    .unwrap(),
+            ),
             None => None,
         };
         let dir = tempfile::tempdir().unwrap();
@@ -538,7 +547,12 @@ impl Floors {
         let options = cyrene_sql::SqliteSettings::CHECKPOINTS
             .connect_options(&url)
             .unwrap();
-        let sqlite = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        let sqlite = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await
+            .unwrap();
         sqlx::query(FLOOR_TABLE).execute(&sqlite).await.unwrap();
         if let Some(pg) = &pg {
             sqlx::query(FLOOR_TABLE).execute(pg).await.unwrap();
