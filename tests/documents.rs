@@ -65,6 +65,9 @@ impl World {
         ];
         wait_for_service(&bus.client, "cyrene-checkpoint-store").await;
         wait_for_service(&bus.client, "cyrene-orchestrator").await;
+        // Its PING answers before its endpoints are added; `read` comes after `send`, `history`
+        // and `upload`, the others these tests use.
+        common::wait_for_endpoint(&bus.client, "cyrene-orchestrator", "read").await;
         wait_for_service(&bus.client, "cyrene-loop-worker").await;
         World {
             bus,

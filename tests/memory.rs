@@ -55,6 +55,9 @@ async fn services_on(
     ] {
         wait_for_service(client, name).await;
     }
+    // The orchestrator answers PING before its endpoints are added; the memory ones come last
+    // of those these tests use.
+    common::wait_for_endpoint(client, "cyrene-orchestrator", "memory_forget").await;
     (data, children)
 }
 

@@ -380,6 +380,34 @@ pub async fn wait_for_service(client: &async_nats::Client, name: &str) {
     assert!(ok, "{name} answers $SRV.PING");
 }
 
+/// Waits (bounded) until `service`'s `$SRV.INFO` lists the endpoint `endpoint`. A micro service
+/// answers `$SRV.PING` as soon as it is registered, before its endpoints are added one by one; an
+/// endpoint in `$SRV.INFO` has its subscription on the server already (the service's connection
+/// sent it before that reply), so a request to it finds a responder.
+pub async fn wait_for_endpoint(client: &async_nats::Client, service: &str, endpoint: &str) {
+    let subject = format!("$SRV.INFO.{service}");
+    let listed = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Ok(Ok(reply)) = tokio::time::timeout(
+                Duration::from_secs(1),
+                client.request(subject.clone(), "".into()),
+            )
+            .await
+            {
+                let info: serde_json::Value =
+                    serde_json::from_slice(&reply.payload).unwrap_or_default();
+                let names = info["endpoints"].as_array().cloned().unwrap_or_default();
+                if names.iter().any(|e| e["name"] == endpoint) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(listed.is_ok(), "{service} lists its {endpoint} endpoint");
+}
+
 /// Waits (bounded) until `check` holds.
 pub async fn eventually<F: FnMut() -> bool>(what: &str, within: Duration, mut check: F) {
     let ok = tokio::time::timeout(within, async {
