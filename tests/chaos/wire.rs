@@ -160,6 +160,11 @@ fn record(log: &Mutex<WireLog>, m: async_nats::Message) {
             let Ok(body) = serde_json::from_slice::<Value>(&m.payload) else {
                 return;
             };
+            // The orchestrator's memory extraction reads a session's transcript, which may end
+            // with a message a turn is still running for: it is no step of that turn.
+            if body["purpose"] == "memory" {
+                return;
+            }
             let messages: Vec<Message> =
                 serde_json::from_value(body["messages"].clone()).unwrap_or_default();
             let segment = script::segment(&view_of(&messages));
