@@ -13,6 +13,10 @@
 //!   reported in `steered_ids`) only once a model call whose view held it has answered; a turn
 //!   past its deadline steers no more. Any other claimed message is handed back at completion
 //!   and gets a turn of its own (D16: never consumed by a turn that ends first).
+//! - **A resumed turn reads its steered messages again.** A checkpoint keeps the ids of the
+//!   messages a turn took in, not their text: a redelivery gets them back from its first steer.
+//!   If that steer fails, the job is handed back ([`Exit::Retry`]) rather than answered without
+//!   them (which would report them answered).
 //! - **Fenced.** A `conflict` from a steer means a newer attempt owns the turn: [`Exit::Stale`].
 
 use super::{Exit, Turn};
@@ -54,6 +58,14 @@ impl Steering {
         }
     }
 
+    /// Whether a message this turn has taken in (a resumed checkpoint's `steered_ids`) is not in
+    /// this delivery's view yet: only the delivery's first steer brings such messages back.
+    pub fn misses_taken_in(&self) -> bool {
+        self.taken_in
+            .iter()
+            .any(|id| !self.steered.iter().any(|s| s.id == *id))
+    }
+
     /// The first `seen` steered messages were in the view of a model call that answered: they
     /// are taken in (reported in `steered_ids`, no longer handed back).
     pub fn took_in(&mut self, seen: usize) {
@@ -91,6 +103,18 @@ impl<P: TurnPorts> Turn<'_, P> {
             return self.merge(Ok(SteerResponse { messages }), step).await;
         }
         let steered = self.steer_request(step).await;
+        if let Err(err) = &steered
+            && err.code != ErrorCode::Conflict
+            && !self.steering.asked
+            && self.steering.misses_taken_in()
+        {
+            // A resumed delivery's earlier steered messages are held by the orchestrator alone
+            // (a checkpoint keeps their ids, not their text): going on without them would
+            // answer the turn as if they had been read. The job goes back instead.
+            tracing::warn!(turn = %self.job.turn_id, step, error = %err,
+                "the steer that returns this turn's steered messages failed; the job will be redelivered");
+            return Err(Exit::Retry(err.clone()));
+        }
         self.steering.asked = true;
         self.merge(steered, step).await
     }

@@ -207,3 +207,59 @@ async fn a_resumed_turn_keeps_the_messages_its_checkpoint_took_in() {
     assert_eq!(done.outcome, TurnOutcome::Cancelled);
     assert_eq!(done.steered_ids, ["m2"]);
 }
+
+/// A resumed turn whose checkpoint took in a steered message gets its text back only from its
+/// first steer; when that steer fails, the job goes back instead of answering without it (which
+/// would report the message answered). The next delivery's steer brings it, and the answer's
+/// view holds it.
+#[tokio::test]
+async fn a_resumed_turn_whose_first_steer_fails_hands_the_job_back() {
+    let first = Fake::scripted([reply_tools(&["c1"]), reply_tools(&["c2"])]);
+    first.steers.lock().unwrap().extend([
+        Ok(SteerResponse::default()),
+        Ok(SteerResponse {
+            messages: vec![steered("m2", 2, "and the date")],
+        }),
+    ]);
+    let mut j = job();
+    j.max_steps = 4;
+    let _ = run_turn(&first, &j, 1, &CFG).await;
+    let step2 = first
+        .saved
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|c| c.step == 2)
+        .cloned()
+        .unwrap();
+    assert_eq!(state(&step2).steered_ids, ["m2"]);
+
+    let down = Fake::resuming(Some(step2.clone()));
+    down.then_replies(reply_text("the answer"));
+    down.then_steers(Err(ErrorBody::new(ErrorCode::Unavailable, "no responders")));
+    let end = run_turn(&down, &j, 2, &CFG).await;
+    assert!(
+        matches!(end, TurnEnd::Retry(ref e) if e.code == ErrorCode::Unavailable),
+        "{end:?}"
+    );
+    assert!(
+        down.requests.lock().unwrap().is_empty(),
+        "the model was asked without the steered message"
+    );
+
+    let up = Fake::resuming(Some(step2));
+    up.then_replies(reply_text("the answer"));
+    up.then_steers(Ok(SteerResponse {
+        messages: vec![steered("m2", 2, "and the date")],
+    }));
+    let done = completed(run_turn(&up, &j, 3, &CFG).await);
+    assert_eq!(done.outcome, TurnOutcome::Final);
+    assert_eq!(done.steered_ids, ["m2"]);
+    let requests = up.requests.lock().unwrap();
+    let view = &requests.last().unwrap().messages;
+    assert!(
+        view.iter()
+            .any(|m| m.text_content().contains("and the date")),
+        "the answer's view lacks the steered message"
+    );
+}
