@@ -180,27 +180,7 @@ async fn a_message_steered_in_before_a_crash_is_taken_in_only_by_a_model_call() 
 /// model call of its own.
 #[tokio::test]
 async fn a_resumed_turn_keeps_the_messages_its_checkpoint_took_in() {
-    let first = Fake::scripted([reply_tools(&["c1"]), reply_tools(&["c2"])]);
-    first.steers.lock().unwrap().extend([
-        Ok(SteerResponse::default()),
-        Ok(SteerResponse {
-            messages: vec![steered("m2", 2, "and the date")],
-        }),
-    ]);
-    let mut j = job();
-    j.max_steps = 4;
-    // Step 2 saw m2 and asked for tools; its row is what a crash after its save leaves.
-    let _ = run_turn(&first, &j, 1, &CFG).await;
-    let step2 = first
-        .saved
-        .lock()
-        .unwrap()
-        .iter()
-        .find(|c| c.step == 2)
-        .cloned()
-        .unwrap();
-    assert_eq!(state(&step2).steered_ids, ["m2"]);
-
+    let (mut j, step2) = step_two_took_in_m2().await;
     let late = Fake::resuming(Some(step2));
     j.deadline_unix_ms = Some(1);
     let done = completed(run_turn(&late, &j, 2, &CFG).await);
@@ -214,26 +194,7 @@ async fn a_resumed_turn_keeps_the_messages_its_checkpoint_took_in() {
 /// view holds it.
 #[tokio::test]
 async fn a_resumed_turn_whose_first_steer_fails_hands_the_job_back() {
-    let first = Fake::scripted([reply_tools(&["c1"]), reply_tools(&["c2"])]);
-    first.steers.lock().unwrap().extend([
-        Ok(SteerResponse::default()),
-        Ok(SteerResponse {
-            messages: vec![steered("m2", 2, "and the date")],
-        }),
-    ]);
-    let mut j = job();
-    j.max_steps = 4;
-    let _ = run_turn(&first, &j, 1, &CFG).await;
-    let step2 = first
-        .saved
-        .lock()
-        .unwrap()
-        .iter()
-        .find(|c| c.step == 2)
-        .cloned()
-        .unwrap();
-    assert_eq!(state(&step2).steered_ids, ["m2"]);
-
+    let (j, step2) = step_two_took_in_m2().await;
     let down = Fake::resuming(Some(step2.clone()));
     down.then_replies(reply_text("the answer"));
     down.then_steers(Err(ErrorBody::new(ErrorCode::Unavailable, "no responders")));
@@ -262,4 +223,29 @@ async fn a_resumed_turn_whose_first_steer_fails_hands_the_job_back() {
             .any(|m| m.text_content().contains("and the date")),
         "the answer's view lacks the steered message"
     );
+}
+
+/// A first delivery (of a four-step job) whose step 2 saw the steered message `m2` and asked for
+/// tools: the job, and step 2's row, which is what a crash after its save leaves.
+async fn step_two_took_in_m2() -> (TurnJob, Checkpoint) {
+    let first = Fake::scripted([reply_tools(&["c1"]), reply_tools(&["c2"])]);
+    first.steers.lock().unwrap().extend([
+        Ok(SteerResponse::default()),
+        Ok(SteerResponse {
+            messages: vec![steered("m2", 2, "and the date")],
+        }),
+    ]);
+    let mut j = job();
+    j.max_steps = 4;
+    let _ = run_turn(&first, &j, 1, &CFG).await;
+    let step2 = first
+        .saved
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|c| c.step == 2)
+        .cloned()
+        .unwrap();
+    assert_eq!(state(&step2).steered_ids, ["m2"]);
+    (j, step2)
 }
