@@ -20,7 +20,6 @@ use cyrene::stack::Stack;
 use cyrene_bus::request_json;
 use cyrene_protocol::message::{Message, Role};
 use cyrene_protocol::model::{ModelRequest, ViewRef};
-use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
 use cyrene_test_support::cost;
@@ -43,15 +42,6 @@ const TURNS_PER_S_WHEN_FILED: f64 = 175.0;
 /// its completion.
 const DURABLE_WRITES_PER_TURN: f64 = 7.0;
 
-fn rules() -> serde_json::Value {
-    let round = json!([{"name": "current_time"}]);
-    let more: Vec<_> = (1..ROUNDS).map(|_| round.clone()).collect();
-    json!([
-        {"contains": "run the steps", "tool_calls": [{"name": "current_time"}],
-         "more_rounds": more, "after_tools": "done"}
-    ])
-}
-
 /// All four services in this process on one bus and one database.
 struct Real {
     /// Stops the services when dropped (first: before the server goes).
@@ -69,7 +59,7 @@ impl Real {
         let data = tempfile::tempdir().unwrap();
         // The gateway's request log is not taken: a log nobody watches copies nothing.
         let stack = Stack::builder(common::bus_config(&server), data.path())
-            .models(common::models(rules()))
+            .models(common::models(common::tool_rounds_rules(ROUNDS)))
             .database_url(database_url)
             .orchestrator_with(|orchestrator| {
                 orchestrator.window = window;
@@ -94,47 +84,10 @@ impl Real {
         }
     }
 
-    async fn send(&self, session: &str, text: &str) -> SendAck {
-        let request = SendRequest {
-            session_id: session.to_owned(),
-            message: Message::text(Role::User, text),
-            client_id: "bench".to_owned(),
-            idempotency_key: String::new(),
-            env: None,
-            parallel: false,
-            when_busy: None,
-            persona: String::new(),
-            context_only: false,
-        };
-        let wait = Duration::from_secs(30);
-        request_json(&self.client, subjects::SESSION_SEND, &request, wait)
-            .await
-            .unwrap()
-    }
-
     /// Sends `text` and waits for its turn to end; returns the instants of its `step` events.
     async fn turn(&self, session: &str, text: &str) -> Vec<Instant> {
-        let mut events = self
-            .client
-            .subscribe(subjects::session_events(session).unwrap())
-            .await
-            .unwrap();
-        self.client.flush().await.unwrap();
-        let ack = self.send(session, text).await;
-        let mut steps = Vec::new();
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(60), events.next())
-                .await
-                .expect("the turn ends within a minute")
-                .unwrap();
-            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
-            match event.kind {
-                SessionEventType::Step => steps.push(Instant::now()),
-                SessionEventType::TurnEnded if event.turn_id == ack.turn_id => break,
-                _ => {}
-            }
-        }
-        steps
+        let within = Duration::from_secs(60);
+        common::turn_steps(&self.client, session, text, "bench", within).await
     }
 
     /// Fills `session`'s transcript to `messages` messages (one-step turns: the default reply).

@@ -6,66 +6,18 @@
 mod common;
 
 use cyrene::stack::Stack;
-use cyrene_bus::request_json;
-use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
-use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
-use futures::StreamExt;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::time::Duration;
 
 const ROUNDS: usize = 5;
 const WINDOW: usize = 10;
 
-fn rules() -> Value {
-    let round = json!([{"name": "current_time"}]);
-    let more: Vec<_> = (1..ROUNDS).map(|_| round.clone()).collect();
-    json!([
-        {"contains": "run the steps", "tool_calls": [{"name": "current_time"}],
-         "more_rounds": more, "after_tools": "done"}
-    ])
-}
-
 /// Sends `text` to `session` and waits for its turn to end; the number of `step` events.
 async fn turn(client: &async_nats::Client, session: &str, text: &str) -> usize {
-    let mut events = client
-        .subscribe(subjects::session_events(session).unwrap())
+    common::turn_steps(client, session, text, "test", Duration::from_secs(30))
         .await
-        .unwrap();
-    client.flush().await.unwrap();
-    let request = SendRequest {
-        session_id: session.to_owned(),
-        message: Message::text(Role::User, text),
-        client_id: "test".to_owned(),
-        idempotency_key: String::new(),
-        env: None,
-        parallel: false,
-        when_busy: None,
-        persona: String::new(),
-        context_only: false,
-    };
-    let ack: SendAck = request_json(
-        client,
-        subjects::SESSION_SEND,
-        &request,
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    let mut steps = 0;
-    loop {
-        let m = tokio::time::timeout(Duration::from_secs(30), events.next())
-            .await
-            .expect("the turn ends")
-            .unwrap();
-        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
-        match event.kind {
-            SessionEventType::Step => steps += 1,
-            SessionEventType::TurnEnded if event.turn_id == ack.turn_id => return steps,
-            _ => {}
-        }
-    }
+        .len()
 }
 
 /// How many requests the gateway's endpoints `complete_stream` (a view sent whole) and
@@ -95,7 +47,7 @@ async fn a_tool_round_turn_sends_its_view_whole_only_once() {
     let client = server.connect().await;
     let data = tempfile::tempdir().unwrap();
     let stack = Stack::builder(common::bus_config(&server), data.path())
-        .models(common::models(rules()))
+        .models(common::models(common::tool_rounds_rules(ROUNDS)))
         .orchestrator_with(|orchestrator| {
             orchestrator.window = WINDOW;
             orchestrator.max_steps = ROUNDS as u32 + 2;

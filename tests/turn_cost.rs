@@ -15,28 +15,16 @@
 mod common;
 
 use cyrene::stack::Stack;
-use cyrene_bus::request_json;
-use cyrene_protocol::message::{Message, Role};
-use cyrene_protocol::session::{SendAck, SendRequest, SessionEvent, SessionEventType};
 use cyrene_protocol::subjects;
 use cyrene_test_support::NatsServer;
 use futures::StreamExt;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tracing_subscriber::layer::SubscriberExt;
 
 const ROUNDS: usize = 5;
-
-fn rules() -> Value {
-    let round = json!([{"name": "current_time"}]);
-    let more: Vec<_> = (1..ROUNDS).map(|_| round.clone()).collect();
-    json!([
-        {"contains": "run the steps", "tool_calls": [{"name": "current_time"}],
-         "more_rounds": more, "after_tools": "done"}
-    ])
-}
 
 /// Counts by name.
 type Counts = Arc<Mutex<BTreeMap<String, u64>>>;
@@ -194,7 +182,7 @@ impl Real {
         let client = server.connect().await;
         let data = tempfile::tempdir().unwrap();
         let stack = Stack::builder(common::bus_config(&server), data.path())
-            .models(common::models(rules()))
+            .models(common::models(common::tool_rounds_rules(ROUNDS)))
             .database_url(Some(database.url.clone()))
             .orchestrator_with(|orchestrator| {
                 orchestrator.window = 10;
@@ -222,41 +210,8 @@ impl Real {
 
     /// One turn as the bench runs it: follow the session's events, send, wait for `turn_ended`.
     async fn turn(&self, session: &str) {
-        let mut events = self
-            .client
-            .subscribe(subjects::session_events(session).unwrap())
-            .await
-            .unwrap();
-        self.client.flush().await.unwrap();
-        let request = SendRequest {
-            session_id: session.to_owned(),
-            message: Message::text(Role::User, "run the steps"),
-            client_id: "bench".to_owned(),
-            idempotency_key: String::new(),
-            env: None,
-            parallel: false,
-            when_busy: None,
-            persona: String::new(),
-            context_only: false,
-        };
-        let ack: SendAck = request_json(
-            &self.client,
-            subjects::SESSION_SEND,
-            &request,
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
-        loop {
-            let m = tokio::time::timeout(Duration::from_secs(60), events.next())
-                .await
-                .expect("the turn ends within a minute")
-                .unwrap();
-            let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
-            if event.kind == SessionEventType::TurnEnded && event.turn_id == ack.turn_id {
-                break;
-            }
-        }
+        let within = Duration::from_secs(60);
+        common::turn_steps(&self.client, session, "run the steps", "bench", within).await;
     }
 
     /// `turns` turns on fresh sessions, `together` at a time.

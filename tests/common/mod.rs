@@ -380,6 +380,68 @@ pub async fn wait_for_service(client: &async_nats::Client, name: &str) {
     assert!(ok, "{name} answers $SRV.PING");
 }
 
+/// The scripted model of the loop bench's turns: a message holding "run the steps" runs `rounds`
+/// tool rounds of `current_time`, then answers "done"; anything else gets the default reply.
+pub fn tool_rounds_rules(rounds: usize) -> Value {
+    let round = json!([{"name": "current_time"}]);
+    let more: Vec<_> = (1..rounds).map(|_| round.clone()).collect();
+    json!([
+        {"contains": "run the steps", "tool_calls": [{"name": "current_time"}],
+         "more_rounds": more, "after_tools": "done"}
+    ])
+}
+
+/// Sends `text` to `session` as `client_id`, following the session's events (subscribed before
+/// the send), and waits up to `within` for its turn to end; the instants of its `step` events.
+pub async fn turn_steps(
+    client: &async_nats::Client,
+    session: &str,
+    text: &str,
+    client_id: &str,
+    within: Duration,
+) -> Vec<Instant> {
+    use cyrene_protocol::message::{Message, Role};
+    use cyrene_protocol::session::{SessionEvent, SessionEventType};
+    use futures::StreamExt;
+    let mut events = client
+        .subscribe(subjects::session_events(session).unwrap())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let request = SendRequest {
+        session_id: session.to_owned(),
+        message: Message::text(Role::User, text),
+        client_id: client_id.to_owned(),
+        idempotency_key: String::new(),
+        env: None,
+        parallel: false,
+        when_busy: None,
+        persona: String::new(),
+        context_only: false,
+    };
+    let ack: SendAck = request_json(
+        client,
+        subjects::SESSION_SEND,
+        &request,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let mut steps = Vec::new();
+    loop {
+        let m = tokio::time::timeout(within, events.next())
+            .await
+            .expect("the turn ends in time")
+            .unwrap();
+        let event: SessionEvent = serde_json::from_slice(&m.payload).unwrap();
+        match event.kind {
+            SessionEventType::Step => steps.push(Instant::now()),
+            SessionEventType::TurnEnded if event.turn_id == ack.turn_id => return steps,
+            _ => {}
+        }
+    }
+}
+
 /// Waits (bounded) until `service`'s `$SRV.INFO` lists the endpoint `endpoint`. A micro service
 /// answers `$SRV.PING` as soon as it is registered, before its endpoints are added one by one; an
 /// endpoint in `$SRV.INFO` has its subscription on the server already (the service's connection
