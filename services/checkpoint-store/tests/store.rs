@@ -60,6 +60,7 @@ for_both_backends!(
     save_is_an_upsert_that_keeps_created_at,
     latest_is_the_last_write_not_the_highest_step,
     turns_of_one_owner_never_overwrite_or_mask_each_other,
+    a_turns_latest_is_its_last_write_not_its_highest_step,
     a_fenced_read_shuts_out_older_attempts,
     reads_of_missing_rows_are_not_found,
     list_is_most_recent_write_first_and_limited,
@@ -345,6 +346,29 @@ async fn turns_of_one_owner_never_overwrite_or_mask_each_other<S: CheckpointStor
         code(read_turn(store, "s1#a", "turn1", None).await),
         ErrorCode::NotFound
     );
+}
+
+/// `latest` of a turn goes by write order within the turn, whatever the owner wrote since in other
+/// turns (migration 0005 reads it through `(agent_id, turn_id, step)`, sorted by `write_seq`).
+async fn a_turns_latest_is_its_last_write_not_its_highest_step<S: CheckpointStore>(store: &S) {
+    for (step, note) in [(1, "one"), (2, "two"), (3, "three")] {
+        put(store, fenced("s1", step, note, "turn1", 1), t(0)).await;
+    }
+    put(store, fenced("s1", 1, "turn2 one", "turn2", 1), t(0)).await;
+    // Step 2 written again (a tool step's results after its intent), then more of turn 2.
+    put(store, fenced("s1", 2, "two again", "turn1", 1), t(0)).await;
+    put(store, fenced("s1", 5, "turn2 five", "turn2", 1), t(0)).await;
+    let turn1 = read_turn(store, "s1", "turn1", None).await.unwrap();
+    assert_eq!((turn1.step, note(&turn1)), (2, "two again"));
+    let turn1 = read_turn(store, "s1", "turn1", Some(1)).await.unwrap();
+    assert_eq!(
+        (turn1.step, note(&turn1)),
+        (2, "two again"),
+        "the fenced read too"
+    );
+    let turn2 = read_turn(store, "s1", "turn2", None).await.unwrap();
+    assert_eq!((turn2.step, note(&turn2)), (5, "turn2 five"));
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "turn2 five");
 }
 
 async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {

@@ -19,7 +19,7 @@
 //!   takes one writer at a time anyway, and a connection that alone writes keeps its page cache.
 //!   Each commit through one connection of a WAL file makes every other connection drop its
 //!   whole page cache when it next begins, and read back every page it then touches: with the
-//!   pool's connections taken in turn, every step's save did that for its five b-trees and the
+//!   pool's connections taken in turn, every step's save did that for its b-trees and the
 //!   attempt record.
 //!
 //! # Pitfalls
@@ -75,8 +75,11 @@ macro_rules! upsert {
 impl Dialect for Sqlite {
     const BACKEND: &'static str = "sqlite";
     const LATEST: &'static str = select!("WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
+    /// The turn's few rows through `checkpoints_turn_step`, sorted: `+write_seq` keeps the
+    /// planner from walking the owner's every row backwards through `checkpoints_owner_written`
+    /// (migration 0005 dropped the index on `(turn_id, write_seq)`).
     const LATEST_OF_TURN: &'static str =
-        select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
+        select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY +write_seq DESC LIMIT 1");
     const BY_ID: &'static str = select!("WHERE id = ?1");
     const WRITE_SEQ_OF: &'static str = "SELECT write_seq FROM checkpoints WHERE id = ?1";
     const PAGE: &'static str =
@@ -276,6 +279,32 @@ mod tests {
             .retain(&RetainRequest::keep_last("s2", 0), now)
             .await
             .unwrap();
+    }
+
+    /// `latest` of a turn reads that turn's rows through `checkpoints_turn_step` and sorts the
+    /// few of them, instead of walking the owner's every row newest first through
+    /// `checkpoints_owner_written` (what the planner picks for `ORDER BY write_seq` once
+    /// migration 0005 dropped the index on `(turn_id, write_seq)`).
+    #[tokio::test]
+    async fn a_turns_latest_reads_only_that_turns_rows() {
+        let (store, _dir) = open(&StoreOptions::default()).await;
+        let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN QUERY PLAN {}",
+            <Sqlite as Dialect>::LATEST_OF_TURN
+        )))
+        .bind("s1")
+        .bind("t1")
+        .fetch_all(&store.pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get("detail"))
+        .collect();
+        assert!(
+            plan.iter().any(|step| step
+                .contains("USING INDEX checkpoints_turn_step (agent_id=? AND turn_id=?)")),
+            "{plan:?}"
+        );
     }
 
     /// The fenced save is the checked upsert alone: it writes nothing once a newer attempt
