@@ -73,6 +73,7 @@ for_both_backends!(
     bad_input_is_refused_with_its_code_and_the_store_keeps_working,
     retain_keep_last_keeps_the_newest_steps_of_one_owner,
     retain_older_than_drops_only_idle_owners,
+    retention_drops_an_attempt_record_only_when_its_turn_is_idle,
     deltas_are_read_back_as_whole_windows,
     a_turn_restarting_from_its_base_drops_its_earlier_rows,
     a_delta_after_a_full_row_builds_on_it,
@@ -687,6 +688,38 @@ async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S)
     assert_eq!(rows(store, "fresh").await.len(), 1);
     // The idle turn's fencing record went with it: a new attempt 1 of that id is accepted.
     put(store, fenced("idle", 1, "x", "old-turn", 1), t(0)).await;
+}
+
+/// An `older_than_secs` retention drops a turn's attempt record only when the turn has neither
+/// raised it nor saved since the cut-off — also where a save of the recorded attempt did not
+/// rewrite the record (SQLite, migration 0006), and where `keep_last` removed the turn's recent
+/// rows. A record dropped too early would let a stalled older attempt write again.
+async fn retention_drops_an_attempt_record_only_when_its_turn_is_idle<S: CheckpointStore>(
+    store: &S,
+) {
+    const DAY: i64 = 86_400;
+    // A turn started three days ago that saved a minute ago.
+    put(store, fenced("live", 1, "x", "long-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("live", 2, "x", "long-turn", 2), t(60)).await;
+    // A turn that saved an hour ago, whose rows `keep_last` then removed.
+    put(store, fenced("kept", 1, "x", "cut-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("kept", 2, "x", "cut-turn", 2), t(3600)).await;
+    assert_eq!(retain(store, RetainRequest::keep_last("kept", 0)).await, 2);
+    // A turn idle for three days, of an owner with a fresh row of another turn.
+    put(store, fenced("idle", 1, "x", "idle-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("idle", 1, "x", "new-turn", 1), t(0)).await;
+
+    retain(store, RetainRequest::older_than(DAY as u64)).await;
+    for (owner, turn) in [("live", "long-turn"), ("kept", "cut-turn")] {
+        let late = store.save(fenced(owner, 9, "zombie", turn, 1), t(0)).await;
+        assert_eq!(
+            code(late),
+            ErrorCode::Conflict,
+            "{turn}'s record was dropped"
+        );
+    }
+    // The idle turn's record went: its attempt 1 writes again.
+    put(store, fenced("idle", 9, "attempt 1", "idle-turn", 1), t(0)).await;
 }
 
 /// A database created by the first migration (state as `jsonb`) keeps its rows through the
