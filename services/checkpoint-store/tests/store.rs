@@ -60,6 +60,7 @@ for_both_backends!(
     save_is_an_upsert_that_keeps_created_at,
     latest_is_the_last_write_not_the_highest_step,
     turns_of_one_owner_never_overwrite_or_mask_each_other,
+    a_turns_latest_is_its_last_write_not_its_highest_step,
     a_fenced_read_shuts_out_older_attempts,
     reads_of_missing_rows_are_not_found,
     list_is_most_recent_write_first_and_limited,
@@ -72,6 +73,7 @@ for_both_backends!(
     bad_input_is_refused_with_its_code_and_the_store_keeps_working,
     retain_keep_last_keeps_the_newest_steps_of_one_owner,
     retain_older_than_drops_only_idle_owners,
+    retention_drops_an_attempt_record_only_when_its_turn_is_idle,
     deltas_are_read_back_as_whole_windows,
     a_turn_restarting_from_its_base_drops_its_earlier_rows,
     a_delta_after_a_full_row_builds_on_it,
@@ -345,6 +347,29 @@ async fn turns_of_one_owner_never_overwrite_or_mask_each_other<S: CheckpointStor
         code(read_turn(store, "s1#a", "turn1", None).await),
         ErrorCode::NotFound
     );
+}
+
+/// `latest` of a turn goes by write order within the turn, whatever the owner wrote since in other
+/// turns (migration 0005 reads it through `(agent_id, turn_id, step)`, sorted by `write_seq`).
+async fn a_turns_latest_is_its_last_write_not_its_highest_step<S: CheckpointStore>(store: &S) {
+    for (step, note) in [(1, "one"), (2, "two"), (3, "three")] {
+        put(store, fenced("s1", step, note, "turn1", 1), t(0)).await;
+    }
+    put(store, fenced("s1", 1, "turn2 one", "turn2", 1), t(0)).await;
+    // Step 2 written again (a tool step's results after its intent), then more of turn 2.
+    put(store, fenced("s1", 2, "two again", "turn1", 1), t(0)).await;
+    put(store, fenced("s1", 5, "turn2 five", "turn2", 1), t(0)).await;
+    let turn1 = read_turn(store, "s1", "turn1", None).await.unwrap();
+    assert_eq!((turn1.step, note(&turn1)), (2, "two again"));
+    let turn1 = read_turn(store, "s1", "turn1", Some(1)).await.unwrap();
+    assert_eq!(
+        (turn1.step, note(&turn1)),
+        (2, "two again"),
+        "the fenced read too"
+    );
+    let turn2 = read_turn(store, "s1", "turn2", None).await.unwrap();
+    assert_eq!((turn2.step, note(&turn2)), (5, "turn2 five"));
+    assert_eq!(note(&store.latest("s1").await.unwrap()), "turn2 five");
 }
 
 async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
@@ -663,6 +688,38 @@ async fn retain_older_than_drops_only_idle_owners<S: CheckpointStore>(store: &S)
     assert_eq!(rows(store, "fresh").await.len(), 1);
     // The idle turn's fencing record went with it: a new attempt 1 of that id is accepted.
     put(store, fenced("idle", 1, "x", "old-turn", 1), t(0)).await;
+}
+
+/// An `older_than_secs` retention drops a turn's attempt record only when the turn has neither
+/// raised it nor saved since the cut-off — also where a save of the recorded attempt did not
+/// rewrite the record (SQLite, migration 0006), and where `keep_last` removed the turn's recent
+/// rows. A record dropped too early would let a stalled older attempt write again.
+async fn retention_drops_an_attempt_record_only_when_its_turn_is_idle<S: CheckpointStore>(
+    store: &S,
+) {
+    const DAY: i64 = 86_400;
+    // A turn started three days ago that saved a minute ago.
+    put(store, fenced("live", 1, "x", "long-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("live", 2, "x", "long-turn", 2), t(60)).await;
+    // A turn that saved an hour ago, whose rows `keep_last` then removed.
+    put(store, fenced("kept", 1, "x", "cut-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("kept", 2, "x", "cut-turn", 2), t(3600)).await;
+    assert_eq!(retain(store, RetainRequest::keep_last("kept", 0)).await, 2);
+    // A turn idle for three days, of an owner with a fresh row of another turn.
+    put(store, fenced("idle", 1, "x", "idle-turn", 2), t(3 * DAY)).await;
+    put(store, fenced("idle", 1, "x", "new-turn", 1), t(0)).await;
+
+    retain(store, RetainRequest::older_than(DAY as u64)).await;
+    for (owner, turn) in [("live", "long-turn"), ("kept", "cut-turn")] {
+        let late = store.save(fenced(owner, 9, "zombie", turn, 1), t(0)).await;
+        assert_eq!(
+            code(late),
+            ErrorCode::Conflict,
+            "{turn}'s record was dropped"
+        );
+    }
+    // The idle turn's record went: its attempt 1 writes again.
+    put(store, fenced("idle", 9, "attempt 1", "idle-turn", 1), t(0)).await;
 }
 
 /// A database created by the first migration (state as `jsonb`) keeps its rows through the

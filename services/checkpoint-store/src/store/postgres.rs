@@ -54,6 +54,7 @@ macro_rules! select {
 impl Dialect for Postgres {
     const BACKEND: &'static str = "postgres";
     const LATEST: &'static str = select!("WHERE agent_id = $1 ORDER BY write_seq DESC LIMIT 1");
+    /// The turn's few rows through `checkpoints_turn_step`, sorted (migration 0005).
     const LATEST_OF_TURN: &'static str =
         select!("WHERE turn_id = $2 AND agent_id = $1 ORDER BY write_seq DESC LIMIT 1");
     const BY_ID: &'static str = select!("WHERE id = $1");

@@ -8,18 +8,24 @@
 //!   to max + 1, so the most recent write has the highest.
 //! - A step's fenced save is one autocommit statement (`FENCED_SAVE`): the checkpoint upsert,
 //!   which writes only while the turn's recorded attempt is not above its own, and whose write
-//!   raises the record (`turn_attempts`) through the triggers of migration 0004. A write
-//!   statement takes SQLite's write lock as it starts, so the check, the write and the raise are
-//!   atomic and concurrent saves of one turn serialise (no read-then-upgrade
+//!   raises the record (`turn_attempts`) through the triggers of migration 0004 — since 0006 only
+//!   when its attempt is above the record's: a save of the recorded attempt leaves the record's
+//!   page unwritten. A write statement takes SQLite's write lock as it starts, so the check, the
+//!   write and the raise are atomic and concurrent saves of one turn serialise (no read-then-upgrade
 //!   `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a fenced read (raise,
 //!   then read), run in one `BEGIN IMMEDIATE` transaction, which takes the lock up front.
-//! - Every write of a row with a turn and an attempt raises that turn's record (the triggers), so
-//!   no statement here may write such a row for an attempt that is not allowed to fence the turn.
+//! - Every write of a row with a turn and an attempt raises that turn's record to that attempt
+//!   (the triggers), so no statement here may write such a row for an attempt that is not allowed
+//!   to fence the turn.
+//! - A record's `updated_at` is when its attempt was last raised, not the turn's last save: a
+//!   turn is idle for retention when neither its record nor any of its rows was written since
+//!   the cut-off (`DROP_OLD_ATTEMPTS`), and a deleted row hands its write time to its turn's
+//!   record (migration 0006's delete trigger), so `keep_last` cannot make a live turn look idle.
 //! - Every write runs on one connection, the store's `writer` (plain reads use the pool): SQLite
 //!   takes one writer at a time anyway, and a connection that alone writes keeps its page cache.
 //!   Each commit through one connection of a WAL file makes every other connection drop its
 //!   whole page cache when it next begins, and read back every page it then touches: with the
-//!   pool's connections taken in turn, every step's save did that for its five b-trees and the
+//!   pool's connections taken in turn, every step's save did that for its b-trees and the
 //!   attempt record.
 //!
 //! # Pitfalls
@@ -75,8 +81,11 @@ macro_rules! upsert {
 impl Dialect for Sqlite {
     const BACKEND: &'static str = "sqlite";
     const LATEST: &'static str = select!("WHERE agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
+    /// The turn's few rows through `checkpoints_turn_step`, sorted: `+write_seq` keeps the
+    /// planner from walking the owner's every row backwards through `checkpoints_owner_written`
+    /// (migration 0005 dropped the index on `(turn_id, write_seq)`).
     const LATEST_OF_TURN: &'static str =
-        select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY write_seq DESC LIMIT 1");
+        select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY +write_seq DESC LIMIT 1");
     const BY_ID: &'static str = select!("WHERE id = ?1");
     const WRITE_SEQ_OF: &'static str = "SELECT write_seq FROM checkpoints WHERE id = ?1";
     const PAGE: &'static str =
@@ -119,7 +128,12 @@ impl Dialect for Sqlite {
           AND c.turn_id = checkpoint_bases.turn_id)";
     const DROP_IDLE_OWNERS: &'static str = "DELETE FROM checkpoints WHERE agent_id IN \
          (SELECT agent_id FROM checkpoints GROUP BY agent_id HAVING MAX(updated_at) < ?1)";
-    const DROP_OLD_ATTEMPTS: &'static str = "DELETE FROM turn_attempts WHERE updated_at < ?1";
+    /// A record last raised before `?1` whose turn has no row written since (a save of the
+    /// recorded attempt leaves the record alone, migration 0006; a deleted row's time went into
+    /// the record). The turns with a recent row are read once (`NOT IN` over a list).
+    const DROP_OLD_ATTEMPTS: &'static str = "DELETE FROM turn_attempts WHERE updated_at < ?1 \
+         AND turn_id NOT IN (SELECT turn_id FROM checkpoints \
+           WHERE updated_at >= ?1 AND turn_id IS NOT NULL)";
     /// One `BEGIN IMMEDIATE` transaction raises and reads.
     const RAISE_COMMITS_FIRST: bool = false;
 
@@ -276,6 +290,72 @@ mod tests {
             .retain(&RetainRequest::keep_last("s2", 0), now)
             .await
             .unwrap();
+    }
+
+    /// `latest` of a turn reads that turn's rows through `checkpoints_turn_step` and sorts the
+    /// few of them, instead of walking the owner's every row newest first through
+    /// `checkpoints_owner_written` (what the planner picks for `ORDER BY write_seq` once
+    /// migration 0005 dropped the index on `(turn_id, write_seq)`).
+    #[tokio::test]
+    async fn a_turns_latest_reads_only_that_turns_rows() {
+        let (store, _dir) = open(&StoreOptions::default()).await;
+        let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN QUERY PLAN {}",
+            <Sqlite as Dialect>::LATEST_OF_TURN
+        )))
+        .bind("s1")
+        .bind("t1")
+        .fetch_all(&store.pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get("detail"))
+        .collect();
+        assert!(
+            plan.iter().any(|step| step
+                .contains("USING INDEX checkpoints_turn_step (agent_id=? AND turn_id=?)")),
+            "{plan:?}"
+        );
+    }
+
+    /// A save of the turn's recorded attempt writes its row and leaves the attempt record as it
+    /// was (migration 0006: one WAL page fewer a save), and the record still fences: an older
+    /// attempt is refused after it, and a newer one raises it as it writes.
+    #[tokio::test]
+    async fn a_save_of_the_recorded_attempt_leaves_the_record_alone_and_still_fences() {
+        let (store, _dir) = open(&StoreOptions::default()).await;
+        let record = || {
+            sqlx::query_as::<_, (i64, String)>(
+                "SELECT max_attempt, updated_at FROM turn_attempts WHERE turn_id = 't1'",
+            )
+            .fetch_one(&store.pool)
+        };
+        let attempt = |step: u32, attempt: u32| {
+            let mut cp = self::step(step, false);
+            cp.attempt = Some(attempt);
+            cp
+        };
+        let start = Utc::now() - chrono::TimeDelta::seconds(60);
+        store.save(attempt(1, 2), start).await.unwrap();
+        let first = record().await.unwrap();
+        assert_eq!(first, (2, format_ts(start)));
+        store.save(attempt(2, 2), Utc::now()).await.unwrap();
+        assert_eq!(
+            record().await.unwrap(),
+            first,
+            "the record was written again"
+        );
+        let late = store.save(attempt(3, 1), Utc::now()).await.unwrap_err();
+        assert_eq!(late.code(), cyrene_protocol::ErrorCode::Conflict, "{late}");
+        let now = Utc::now();
+        store.save(attempt(3, 3), now).await.unwrap();
+        assert_eq!(
+            record().await.unwrap(),
+            (3, format_ts(now)),
+            "a newer attempt raises it"
+        );
+        let late = store.save(attempt(4, 2), Utc::now()).await.unwrap_err();
+        assert_eq!(late.code(), cyrene_protocol::ErrorCode::Conflict, "{late}");
     }
 
     /// The fenced save is the checked upsert alone: it writes nothing once a newer attempt
