@@ -358,30 +358,19 @@ fn words(text: &str) -> u64 {
 /// `words(&message.text_content())` without building the text: a word may run on from one text
 /// part into the next.
 fn message_words(message: &Message) -> u64 {
-    // The ASCII characters `char::is_whitespace` takes: tab to carriage return, space (without
-    // branches, so that the pairwise count below vectorises).
-    let space = |b: u8| (b == b' ') | (b.wrapping_sub(b'\t') <= b'\r' - b'\t');
     let (mut count, mut in_word) = (0, false);
+    let mut step = |space: bool| {
+        count += u64::from(!space && !in_word);
+        in_word = !space;
+    };
     for part in &message.content {
-        let Part::Text { text } = part else { continue };
-        let bytes = text.as_bytes();
-        let (Some(&first), Some(&last)) = (bytes.first(), bytes.last()) else {
-            continue;
-        };
-        if text.is_ascii() {
-            // Word starts: a first byte that is no space (unless a word runs on into it), then
-            // every space followed by a non-space (counted pairwise, which vectorises).
-            count += u64::from(!space(first) && !in_word);
-            count += bytes
-                .iter()
-                .zip(&bytes[1..])
-                .map(|(&a, &b)| u64::from(space(a) & !space(b)))
-                .sum::<u64>();
-            in_word = !space(last);
-        } else {
-            for c in text.chars() {
-                count += u64::from(!c.is_whitespace() && !in_word);
-                in_word = !c.is_whitespace();
+        if let Part::Text { text } = part {
+            if text.is_ascii() {
+                // The ASCII characters `char::is_whitespace` takes: tab to carriage return, space.
+                text.bytes()
+                    .for_each(|b| step(matches!(b, b'\t'..=b'\r' | b' ')));
+            } else {
+                text.chars().for_each(|c| step(c.is_whitespace()));
             }
         }
     }
