@@ -64,6 +64,13 @@ impl Real {
             .orchestrator_with(|orchestrator| {
                 orchestrator.window = window;
                 orchestrator.max_steps = ROUNDS as u32 + 2;
+                // LOOP_BENCH_EXTRACTION=off: no memory extraction after each turn's answer (it
+                // reads the window and calls the model beside the next turn's steps).
+                if std::env::var("LOOP_BENCH_EXTRACTION").is_ok_and(|v| v == "off") {
+                    for persona in &mut orchestrator.personas.personas {
+                        persona.memory_extraction = Some(false);
+                    }
+                }
             })
             .workers(
                 usize::from(worker),
@@ -761,6 +768,7 @@ async fn main() {
     }
     // LOOP_BENCH_ONLY narrows a run while profiling: `postgres`, `sqlite`, `10`, `200`, `1000`,
     // `steps`, `throughput` (any of them, comma-separated); unset runs everything.
+    // LOOP_BENCH_EXTRACTION=off turns memory extraction off (see `Real::start`).
     let only = std::env::var("LOOP_BENCH_ONLY").unwrap_or_default();
     let picked = |what: &str| only.is_empty() || only.split(',').any(|o| o == what);
     let any_picked = |all: &[&str]| all.iter().any(|w| only.split(',').any(|o| o == *w));
