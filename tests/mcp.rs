@@ -371,6 +371,32 @@ async fn two_bridge_replicas_one_sigkilled_under_calls_the_calls_go_on() {
     });
     first.start_kill().unwrap(); // SIGKILL
     first.wait().await.unwrap();
+    // The process is dead, but the server drops its subscription only once it has read the
+    // closed connection: a request in that gap goes to the dead replica and is never answered
+    // (the bounded wait above is the caller's). Gone means gone from the server's view.
+    let subject = format!("cyrene.tool.{tool}");
+    let subscribed = || {
+        let connz = stack.server.monitor_json("/connz?subs=1&limit=1024");
+        let connections = connz.as_ref().and_then(|c| c["connections"].as_array());
+        connections.map_or(0, |all| {
+            all.iter()
+                .filter(|c| {
+                    c["subscriptions_list"]
+                        .as_array()
+                        .is_some_and(|subs| subs.iter().any(|s| *s == subject.as_str()))
+                })
+                .count()
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while subscribed() != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the server still routes {subject} to {} connections",
+            subscribed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // After the replica is gone, every call is answered by the other one.
     for i in 0..20 {
         let r = call(&stack.client, tool, json!({"timezone": "Europe/Paris"})).await;
