@@ -178,7 +178,11 @@ impl TcpProxy {
                     let Ok(mut outbound) = TcpStream::connect(upstream).await else {
                         return;
                     };
+                    // `biased`: once `stall` or `cut` has cancelled the token, nothing more is
+                    // relayed. Polled in random order, a request sent right after `stall` could
+                    // still reach the database (and commit) before the cancellation was seen.
                     tokio::select! {
+                        biased;
                         _ = token.cancelled() => {}
                         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => return,
                     }
