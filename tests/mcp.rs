@@ -376,17 +376,11 @@ async fn two_bridge_replicas_one_sigkilled_under_calls_the_calls_go_on() {
     // (the bounded wait above is the caller's). Gone means gone from the server's view.
     let subject = format!("cyrene.tool.{tool}");
     let subscribed = || {
-        let connz = stack.server.monitor_json("/connz?subs=1&limit=1024");
-        let connections = connz.as_ref().and_then(|c| c["connections"].as_array());
-        connections.map_or(0, |all| {
-            all.iter()
-                .filter(|c| {
-                    c["subscriptions_list"]
-                        .as_array()
-                        .is_some_and(|subs| subs.iter().any(|s| *s == subject.as_str()))
-                })
-                .count()
-        })
+        let connections = stack.server.subscriptions();
+        connections
+            .iter()
+            .filter(|subs| subs.contains(&subject))
+            .count()
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while subscribed() != 1 {

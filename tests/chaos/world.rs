@@ -532,18 +532,9 @@ pub fn send_request(
 fn worker_inboxes(bus: &Bus) -> Vec<Vec<String>> {
     let mut found = Vec::new();
     for node in bus.nodes() {
-        let Some(connz) = node.monitor_json("/connz?subs=1&limit=4096") else {
-            continue;
-        };
-        let connections = connz["connections"].as_array().cloned().unwrap_or_default();
-        for c in connections {
-            let subs = c["subscriptions_list"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default();
+        for subs in node.subscriptions() {
             let mut inboxes: Vec<String> = subs
                 .iter()
-                .filter_map(|s| s.as_str())
                 .filter(|sub| sub.starts_with(WORKER_INBOX_PREFIX))
                 .filter_map(|sub| sub.strip_suffix(".*"))
                 .map(str::to_owned)

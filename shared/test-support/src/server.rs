@@ -216,6 +216,27 @@ impl NatsServer {
         probe::http_json(self.monitor_port?, path)
     }
 
+    /// The subjects each client connection open now subscribes to, one list a connection
+    /// (`/connz?subs=1`; blocking); empty when the server is killed or does not answer.
+    pub fn subscriptions(&self) -> Vec<Vec<String>> {
+        let Some(connz) = self.monitor_json("/connz?subs=1&limit=4096") else {
+            return Vec::new();
+        };
+        connz["connections"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                c["subscriptions_list"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .collect()
+    }
+
     /// The ids (`cid`) of the client connections open now, ascending (`/connz`; blocking). A
     /// client that lost its connection and reconnected has a new id, so an unchanged list means
     /// no client reconnected.
