@@ -32,13 +32,14 @@
 
 use cyrene_bus::service::decode;
 use cyrene_protocol::message::{Message, Part};
-use cyrene_protocol::model::{ModelRequest, ViewRef};
+use cyrene_protocol::model::{HeldPrefix, ModelRequest, ViewRef};
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde::Deserialize;
 use serde_json::Value;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Memory kept per generation, of each kind, as [`footprint`] counts it.
 pub const GENERATION_BYTES: usize = 16 << 20;
@@ -53,8 +54,20 @@ pub const LARGEST_KEPT: usize = 64 << 10;
 /// The messages decoded recently (by their JSON text) and the views held (by id).
 pub struct Views {
     decoded: Mutex<Generations<Box<str>, Message>>,
-    /// Each view with the request JSON it grew from (what [`LARGEST_VIEW`] bounds).
-    held: Mutex<Generations<String, (Vec<Message>, usize)>>,
+    held: Mutex<Generations<String, HeldView>>,
+    /// The last lineage number given to a view sent whole ([`HeldPrefix::lineage`]).
+    lineages: AtomicU64,
+}
+
+/// A view between its calls.
+struct HeldView {
+    messages: Vec<Message>,
+    /// The request JSON it grew from (what [`LARGEST_VIEW`] bounds).
+    bytes: usize,
+    lineage: u64,
+    /// What its messages take beyond their own size ([`heap`]), kept so that holding the view
+    /// again after a call counts only the messages the call added.
+    heap: usize,
 }
 
 impl Default for Views {
@@ -62,6 +75,7 @@ impl Default for Views {
         Views {
             decoded: Mutex::new(Generations::new(GENERATION_BYTES)),
             held: Mutex::new(Generations::new(GENERATION_BYTES)),
+            lineages: AtomicU64::new(0),
         }
     }
 }
@@ -81,6 +95,10 @@ impl std::fmt::Debug for Views {
 pub struct Held {
     id: String,
     bytes: usize,
+    lineage: u64,
+    /// How many messages were held before the call, and their [`heap`].
+    base: usize,
+    heap: usize,
 }
 
 /// Two generations of entries, each entry with the bytes it counts for.
@@ -214,8 +232,9 @@ impl Views {
     }
 
     /// Puts the view `request` names in front of its messages (a `base` above 0), taking it out
-    /// until [`Views::hold`] puts it back; `None` when the request names no view. `payload_len`
-    /// is what the request's JSON counts for.
+    /// until [`Views::hold`] puts it back, and tells the providers which messages were held
+    /// ([`ModelRequest::held`]); `None` when the request names no view. `payload_len` is what the
+    /// request's JSON counts for.
     pub fn resolve(
         &self,
         request: &mut ModelRequest,
@@ -231,14 +250,19 @@ impl Views {
             ));
         }
         if view.base == 0 {
+            let lineage = self.lineages.fetch_add(1, Ordering::Relaxed) + 1;
+            request.held = HeldPrefix { lineage, base: 0 };
             return Ok(Some(Held {
                 id: view.id,
                 bytes: payload_len,
+                lineage,
+                base: 0,
+                heap: 0,
             }));
         }
         let taken = self.held.lock().ok().and_then(|mut g| g.take(&view.id));
         match taken {
-            Some((_, (_, bytes), _)) if bytes + payload_len > LARGEST_VIEW => Err(ErrorBody::new(
+            Some((_, held, _)) if held.bytes + payload_len > LARGEST_VIEW => Err(ErrorBody::new(
                 ErrorCode::NotFound,
                 format!(
                     "view {} would grow past {LARGEST_VIEW} bytes, more than a view is held for; \
@@ -246,12 +270,20 @@ impl Views {
                     view.id
                 ),
             )),
-            Some((id, (mut messages, bytes), _)) if messages.len() == view.base as usize => {
-                messages.append(&mut request.messages);
-                request.messages = messages;
+            Some((id, mut held, _)) if held.messages.len() == view.base as usize => {
+                let base = held.messages.len();
+                held.messages.append(&mut request.messages);
+                request.messages = held.messages;
+                request.held = HeldPrefix {
+                    lineage: held.lineage,
+                    base,
+                };
                 Ok(Some(Held {
                     id,
-                    bytes: bytes + payload_len,
+                    bytes: held.bytes + payload_len,
+                    lineage: held.lineage,
+                    base,
+                    heap: held.heap,
                 }))
             }
             _ => Err(ErrorBody::new(
@@ -264,19 +296,34 @@ impl Views {
         }
     }
 
-    /// Holds `messages` (the whole view of a call) as `held`'s view.
+    /// Holds `messages` (the whole view of a call, its first `base` the ones held before it,
+    /// unchanged) as `held`'s view.
     pub fn hold(&self, held: Held, messages: Vec<Message>) {
+        let heap = |messages: &[Message]| {
+            messages
+                .iter()
+                .map(|m| footprint(m) - size_of::<Message>())
+                .sum::<usize>()
+        };
+        // Counting only what the call added keeps a step's cost flat in the window's length.
+        let heap = match messages.get(held.base..) {
+            Some(added) => held.heap + heap(added),
+            None => heap(&messages),
+        };
         let memory = HELD_SLOT
             + held.id.capacity()
             + ALLOCATION
             + messages.capacity() * size_of::<Message>()
             + ALLOCATION
-            + messages
-                .iter()
-                .map(|m| footprint(m) - size_of::<Message>())
-                .sum::<usize>();
+            + heap;
+        let view = HeldView {
+            messages,
+            bytes: held.bytes,
+            lineage: held.lineage,
+            heap,
+        };
         if let Ok(mut g) = self.held.lock() {
-            g.insert(held.id, (messages, held.bytes), memory);
+            g.insert(held.id, view, memory);
         }
     }
 }
@@ -288,7 +335,7 @@ const ALLOCATION: usize = 32;
 const DECODED_SLOT: usize = size_of::<(Box<str>, (Message, usize))>() + 1;
 
 /// A held view's place in its map.
-const HELD_SLOT: usize = size_of::<(String, ((Vec<Message>, usize), usize))>() + 1;
+const HELD_SLOT: usize = size_of::<(String, (HeldView, usize))>() + 1;
 
 /// What `message` takes in memory, itself included: an upper bound of its heap (every string's
 /// and vector's capacity, each allocation counted with [`ALLOCATION`]) and its own size.
@@ -523,6 +570,65 @@ mod tests {
         assert_eq!(texts(&turn(&views, id, 0, &["x"]).unwrap()), ["x"]);
         assert_eq!(texts(&turn(&views, id, 1, &["y"]).unwrap()), ["x", "y"]);
         assert_eq!(views.held(), 1);
+    }
+
+    /// Providers are told which messages were held: the same lineage while a view grows, a new
+    /// one whenever it is sent whole.
+    #[test]
+    fn a_held_view_tells_its_lineage_and_base() {
+        let views = Views::default();
+        let (a, b) = ("0123456789abcdef", "fedcba9876543210");
+        let held = |id, base, messages: &[&str]| turn(&views, id, base, messages).unwrap().held;
+        let first = held(a, 0, &["a", "b"]);
+        assert_eq!(first.base, 0);
+        assert_ne!(first.lineage, 0);
+        assert_eq!(held(a, 2, &["c"]), HeldPrefix { base: 2, ..first });
+        assert_eq!(held(a, 3, &[]), HeldPrefix { base: 3, ..first });
+        let other = held(b, 0, &["a"]);
+        assert_ne!(other.lineage, first.lineage);
+        let again = held(a, 0, &["a", "b"]);
+        assert_ne!(again.lineage, first.lineage, "sent whole: a new lineage");
+        assert_ne!(again.lineage, other.lineage);
+        let mut unnamed = ModelRequest::default();
+        views.resolve(&mut unnamed, 10).unwrap();
+        assert_eq!(unnamed.held, HeldPrefix::default());
+    }
+
+    /// A view held again after a call counts for what its whole view takes, though only the
+    /// messages the call added were measured.
+    #[test]
+    fn a_held_view_counts_for_its_whole_footprint() {
+        let views = Views::default();
+        let id = "0123456789abcdef";
+        let args = json!({"q": "x".repeat(40), "n": [1, 2, 3]});
+        let call = Message::assistant_tool_calls(&[cyrene_protocol::message::ToolCall {
+            id: "call_1".into(),
+            name: "search".into(),
+            args: args.as_object().unwrap().clone(),
+            args_error: None,
+        }]);
+        let mut request = viewed(id, 0, &["a question", "more"]);
+        let held = views.resolve(&mut request, 100).unwrap().unwrap();
+        views.hold(held, request.messages);
+        let mut next = viewed(id, 2, &[]);
+        next.messages.push(call);
+        next.messages
+            .push(Message::tool_result("call_1", "search", "found it", false));
+        let held = views.resolve(&mut next, 100).unwrap().unwrap();
+        let whole = next.messages.clone();
+        let capacity = next.messages.capacity();
+        views.hold(held, next.messages);
+        let counted = views.held.lock().unwrap().current[id].1;
+        let expected = HELD_SLOT
+            + id.len()
+            + ALLOCATION
+            + capacity * size_of::<Message>()
+            + ALLOCATION
+            + whole
+                .iter()
+                .map(|m| footprint(m) - size_of::<Message>())
+                .sum::<usize>();
+        assert_eq!(counted, expected);
     }
 
     #[test]

@@ -75,6 +75,26 @@ pub struct ModelRequest {
     /// The view this request continues, held by one gateway replica between calls: streamed
     /// calls only (docs/model-gateway.md, "Held views").
     pub view: Option<ViewRef>,
+    /// Set by the gateway replica that resolved [`ModelRequest::view`], never sent nor read from
+    /// the wire.
+    #[serde(skip)]
+    pub held: HeldPrefix,
+}
+
+/// Which of a request's messages a provider already saw, in the same order, on an earlier call
+/// of the same held view: the first `base` of them, all of them in every call of `lineage`.
+///
+/// A held view only grows at its end between calls, and a view sent whole starts a new lineage,
+/// so whatever a provider derived from a lineage's first `n` messages on one call holds for the
+/// first `n` messages of each later call with `base ≥ n`. The scripted provider keeps its word
+/// count and conversation digest this way (docs/model-gateway.md, "Held views").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeldPrefix {
+    /// The replica's number for the view since it was last sent whole; 0: the request names no
+    /// view.
+    pub lineage: u64,
+    /// How many of the request's messages the replica held before this call.
+    pub base: usize,
 }
 
 /// A view the gateway holds between the steps of a turn, so a step sends only what it added.

@@ -17,6 +17,9 @@
 //!   messages so far plus one, `i` the call's position from 1; token counts are word counts. The
 //!   id is a tool's idempotency key (docs/loop-worker.md), so it differs from turn to turn even
 //!   when a window is cut, and stays the same when a step is asked again after a crash.
+//! - A held view's call is answered as the same view sent whole: what an earlier call of the
+//!   view's lineage counted over its first messages ([`Prefix`]) stands in for reading them only
+//!   while the gateway says it still holds them ([`HeldPrefix`]: `base` at least as many).
 //! - Every request received is appended to the [`RequestLog`], which tests read, once someone
 //!   watches it ([`RequestLog::watch`], what [`crate::Gateway::request_log`] hands out): before
 //!   that nothing is copied, so a provider nobody reads (`make run`, a benchmark) does not copy
@@ -27,10 +30,10 @@
 use super::ProviderError;
 use crate::config::{Rule, Script, ScriptedCall, Step};
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
-use cyrene_protocol::model::{ModelRequest, ModelResponse};
+use cyrene_protocol::model::{HeldPrefix, ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use futures::future::BoxFuture;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 
@@ -101,6 +104,24 @@ impl RequestLog {
 pub struct ScriptedProvider {
     script: Script,
     log: RequestLog,
+    /// What it read of each held view's messages, by lineage ([`HeldPrefix`]).
+    prefixes: Mutex<BTreeMap<u64, Prefix>>,
+}
+
+/// How many held views' [`Prefix`] a provider keeps; the oldest lineage goes first.
+const PREFIXES_KEPT: usize = 1024;
+
+/// What answering a call read from its view's first `len` messages, so that the view's next
+/// call (its first `len` messages the same, [`HeldPrefix`]) reads only the ones after: a turn's
+/// step then costs the same whatever the window (docs/performance.md, "The window ratio").
+#[derive(Debug, Clone, Default)]
+struct Prefix {
+    len: usize,
+    /// The prompt's word count.
+    words: u64,
+    assistants: usize,
+    /// The conversation digest of the first so many messages, when one was taken.
+    digest: Option<(usize, String)>,
 }
 
 /// 8 hex digits of SHA-256 over the user, assistant and tool messages of `messages` (the
@@ -192,6 +213,7 @@ impl ScriptedProvider {
         ScriptedProvider {
             script,
             log: RequestLog::default(),
+            prefixes: Mutex::default(),
         }
     }
 
@@ -212,8 +234,41 @@ impl ScriptedProvider {
         rule.fail.clone().map(ProviderError::Invalid)
     }
 
+    /// What an earlier call of `held`'s view read of its first messages, when it is known.
+    fn prefix(&self, held: HeldPrefix) -> Prefix {
+        let known = match held.lineage {
+            0 => None,
+            lineage => self
+                .prefixes
+                .lock()
+                .ok()
+                .and_then(|p| p.get(&lineage).cloned()),
+        };
+        known.filter(|p| p.len <= held.base).unwrap_or_default()
+    }
+
+    /// Keeps what this call of `held`'s view read.
+    fn remember(&self, held: HeldPrefix, prefix: Prefix) {
+        if held.lineage == 0 {
+            return;
+        }
+        if let Ok(mut kept) = self.prefixes.lock() {
+            kept.insert(held.lineage, prefix);
+            while kept.len() > PREFIXES_KEPT {
+                kept.pop_first();
+            }
+        }
+    }
+
     /// The deterministic answer to `req`.
     pub fn answer(&self, req: &ModelRequest, model: &str) -> ModelResponse {
+        // The counts over the whole view: what is known of its held messages and the rest read.
+        let known = self.prefix(req.held);
+        let unread = &req.messages[known.len..];
+        let prompt = known.words + unread.iter().map(message_words).sum::<u64>();
+        let assistants =
+            known.assistants + unread.iter().filter(|m| m.role == Role::Assistant).count();
+        let mut digest = known.digest;
         let last_user = req.messages.iter().rposition(|m| m.role == Role::User);
         let input = last_user
             .map(|i| req.messages[i].text_content())
@@ -284,13 +339,15 @@ impl ScriptedProvider {
         let round = |_: &Rule| -> Option<Vec<ScriptedCall>> { rounds.get(rounds_done).cloned() };
         let (text, calls) = match rule {
             Some(r) if round(r).is_some() => {
-                let turn = req
-                    .messages
-                    .iter()
-                    .filter(|m| m.role == Role::Assistant)
-                    .count()
-                    + 1;
-                let conversation = conversation_digest(&req.messages[..after]);
+                let turn = assistants + 1;
+                let conversation = match &digest {
+                    Some((len, known)) if *len == after => known.clone(),
+                    _ => {
+                        let taken = conversation_digest(&req.messages[..after]);
+                        digest = Some((after, taken.clone()));
+                        taken
+                    }
+                };
                 let calls = round(r)
                     .unwrap_or_default()
                     .iter()
@@ -319,7 +376,15 @@ impl ScriptedProvider {
                 Vec::new(),
             ),
         };
-        let prompt: u64 = req.messages.iter().map(message_words).sum();
+        self.remember(
+            req.held,
+            Prefix {
+                len: req.messages.len(),
+                words: prompt,
+                assistants,
+                digest,
+            },
+        );
         let completion = words(&text) + calls.len() as u64;
         let (message, stop) = if calls.is_empty() {
             (Message::text(Role::Assistant, text.clone()), "stop")
@@ -657,6 +722,89 @@ mod tests {
         let three = p.answer(&ask(messages), "s");
         assert!(three.tool_calls.is_empty());
         assert_eq!(three.content, "done: a\nb\nc");
+    }
+
+    /// A held view's calls answer exactly as the same views sent whole would (ids, text and
+    /// token counts), though each reads only what was added since its view's last call.
+    #[test]
+    fn a_held_view_is_answered_as_the_whole_view_would_be() {
+        let call = |name: &str| ScriptedCall {
+            name: name.into(),
+            args: Default::default(),
+        };
+        let script = Script {
+            rules: vec![Rule {
+                contains: Some("plan".into()),
+                tool_calls: vec![call("first")],
+                more_rounds: vec![vec![call("second")], vec![call("third")]],
+                after_tools: Some("done: {tool_results}".into()),
+                ..Default::default()
+            }],
+            default_reply: None,
+            word_delay_ms: 0,
+        };
+        let (held, whole) = (
+            ScriptedProvider::new(script.clone()),
+            ScriptedProvider::new(script),
+        );
+        let mut messages = vec![
+            Message::text(Role::User, "an earlier turn"),
+            Message::text(Role::Assistant, "its answer, in five words"),
+            Message::text(Role::User, "plan  it\tnow"),
+        ];
+        let mut base = 0;
+        for round in 0..4 {
+            let request = ModelRequest {
+                held: HeldPrefix { lineage: 7, base },
+                ..ask(messages.clone())
+            };
+            let got = held.answer(&request, "s");
+            let want = whole.answer(&ask(messages.clone()), "s");
+            assert_eq!(got, want, "round {round}");
+            if got.tool_calls.is_empty() {
+                assert_eq!(round, 3);
+                break;
+            }
+            base = messages.len();
+            messages.push(got.message.clone());
+            for c in &got.tool_calls {
+                messages.push(Message::tool_result(&c.id, &c.name, "a result", false));
+            }
+        }
+        let kept = held.prefixes.lock().unwrap()[&7].clone();
+        assert_eq!(kept.len, messages.len(), "the last call read every message");
+        assert!(kept.digest.is_some());
+        assert!(
+            whole.prefixes.lock().unwrap().is_empty(),
+            "no view, nothing kept"
+        );
+    }
+
+    /// What a view's earlier call read is trusted for the messages the gateway says it held, and
+    /// for nothing else: not past `base`, not for another lineage.
+    #[test]
+    fn what_was_read_is_used_only_for_the_messages_held() {
+        let p = provider();
+        let words = |lineage: u64, base: usize, texts: &[&str]| {
+            let messages = texts
+                .iter()
+                .map(|t| Message::text(Role::User, *t))
+                .collect();
+            let request = ModelRequest {
+                held: HeldPrefix { lineage, base },
+                ..ask(messages)
+            };
+            p.answer(&request, "s").prompt_tokens
+        };
+        assert_eq!(words(1, 0, &["one two", "three"]), 3);
+        // Held: the first two messages are taken as read (here they were changed, which the
+        // gateway never does, to show what is trusted).
+        assert_eq!(words(1, 2, &["x", "y", "four five"]), 5);
+        // A base below what was read: nothing is trusted.
+        assert_eq!(words(1, 1, &["x", "y", "four five"]), 4);
+        // Another lineage, or no view: everything is read.
+        assert_eq!(words(2, 2, &["x", "y", "four five"]), 4);
+        assert_eq!(words(0, 2, &["x", "y", "four five"]), 4);
     }
 
     /// Tool-call ids are tools' idempotency keys: two turns never share one, even when the
