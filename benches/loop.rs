@@ -34,6 +34,16 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const ROUNDS: usize = 5;
 const TURNS_PER_CASE: usize = 60;
 const THROUGHPUT_TURNS: usize = 300;
+
+/// The throughput case's measured turns: [`THROUGHPUT_TURNS`], or `LOOP_BENCH_TURNS` (a longer
+/// run to profile, so that the measured turns outweigh the setup).
+fn throughput_turns() -> usize {
+    std::env::var("LOOP_BENCH_TURNS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(THROUGHPUT_TURNS)
+}
 const WINDOWS: [usize; 3] = [10, 200, 1000];
 /// Five-round turns/s on PostgreSQL when issue 37 was filed (150–200 on this machine): its
 /// target is 2.5× that.
@@ -249,9 +259,10 @@ async fn throughput(url: Option<String>, workers: usize) -> (f64, TurnCost) {
     let sample = || Usage::now(nats_pid, &worker_pids, &real.server);
     let before = sample();
     let start = Instant::now();
-    run("tp", THROUGHPUT_TURNS).await;
-    let rate = THROUGHPUT_TURNS as f64 / start.elapsed().as_secs_f64();
-    let cost = sample().since(&before, THROUGHPUT_TURNS);
+    let turns = throughput_turns();
+    run("tp", turns).await;
+    let rate = turns as f64 / start.elapsed().as_secs_f64();
+    let cost = sample().since(&before, turns);
     drop(children);
     (rate, cost)
 }
@@ -769,6 +780,7 @@ async fn main() {
     // LOOP_BENCH_ONLY narrows a run while profiling: `postgres`, `sqlite`, `10`, `200`, `1000`,
     // `steps`, `throughput` (any of them, comma-separated); unset runs everything.
     // LOOP_BENCH_EXTRACTION=off turns memory extraction off (see `Real::start`).
+    // LOOP_BENCH_TURNS=3000 runs the throughput case longer (see `throughput_turns`).
     let only = std::env::var("LOOP_BENCH_ONLY").unwrap_or_default();
     let picked = |what: &str| only.is_empty() || only.split(',').any(|o| o == what);
     let any_picked = |all: &[&str]| all.iter().any(|w| only.split(',').any(|o| o == *w));
@@ -867,8 +879,9 @@ async fn main() {
     );
 
     println!(
-        "loop worker: five-round durable turns/s ({THROUGHPUT_TURNS} turns on fresh sessions, \
-         all four real services, worker processes)"
+        "loop worker: five-round durable turns/s ({} turns on fresh sessions, \
+         all four real services, worker processes)",
+        throughput_turns()
     );
     for (name, url) in backends.iter().filter(|_| parts("throughput")) {
         let (one, cost_one) = throughput(url.clone(), 1).await;
