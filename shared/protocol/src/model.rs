@@ -81,8 +81,8 @@ pub struct ModelRequest {
     pub held: HeldPrefix,
 }
 
-/// Which of a request's messages a provider already saw, in the same order, on an earlier call
-/// of the same held view: the first `base` of them, all of them in every call of `lineage`.
+/// Which of a request's messages a provider may have seen before, unchanged and in the same
+/// order: its first `base` messages, with which every later call of the same `lineage` begins.
 ///
 /// A held view only grows at its end between calls, and a view sent whole starts a new lineage,
 /// so whatever a provider derived from a lineage's first `n` messages on one call holds for the

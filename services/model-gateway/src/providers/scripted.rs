@@ -113,7 +113,8 @@ const PREFIXES_KEPT: usize = 1024;
 
 /// What answering a call read from its view's first `len` messages, so that the view's next
 /// call (its first `len` messages the same, [`HeldPrefix`]) reads only the ones after: a turn's
-/// step then costs the same whatever the window (docs/performance.md, "The window ratio").
+/// step then costs the same whatever the window (docs/performance.md, "The window ratio met on
+/// PostgreSQL").
 #[derive(Debug, Clone, Default)]
 struct Prefix {
     len: usize,
@@ -234,8 +235,9 @@ impl ScriptedProvider {
         rule.fail.clone().map(ProviderError::Invalid)
     }
 
-    /// What an earlier call of `held`'s view read of its first messages, when it is known.
-    fn prefix(&self, held: HeldPrefix) -> Prefix {
+    /// What an earlier call of `held`'s view read of its first messages, when it is known and
+    /// covers no more than the `len` messages of this call.
+    fn prefix(&self, held: HeldPrefix, len: usize) -> Prefix {
         let known = match held.lineage {
             0 => None,
             lineage => self
@@ -244,7 +246,9 @@ impl ScriptedProvider {
                 .ok()
                 .and_then(|p| p.get(&lineage).cloned()),
         };
-        known.filter(|p| p.len <= held.base).unwrap_or_default()
+        known
+            .filter(|p| p.len <= held.base.min(len))
+            .unwrap_or_default()
     }
 
     /// Keeps what this call of `held`'s view read.
@@ -263,7 +267,7 @@ impl ScriptedProvider {
     /// The deterministic answer to `req`.
     pub fn answer(&self, req: &ModelRequest, model: &str) -> ModelResponse {
         // The counts over the whole view: what is known of its held messages and the rest read.
-        let known = self.prefix(req.held);
+        let known = self.prefix(req.held, req.messages.len());
         let unread = &req.messages[known.len..];
         let prompt = known.words + unread.iter().map(message_words).sum::<u64>();
         let assistants =
@@ -800,8 +804,9 @@ mod tests {
         // Held: the first two messages are taken as read (here they were changed, which the
         // gateway never does, to show what is trusted).
         assert_eq!(words(1, 2, &["x", "y", "four five"]), 5);
-        // A base below what was read: nothing is trusted.
+        // A base below what was read, or past the request's messages: nothing is trusted.
         assert_eq!(words(1, 1, &["x", "y", "four five"]), 4);
+        assert_eq!(words(1, 9, &["x"]), 1);
         // Another lineage, or no view: everything is read.
         assert_eq!(words(2, 2, &["x", "y", "four five"]), 4);
         assert_eq!(words(0, 2, &["x", "y", "four five"]), 4);
