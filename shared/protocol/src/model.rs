@@ -276,6 +276,24 @@ mod tests {
         );
     }
 
+    /// What a gateway replica tells its providers about a held view is never taken from a
+    /// caller, nor sent.
+    #[test]
+    fn the_held_prefix_is_neither_read_nor_written() {
+        let err = serde_json::from_value::<ModelRequest>(
+            json!({"messages":[],"held":{"lineage":7,"base":3}}),
+        );
+        assert!(err.unwrap_err().to_string().contains("held"));
+        let req = ModelRequest {
+            held: HeldPrefix {
+                lineage: 7,
+                base: 3,
+            },
+            ..Default::default()
+        };
+        assert_eq!(serde_json::to_value(&req).unwrap(), json!({"messages":[]}));
+    }
+
     #[test]
     fn request_refuses_unknown_fields() {
         let err = serde_json::from_value::<ModelRequest>(json!({"messages":[],"top_p":0.9}));
