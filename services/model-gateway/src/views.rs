@@ -65,8 +65,9 @@ struct HeldView {
     /// The request JSON it grew from (what [`LARGEST_VIEW`] bounds).
     bytes: usize,
     lineage: u64,
-    /// What its messages take beyond their own size ([`heap`]), kept so that holding the view
-    /// again after a call counts only the messages the call added.
+    /// What its messages take beyond their own size (each one's [`footprint`] less the size of
+    /// a `Message`), kept so that holding the view again after a call counts only the messages
+    /// the call added.
     heap: usize,
 }
 
@@ -96,7 +97,7 @@ pub struct Held {
     id: String,
     bytes: usize,
     lineage: u64,
-    /// How many messages were held before the call, and their [`heap`].
+    /// How many messages were held before the call, and their [`HeldView::heap`].
     base: usize,
     heap: usize,
 }

@@ -18,7 +18,7 @@
 //!   id is a tool's idempotency key (docs/loop-worker.md), so it differs from turn to turn even
 //!   when a window is cut, and stays the same when a step is asked again after a crash.
 //! - A held view's call is answered as the same view sent whole: what an earlier call of the
-//!   view's lineage counted over its first messages ([`Prefix`]) stands in for reading them only
+//!   view's lineage counted over its first messages (`Prefix`) stands in for reading them only
 //!   while the gateway says it still holds them ([`HeldPrefix`]: `base` at least as many).
 //! - Every request received is appended to the [`RequestLog`], which tests read, once someone
 //!   watches it ([`RequestLog::watch`], what [`crate::Gateway::request_log`] hands out): before
