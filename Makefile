@@ -76,7 +76,7 @@ build: toolchain web
 
 test: toolchain tools postgres chromium mcp-servers build vendor-check vendor-test
 ifeq ($(HAVE_NEXTEST),yes)
-	$(TEST_ENV) $(CARGO) nextest run --workspace --no-fail-fast
+	$(TEST_ENV) $(CARGO) nextest run --profile test --workspace --no-fail-fast
 else
 	$(TEST_ENV) $(CARGO) test --workspace --no-fail-fast
 endif
