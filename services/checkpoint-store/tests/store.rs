@@ -62,6 +62,7 @@ for_both_backends!(
     turns_of_one_owner_never_overwrite_or_mask_each_other,
     a_turns_latest_is_its_last_write_not_its_highest_step,
     a_fenced_read_shuts_out_older_attempts,
+    the_first_attempts_read_fences_as_the_others_do,
     reads_of_missing_rows_are_not_found,
     list_is_most_recent_write_first_and_limited,
     legs_never_see_each_others_rows,
@@ -401,13 +402,46 @@ async fn a_fenced_read_shuts_out_older_attempts<S: CheckpointStore>(store: &S) {
         .await
         .unwrap_err();
     assert_eq!(err.code(), ErrorCode::Conflict);
-    for (owner, turn) in [("s.1.2", "turn1"), ("s1", "t.1"), ("s1", "")] {
+    for (owner, turn, attempt) in [
+        ("s.1.2", "turn1", 1),
+        ("s1", "t.1", 1),
+        ("s1", "", 1),
+        ("s1", "turn1", 0),
+    ] {
         assert_eq!(
-            code(read_turn(store, owner, turn, Some(1)).await),
+            code(read_turn(store, owner, turn, Some(attempt)).await),
             ErrorCode::BadRequest,
-            "{owner} {turn}"
+            "{owner} {turn} {attempt}"
         );
     }
+}
+
+/// The first attempt's fenced read records nothing (no attempt is older), yet is refused once a
+/// newer attempt is recorded, and the first attempt's saves stay fenced by what it read.
+async fn the_first_attempts_read_fences_as_the_others_do<S: CheckpointStore>(store: &S) {
+    assert_eq!(
+        code(read_turn(store, "s1", "turn1", Some(1)).await),
+        ErrorCode::NotFound
+    );
+    put(store, fenced("s1", 1, "a1 step1", "turn1", 1), t(0)).await;
+    let read = read_turn(store, "s1", "turn1", Some(1)).await.unwrap();
+    assert_eq!(note(&read), "a1 step1");
+    // A newer attempt took the turn over (its read raised the record).
+    read_turn(store, "s1", "turn1", Some(2)).await.unwrap();
+    assert_eq!(
+        code(read_turn(store, "s1", "turn1", Some(1)).await),
+        ErrorCode::Conflict
+    );
+    let late = store
+        .save(fenced("s1", 2, "a1 step2", "turn1", 1), t(0))
+        .await;
+    assert_eq!(code(late), ErrorCode::Conflict);
+    // A newer attempt that only saved (no read) fences the first attempt's read too.
+    put(store, fenced("s1", 1, "a3 step1", "turn2", 3), t(0)).await;
+    assert_eq!(
+        code(read_turn(store, "s1", "turn2", Some(1)).await),
+        ErrorCode::Conflict
+    );
 }
 
 async fn reads_of_missing_rows_are_not_found<S: CheckpointStore>(store: &S) {
@@ -605,6 +639,7 @@ async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: Check
             ..checkpoint("s1", 1, "turn without attempt")
         },
         fenced("s1", 1, "bad turn id", "t.1", 1),
+        fenced("s1", 1, "attempt 0: no delivery is numbered so", "t1", 0),
     ];
     for cp in bad_saves.drain(..) {
         let what = note(&cp).to_owned();

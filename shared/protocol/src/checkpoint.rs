@@ -27,7 +27,8 @@ pub struct Checkpoint {
     pub state: JsonObject,
     /// Fencing: the turn that wrote it …
     pub turn_id: Option<String>,
-    /// … and that turn's delivery attempt; older attempts are refused once a newer one wrote.
+    /// … and that turn's delivery attempt, from 1; older attempts are refused once a newer one
+    /// wrote.
     pub attempt: Option<u32>,
     /// Only in a fenced save whose `state` is a step's delta: the turn's base window
     /// (`{"messages":[…]}`), stored once per turn; never in a reply (docs/checkpoint-store.md,
@@ -116,7 +117,8 @@ pub struct CheckpointStateRef<'a> {
 /// recently written checkpoint of that turn. With `turn_id` and `attempt` (a *fenced read*, what
 /// a loop worker does before it runs a delivery): the store first records `attempt` as the turn's
 /// newest, so no older attempt can write after the read, and answers `conflict` when a newer
-/// attempt already has.
+/// attempt already has. Attempts count from 1; the first has no older one to shut out, so its read
+/// records nothing.
 #[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -196,6 +196,26 @@ pub(crate) struct Fence {
     pub attempt: i64,
 }
 
+/// The lowest attempt a fenced save or read may carry: a job's first delivery (JetStream counts
+/// a message's deliveries from 1, and a turn's first job has `attempt_base` 0). No attempt is
+/// older, so a fenced read by it has no one to shut out: it reads without writing, refused only
+/// when a newer attempt is recorded (`SqlStore::latest_of_turn`).
+pub const FIRST_ATTEMPT: u32 = 1;
+
+/// The fence of attempt `attempt` of turn `turn_id`, both checked.
+pub(crate) fn fence(turn_id: &str, attempt: u32) -> Result<Fence, StoreError> {
+    check_turn_id(turn_id)?;
+    if attempt < FIRST_ATTEMPT {
+        return Err(StoreError::BadRequest(format!(
+            "attempt must be at least {FIRST_ATTEMPT} (a job's first delivery)"
+        )));
+    }
+    Ok(Fence {
+        turn_id: turn_id.to_owned(),
+        attempt: i64::from(attempt),
+    })
+}
+
 /// Checks an owner key (`session` or `session#leg`).
 pub(crate) fn check_owner(agent_id: &str) -> Result<(), StoreError> {
     validate_owner(agent_id).map_err(|e| StoreError::BadRequest(format!("agent_id: {e}")))
@@ -220,13 +240,7 @@ pub(crate) fn prepare_save(
 ) -> Result<SaveRow, StoreError> {
     check_owner(&checkpoint.agent_id)?;
     let fence = match (&checkpoint.turn_id, checkpoint.attempt) {
-        (Some(turn_id), Some(attempt)) => {
-            check_turn_id(turn_id)?;
-            Some(Fence {
-                turn_id: turn_id.clone(),
-                attempt: i64::from(attempt),
-            })
-        }
+        (Some(turn_id), Some(attempt)) => Some(fence(turn_id, attempt)?),
         (None, None) => None,
         _ => {
             return Err(StoreError::BadRequest(

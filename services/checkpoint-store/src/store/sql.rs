@@ -13,7 +13,9 @@
 //!   older one writes nothing; one that raises later finds the row, as a fenced read would.
 //! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
-//!   snapshot sees every row an older attempt managed to write.
+//!   snapshot sees every row an older attempt managed to write. A read by the first attempt
+//!   ([`super::FIRST_ATTEMPT`]) has no older attempt to shut out and writes nothing: it checks
+//!   the record and reads, like a plain read.
 //! - Every write — a save, a fenced read's raise, a retention — goes through
 //!   [`SqlStore`]'s `writer`, every plain read through its `pool`. On SQLite the writer is
 //!   one connection (the file has one writer at a time anyway), so its page cache stays valid
@@ -22,8 +24,9 @@
 //!   two are the same pool.
 
 use super::{
-    CheckpointStore, Fence, RawRow, SaveRow, StoreError, check_owner, check_page, check_turn_read,
-    cursor_gone, cutoff, fenced, full, no_checkpoint, parse_id, prepare_save, retain_mode,
+    CheckpointStore, FIRST_ATTEMPT, Fence, RawRow, SaveRow, StoreError, check_owner, check_page,
+    check_turn_read, cursor_gone, cutoff, fence, fenced, full, no_checkpoint, parse_id,
+    prepare_save, retain_mode,
 };
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
@@ -73,6 +76,8 @@ pub trait Dialect: Database {
     const UPSERT: &'static str;
     /// Records attempt `$2` of turn `$1` at `$3` unless a newer one is; returns `max_attempt`.
     const RAISE_ATTEMPT: &'static str;
+    /// The recorded attempt of turn `$1` (no row: none recorded).
+    const RECORDED_ATTEMPT: &'static str;
     /// How a fenced save writes its row (see [`FencedSave`]).
     const FENCED_SAVE: FencedSave;
     /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`; where
@@ -413,12 +418,24 @@ on_every_dialect! {
     ) -> Result<Checkpoint, StoreError> {
         check_turn_read(agent_id, turn_id)?;
         let read = || sqlx::query(D::LATEST_OF_TURN).bind(agent_id).bind(turn_id);
-        let fence = attempt.map(|attempt| Fence {
-            turn_id: turn_id.to_owned(),
-            attempt: i64::from(attempt),
-        });
+        let fence = attempt.map(|attempt| fence(turn_id, attempt)).transpose()?;
         let row = match fence {
             None => read().fetch_optional(&self.pool).await,
+            // The first attempt: no older one can exist to shut out, so nothing is written (no
+            // commit, and on SQLite not the writer connection). Refused when a newer attempt is
+            // recorded; one that records itself after this check fences this attempt's saves.
+            Some(fence) if fence.attempt == i64::from(FIRST_ATTEMPT) => {
+                let recorded: Option<i64> = sqlx::query_scalar(D::RECORDED_ATTEMPT)
+                    .bind(turn_id)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                match recorded {
+                    Some(recorded) if recorded > fence.attempt => {
+                        return Err(fenced(&fence, recorded));
+                    }
+                    _ => read().fetch_optional(&self.pool).await,
+                }
+            }
             Some(fence) if D::RAISE_COMMITS_FIRST => {
                 let mut conn = self.writer.acquire().await?;
                 Self::raise(&mut conn, &fence, now).await?;

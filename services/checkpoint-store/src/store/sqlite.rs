@@ -12,8 +12,9 @@
 //!   when its attempt is above the record's: a save of the recorded attempt leaves the record's
 //!   page unwritten. A write statement takes SQLite's write lock as it starts, so the check, the
 //!   write and the raise are atomic and concurrent saves of one turn serialise (no read-then-upgrade
-//!   `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a fenced read (raise,
-//!   then read), run in one `BEGIN IMMEDIATE` transaction, which takes the lock up front.
+//!   `SQLITE_BUSY_SNAPSHOT`). A save that also stores the turn's base, and a fenced read by a
+//!   later attempt than the first (raise, then read), run in one `BEGIN IMMEDIATE` transaction,
+//!   which takes the lock up front; the first attempt's fenced read writes nothing.
 //! - Every write of a row with a turn and an attempt raises that turn's record to that attempt
 //!   (the triggers), so no statement here may write such a row for an attempt that is not allowed
 //!   to fence the turn.
@@ -95,6 +96,8 @@ impl Dialect for Sqlite {
     const CHAIN: &'static str = "SELECT state FROM checkpoints WHERE agent_id = ?1 \
          AND turn_id = ?2 AND step <= ?3 ORDER BY step";
     const UPSERT: &'static str = upsert!("VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)");
+    const RECORDED_ATTEMPT: &'static str =
+        "SELECT max_attempt FROM turn_attempts WHERE turn_id = ?1";
     const RAISE_ATTEMPT: &'static str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
          VALUES (?1, ?2, ?3) \
          ON CONFLICT (turn_id) DO UPDATE SET \
@@ -268,6 +271,47 @@ mod tests {
             before,
             "a commit on another connection shows"
         );
+    }
+
+    /// A fenced read by the first attempt writes nothing (there is no older attempt to shut out):
+    /// no attempt record, and the file's `data_version` as another connection sees it does not
+    /// move; a later attempt's read records itself.
+    #[tokio::test]
+    async fn the_first_attempts_read_writes_nothing() {
+        let (store, _dir) = open(&StoreOptions::default()).await;
+        let mut reader = store.pool.acquire().await.unwrap();
+        let mut version = async || {
+            sqlx::query_scalar::<_, i64>("PRAGMA data_version")
+                .fetch_one(&mut *reader)
+                .await
+                .unwrap()
+        };
+        let records = || {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM turn_attempts")
+                .fetch_one(&store.pool)
+        };
+        let before = version().await;
+        let now = Utc::now();
+        for _ in 0..2 {
+            let err = store.latest_of_turn("s1", "t1", Some(1), now).await;
+            assert_eq!(
+                err.unwrap_err().code(),
+                cyrene_protocol::ErrorCode::NotFound
+            );
+        }
+        assert_eq!(version().await, before, "the first attempt's read wrote");
+        assert_eq!(records().await.unwrap(), 0);
+        let err = store.latest_of_turn("s1", "t1", Some(2), now).await;
+        assert_eq!(
+            err.unwrap_err().code(),
+            cyrene_protocol::ErrorCode::NotFound
+        );
+        assert_ne!(
+            version().await,
+            before,
+            "a later attempt's read records itself"
+        );
+        assert_eq!(records().await.unwrap(), 1);
     }
 
     /// Writes never wait for a read connection: with the only one held, saves of every kind and
