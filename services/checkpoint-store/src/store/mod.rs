@@ -21,7 +21,8 @@
 //!   [`StoreError::Conflict`]. A *fenced read* ([`CheckpointStore::latest_of_turn`] with an
 //!   attempt) raises the record **before** it reads, so once a new delivery has looked at its
 //!   turn's checkpoints, a save still in flight from the dead one can no longer land behind its
-//!   back.
+//!   back. The first attempt ([`FIRST_ATTEMPT`]) has no older one to shut out: its read only
+//!   checks the record.
 //!
 //! # Pitfalls
 //! - Timestamps are produced by the caller (`now`), not by the database, so the same code path

@@ -141,6 +141,25 @@ pub struct SqlStore<D: Database> {
     pub(super) max_state_bytes: usize,
     /// PostgreSQL: the group commit a step's fenced save goes through ([`SaveBatcher`]).
     pub(super) group: Option<Arc<dyn SaveBatcher>>,
+    /// SQLite: the task that checkpoints the WAL off the saves' path, stopped when the last
+    /// clone of the store is dropped or at [`CheckpointStore::close`].
+    pub(super) background: Option<Arc<Background<D>>>,
+}
+
+/// A task of the store's own and the pool it runs on.
+#[derive(Debug)]
+pub(super) struct Background<D: Database> {
+    pub(super) pool: Pool<D>,
+    pub(super) stop: tokio_util::sync::CancellationToken,
+    pub(super) _stop_on_drop: tokio_util::sync::DropGuard,
+}
+
+impl<D: Database> Background<D> {
+    /// Stops the task and closes its pool (waiting for what it is doing to end).
+    async fn close(&self) {
+        self.stop.cancel();
+        self.pool.close().await;
+    }
 }
 
 impl<D: Database> Clone for SqlStore<D> {
@@ -150,6 +169,7 @@ impl<D: Database> Clone for SqlStore<D> {
             writer: self.writer.clone(),
             max_state_bytes: self.max_state_bytes,
             group: self.group.clone(),
+            background: self.background.clone(),
         }
     }
 }
@@ -520,6 +540,9 @@ on_every_dialect! {
     }
 
     async fn close(&self) {
+        if let Some(background) = &self.background {
+            background.close().await;
+        }
         self.pool.close().await;
         self.writer.close().await;
     }

@@ -29,6 +29,14 @@
 //!   pool's connections taken in turn, every step's save did that for its b-trees and the
 //!   attempt record.
 //!
+//! - The WAL is copied into the database file (checkpointed) by a task of the store's own, on a
+//!   connection of its own, every [`WAL_CHECKPOINT_EVERY`] (`PRAGMA wal_checkpoint(PASSIVE)`,
+//!   which waits for no reader and no writer), not inside whichever commit crosses SQLite's
+//!   automatic threshold: that copy and its sync stalled one step's save in a few hundred by tens
+//!   of milliseconds. The writer still checkpoints inline past [`WAL_AUTOCHECKPOINT_PAGES`], so
+//!   a stalled task cannot let the WAL grow without bound. A checkpoint commits nothing: it
+//!   does not empty the other connections' page caches.
+//!
 //! # Pitfalls
 //! - WAL mode lets readers run beside the single writer; writes queue for the `writer` connection
 //!   for up to `busy_timeout` (as they would for the file's lock), after which the save fails
@@ -36,7 +44,7 @@
 //!   (SQLITE_BUSY after `busy_timeout`), and empties the writer's page cache once.
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
-use super::sql::{Dialect, FencedSave, SqlStore};
+use super::sql::{Background, Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
 use cyrene_sql::{PoolSettings, SqliteSettings};
@@ -44,6 +52,16 @@ use sqlx::migrate::Migrator;
 use sqlx::query::Query;
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
 use sqlx::{Database, Pool, Row, Sqlite, Transaction};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How often the store's own task checkpoints the WAL (the module's invariants).
+pub const WAL_CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
+
+/// The WAL size, in pages, past which a commit checkpoints inline after all (SQLite's default
+/// is 1,000; 10,000 pages of 4 KiB are ≈ 40 MiB): reached only when the task falls behind.
+pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 10_000;
 
 /// The SQLite migrations of this crate (`migrations/sqlite`), applied at start.
 pub static MIGRATOR: Migrator = cyrene_sql::migrations!(sqlite);
@@ -165,7 +183,9 @@ impl SqliteStore {
     /// (`sqlite://path/to/file.db`), then applies the migrations.
     pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
         let settings = SqliteSettings::CHECKPOINTS;
-        let connect = settings.connect_options(url)?;
+        let connect = settings
+            .connect_options(url)?
+            .pragma("wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES.to_string());
         let pool = options
             .pool()
             .options::<Sqlite>()
@@ -178,20 +198,58 @@ impl SqliteStore {
             .map_err(StoreError::open("sqlite migrations"))?;
         // One connection for every write (the module's invariants); a write waits for it as long
         // as it would wait for the file's write lock.
-        let writer = PoolSettings {
+        let one = PoolSettings {
             max_connections: 1,
             acquire_timeout: settings.busy_timeout,
-        }
-        .options::<Sqlite>()
-        .connect_with(connect)
-        .await
-        .map_err(StoreError::open("sqlite"))?;
+        };
+        let writer = one
+            .options::<Sqlite>()
+            .connect_with(connect.clone())
+            .await
+            .map_err(StoreError::open("sqlite"))?;
+        let checkpointer = one
+            .options::<Sqlite>()
+            .connect_with(connect)
+            .await
+            .map_err(StoreError::open("sqlite"))?;
         Ok(SqlStore {
             group: None,
             pool,
             writer,
             max_state_bytes: options.max_state_bytes,
+            background: Some(Arc::new(checkpoint_wal(checkpointer, WAL_CHECKPOINT_EVERY))),
         })
+    }
+}
+
+/// Starts the task that checkpoints the WAL on `pool` every `every` until stopped.
+fn checkpoint_wal(pool: Pool<Sqlite>, every: Duration) -> Background<Sqlite> {
+    let stop = CancellationToken::new();
+    let task = (pool.clone(), stop.clone());
+    tokio::spawn(async move {
+        let (pool, stop) = task;
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                .execute(&pool)
+                .await
+            {
+                Ok(_) => {}
+                Err(sqlx::Error::PoolClosed) => return,
+                // The next tick tries again; the writer's own threshold bounds the WAL meanwhile.
+                Err(error) => tracing::warn!(%error, "WAL checkpoint failed"),
+            }
+        }
+    });
+    Background {
+        pool,
+        _stop_on_drop: stop.clone().drop_guard(),
+        stop,
     }
 }
 
@@ -312,6 +370,52 @@ mod tests {
             "a later attempt's read records itself"
         );
         assert_eq!(records().await.unwrap(), 1);
+    }
+
+    /// The WAL reaches the database file through the store's own task, not through a save: the
+    /// writer checkpoints inline only past [`WAL_AUTOCHECKPOINT_PAGES`], yet the file takes in
+    /// the saves' pages soon after them; closing the store stops the task.
+    #[tokio::test]
+    async fn the_wal_is_checkpointed_off_the_saves_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.db");
+        let url = format!("sqlite://{}", file.display());
+        let store = SqliteStore::open(&url, &StoreOptions::default())
+            .await
+            .unwrap();
+        let threshold: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
+            .fetch_one(&store.writer)
+            .await
+            .unwrap();
+        assert_eq!(threshold, i64::from(WAL_AUTOCHECKPOINT_PAGES));
+        // Past the first checkpoint (the task's first tick, at once): the migrations are in.
+        let size = || std::fs::metadata(&file).unwrap().len();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while size() == 0 {
+            assert!(std::time::Instant::now() < deadline, "no first checkpoint");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let before = size();
+        let note = "x".repeat(2000);
+        for n in 1..=100 {
+            let cp = serde_json::from_value(json!({
+                "id": format!("s3:{n}"), "agent_id": "s3", "step": n,
+                "state": {"step": n, "messages": [], "note": note},
+            }))
+            .unwrap();
+            store.save(cp, Utc::now()).await.unwrap();
+        }
+        while size() <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the WAL never reached the file"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let background = store.background.clone().unwrap();
+        store.close().await;
+        assert!(background.pool.is_closed());
+        assert!(background.stop.is_cancelled());
     }
 
     /// Writes never wait for a read connection: with the only one held, saves of every kind and
