@@ -203,9 +203,8 @@ pub(crate) struct Fence {
 /// when a newer attempt is recorded (`SqlStore::latest_of_turn`).
 pub const FIRST_ATTEMPT: u32 = 1;
 
-/// The fence of attempt `attempt` of turn `turn_id`, both checked.
+/// The fence of attempt `attempt` (checked) of turn `turn_id` (checked by the caller).
 pub(crate) fn fence(turn_id: &str, attempt: u32) -> Result<Fence, StoreError> {
-    check_turn_id(turn_id)?;
     if attempt < FIRST_ATTEMPT {
         return Err(StoreError::BadRequest(format!(
             "attempt must be at least {FIRST_ATTEMPT} (a job's first delivery)"
@@ -241,7 +240,10 @@ pub(crate) fn prepare_save(
 ) -> Result<SaveRow, StoreError> {
     check_owner(&checkpoint.agent_id)?;
     let fence = match (&checkpoint.turn_id, checkpoint.attempt) {
-        (Some(turn_id), Some(attempt)) => Some(fence(turn_id, attempt)?),
+        (Some(turn_id), Some(attempt)) => {
+            check_turn_id(turn_id)?;
+            Some(fence(turn_id, attempt)?)
+        }
         (None, None) => None,
         _ => {
             return Err(StoreError::BadRequest(

@@ -146,12 +146,17 @@ pub struct SqlStore<D: Database> {
     pub(super) background: Option<Arc<Background<D>>>,
 }
 
-/// A task of the store's own and the pool it runs on.
+/// A task of the store's own and the pool it runs on; dropping it stops the task.
 #[derive(Debug)]
 pub(super) struct Background<D: Database> {
     pub(super) pool: Pool<D>,
     pub(super) stop: tokio_util::sync::CancellationToken,
-    pub(super) _stop_on_drop: tokio_util::sync::DropGuard,
+}
+
+impl<D: Database> Drop for Background<D> {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 impl<D: Database> Background<D> {

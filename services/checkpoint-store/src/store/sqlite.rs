@@ -223,10 +223,12 @@ impl SqliteStore {
 
 /// Starts the task that checkpoints the WAL on `pool` every `every` until stopped.
 fn checkpoint_wal(pool: Pool<Sqlite>, every: Duration) -> Background<Sqlite> {
-    let stop = CancellationToken::new();
-    let task = (pool.clone(), stop.clone());
+    let background = Background {
+        pool,
+        stop: CancellationToken::new(),
+    };
+    let (pool, stop) = (background.pool.clone(), background.stop.clone());
     tokio::spawn(async move {
-        let (pool, stop) = task;
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -245,11 +247,7 @@ fn checkpoint_wal(pool: Pool<Sqlite>, every: Duration) -> Background<Sqlite> {
             }
         }
     });
-    Background {
-        pool,
-        _stop_on_drop: stop.clone().drop_guard(),
-        stop,
-    }
+    background
 }
 
 #[cfg(test)]
