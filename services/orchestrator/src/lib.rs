@@ -160,16 +160,8 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
             what: "cannot open the memory extraction stream",
             source,
         })?;
-    let mut host = service::start(engine.clone(), memory.clone(), shutdown.clone()).await?;
-    host.spawn(extraction::consume(
-        engine.clone(),
-        memory,
-        extractions,
-        shutdown.clone(),
-    ));
-    for listener in listeners {
-        host.spawn(listener);
-    }
+    // The personas subscribe before the micro service answers `$SRV.PING`: a client that waits
+    // for the service (a test, an init container) may ask a persona at once.
     let agents = if config.serve_agents {
         agents::serve(engine.clone(), shutdown.clone())
             .await
@@ -180,6 +172,16 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
     } else {
         Vec::new()
     };
+    let mut host = service::start(engine.clone(), memory.clone(), shutdown.clone()).await?;
+    host.spawn(extraction::consume(
+        engine.clone(),
+        memory,
+        extractions,
+        shutdown.clone(),
+    ));
+    for listener in listeners {
+        host.spawn(listener);
+    }
     host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
     host.spawn(document_sweeper(engine.clone(), shutdown.clone()));
     // The database is open and every endpoint registered: ready.
