@@ -8,6 +8,7 @@
 //! - [`StoreError`]: the one error of a store operation, each variant one wire code, and
 //!   [`bounded`], the one time limit on a store call;
 //! - [`PoolSettings`], [`SqliteSettings`]: how a pool is sized and an SQLite file is opened;
+//!   [`WalTask`]: the task that checkpoints an SQLite file's WAL off its writers' path;
 //! - [`Migrations`] ([`migrations!`]): the one migrations layout, `migrations/{postgres,sqlite}`
 //!   beside each service's `Cargo.toml`;
 //! - [`testing::TestDatabase`] (feature `testing`): a fresh PostgreSQL database per test, dropped
@@ -25,10 +26,12 @@ mod error;
 mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod wal;
 
 pub use classify::{QueryError, is_unavailable};
 pub use error::{StoreError, bounded};
 pub use pool::{Migrations, OpenError, PoolSettings, SqliteSettings};
+pub use wal::{WAL_AUTOCHECKPOINT_PAGES, WAL_CHECKPOINT_EVERY, WalTask};
 
 use std::path::Path;
 

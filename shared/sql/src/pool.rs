@@ -1,6 +1,6 @@
 //! How both SQL services open their database: one pool shape ([`PoolSettings`]), one set of
-//! SQLite connection settings ([`SqliteSettings`]) and one migrations layout ([`Migrations`],
-//! built by [`crate::migrations!`]).
+//! SQLite connection settings ([`SqliteSettings`], with [`crate::WalTask`] beside a WAL file's
+//! connections) and one migrations layout ([`Migrations`], built by [`crate::migrations!`]).
 
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
@@ -71,7 +71,9 @@ impl PoolSettings {
 /// How an SQLite database file is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SqliteSettings {
-    /// Write-ahead logging: readers run while one writer holds the lock.
+    /// Write-ahead logging: readers run while one writer holds the lock. A WAL file's
+    /// connections checkpoint inline only past [`crate::WAL_AUTOCHECKPOINT_PAGES`]: the service
+    /// runs a [`crate::WalTask`] beside them.
     pub wal: bool,
     /// `PRAGMA synchronous`: `NORMAL` (with WAL, a commit survives a crash of the process but
     /// possibly not of the machine) or `FULL` (every commit is synced).
@@ -110,6 +112,13 @@ impl SqliteSettings {
             .synchronous(self.synchronous)
             .busy_timeout(self.busy_timeout)
             .foreign_keys(true);
+        let options = match self.wal {
+            true => options.pragma(
+                "wal_autocheckpoint",
+                crate::WAL_AUTOCHECKPOINT_PAGES.to_string(),
+            ),
+            false => options,
+        };
         let file = options.get_filename();
         if file.as_os_str() != ":memory:"
             && let Some(parent) = file.parent()
@@ -135,6 +144,10 @@ impl SqliteSettings {
         let mut pragmas = Vec::new();
         if self.wal {
             pragmas.push("PRAGMA journal_mode = WAL".to_owned());
+            pragmas.push(format!(
+                "PRAGMA wal_autocheckpoint = {}",
+                crate::WAL_AUTOCHECKPOINT_PAGES
+            ));
         }
         pragmas.push(format!("PRAGMA synchronous = {synchronous}"));
         pragmas.push(format!(
@@ -236,12 +249,13 @@ mod tests {
             SqliteSettings::CHECKPOINTS.pragmas(),
             [
                 "PRAGMA journal_mode = WAL",
+                "PRAGMA wal_autocheckpoint = 10000",
                 "PRAGMA synchronous = NORMAL",
                 "PRAGMA busy_timeout = 5000",
                 "PRAGMA foreign_keys = ON"
             ]
         );
-        assert!(SqliteSettings::SESSIONS.pragmas()[1].ends_with("FULL"));
+        assert!(SqliteSettings::SESSIONS.pragmas()[2].ends_with("FULL"));
         let _ = std::fs::remove_dir_all(dir);
     }
 }

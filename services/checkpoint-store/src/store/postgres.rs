@@ -170,7 +170,7 @@ impl PgStore {
             writer: pool.clone(),
             pool,
             max_state_bytes: options.max_state_bytes,
-            background: None,
+            wal: None,
         })
     }
 }

@@ -143,28 +143,7 @@ pub struct SqlStore<D: Database> {
     pub(super) group: Option<Arc<dyn SaveBatcher>>,
     /// SQLite: the task that checkpoints the WAL off the saves' path, stopped when the last
     /// clone of the store is dropped or at [`CheckpointStore::close`].
-    pub(super) background: Option<Arc<Background<D>>>,
-}
-
-/// A task of the store's own and the pool it runs on; dropping it stops the task.
-#[derive(Debug)]
-pub(super) struct Background<D: Database> {
-    pub(super) pool: Pool<D>,
-    pub(super) stop: tokio_util::sync::CancellationToken,
-}
-
-impl<D: Database> Drop for Background<D> {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-impl<D: Database> Background<D> {
-    /// Stops the task and closes its pool (waiting for what it is doing to end).
-    async fn close(&self) {
-        self.stop.cancel();
-        self.pool.close().await;
-    }
+    pub(super) wal: Option<Arc<cyrene_sql::WalTask>>,
 }
 
 impl<D: Database> Clone for SqlStore<D> {
@@ -174,7 +153,7 @@ impl<D: Database> Clone for SqlStore<D> {
             writer: self.writer.clone(),
             max_state_bytes: self.max_state_bytes,
             group: self.group.clone(),
-            background: self.background.clone(),
+            wal: self.wal.clone(),
         }
     }
 }
@@ -545,8 +524,8 @@ on_every_dialect! {
     }
 
     async fn close(&self) {
-        if let Some(background) = &self.background {
-            background.close().await;
+        if let Some(wal) = &self.wal {
+            wal.close().await;
         }
         self.pool.close().await;
         self.writer.close().await;

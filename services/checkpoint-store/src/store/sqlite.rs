@@ -28,13 +28,12 @@
 //!   whole page cache when it next begins, and read back every page it then touches: with the
 //!   pool's connections taken in turn, every step's save did that for its b-trees and the
 //!   attempt record.
-//! - The WAL is copied into the database file (checkpointed) by a task of the store's own, on a
-//!   connection of its own, every [`WAL_CHECKPOINT_EVERY`] (`PRAGMA wal_checkpoint(PASSIVE)`,
-//!   which waits for no reader and no writer), not inside whichever commit crosses SQLite's
-//!   automatic threshold: that copy and its sync stalled one step's save in a few hundred by tens
-//!   of milliseconds. The writer still checkpoints inline past [`WAL_AUTOCHECKPOINT_PAGES`], so
-//!   a stalled task cannot let the WAL grow without bound. A checkpoint commits nothing: it
-//!   does not empty the other connections' page caches.
+//! - The WAL is copied into the database file (checkpointed) by a task of the store's own
+//!   ([`cyrene_sql::WalTask`], every 250 ms, on a connection of its own), not inside whichever
+//!   commit crosses SQLite's automatic threshold: that copy and its sync stalled one step's save
+//!   in a few hundred by tens of milliseconds. The writer still checkpoints inline past
+//!   [`cyrene_sql::WAL_AUTOCHECKPOINT_PAGES`], so a stalled task cannot let the WAL grow without
+//!   bound. A checkpoint commits nothing: it does not empty the other connections' page caches.
 //!
 //! # Pitfalls
 //! - WAL mode lets readers run beside the single writer; writes queue for the `writer` connection
@@ -43,7 +42,7 @@
 //!   (SQLITE_BUSY after `busy_timeout`), and empties the writer's page cache once.
 //! - Placeholders are `?N` (numbered) so one value can be used twice in a statement.
 
-use super::sql::{Background, Dialect, FencedSave, SqlStore};
+use super::sql::{Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
 use cyrene_sql::{PoolSettings, SqliteSettings};
@@ -52,15 +51,6 @@ use sqlx::query::Query;
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
 use sqlx::{Database, Pool, Row, Sqlite, Transaction};
 use std::sync::Arc;
-use std::time::Duration;
-use tokio_util::sync::CancellationToken;
-
-/// How often the store's own task checkpoints the WAL (the module's invariants).
-pub const WAL_CHECKPOINT_EVERY: Duration = Duration::from_millis(250);
-
-/// The WAL size, in pages, past which a commit checkpoints inline after all (SQLite's default
-/// is 1,000; 10,000 pages of 4 KiB are ≈ 40 MiB): reached only when the task falls behind.
-pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 10_000;
 
 /// The SQLite migrations of this crate (`migrations/sqlite`), applied at start.
 pub static MIGRATOR: Migrator = cyrene_sql::migrations!(sqlite);
@@ -182,9 +172,7 @@ impl SqliteStore {
     /// (`sqlite://path/to/file.db`), then applies the migrations.
     pub async fn open(url: &str, options: &StoreOptions) -> Result<SqliteStore, StoreError> {
         let settings = SqliteSettings::CHECKPOINTS;
-        let connect = settings
-            .connect_options(url)?
-            .pragma("wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES.to_string());
+        let connect = settings.connect_options(url)?;
         let pool = options
             .pool()
             .options::<Sqlite>()
@@ -206,9 +194,7 @@ impl SqliteStore {
             .connect_with(connect.clone())
             .await
             .map_err(StoreError::open("sqlite"))?;
-        let checkpointer = one
-            .options::<Sqlite>()
-            .connect_with(connect)
+        let wal = cyrene_sql::WalTask::start(connect, cyrene_sql::WAL_CHECKPOINT_EVERY)
             .await
             .map_err(StoreError::open("sqlite"))?;
         Ok(SqlStore {
@@ -216,38 +202,9 @@ impl SqliteStore {
             pool,
             writer,
             max_state_bytes: options.max_state_bytes,
-            background: Some(Arc::new(checkpoint_wal(checkpointer, WAL_CHECKPOINT_EVERY))),
+            wal: Some(Arc::new(wal)),
         })
     }
-}
-
-/// Starts the task that checkpoints the WAL on `pool` every `every` until stopped.
-fn checkpoint_wal(pool: Pool<Sqlite>, every: Duration) -> Background<Sqlite> {
-    let background = Background {
-        pool,
-        stop: CancellationToken::new(),
-    };
-    let (pool, stop) = (background.pool.clone(), background.stop.clone());
-    tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(every);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                _ = ticks.tick() => {}
-            }
-            match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-                .execute(&pool)
-                .await
-            {
-                Ok(_) => {}
-                Err(sqlx::Error::PoolClosed) => return,
-                // The next tick tries again; the writer's own threshold bounds the WAL meanwhile.
-                Err(error) => tracing::warn!(%error, "WAL checkpoint failed"),
-            }
-        }
-    });
-    background
 }
 
 #[cfg(test)]
@@ -313,7 +270,7 @@ mod tests {
             .await
             .unwrap();
         // The WAL task's checkpoint changes no data: it leaves the writer's cache valid too.
-        let checkpointer = &store.background.as_ref().unwrap().pool;
+        let checkpointer = store.wal.as_ref().unwrap().pool();
         let (busy, frames, copied): (i64, i64, i64) =
             sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
                 .fetch_one(checkpointer)
@@ -378,7 +335,7 @@ mod tests {
     }
 
     /// The WAL reaches the database file through the store's own task, not through a save: the
-    /// writer checkpoints inline only past [`WAL_AUTOCHECKPOINT_PAGES`], yet the file takes in
+    /// writer checkpoints inline only past [`cyrene_sql::WAL_AUTOCHECKPOINT_PAGES`], yet the file takes in
     /// the saves' pages soon after them; closing the store stops the task.
     #[tokio::test]
     async fn the_wal_is_checkpointed_off_the_saves_path() {
@@ -392,7 +349,7 @@ mod tests {
             .fetch_one(&store.writer)
             .await
             .unwrap();
-        assert_eq!(threshold, i64::from(WAL_AUTOCHECKPOINT_PAGES));
+        assert_eq!(threshold, i64::from(cyrene_sql::WAL_AUTOCHECKPOINT_PAGES));
         // Only a checkpoint writes to the database file itself (a commit appends to the WAL).
         let size = || std::fs::metadata(&file).unwrap().len();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -413,10 +370,10 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let background = store.background.clone().unwrap();
+        let wal = store.wal.clone().unwrap();
         store.close().await;
-        assert!(background.pool.is_closed());
-        assert!(background.stop.is_cancelled());
+        assert!(wal.pool().is_closed());
+        assert!(wal.is_stopped());
     }
 
     /// Writes never wait for a read connection: with the only one held, saves of every kind and

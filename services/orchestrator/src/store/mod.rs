@@ -233,6 +233,9 @@ pub struct Store {
     settings: std::sync::Arc<JobSettings>,
     /// Dispatch marks waiting to be written together (`dispatch.rs`).
     marks: std::sync::Arc<dispatch::Marks>,
+    /// SQLite (a file): the task that checkpoints the WAL off the commits' path
+    /// ([`cyrene_sql::WalTask`]), stopped when the last clone is dropped or at [`Store::close`].
+    wal: Option<std::sync::Arc<cyrene_sql::WalTask>>,
 }
 
 /// A running turn of a session (a row of `orch_turns`).
@@ -343,11 +346,23 @@ impl Store {
             .run(&pool)
             .await
             .map_err(StoreError::open(format!("{} migrations", backend.name())))?;
+        // An in-memory database has no WAL.
+        let wal = match backend {
+            Backend::Sqlite if !url.contains(":memory:") => {
+                let options = cyrene_sql::SqliteSettings::SESSIONS.connect_options(&url)?;
+                let task = cyrene_sql::WalTask::start(options, cyrene_sql::WAL_CHECKPOINT_EVERY)
+                    .await
+                    .map_err(StoreError::open("sqlite"))?;
+                Some(std::sync::Arc::new(task))
+            }
+            _ => None,
+        };
         Ok(Store {
             pool,
             backend,
             settings: std::sync::Arc::new(settings),
             marks: Default::default(),
+            wal,
         })
     }
 
@@ -364,8 +379,11 @@ impl Store {
         &self.pool
     }
 
-    /// Closes the pool.
+    /// Closes the pool, and stops the WAL task.
     pub async fn close(&self) {
+        if let Some(wal) = &self.wal {
+            wal.close().await;
+        }
         self.pool.close().await;
     }
 
@@ -574,6 +592,39 @@ mod tests {
             "sqlite::memory:?cache=shared&mode=rwc"
         );
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A file's connections leave the WAL to the store's own task (SQLite's inline threshold is
+    /// raised on each of them), whose checkpoint copies every committed page into the file;
+    /// closing the store stops it. In memory there is no WAL and no task.
+    #[tokio::test]
+    async fn an_sqlite_file_has_its_wal_checkpointed_by_a_task() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/orch.db", dir.path().display());
+        let store = testing::store_on(&url, crate::Personas::default()).await;
+        let threshold: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(threshold, i64::from(cyrene_sql::WAL_AUTOCHECKPOINT_PAGES));
+        let wal = store.wal.clone().unwrap();
+        let (busy, frames, copied): (i64, i64, i64) =
+            sqlx::query_as("PRAGMA wal_checkpoint(PASSIVE)")
+                .fetch_one(wal.pool())
+                .await
+                .unwrap();
+        assert_eq!(
+            (busy, frames),
+            (0, copied),
+            "the task's connection is the file's"
+        );
+        assert!(frames > 0, "the migrations' pages were in the WAL");
+        store.close().await;
+        assert!(wal.is_stopped() && wal.pool().is_closed());
+
+        let memory = testing::store_on("sqlite::memory:", crate::Personas::default()).await;
+        assert!(memory.wal.is_none());
+        memory.close().await;
     }
 
     #[test]
