@@ -353,6 +353,7 @@ async fn two_orchestrator_replicas_on_one_postgres_keep_exactly_once_and_the_fen
     let world = Arc::new(World::start(Some(db.url.clone())).await);
     let _one = world.orchestrator().await;
     let _two = world.orchestrator().await;
+    common::wait_for_replicas(&world.bus.client, "cyrene-orchestrator", "send", 2).await;
     let sent = world.load("replicas").await;
     let histories = world.settle(&sent).await;
     world.assert_exactly_once(&sent, &histories);

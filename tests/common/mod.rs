@@ -442,6 +442,42 @@ pub async fn turn_steps(
     }
 }
 
+/// Waits (bounded) until `n` replicas of `service` list `endpoint` in `$SRV.INFO`: once one
+/// replica answers, a `$SRV.PING` says nothing of a second one still starting.
+pub async fn wait_for_replicas(
+    client: &async_nats::Client,
+    service: &str,
+    endpoint: &str,
+    n: usize,
+) {
+    let listed = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let infos = cyrene_bus::discovery::gather(
+                client,
+                cyrene_bus::discovery::Verb::Info,
+                Some(service),
+                Duration::from_millis(500),
+                Some(n),
+            )
+            .await
+            .unwrap_or_default();
+            let serving = infos
+                .iter()
+                .filter(|info| {
+                    let names = info["endpoints"].as_array().cloned().unwrap_or_default();
+                    names.iter().any(|e| e["name"] == endpoint)
+                })
+                .count();
+            if serving >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(listed.is_ok(), "{n} replicas of {service} list {endpoint}");
+}
+
 /// Waits (bounded) until `service`'s `$SRV.INFO` lists the endpoint `endpoint`. A micro service
 /// answers `$SRV.PING` as soon as it is registered, before its endpoints are added one by one; an
 /// endpoint in `$SRV.INFO` has its subscription on the server already (the service's connection
