@@ -71,13 +71,17 @@ async fn bench() {
 
     match PgTestDb::try_create(common::PG_PREFIX).await {
         Ok(db) => {
+            // The direct store connects as the service does: in plain text unless the URL asks
+            // for TLS (libpq's default would negotiate it with a server that offers it).
+            let resolved =
+                cyrene_sql::Database::resolve(Some(&db.url), dir.path(), "unused.db").unwrap();
             let service = Process::store(&nats, dir.path(), &db.url).await;
-            let direct = PgStore::connect(&db.url, &StoreOptions::default())
+            let direct = PgStore::connect(resolved.url(), &StoreOptions::default())
                 .await
                 .unwrap();
             rows.push(run_backend(&nats, direct).await);
             drop(service);
-            step_saves(&db.url).await;
+            step_saves(resolved.url()).await;
         }
         Err(err) => println!("\npostgres: skipped — {err}"),
     }
