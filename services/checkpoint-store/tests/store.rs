@@ -613,6 +613,48 @@ async fn postgres_writes_concurrent_steps_saves_in_batches() {
     store.close().await;
 }
 
+/// States over the TOAST threshold are compressed with lz4 where the server was built with it
+/// (migration 0006): both state columns ask for it, and a large state saved now is stored so.
+#[tokio::test]
+async fn postgres_compresses_large_states_with_lz4_where_the_server_has_it() {
+    use sqlx::Connection;
+    let (store, db) = pg_store(&options()).await;
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let has_lz4 = sqlx::raw_sql("CREATE TEMP TABLE lz4_probe (v TEXT COMPRESSION lz4)")
+        .execute(&mut conn)
+        .await
+        .is_ok();
+    let methods: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.relname::text, a.attcompression::text FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid \
+         WHERE c.relname IN ('checkpoints', 'checkpoint_bases') AND a.attname = 'state' \
+         ORDER BY 1",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let want = if has_lz4 { "l" } else { "" };
+    assert_eq!(
+        methods,
+        [
+            ("checkpoint_bases".to_owned(), want.to_owned()),
+            ("checkpoints".to_owned(), want.to_owned())
+        ]
+    );
+    store
+        .save(checkpoint("big", 1, &"a".repeat(3500)), Utc::now())
+        .await
+        .unwrap();
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT pg_column_compression(state) FROM checkpoints")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    let want = if has_lz4 { "lz4" } else { "pglz" };
+    assert_eq!(stored.as_deref(), Some(want));
+    store.close().await;
+}
+
 async fn bad_input_is_refused_with_its_code_and_the_store_keeps_working<S: CheckpointStore>(
     store: &S,
 ) {

@@ -627,6 +627,38 @@ mod tests {
         memory.close().await;
     }
 
+    /// A turn's job and a message are compressed with lz4 where the server was built with it
+    /// (migration 202612050401).
+    #[tokio::test]
+    async fn postgres_compresses_large_documents_with_lz4_where_the_server_has_it() {
+        let db = cyrene_sql::testing::TestDatabase::create("orch_lz4").await;
+        let store = testing::store_on(&db.url, crate::Personas::default()).await;
+        let mut conn = store.pool().acquire().await.unwrap();
+        let has_lz4 = sqlx::raw_sql("CREATE TEMP TABLE lz4_probe (v TEXT COMPRESSION lz4)")
+            .execute(&mut *conn)
+            .await
+            .is_ok();
+        let methods: Vec<(String, String)> = sqlx::query_as(
+            "SELECT c.relname::text || '.' || a.attname::text, a.attcompression::text \
+             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
+             WHERE (c.relname, a.attname) IN (('orch_turns', 'job'), ('orch_messages', 'message')) \
+             ORDER BY 1",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        let want = if has_lz4 { "l" } else { "" };
+        assert_eq!(
+            methods,
+            [
+                ("orch_messages.message".to_owned(), want.to_owned()),
+                ("orch_turns.job".to_owned(), want.to_owned())
+            ]
+        );
+        drop(conn);
+        store.close().await;
+    }
+
     #[test]
     fn database_outages_map_to_unavailable() {
         assert!(cyrene_sql::is_unavailable(&sqlx::Error::PoolTimedOut));
