@@ -61,8 +61,8 @@ pub trait MemoryStore: Send + Sync {
 /// What [`MemoryStore::remember`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Remembered {
-    /// This many entries were written now (0: the turn held nothing worth remembering, and that
-    /// is recorded too).
+    /// This many entries were written now (0: the turn held nothing worth remembering, and
+    /// nothing is written, not even the turn's done-marker).
     Now(usize),
     /// The turn's extraction had been recorded before: nothing written.
     Before,
@@ -199,6 +199,11 @@ impl SqlMemory {
         let now = now_ms();
         let encoded = serde_json::to_string(source)
             .map_err(|e| StoreError::Internal(format!("encode: {e}")))?;
+        // Nothing worth remembering: nothing to write twice, so no marker either (a
+        // redelivery asks the model again whether or not one exists). Most turns end here.
+        if texts.is_empty() {
+            return Ok(Remembered::Now(0));
+        }
         let mut tx = self.pool.begin().await?;
         // Under concurrent deliveries the second insert waits on the key and then inserts
         // nothing (PostgreSQL), or waits for the writer lock (SQLite): one of them writes.
@@ -409,12 +414,48 @@ mod tests {
         );
     }
 
+    /// A turn's extracted entries are written once; a turn with nothing to remember writes
+    /// nothing at all, not even its done-marker.
+    async fn remembers_a_turn_once(memory: &SqlMemory) {
+        let source = |turn: &str| MemorySource {
+            session_id: "s1".into(),
+            turn_id: turn.into(),
+            persona: "cyrene".into(),
+        };
+        let markers = || {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM orch_memory_jobs")
+                .fetch_one(&memory.pool)
+        };
+        let entries = async || memory.read(read("cyrene", "")).await.unwrap().memory.len();
+        let before = entries().await;
+        let facts = ["rides a red bicycle".to_owned()];
+        assert_eq!(
+            memory.remember(&source("t1"), &facts).await.unwrap(),
+            Remembered::Now(1)
+        );
+        assert_eq!(
+            memory.remember(&source("t1"), &facts).await.unwrap(),
+            Remembered::Before
+        );
+        assert_eq!(
+            memory.remember(&source("t2"), &[]).await.unwrap(),
+            Remembered::Now(0)
+        );
+        assert_eq!(
+            markers().await.unwrap(),
+            1,
+            "an empty extraction wrote a marker"
+        );
+        assert_eq!(entries().await, before + 1);
+    }
+
     #[tokio::test]
     async fn sqlite_memory_remembers_by_persona_and_session() {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}/memory.db", dir.path().display());
         let (store, memory) = memory_on(&url).await;
         remembers_by_persona_and_session(&memory).await;
+        remembers_a_turn_once(&memory).await;
         store.close().await;
     }
 
@@ -423,6 +464,7 @@ mod tests {
         let db = cyrene_sql::testing::TestDatabase::create("orch_memory").await;
         let (store, memory) = memory_on(&db.url).await;
         remembers_by_persona_and_session(&memory).await;
+        remembers_a_turn_once(&memory).await;
         store.close().await;
     }
 }
