@@ -619,28 +619,11 @@ async fn postgres_writes_concurrent_steps_saves_in_batches() {
 async fn postgres_compresses_large_states_with_lz4_where_the_server_has_it() {
     use sqlx::Connection;
     let (store, db) = pg_store(&options()).await;
-    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    let has_lz4 = sqlx::raw_sql("CREATE TEMP TABLE lz4_probe (v TEXT COMPRESSION lz4)")
-        .execute(&mut conn)
-        .await
-        .is_ok();
-    let methods: Vec<(String, String)> = sqlx::query_as(
-        "SELECT c.relname::text, a.attcompression::text FROM pg_attribute a \
-         JOIN pg_class c ON c.oid = a.attrelid \
-         WHERE c.relname IN ('checkpoints', 'checkpoint_bases') AND a.attname = 'state' \
-         ORDER BY 1",
-    )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
+    let columns = [("checkpoint_bases", "state"), ("checkpoints", "state")];
+    let (has_lz4, methods) = db.column_compression(&columns).await;
     let want = if has_lz4 { "l" } else { "" };
-    assert_eq!(
-        methods,
-        [
-            ("checkpoint_bases".to_owned(), want.to_owned()),
-            ("checkpoints".to_owned(), want.to_owned())
-        ]
-    );
+    assert_eq!(methods, [want, want]);
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
     store
         .save(checkpoint("big", 1, &"a".repeat(3500)), Utc::now())
         .await

@@ -78,6 +78,34 @@ impl TestDatabase {
         }
     }
 
+    /// Whether this server has lz4 column compression (a build option), and the method each
+    /// `(table, column)` of this database asks for: `"l"` lz4, `"p"` pglz, `""` the server's
+    /// default.
+    pub async fn column_compression(&self, columns: &[(&str, &str)]) -> (bool, Vec<String>) {
+        let mut conn = PgConnection::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("{}: {e}", self.url));
+        let has_lz4 = conn
+            .execute("CREATE TEMP TABLE lz4_probe (v TEXT COMPRESSION lz4)")
+            .await
+            .is_ok();
+        let mut methods = Vec::new();
+        for (table, column) in columns {
+            let method: String = sqlx::query_scalar(
+                "SELECT a.attcompression::text FROM pg_attribute a \
+                 JOIN pg_class c ON c.oid = a.attrelid WHERE c.relname = $1 AND a.attname = $2",
+            )
+            .bind(table)
+            .bind(column)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{table}.{column}: {e}"));
+            methods.push(method);
+        }
+        let _ = conn.close().await;
+        (has_lz4, methods)
+    }
+
     /// The same database reached through `addr` (a proxy in an outage test).
     pub fn url_via(&self, addr: SocketAddr) -> String {
         format!("postgres://postgres@{addr}/{}", self.name)

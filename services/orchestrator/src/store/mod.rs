@@ -633,29 +633,10 @@ mod tests {
     async fn postgres_compresses_large_documents_with_lz4_where_the_server_has_it() {
         let db = cyrene_sql::testing::TestDatabase::create("orch_lz4").await;
         let store = testing::store_on(&db.url, crate::Personas::default()).await;
-        let mut conn = store.pool().acquire().await.unwrap();
-        let has_lz4 = sqlx::raw_sql("CREATE TEMP TABLE lz4_probe (v TEXT COMPRESSION lz4)")
-            .execute(&mut *conn)
-            .await
-            .is_ok();
-        let methods: Vec<(String, String)> = sqlx::query_as(
-            "SELECT c.relname::text || '.' || a.attname::text, a.attcompression::text \
-             FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid \
-             WHERE (c.relname, a.attname) IN (('orch_turns', 'job'), ('orch_messages', 'message')) \
-             ORDER BY 1",
-        )
-        .fetch_all(&mut *conn)
-        .await
-        .unwrap();
+        let columns = [("orch_turns", "job"), ("orch_messages", "message")];
+        let (has_lz4, methods) = db.column_compression(&columns).await;
         let want = if has_lz4 { "l" } else { "" };
-        assert_eq!(
-            methods,
-            [
-                ("orch_messages.message".to_owned(), want.to_owned()),
-                ("orch_turns.job".to_owned(), want.to_owned())
-            ]
-        );
-        drop(conn);
+        assert_eq!(methods, [want, want]);
         store.close().await;
     }
 
