@@ -362,8 +362,13 @@ function renderSessions(): void {
 
 function newSession(): void {
   const name = `w${Date.now().toString(36)}${randomToken(4)}`;
-  localSessions.add(`${person}.${name}`);
-  unlisted.add(`${person}.${name}`);
+  const id = `${person}.${name}`;
+  localSessions.add(id);
+  unlisted.add(id);
+  // Opened here, not by the `hashchange` that follows a task later: the session left behind
+  // never shows under the new one's address (a new session reads no history, so this clears
+  // the page before it returns).
+  void open(id);
   location.hash = `#/s/${name}`;
   renderSessions();
 }
@@ -375,7 +380,10 @@ async function route(): Promise<void> {
     newSession();
     return;
   }
-  await open(sessionId(decodeURIComponent(m[1])));
+  const id = sessionId(decodeURIComponent(m[1]));
+  // Open already: New session opens its session before it sets the address.
+  if (id === openSession) return;
+  await open(id);
 }
 
 /** The message box, Send and Attach take input only once a session is open. */
