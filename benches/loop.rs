@@ -500,27 +500,23 @@ impl Floors {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let dir = tempfile::tempdir().unwrap();
         // Pools like the checkpoint store's: no ping before a connection is handed out (sqlx's
         // default pings, one more round trip under every commit), and SQLite's commits on one
         // connection, as the store's writes are (crate docs of cyrene-checkpoint-store). Connected
         // as the services connect: in plain text unless the URL asks for TLS
-        // (`cyrene_sql::Database::resolve`; libpq's default negotiates TLS with a server that
+        // (`cyrene_sql::without_implicit_tls`; libpq's default negotiates TLS with a server that
         // offers it, and a commit through TLS costs more than the services pay).
         let pg = match pg_url {
-            Some(url) => {
-                let url =
-                    cyrene_sql::Database::resolve(Some(url), dir.path(), "unused.db").unwrap();
-                Some(
-                    sqlx::postgres::PgPoolOptions::new()
-                        .test_before_acquire(false)
-                        .connect(url.url())
-                        .await
-                        .unwrap(),
-                )
-            }
+            Some(url) => Some(
+                sqlx::postgres::PgPoolOptions::new()
+                    .test_before_acquire(false)
+                    .connect(&cyrene_sql::without_implicit_tls(url))
+                    .await
+                    .unwrap(),
+            ),
             None => None,
         };
+        let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("floor.db").display());
         let options = cyrene_sql::SqliteSettings::CHECKPOINTS
             .connect_options(&url)

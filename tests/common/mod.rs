@@ -483,27 +483,7 @@ pub async fn wait_for_replicas(
 /// endpoint in `$SRV.INFO` has its subscription on the server already (the service's connection
 /// sent it before that reply), so a request to it finds a responder.
 pub async fn wait_for_endpoint(client: &async_nats::Client, service: &str, endpoint: &str) {
-    let subject = format!("$SRV.INFO.{service}");
-    let listed = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            if let Ok(Ok(reply)) = tokio::time::timeout(
-                Duration::from_secs(1),
-                client.request(subject.clone(), "".into()),
-            )
-            .await
-            {
-                let info: serde_json::Value =
-                    serde_json::from_slice(&reply.payload).unwrap_or_default();
-                let names = info["endpoints"].as_array().cloned().unwrap_or_default();
-                if names.iter().any(|e| e["name"] == endpoint) {
-                    return;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(listed.is_ok(), "{service} lists its {endpoint} endpoint");
+    wait_for_replicas(client, service, endpoint, 1).await;
 }
 
 /// Waits (bounded) until `check` holds.

@@ -73,15 +73,14 @@ async fn bench() {
         Ok(db) => {
             // The direct store connects as the service does: in plain text unless the URL asks
             // for TLS (libpq's default would negotiate it with a server that offers it).
-            let resolved =
-                cyrene_sql::Database::resolve(Some(&db.url), dir.path(), "unused.db").unwrap();
+            let plain = cyrene_sql::without_implicit_tls(&db.url);
             let service = Process::store(&nats, dir.path(), &db.url).await;
-            let direct = PgStore::connect(resolved.url(), &StoreOptions::default())
+            let direct = PgStore::connect(&plain, &StoreOptions::default())
                 .await
                 .unwrap();
             rows.push(run_backend(&nats, direct).await);
             drop(service);
-            step_saves(resolved.url()).await;
+            step_saves(&plain).await;
         }
         Err(err) => println!("\npostgres: skipped — {err}"),
     }

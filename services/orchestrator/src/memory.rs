@@ -196,14 +196,14 @@ impl SqlMemory {
         source: &MemorySource,
         texts: &[String],
     ) -> Result<Remembered, StoreError> {
-        let now = now_ms();
-        let encoded = serde_json::to_string(source)
-            .map_err(|e| StoreError::Internal(format!("encode: {e}")))?;
         // Nothing worth remembering: nothing to write twice, so no marker either (a
         // redelivery asks the model again whether or not one exists). Most turns end here.
         if texts.is_empty() {
             return Ok(Remembered::Now(0));
         }
+        let now = now_ms();
+        let encoded = serde_json::to_string(source)
+            .map_err(|e| StoreError::Internal(format!("encode: {e}")))?;
         let mut tx = self.pool.begin().await?;
         // Under concurrent deliveries the second insert waits on the key and then inserts
         // nothing (PostgreSQL), or waits for the writer lock (SQLite): one of them writes.

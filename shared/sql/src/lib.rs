@@ -92,8 +92,9 @@ impl Database {
 /// (`sslmode=require`, `verify-ca`, `verify-full`). libpq's default, `prefer`, would negotiate TLS
 /// opportunistically — no protection against an active attacker, and over sqlx's TLS stream (no
 /// `TCP_NODELAY`) a large checkpoint save stalls ~40 ms on delayed ACKs (measured: 44 ms per step
-/// at a 200-message window, against ~1.2 ms in plain text). docs/operations.md says so.
-fn without_implicit_tls(url: &str) -> String {
+/// at a 200-message window, against ~1.2 ms in plain text). docs/operations.md says so. Public
+/// so that a bench connecting directly connects as the services do.
+pub fn without_implicit_tls(url: &str) -> String {
     let query = url.split_once('?').map_or("", |(_, q)| q);
     if query.split('&').any(|kv| kv.starts_with("sslmode=")) {
         return url.to_owned();
