@@ -104,7 +104,9 @@ pub struct HttpConfig {
     pub limits: HttpLimits,
 }
 
-#[derive(Debug, Clone)]
+/// Shared by every request as one `Arc`: axum clones its state for each request, and one `Arc`
+/// is cheaper to clone than the NATS client and the key list (a `String` per key).
+#[derive(Debug)]
 struct AppState {
     gateway: Arc<Gateway>,
     client: async_nats::Client,
@@ -170,7 +172,7 @@ fn router(state: AppState) -> Router {
                 "method not allowed on this endpoint",
             )
         })
-        .with_state(state)
+        .with_state(Arc::new(state))
 }
 
 /// OpenAI's error JSON with `status`.
@@ -283,7 +285,7 @@ fn model_ids(gateway: &Gateway) -> BTreeMap<String, String> {
     ids
 }
 
-async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(denied) = authorised(&state, &headers) {
         return *denied;
     }
@@ -295,7 +297,7 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Response {
 }
 
 async fn chat_completions(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {

@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 /// A streamed call: the HTTP status waits for the first delta or the outcome, so a call that
 /// fails before any output (after every fallback) is an ordinary error response.
 pub(super) async fn stream_response(
-    state: AppState,
+    state: std::sync::Arc<AppState>,
     req: ModelRequest,
     id: String,
     model: String,
@@ -30,9 +30,7 @@ pub(super) async fn stream_response(
 ) -> Response {
     let (sink, mut deltas) = DeltaSink::new();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let AppState {
-        gateway, client, ..
-    } = state;
+    let (gateway, client) = (state.gateway.clone(), state.client.clone());
     let call = tokio::spawn(async move {
         let result = gateway.call(&client, &req, Some(&sink)).await;
         drop(sink);
