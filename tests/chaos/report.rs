@@ -86,8 +86,9 @@ pub struct Figures {
     pub interrupted: usize,
     pub failovers: Vec<Duration>,
     /// Every failover with what else happened between its kill and the turn's next step
-    /// ([`faults_around`]; empty: nothing).
-    pub around: Vec<(Duration, Vec<String>)>,
+    /// ([`faults_around`]; empty: nothing), and which it was (the turn, the kill, the next
+    /// step), so an outlier can be followed in the service logs.
+    pub around: Vec<(Duration, Vec<String>, String)>,
     /// Interrupted turns whose next model request went back behind their last checkpoint.
     pub resumed_behind: usize,
     /// Each of them: turn, its checkpoint, the request that went back.
@@ -454,8 +455,18 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                 }
             };
             f.failovers.push(taken - kill.at);
-            f.around
-                .push((taken - kill.at, faults_around(inputs, kill, taken)));
+            let at = |t: Instant| t.saturating_duration_since(inputs.started).as_secs_f64();
+            f.around.push((
+                taken - kill.at,
+                faults_around(inputs, kill, taken),
+                format!(
+                    "turn {turn}, SIGKILL worker {} (pid {}) at {:.2}s, its next step at {:.2}s",
+                    kill.n,
+                    kill.pid,
+                    at(kill.at),
+                    at(taken)
+                ),
+            ));
             let Some(next) = next else {
                 continue;
             };
@@ -490,7 +501,7 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         // failover is also the wait for another turn to end.
         let others = running - mine;
         if others >= inputs.surviving_slots {
-            for (_, around) in &mut f.around[first..] {
+            for (_, around, _) in &mut f.around[first..] {
                 around.push(format!(
                     "the other workers' {} turn slots were all taken ({others} other turns running)",
                     inputs.surviving_slots
@@ -584,18 +595,18 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     let outliers: Vec<_> = f
         .around
         .iter()
-        .filter(|(took, _)| *took > FAILOVER_OUTLIER)
+        .filter(|(took, _, _)| *took > FAILOVER_OUTLIER)
         .collect();
     let unexplained = outliers
         .iter()
-        .filter(|(_, around)| around.is_empty())
+        .filter(|(_, around, _)| around.is_empty())
         .count();
     // The failovers with nothing else going on: the worker's death alone.
     let alone: Vec<Duration> = f
         .around
         .iter()
-        .filter(|(_, around)| around.is_empty())
-        .map(|(took, _)| *took)
+        .filter(|(_, around, _)| around.is_empty())
+        .map(|(took, _, _)| *took)
         .collect();
     let _ = writeln!(
         t,
@@ -604,13 +615,13 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         outliers.len(),
         unexplained
     );
-    for (took, around) in &outliers {
+    for (took, around, which) in &outliers {
         let around = if around.is_empty() {
             "nothing else happened: unexplained".to_owned()
         } else {
             around.join("; ")
         };
-        let _ = writeln!(t, "  {:.2} s: {around}", took.as_secs_f64());
+        let _ = writeln!(t, "  {:.2} s: {around} ({which})", took.as_secs_f64());
     }
     let _ = writeln!(
         t,
