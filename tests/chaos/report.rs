@@ -85,10 +85,8 @@ pub struct Figures {
     pub stuck: Vec<String>,
     pub interrupted: usize,
     pub failovers: Vec<Duration>,
-    /// Every failover with what else happened between its kill and the turn's next step
-    /// ([`faults_around`]; empty: nothing), and which it was (the turn, the kill, the next
-    /// step), so an outlier can be followed in the service logs.
-    pub around: Vec<(Duration, Vec<String>, String)>,
+    /// Every failover with what else happened around it.
+    pub around: Vec<Failover>,
     /// Interrupted turns whose next model request went back behind their last checkpoint.
     pub resumed_behind: usize,
     /// Each of them: turn, its checkpoint, the request that went back.
@@ -114,6 +112,22 @@ impl Figures {
     }
 }
 
+/// One measured failover.
+#[derive(Debug, Clone)]
+pub struct Failover {
+    /// From the kill to the turn's next step on another worker.
+    pub took: Duration,
+    /// What else happened between the kill and that step ([`faults_around`]; empty: nothing).
+    pub around: Vec<String>,
+    /// Which it was (the turn, the kill, the next step), to follow an outlier in the service logs.
+    pub which: String,
+}
+
+/// Seconds from the run's start to `at`, as the report prints times.
+fn since_start(inputs: &Inputs<'_>, at: Instant) -> f64 {
+    at.saturating_duration_since(inputs.started).as_secs_f64()
+}
+
 /// A failover longer than this is an outlier, and the report says what else happened meanwhile.
 const FAILOVER_OUTLIER: Duration = Duration::from_secs(1);
 
@@ -122,8 +136,7 @@ const FAILOVER_OUTLIER: Duration = Duration::from_secs(1);
 /// fault in between or in the 10 s before (a service restarted just before may still be
 /// starting, and its callers backing off).
 fn faults_around(inputs: &Inputs<'_>, kill: &WorkerKill, to: Instant) -> Vec<String> {
-    let secs = |at: Instant| at.saturating_duration_since(inputs.started).as_secs_f64();
-    let (from, to) = (secs(kill.at), secs(to));
+    let (from, to) = (since_start(inputs, kill.at), since_start(inputs, to));
     let this_kill = format!("(pid {})", kill.pid);
     inputs
         .faults
@@ -455,18 +468,17 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                 }
             };
             f.failovers.push(taken - kill.at);
-            let at = |t: Instant| t.saturating_duration_since(inputs.started).as_secs_f64();
-            f.around.push((
-                taken - kill.at,
-                faults_around(inputs, kill, taken),
-                format!(
+            f.around.push(Failover {
+                took: taken - kill.at,
+                around: faults_around(inputs, kill, taken),
+                which: format!(
                     "turn {turn}, SIGKILL worker {} (pid {}) at {:.2}s, its next step at {:.2}s",
                     kill.n,
                     kill.pid,
-                    at(kill.at),
-                    at(taken)
+                    since_start(inputs, kill.at),
+                    since_start(inputs, taken)
                 ),
-            ));
+            });
             let Some(next) = next else {
                 continue;
             };
@@ -484,12 +496,11 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
                 .unwrap_or(0);
             if next.round < checkpointed {
                 f.resumed_behind += 1;
-                let secs = |at: Instant| at.saturating_duration_since(inputs.started).as_secs_f64();
                 f.behind.push(format!(
                     "{turn}: killed at {:.2}s after its step {checkpointed} checkpoint; next request (round {}) at {:.2}s from {}",
-                    secs(kill.at),
+                    since_start(inputs, kill.at),
                     next.round,
-                    secs(next.at),
+                    since_start(inputs, next.at),
                     next.inbox
                 ));
                 if next.round == 0 {
@@ -501,8 +512,8 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         // failover is also the wait for another turn to end.
         let others = running - mine;
         if others >= inputs.surviving_slots {
-            for (_, around, _) in &mut f.around[first..] {
-                around.push(format!(
+            for failover in &mut f.around[first..] {
+                failover.around.push(format!(
                     "the other workers' {} turn slots were all taken ({others} other turns running)",
                     inputs.surviving_slots
                 ));
@@ -595,18 +606,15 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
     let outliers: Vec<_> = f
         .around
         .iter()
-        .filter(|(took, _, _)| *took > FAILOVER_OUTLIER)
+        .filter(|o| o.took > FAILOVER_OUTLIER)
         .collect();
-    let unexplained = outliers
-        .iter()
-        .filter(|(_, around, _)| around.is_empty())
-        .count();
+    let unexplained = outliers.iter().filter(|o| o.around.is_empty()).count();
     // The failovers with nothing else going on: the worker's death alone.
     let alone: Vec<Duration> = f
         .around
         .iter()
-        .filter(|(_, around, _)| around.is_empty())
-        .map(|(took, _, _)| *took)
+        .filter(|o| o.around.is_empty())
+        .map(|o| o.took)
         .collect();
     let _ = writeln!(
         t,
@@ -615,13 +623,13 @@ pub fn figures(inputs: &Inputs<'_>) -> Figures {
         outliers.len(),
         unexplained
     );
-    for (took, around, which) in &outliers {
-        let around = if around.is_empty() {
+    for o in &outliers {
+        let around = if o.around.is_empty() {
             "nothing else happened: unexplained".to_owned()
         } else {
-            around.join("; ")
+            o.around.join("; ")
         };
-        let _ = writeln!(t, "  {:.2} s: {around} ({which})", took.as_secs_f64());
+        let _ = writeln!(t, "  {:.2} s: {around} ({})", o.took.as_secs_f64(), o.which);
     }
     let _ = writeln!(
         t,

@@ -17,11 +17,12 @@ use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use cyrene_protocol::{ErrorBody, ErrorCode};
 use serde_json::{Value, json};
+use std::sync::Arc;
 
 /// A streamed call: the HTTP status waits for the first delta or the outcome, so a call that
 /// fails before any output (after every fallback) is an ordinary error response.
 pub(super) async fn stream_response(
-    state: std::sync::Arc<AppState>,
+    state: Arc<AppState>,
     req: ModelRequest,
     id: String,
     model: String,
@@ -30,9 +31,8 @@ pub(super) async fn stream_response(
 ) -> Response {
     let (sink, mut deltas) = DeltaSink::new();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let (gateway, client) = (state.gateway.clone(), state.client.clone());
     let call = tokio::spawn(async move {
-        let result = gateway.call(&client, &req, Some(&sink)).await;
+        let result = state.gateway.call(&state.client, &req, Some(&sink)).await;
         drop(sink);
         let _ = done_tx.send(result);
     });
