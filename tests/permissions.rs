@@ -83,7 +83,7 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.session.s1.events",
             "a session's live events",
-            [N, N, PS, P, N, S, N, N, N, N],
+            [N, N, P, P, N, S, N, N, N, N],
         ),
         (
             "cyrene.person.alice.session.send",
@@ -168,12 +168,12 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
         (
             "cyrene.session.alice.s1.events",
             "a person's session's live events",
-            [N, N, PS, P, N, N, N, N, S, N],
+            [N, N, P, P, N, N, N, N, S, N],
         ),
         (
             "cyrene.session.bob.s1.events",
             "another person's session's events",
-            [N, N, PS, P, N, N, N, N, N, S],
+            [N, N, P, P, N, N, N, N, N, S],
         ),
         (
             "cyrene.agent.alice.cyrene.ask",
@@ -259,6 +259,11 @@ const MATRIX: &[(&str, &str, [&str; 10])] = {
             "cyrene.checkpoint.retain",
             "checkpoints are deleted",
             [N, S, N, N, N, N, P, N, N, N],
+        ),
+        (
+            "cyrene.checkpoint.progress",
+            "how far running turns have got",
+            [N, S, P, N, N, N, N, N, N, N],
         ),
         (
             "cyrene.turns.running",

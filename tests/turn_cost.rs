@@ -341,8 +341,11 @@ async fn a_five_step_turn_one_at_a_time_on_postgres() {
     // (the first call sends the view whole, the others continue it on its replica).
     assert_eq!(cost.messages_on("stream [delta]"), 0.0);
     assert_eq!(cost.messages_on("stream.<replica> [delta]"), 1.0);
-    // 79.3 in and 93.0 out before the cuts, 68.3 and 81.0 after on a quiet machine; the slack
-    // is for what a slower run adds (expired pulls answered, sweeps), not for a message a turn.
+    // 79.3 in and 93.0 out before the cuts, 68.3 and 81.0 after on a quiet machine; 61.0 out
+    // once no orchestrator follows every session's events (a parallel notice reads the
+    // checkpoint store instead: about 20 deliveries a turn fewer, and more with each replica).
+    // The slack is for what a slower run adds (expired pulls answered, sweeps), not for a
+    // message a turn.
     assert!(
         cost.bus_in - cost.pulls() <= 72.0,
         "{} messages into the bus a turn, {} of them pulls",
@@ -350,7 +353,7 @@ async fn a_five_step_turn_one_at_a_time_on_postgres() {
         cost.pulls()
     );
     assert!(
-        cost.bus_out <= 86.0,
+        cost.bus_out <= 66.0,
         "{} messages out of the bus a turn",
         cost.bus_out
     );

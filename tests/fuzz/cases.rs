@@ -70,6 +70,8 @@ pub enum Endpoint {
     CheckpointGet,
     CheckpointList,
     CheckpointRetain,
+    /// How far some turns have got (the orchestrator's parallel notice and running list).
+    CheckpointProgress,
     ModelComplete,
     ModelRoute,
     /// An ask to the persona `cyrene` (the orchestrator's comm agent).
@@ -94,7 +96,7 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// Every endpoint with its weight in the mix.
-    pub const MIX: [(Endpoint, usize); 19] = [
+    pub const MIX: [(Endpoint, usize); 20] = [
         (Endpoint::SessionSend, 10),
         (Endpoint::SessionHistory, 8),
         (Endpoint::TurnSteer, 8),
@@ -104,6 +106,7 @@ impl Endpoint {
         (Endpoint::CheckpointGet, 6),
         (Endpoint::CheckpointList, 6),
         (Endpoint::CheckpointRetain, 5),
+        (Endpoint::CheckpointProgress, 5),
         (Endpoint::ModelComplete, 9),
         (Endpoint::ModelRoute, 6),
         (Endpoint::AgentAsk, 6),
@@ -127,6 +130,7 @@ impl Endpoint {
             Endpoint::CheckpointGet => "cyrene.checkpoint.get",
             Endpoint::CheckpointList => "cyrene.checkpoint.list",
             Endpoint::CheckpointRetain => "cyrene.checkpoint.retain",
+            Endpoint::CheckpointProgress => "cyrene.checkpoint.progress",
             Endpoint::ModelComplete => "cyrene.model.complete",
             Endpoint::ModelRoute => "cyrene.model.route",
             Endpoint::AgentAsk => "cyrene.agent.<from>.cyrene.ask",
@@ -182,6 +186,9 @@ impl Endpoint {
             Endpoint::CheckpointGet => json!({"id": format!("{session}:t1:1")}),
             Endpoint::CheckpointList => json!({"agent_id": session, "limit": 5}),
             Endpoint::CheckpointRetain => json!({"agent_id": session, "keep_last": 10}),
+            Endpoint::CheckpointProgress => json!({
+                "turns": [{"agent_id": session, "turn_id": "t1"}], "tool_names": rng.chance(50),
+            }),
             Endpoint::ModelComplete => json!({
                 "messages": [{"role": "user", "content": "hello"}], "purpose": "fuzz",
             }),
@@ -352,8 +359,8 @@ fn subject_of(endpoint: Endpoint, rng: &mut Rng) -> String {
     }
 }
 
-/// What the orchestrator subscribes with wildcards, reached with subjects it cannot read or
-/// with junk it must ignore.
+/// What the orchestrator subscribes with wildcards, and the session events clients follow,
+/// reached with subjects a service cannot read or with junk it must ignore.
 fn unanswered_subject(rng: &mut Rng) -> Vec<u8> {
     let subjects: [&[u8]; 7] = [
         b"cyrene.session.\xff\xfe.events",

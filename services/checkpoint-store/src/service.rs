@@ -1,4 +1,4 @@
-//! The micro service: the endpoint table of `cyrene.checkpoint.*` (five shared endpoints and a
+//! The micro service: the endpoint table of `cyrene.checkpoint.*` (six shared endpoints and a
 //! person's three reads), hosted by [`cyrene_bus::host::Host`] in front of one
 //! [`CheckpointStore`].
 //!
@@ -29,7 +29,8 @@ use cyrene_bus::host::{Endpoint, Host, ServiceSpec, with_state};
 use cyrene_bus::service::{ServeOptions, page_within, reply_budget};
 use cyrene_protocol::checkpoint::owner_person;
 use cyrene_protocol::checkpoint::{
-    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
+    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, ProgressRequest,
+    ProgressResponse, RetainRequest, RetainResponse,
 };
 use cyrene_protocol::error::{ErrorBody, ErrorCode};
 use cyrene_protocol::subjects::{self, Trespass};
@@ -54,7 +55,8 @@ pub async fn serve<S: CheckpointStore>(
     let spec = ServiceSpec::new(
         SERVICE_NAME,
         env!("CARGO_PKG_VERSION"),
-        "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, list, retain",
+        "Per-step checkpoints of Cyrene turns: save (upsert, fenced), latest, get, list, retain, \
+         progress",
     );
     let endpoints = endpoints(&store, config, reply_budget(&client));
     let mut host = Host::start(&client, spec, endpoints, shutdown.clone()).await?;
@@ -152,12 +154,19 @@ fn endpoints<S: CheckpointStore>(store: &Arc<S>, config: &Config, budget: usize)
         tracing::info!(?req, deleted, "retention ran");
         Ok(RetainResponse { deleted })
     });
+    // The orchestrator's (the shipped NATS config grants it to nobody else): step and tool
+    // names of any session's turns, never their text.
+    let progress = with_state(store, move |s, req: ProgressRequest, _| async move {
+        let turns = bounded(limit, s.progress(&req)).await?;
+        Ok(ProgressResponse { turns })
+    });
     vec![
         Endpoint::json("save", subjects::CHECKPOINT_SAVE, save).options(save_options),
         Endpoint::json("latest", subjects::CHECKPOINT_LATEST, latest()).options(latest_options),
         Endpoint::json("get", subjects::CHECKPOINT_GET, get()).options(small),
         Endpoint::json("list", subjects::CHECKPOINT_LIST, list()).options(small),
         Endpoint::json("retain", subjects::CHECKPOINT_RETAIN, retain).options(small),
+        Endpoint::json("progress", subjects::CHECKPOINT_PROGRESS, progress).options(small),
         Endpoint::json(
             "person-latest",
             person(subjects::PERSON_CHECKPOINT_LATEST),

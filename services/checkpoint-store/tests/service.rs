@@ -94,6 +94,17 @@ async fn every_endpoint_answers_with_the_documented_shapes() {
     assert_eq!(saved["state"]["stop_reason"], "tool_calls");
     assert!(saved["created_at"].as_str().unwrap().ends_with('Z'));
     assert_eq!(saved["created_at"], saved["updated_at"]);
+    let progress = answered(
+        &c,
+        subjects::CHECKPOINT_PROGRESS,
+        json!({"turns":[{"agent_id":"s1","turn_id":"t1"},{"agent_id":"s1","turn_id":"t2"}]}),
+    )
+    .await;
+    assert_eq!(
+        progress,
+        json!({"turns":[{"agent_id":"s1","turn_id":"t1","step":3},
+                        {"agent_id":"s1","turn_id":"t2","step":0}]})
+    );
     answered(
         &c,
         subjects::CHECKPOINT_SAVE,
@@ -244,6 +255,20 @@ async fn every_bad_input_gets_its_code_and_the_service_keeps_serving() {
                 br#"{"keep_last":1}"#,
             ],
         ),
+        refused(
+            subjects::CHECKPOINT_PROGRESS,
+            ErrorCode::BadRequest,
+            &[
+                b"{}",
+                br#"{"turns":{}}"#,
+                br#"{"turns":[{"agent_id":"s1"}]}"#,
+                br#"{"turns":[{"agent_id":"s1","turn_id":"t1","text":"x"}]}"#,
+                br#"{"turns":[{"agent_id":"s1.>","turn_id":"t1"}]}"#,
+                br#"{"turns":[{"agent_id":"s1","turn_id":"<b>t1</b>"}]}"#,
+                br#"{"turns":[],"tool_names":"yes"}"#,
+                br#"{"turns":[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
+            ],
+        ),
     ]
     .concat();
     for (n, (subject, body, code)) in cases.into_iter().enumerate() {
@@ -307,6 +332,7 @@ async fn the_micro_service_lists_its_named_endpoints() {
         ("person-get", "cyrene.person.*.checkpoint.get"),
         ("person-latest", "cyrene.person.*.checkpoint.latest"),
         ("person-list", "cyrene.person.*.checkpoint.list"),
+        ("progress", subjects::CHECKPOINT_PROGRESS),
         ("retain", subjects::CHECKPOINT_RETAIN),
         ("save", subjects::CHECKPOINT_SAVE),
     ]

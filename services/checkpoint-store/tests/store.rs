@@ -7,7 +7,10 @@ mod common;
 use chrono::{DateTime, TimeDelta, Utc};
 use common::{SqliteTestDb, big_state, checkpoint, fenced, note, pg_store};
 use cyrene_checkpoint_store::{CheckpointStore, StoreError, StoreOptions};
-use cyrene_protocol::checkpoint::{Checkpoint, RetainRequest};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, PROGRESS_MAX_TOOL_TURNS, PROGRESS_MAX_TURNS, ProgressRequest, RetainRequest,
+    TurnRef,
+};
 use cyrene_protocol::{ErrorCode, JsonObject};
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -79,6 +82,7 @@ for_both_backends!(
     a_turn_restarting_from_its_base_drops_its_earlier_rows,
     a_delta_after_a_full_row_builds_on_it,
     retention_keeps_what_a_kept_delta_is_built_on,
+    progress_names_the_highest_step_and_the_tools_called,
 );
 
 fn msg(text: &str) -> Value {
@@ -958,4 +962,137 @@ async fn postgres_over_tls_when_the_url_asks_for_it() {
             );
         }
     }
+}
+
+/// A step of turn `turn` of owner `owner` that called `tools` (an assistant message of tool
+/// calls and their results), as the loop worker saves it: a delta from `from`.
+fn tool_step(owner: &str, turn: &str, step: u32, from: usize, tools: &[&str]) -> Checkpoint {
+    let calls: Vec<Value> = tools
+        .iter()
+        .map(|name| json!({"type": "tool_call", "id": format!("c-{name}"), "name": name, "args": {}}))
+        .collect();
+    let results: Vec<Value> = tools
+        .iter()
+        .map(|name| {
+            json!({"role": "tool", "content": [{"type": "tool_result",
+            "tool_call_id": format!("c-{name}"), "name": format!("result-{name}"), "text": "ok"}]})
+        })
+        .collect();
+    let mut messages = vec![json!({"role": "assistant", "content": calls})];
+    messages.extend(results);
+    let Value::Object(state) = json!({"step": step, "from": from, "messages": messages,
+        "stop_reason": "tool_calls", "turn_id": turn})
+    else {
+        unreachable!()
+    };
+    let base = (step == 1).then(|| {
+        let Value::Object(base) = json!({"messages": [msg("hello")]}) else {
+            unreachable!()
+        };
+        JsonObject::from(base)
+    });
+    Checkpoint {
+        base,
+        state: state.into(),
+        ..fenced(owner, step, "", turn, 1)
+    }
+}
+
+fn turn_ref(agent_id: &str, turn_id: &str) -> TurnRef {
+    TurnRef {
+        agent_id: agent_id.into(),
+        turn_id: turn_id.into(),
+    }
+}
+
+/// `cyrene.checkpoint.progress` (docs/checkpoint-store.md): each turn's highest saved step and,
+/// when asked, the tools its delta rows called — in call order, each once, never a result's name
+/// or another turn's or leg's call; a turn without rows is at step 0; bad input is refused.
+async fn progress_names_the_highest_step_and_the_tools_called<S: CheckpointStore>(store: &S) {
+    put(
+        store,
+        tool_step("s1", "t1", 1, 1, &["search", "read"]),
+        t(0),
+    )
+    .await;
+    put(
+        store,
+        tool_step("s1", "t1", 2, 4, &["search", "fetch"]),
+        t(0),
+    )
+    .await;
+    // another turn of the owner, and another leg, with calls of their own
+    put(store, tool_step("s1", "t0", 1, 1, &["older"]), t(0)).await;
+    put(store, tool_step("s1#l2", "t1", 1, 1, &["leg"]), t(0)).await;
+    let ask = |tool_names| ProgressRequest {
+        turns: vec![
+            turn_ref("s1", "t1"),
+            turn_ref("s1", "t9"),
+            turn_ref("s1#l2", "t1"),
+        ],
+        tool_names,
+    };
+    let got = store.progress(&ask(true)).await.unwrap();
+    let summary: Vec<(&str, &str, u32, Vec<&str>)> = got
+        .iter()
+        .map(|p| {
+            let names = p.tool_names.iter().map(String::as_str).collect();
+            (p.agent_id.as_str(), p.turn_id.as_str(), p.step, names)
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("s1", "t1", 2, vec!["search", "read", "fetch"]),
+            ("s1", "t9", 0, vec![]),
+            ("s1#l2", "t1", 1, vec!["leg"]),
+        ]
+    );
+    let steps_only = store.progress(&ask(false)).await.unwrap();
+    assert!(steps_only.iter().all(|p| p.tool_names.is_empty()));
+    assert_eq!(
+        steps_only.iter().map(|p| p.step).collect::<Vec<_>>(),
+        [2, 0, 1]
+    );
+    assert!(
+        store
+            .progress(&ProgressRequest::default())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Hostile input: too many turns, bad ids; the store keeps answering.
+    let many = |n: usize, tool_names| ProgressRequest {
+        turns: (0..n).map(|i| turn_ref("s1", &format!("t{i}"))).collect(),
+        tool_names,
+    };
+    assert_eq!(
+        store
+            .progress(&many(PROGRESS_MAX_TURNS, false))
+            .await
+            .unwrap()
+            .len(),
+        PROGRESS_MAX_TURNS
+    );
+    for refused in [
+        many(PROGRESS_MAX_TURNS + 1, false),
+        many(PROGRESS_MAX_TOOL_TURNS + 1, true),
+        ProgressRequest {
+            turns: vec![turn_ref("s1", "t1'; DROP TABLE checkpoints; --")],
+            tool_names: false,
+        },
+        ProgressRequest {
+            turns: vec![turn_ref("", "t1")],
+            tool_names: true,
+        },
+        ProgressRequest {
+            turns: vec![turn_ref(&"s".repeat(100_000), "t1")],
+            tool_names: false,
+        },
+    ] {
+        let err = store.progress(&refused).await.unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadRequest, "{err}");
+    }
+    assert_eq!(store.progress(&ask(false)).await.unwrap()[0].step, 2);
 }

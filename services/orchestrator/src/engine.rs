@@ -19,13 +19,14 @@
 use crate::config::Config;
 use crate::documents::Documents;
 use crate::identity::{self, Caller};
-use crate::progress::Progress;
 use crate::store::{NewMessage, NewTurn, Pushed, Store};
 use async_nats::jetstream;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
 use cyrene_bus::service::{page_within, reply_budget};
 use cyrene_bus::trace;
+use cyrene_checkpoint_client::CheckpointClient;
+use cyrene_protocol::checkpoint::{ProgressRequest, TurnProgress, TurnRef, owner_key};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
@@ -35,7 +36,7 @@ use cyrene_protocol::session::{
 };
 use cyrene_protocol::subjects;
 use cyrene_protocol::turn::{
-    RUNNING_TURNS_DEFAULT_LIMIT, RUNNING_TURNS_MAX_LIMIT, RunningTurnsRequest,
+    RUNNING_TURNS_DEFAULT_LIMIT, RUNNING_TURNS_MAX_LIMIT, RunningTurn, RunningTurnsRequest,
     RunningTurnsResponse, SteerRequest, SteerResponse, TurnComplete, TurnCompleteAck, TurnOutcome,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
@@ -51,6 +52,9 @@ pub const MAX_IDEMPOTENCY_KEY: usize = 256;
 pub const MAX_SENDER_NAME: usize = 128;
 /// How long a JetStream publish (including its ack) may take.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a progress read of the checkpoint store may take (a parallel leg's notice, the
+/// steps of `cyrene.turns.running`); past it the notice or the steps go without.
+const PROGRESS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The completion notification of a turn that answers an ask, published on the ask's private
 /// core NATS subject by whichever replica records the completion.
@@ -72,7 +76,8 @@ pub struct Engine {
     client: Client,
     js: jetstream::Context,
     config: Arc<Config>,
-    progress: Arc<Progress>,
+    /// Progress of running turns, as of their last saved step (`cyrene.checkpoint.progress`).
+    checkpoints: CheckpointClient,
     documents: Documents,
 }
 
@@ -185,20 +190,15 @@ pub fn check_user_message(message: &Message, max_bytes: usize) -> Result<(), Err
 }
 
 impl Engine {
-    pub fn new(
-        store: Store,
-        client: Client,
-        config: Arc<Config>,
-        progress: Arc<Progress>,
-        documents: Documents,
-    ) -> Self {
+    pub fn new(store: Store, client: Client, config: Arc<Config>, documents: Documents) -> Self {
         let js = jetstream::new(client.clone());
+        let checkpoints = CheckpointClient::new(client.clone(), PROGRESS_TIMEOUT);
         Engine {
             store,
             client,
             js,
             config,
-            progress,
+            checkpoints,
             documents,
         }
     }
@@ -305,8 +305,18 @@ impl Engine {
 
     /// Stores a checked message and dispatches the turn it started, if any.
     pub(crate) async fn store_message(&self, input: NewMessage) -> Result<SendAck, ErrorBody> {
-        let progress = self.progress.clone();
-        let snapshot = move |turn_id: &str| progress.snapshot(turn_id);
+        // A parallel leg is told what the session's newest running leg has done, as of that
+        // leg's last saved step (docs/semantics.md#parallel-notice). Read before the send's
+        // transaction, which holds the session's lock: a leg that starts or ends meanwhile
+        // yields the emptier, still valid notice.
+        let newest = match input.policy == BusyPolicy::Parallel && !input.solo {
+            true => self.newest_leg_progress(&input.session_id).await,
+            false => None,
+        };
+        let snapshot = move |turn_id: &str| match &newest {
+            Some(leg) if leg.turn_id == turn_id => (leg.step, leg.tool_names.clone()),
+            _ => (0, Vec::new()),
+        };
         let sent = bounded(self.config.db_timeout, self.store.send(input, &snapshot)).await?;
         if sent.duplicate {
             tracing::debug!(message_id = %sent.ack.message_id, "idempotent resend");
@@ -318,6 +328,31 @@ impl Engine {
             self.push(pushed).await;
         }
         Ok(sent.ack)
+    }
+
+    /// The progress of the session's newest running turn (step and tool names, from the
+    /// checkpoint store); `None` when none runs or either store did not answer.
+    async fn newest_leg_progress(&self, session_id: &str) -> Option<TurnProgress> {
+        let newest = bounded(
+            self.config.db_timeout,
+            self.store.newest_running(session_id),
+        );
+        let (turn_id, leg_id) = newest.await.ok().flatten()?;
+        let request = ProgressRequest {
+            turns: vec![TurnRef {
+                agent_id: owner_key(session_id, Some(&leg_id)),
+                turn_id,
+            }],
+            tool_names: true,
+        };
+        match self.checkpoints.progress(&request).await {
+            Ok(mut turns) => turns.pop(),
+            Err(err) => {
+                tracing::warn!(session = session_id, error = %err,
+                    "no progress of the running leg: its parallel notice goes without");
+                None
+            }
+        }
     }
 
     /// Pushes messages already claimed for a running turn to the worker running it (core NATS,
@@ -480,10 +515,8 @@ impl Engine {
         })
     }
 
-    /// The sessions of `person`, the newest first (`cyrene.person.<person>.session.list`).
     /// `cyrene.turns.running` (operators only, by NATS permission): the turns running now, the
-    /// oldest first, each with the last step its events named (docs/orchestrator.md, "Turns in
-    /// flight").
+    /// oldest first, each with its last saved step (docs/orchestrator.md, "Turns in flight").
     pub async fn running_turns(
         &self,
         req: RunningTurnsRequest,
@@ -501,15 +534,43 @@ impl Engine {
         .await?;
         let mut more = turns.len() > limit as usize;
         turns.truncate(limit as usize);
-        for turn in &mut turns {
-            turn.step = self.progress.snapshot(&turn.turn_id).0;
-        }
+        self.fill_steps(&mut turns).await;
         // Every reply fits the bus: the oldest turns that fit, and `more` says some were left.
         let (turns, cut) = page_within(turns, reply_budget(&self.client));
         more |= cut;
         Ok(RunningTurnsResponse { turns, more })
     }
 
+    /// Sets each turn's `step` to its last saved step (one read of the checkpoint store); left
+    /// at 0 when the store does not answer.
+    async fn fill_steps(&self, turns: &mut [RunningTurn]) {
+        if turns.is_empty() {
+            return;
+        }
+        let request = ProgressRequest {
+            turns: turns
+                .iter()
+                .map(|t| TurnRef {
+                    agent_id: owner_key(&t.session_id, Some(&t.leg_id)),
+                    turn_id: t.turn_id.clone(),
+                })
+                .collect(),
+            tool_names: false,
+        };
+        match self.checkpoints.progress(&request).await {
+            Ok(progress) => {
+                for (turn, known) in turns.iter_mut().zip(progress) {
+                    if known.turn_id == turn.turn_id {
+                        turn.step = known.step;
+                    }
+                }
+            }
+            Err(err) => tracing::warn!(error = %err,
+                "no progress of the running turns: their steps are left at 0"),
+        }
+    }
+
+    /// The sessions of `person`, the newest first (`cyrene.person.<person>.session.list`).
     pub async fn sessions(
         &self,
         person: &str,

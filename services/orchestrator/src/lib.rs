@@ -14,7 +14,6 @@
 //!   `store/approvals.rs`; docs/orchestrator.md, "Approvals");
 //! - the document service: uploads into the object store, `cyrene-doc://` references, reads
 //!   ([`documents`], endpoints `upload` and `read`; docs/documents.md);
-//! - live progress of running legs for parallel notices ([`progress`]);
 //! - persona memory: the [`memory::MemoryStore`] interface behind `cyrene.memory.*` and its SQL
 //!   default (docs/memory.md), and the memory she gathers herself after a turn ([`extraction`],
 //!   JetStream stream `CYRENE_MEMORY`);
@@ -44,7 +43,6 @@ pub mod job;
 pub mod memory;
 pub mod people;
 pub mod personas;
-pub mod progress;
 pub mod service;
 pub mod store;
 
@@ -102,8 +100,8 @@ pub async fn open_store(config: &Config) -> Result<Store, Error> {
     Ok(Store::open(&url, &options, settings).await?)
 }
 
-/// Runs the orchestrator until `shutdown` fires: endpoints, agents, the progress listener and the
-/// dispatch sweeper; then drains them and closes the database.
+/// Runs the orchestrator until `shutdown` fires: endpoints, agents and the dispatch sweeper; then
+/// drains them and closes the database.
 pub async fn run(config: Config, client: Client, shutdown: CancellationToken) -> Result<(), Error> {
     let store = open_store(&config).await?;
     // A signal before the bus is reachable is a clean stop (exit 0), at once.
@@ -129,27 +127,12 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         }
     };
     let config = Arc::new(config);
-    let progress = Arc::new(progress::Progress::new());
     let engine = Arc::new(Engine::new(
         store.clone(),
         client.clone(),
         config.clone(),
-        progress.clone(),
         documents,
     ));
-
-    // The listener is subscribed before the endpoints answer, so no leg starts blind.
-    let mut listeners = Vec::new();
-    for pattern in [
-        cyrene_protocol::subjects::SESSION_EVENTS_ALL,
-        cyrene_protocol::subjects::SESSION_EVENTS_PERSONS_ALL,
-    ] {
-        let events = client.subscribe(pattern).await.map_err(|e| Error::Bus {
-            what: "cannot subscribe to session events",
-            source: e.into(),
-        })?;
-        listeners.push(progress::track(events, progress.clone(), shutdown.clone()));
-    }
     let memory = Arc::new(memory::SqlMemory::new(
         store.pool().clone(),
         config.db_timeout,
@@ -179,10 +162,7 @@ pub async fn run(config: Config, client: Client, shutdown: CancellationToken) ->
         extractions,
         shutdown.clone(),
     ));
-    for listener in listeners {
-        host.spawn(listener);
-    }
-    host.spawn(sweeper(engine.clone(), progress, shutdown.clone()));
+    host.spawn(sweeper(engine.clone(), shutdown.clone()));
     host.spawn(document_sweeper(engine.clone(), shutdown.clone()));
     // The database is open and every endpoint registered: ready.
     cyrene_runtime::health::global().set(cyrene_runtime::health::DATABASE_CHECK, true);
@@ -238,13 +218,9 @@ async fn document_sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
 /// How often the session gauges are read from the database (two counting statements).
 const GAUGES_EVERY: Duration = Duration::from_secs(10);
 
-/// Republishes unconfirmed dispatches, denies approvals past their deadline and prunes stale
-/// progress, every `sweep_interval`; reads the session gauges every [`GAUGES_EVERY`].
-async fn sweeper(
-    engine: Arc<Engine>,
-    progress: Arc<progress::Progress>,
-    shutdown: CancellationToken,
-) {
+/// Republishes unconfirmed dispatches and denies approvals past their deadline, every
+/// `sweep_interval`; reads the session gauges every [`GAUGES_EVERY`].
+async fn sweeper(engine: Arc<Engine>, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(engine.config().sweep_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sampled: Option<tokio::time::Instant> = None;
@@ -255,7 +231,6 @@ async fn sweeper(
         }
         engine.sweep().await;
         engine.sweep_approvals().await;
-        progress.prune(Duration::from_secs(3600));
         if sampled.is_none_or(|at| at.elapsed() >= GAUGES_EVERY) {
             engine.sample_gauges().await;
             sampled = Some(tokio::time::Instant::now());

@@ -1,6 +1,6 @@
 //! Typed NATS client of `cyrene-checkpoint-store` (docs/architecture.md §3, §9): `save`, `latest`,
-//! `get`, `list` and `retain`, each one bounded request on `cyrene.checkpoint.*` with the Cyrene
-//! error envelope decoded into a small [`Error`] enum.
+//! `get`, `list`, `retain` and `progress`, each one bounded request on `cyrene.checkpoint.*` with
+//! the Cyrene error envelope decoded into a small [`Error`] enum.
 //!
 //! The loop worker saves after every step and must never fail a turn because of the store
 //! (docs/architecture.md §5): it matches [`Error::Conflict`] (fenced off — a newer attempt owns the
@@ -23,7 +23,8 @@
 use async_nats::Client;
 use cyrene_bus::{RequestError, request_json};
 use cyrene_protocol::checkpoint::{
-    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, RetainRequest, RetainResponse,
+    Checkpoint, GetRequest, LatestRequest, ListRequest, ListResponse, ProgressRequest,
+    ProgressResponse, RetainRequest, RetainResponse, TurnProgress,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode, subjects};
 use serde::Serialize;
@@ -168,6 +169,13 @@ impl CheckpointClient {
             before: before.map(str::to_owned),
         };
         self.call(subjects::CHECKPOINT_LIST, &req).await
+    }
+
+    /// How far the turns of `request` have got, in the order asked (their highest saved step,
+    /// and with `tool_names` the tools they called).
+    pub async fn progress(&self, request: &ProgressRequest) -> Result<Vec<TurnProgress>, Error> {
+        let resp: ProgressResponse = self.call(subjects::CHECKPOINT_PROGRESS, request).await?;
+        Ok(resp.turns)
     }
 
     /// Runs one retention operation; returns how many rows were deleted.

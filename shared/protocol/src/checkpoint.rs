@@ -240,6 +240,56 @@ pub struct RetainResponse {
     pub deleted: u64,
 }
 
+/// `cyrene.checkpoint.progress` request: how far some turns have got, as of their last saved
+/// step (docs/checkpoint-store.md, "Progress of running turns"). The orchestrator asks it to
+/// build a parallel leg's notice and the `step` of `cyrene.turns.running`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProgressRequest {
+    /// At most [`PROGRESS_MAX_TURNS`] turns, each named by its owner key and turn id.
+    pub turns: Vec<TurnRef>,
+    /// Also name the tools each turn has called (then at most [`PROGRESS_MAX_TOOL_TURNS`]
+    /// turns): every row of the turn is read, not only its newest step.
+    #[serde(default)]
+    pub tool_names: bool,
+}
+
+/// One turn of one owner.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TurnRef {
+    pub agent_id: String,
+    pub turn_id: String,
+}
+
+/// The most turns one progress request names.
+pub const PROGRESS_MAX_TURNS: usize = 1000;
+/// The most turns one progress request may ask tool names of.
+pub const PROGRESS_MAX_TOOL_TURNS: usize = 16;
+/// The most tool names a turn's progress gives (the first ones called).
+pub const PROGRESS_MAX_TOOLS: usize = 16;
+/// The longest tool name a turn's progress gives, in characters (a model names the tools it
+/// calls; a longer name is cut).
+pub const PROGRESS_MAX_TOOL_NAME_CHARS: usize = 64;
+
+/// `cyrene.checkpoint.progress` reply: one entry for each turn asked, in the order asked.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ProgressResponse {
+    pub turns: Vec<TurnProgress>,
+}
+
+/// How far one turn has got: metadata only, never any text of the turn.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TurnProgress {
+    pub agent_id: String,
+    pub turn_id: String,
+    /// The highest step saved (0: none yet).
+    pub step: u32,
+    /// With `tool_names`: the tools the turn's saved steps called, in call order, each once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_names: Vec<String>,
+}
+
 /// The owner key for a session and an optional parallel leg.
 pub fn owner_key(session_id: &str, leg_id: Option<&str>) -> String {
     match leg_id {

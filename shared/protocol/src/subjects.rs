@@ -37,6 +37,9 @@ pub const CHECKPOINT_GET: &str = "cyrene.checkpoint.get";
 pub const CHECKPOINT_LIST: &str = "cyrene.checkpoint.list";
 /// Explicit retention (keep the last N steps of an owner, or drop owners older than an age).
 pub const CHECKPOINT_RETAIN: &str = "cyrene.checkpoint.retain";
+/// How far some turns have got, as of their last saved step (the orchestrator's parallel notice
+/// and running-turns list).
+pub const CHECKPOINT_PROGRESS: &str = "cyrene.checkpoint.progress";
 pub const SESSION_SEND: &str = "cyrene.session.send";
 pub const SESSION_HISTORY: &str = "cyrene.session.history";
 /// A chat bridge sends a message (docs/security.md, "Bridges"): the one subject on which a

@@ -339,7 +339,8 @@ pub struct RunningTurn {
     pub persona: String,
     /// The JetStream delivery running it (0 before a worker has taken it; above 1: redelivered).
     pub attempt: u32,
-    /// The last step its events named (0 when none was seen by the answering replica yet).
+    /// Its last saved step, from the checkpoint store (0 before its first checkpoint, or when
+    /// the checkpoint store did not answer).
     pub step: u32,
     /// When the turn was started, unix milliseconds.
     pub started_at_ms: i64,

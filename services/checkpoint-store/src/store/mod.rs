@@ -44,8 +44,9 @@ pub use sqlite::SqliteStore;
 use chrono::{DateTime, Utc};
 use cyrene_protocol::JsonObject;
 use cyrene_protocol::checkpoint::{
-    Checkpoint, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, RetainMode, RetainRequest, checkpoint_id,
-    validate_owner,
+    Checkpoint, LIST_DEFAULT_LIMIT, LIST_MAX_LIMIT, PROGRESS_MAX_TOOL_NAME_CHARS,
+    PROGRESS_MAX_TOOL_TURNS, PROGRESS_MAX_TOOLS, PROGRESS_MAX_TURNS, ProgressRequest, RetainMode,
+    RetainRequest, TurnProgress, checkpoint_id, validate_owner,
 };
 use cyrene_protocol::ids::{self, MAX_ID_LEN};
 use std::future::Future;
@@ -145,6 +146,14 @@ pub trait CheckpointStore: Send + Sync + 'static {
         count: u32,
         before: Option<&str>,
     ) -> impl Future<Output = Result<Vec<Checkpoint>, StoreError>> + Send;
+
+    /// How far each turn asked has got, in the order asked: its highest saved step and, when
+    /// asked, the tools its saved steps called ([`tool_names`]). A turn without rows is at step
+    /// 0. Reads only; checked by [`check_progress`].
+    fn progress(
+        &self,
+        request: &ProgressRequest,
+    ) -> impl Future<Output = Result<Vec<TurnProgress>, StoreError>> + Send;
 
     /// Runs one explicit retention operation and returns how many checkpoint rows it deleted.
     fn retain(
@@ -328,6 +337,79 @@ pub(crate) fn parse_id(id: &str) -> Result<(&str, u32), StoreError> {
 pub(crate) fn check_turn_read(agent_id: &str, turn_id: &str) -> Result<(), StoreError> {
     check_owner(agent_id)?;
     check_turn_id(turn_id)
+}
+
+/// Checks a progress request: its size (at most [`PROGRESS_MAX_TURNS`] turns, and at most
+/// [`PROGRESS_MAX_TOOL_TURNS`] when it asks tool names) and every owner key and turn id.
+pub(crate) fn check_progress(request: &ProgressRequest) -> Result<(), StoreError> {
+    let most = match request.tool_names {
+        true => PROGRESS_MAX_TOOL_TURNS,
+        false => PROGRESS_MAX_TURNS,
+    };
+    if request.turns.len() > most {
+        let with = if request.tool_names {
+            " with tool_names"
+        } else {
+            ""
+        };
+        return Err(StoreError::BadRequest(format!(
+            "progress names at most {most} turns{with}, here {}",
+            request.turns.len()
+        )));
+    }
+    for (i, turn) in request.turns.iter().enumerate() {
+        check_turn_read(&turn.agent_id, &turn.turn_id).map_err(|e| match e {
+            StoreError::BadRequest(why) => StoreError::BadRequest(format!("turns[{i}]: {why}")),
+            other => other,
+        })?;
+    }
+    Ok(())
+}
+
+/// The tools a turn's rows called, from their states in step order: the `tool_call` parts of
+/// the delta rows' messages, in call order, each name once, at most [`PROGRESS_MAX_TOOLS`] of
+/// at most [`PROGRESS_MAX_TOOL_NAME_CHARS`] characters. A full row (no `from`) is skipped: its
+/// messages are the whole window, earlier turns' calls among them, and a loop worker never
+/// writes one for a turn. A state that does not parse adds nothing.
+pub(crate) fn tool_names(states: &[String]) -> Vec<String> {
+    #[derive(serde::Deserialize)]
+    struct Row {
+        #[serde(default)]
+        from: Option<u64>,
+        #[serde(default)]
+        messages: Vec<RowMessage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct RowMessage {
+        #[serde(default)]
+        content: serde_json::Value,
+    }
+    let mut names: Vec<String> = Vec::new();
+    for state in states {
+        let Ok(row) = serde_json::from_str::<Row>(state) else {
+            continue;
+        };
+        if row.from.is_none() {
+            continue;
+        }
+        let parts = row.messages.iter().filter_map(|m| m.content.as_array());
+        for part in parts.flatten() {
+            let (Some("tool_call"), Some(name)) = (
+                part.get("type").and_then(|t| t.as_str()),
+                part.get("name").and_then(|n| n.as_str()),
+            ) else {
+                continue;
+            };
+            let name: String = name.chars().take(PROGRESS_MAX_TOOL_NAME_CHARS).collect();
+            if !names.contains(&name) {
+                names.push(name);
+            }
+            if names.len() == PROGRESS_MAX_TOOLS {
+                return names;
+            }
+        }
+    }
+    names
 }
 
 /// The effective page size of a list: default 50, at least 1, at most 1000.
@@ -625,5 +707,45 @@ mod tests {
         assert_eq!(a, "2026-01-01T00:00:09.000000Z");
         assert!(a < b);
         assert!(cutoff(Utc::now(), u64::MAX).is_err());
+    }
+
+    /// A row of messages whose assistant message calls `names`.
+    fn calls(from: Option<u64>, names: &[&str]) -> String {
+        let parts: Vec<serde_json::Value> = names
+            .iter()
+            .map(|n| serde_json::json!({"type": "tool_call", "id": "c", "name": n, "args": {}}))
+            .collect();
+        let mut row = serde_json::json!({"messages": [{"role": "assistant", "content": parts}]});
+        if let Some(from) = from {
+            row["from"] = from.into();
+        }
+        row.to_string()
+    }
+
+    #[test]
+    fn tool_names_come_from_delta_rows_in_call_order_each_once_and_bounded() {
+        let rows = [
+            calls(Some(1), &["search", "read"]),
+            // a full row holds the whole window, earlier turns' calls among them
+            calls(None, &["older"]),
+            "not json".to_owned(),
+            r#"{"from":3,"messages":[{"role":"assistant","content":"text only"},
+                {"role":"tool","content":[{"type":"tool_result","name":"result"}]},
+                {"role":"assistant","content":[{"type":"tool_call","name":7}]}]}"#
+                .to_owned(),
+            calls(Some(5), &["search", "fetch"]),
+        ];
+        assert_eq!(tool_names(&rows), ["search", "read", "fetch"]);
+        let long = "名".repeat(1000);
+        let many: Vec<String> = (0..40).map(|i| format!("{i}{long}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let names = tool_names(&[calls(Some(1), &many)]);
+        assert_eq!(names.len(), PROGRESS_MAX_TOOLS);
+        assert!(
+            names
+                .iter()
+                .all(|n| n.chars().count() == PROGRESS_MAX_TOOL_NAME_CHARS)
+        );
+        assert_eq!(names[0], format!("0{}", "名".repeat(63)));
     }
 }

@@ -65,6 +65,8 @@ impl Dialect for Postgres {
         "SELECT state::text FROM checkpoint_bases WHERE agent_id = $1 AND turn_id = $2";
     const CHAIN: &'static str = "SELECT state::text FROM checkpoints WHERE agent_id = $1 \
          AND turn_id = $2 AND step <= $3 ORDER BY step";
+    const TURN_STEP: &'static str =
+        "SELECT MAX(step) FROM checkpoints WHERE agent_id = $1 AND turn_id = $2";
     const UPSERT: &'static str = "INSERT INTO checkpoints \
          (id, agent_id, step, state, turn_id, attempt, created_at, updated_at, delta_from) \
          VALUES ($1, $2, $3, $4::json, $5, $6, $7, $7, $8) \

@@ -25,11 +25,13 @@
 
 use super::{
     CheckpointStore, FIRST_ATTEMPT, Fence, RawRow, SaveRow, StoreError, check_owner, check_page,
-    check_turn_read, cursor_gone, cutoff, fence, fenced, full, no_checkpoint, parse_id,
-    prepare_save, retain_mode,
+    check_progress, check_turn_read, cursor_gone, cutoff, fence, fenced, full, no_checkpoint,
+    parse_id, prepare_save, retain_mode, tool_names,
 };
 use chrono::{DateTime, Utc};
-use cyrene_protocol::checkpoint::{Checkpoint, RetainMode, RetainRequest};
+use cyrene_protocol::checkpoint::{
+    Checkpoint, ProgressRequest, RetainMode, RetainRequest, TurnProgress,
+};
 use futures::future::BoxFuture;
 use sqlx::query::Query;
 use sqlx::{
@@ -71,6 +73,9 @@ pub trait Dialect: Database {
     const BASE_STATE: &'static str;
     /// The states (text) of owner `$1`'s turn `$2` up to step `$3`, by step.
     const CHAIN: &'static str;
+    /// The highest step of owner `$1`'s turn `$2` (NULL: no row), through
+    /// `checkpoints_turn_step`.
+    const TURN_STEP: &'static str;
     /// Upserts a row: id, agent_id, step, state, turn_id, attempt, now, delta_from; returns
     /// `created_at`, `updated_at`.
     const UPSERT: &'static str;
@@ -486,6 +491,38 @@ on_every_dialect! {
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
             out.push(self.full(row).await?);
+        }
+        Ok(out)
+    }
+
+    async fn progress(&self, request: &ProgressRequest) -> Result<Vec<TurnProgress>, StoreError> {
+        check_progress(request)?;
+        let mut out = Vec::with_capacity(request.turns.len());
+        for turn in &request.turns {
+            let (agent_id, turn_id) = (turn.agent_id.as_str(), turn.turn_id.as_str());
+            let step: Option<i64> = sqlx::query_scalar(D::TURN_STEP)
+                .bind(agent_id)
+                .bind(turn_id)
+                .fetch_one(&self.pool)
+                .await?;
+            let tool_names = match request.tool_names && step.is_some() {
+                true => {
+                    let states: Vec<String> = sqlx::query_scalar(D::CHAIN)
+                        .bind(agent_id)
+                        .bind(turn_id)
+                        .bind(i64::MAX)
+                        .fetch_all(&self.pool)
+                        .await?;
+                    tool_names(&states)
+                }
+                false => Vec::new(),
+            };
+            out.push(TurnProgress {
+                agent_id: turn.agent_id.clone(),
+                turn_id: turn.turn_id.clone(),
+                step: step.map_or(0, |s| u32::try_from(s).unwrap_or(u32::MAX)),
+                tool_names,
+            });
         }
         Ok(out)
     }

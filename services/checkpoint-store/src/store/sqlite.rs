@@ -102,6 +102,8 @@ impl Dialect for Sqlite {
         "SELECT state FROM checkpoint_bases WHERE agent_id = ?1 AND turn_id = ?2";
     const CHAIN: &'static str = "SELECT state FROM checkpoints WHERE agent_id = ?1 \
          AND turn_id = ?2 AND step <= ?3 ORDER BY step";
+    const TURN_STEP: &'static str =
+        "SELECT MAX(step) FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2";
     const UPSERT: &'static str = upsert!("VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)");
     const RECORDED_ATTEMPT: &'static str =
         "SELECT max_attempt FROM turn_attempts WHERE turn_id = ?1";

@@ -94,8 +94,23 @@ impl Store {
             .collect()
     }
 
+    /// The session's newest running turn, `(turn_id, leg_id)`: the one a parallel leg's notice
+    /// is about (the last of the send transaction's running turns, in the same order).
+    pub async fn newest_running(
+        &self,
+        session_id: &str,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT turn_id, leg_id FROM orch_turns WHERE session_id = $1 AND status = 'running' \
+             ORDER BY created_at DESC, turn_id DESC LIMIT 1",
+        )
+        .bind(session_id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     /// The turns whose status is `running`, the oldest first: at most `limit`, each with its
-    /// session's persona. Their step is not in the database (the caller adds it).
+    /// session's persona. Their step is the checkpoint store's (the caller reads it).
     pub async fn turns_in_flight(&self, limit: u32) -> Result<Vec<RunningTurn>, StoreError> {
         let rows = sqlx::query(
             "SELECT t.turn_id, t.session_id, t.leg_id, t.attempt, t.created_at, s.env \

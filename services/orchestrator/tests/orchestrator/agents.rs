@@ -5,10 +5,8 @@ use cyrene_comm::{AskError, AskOptions, Probe};
 use cyrene_orchestrator::agents::ask_session_id;
 use cyrene_orchestrator::{Persona, Personas};
 use cyrene_protocol::ErrorCode;
-use cyrene_protocol::message::{Message, Role, SenderKind, ToolCall};
-use cyrene_protocol::session::{
-    BusyPolicy, Disposition, SendAck, SendRequest, SessionEvent, SessionEventType,
-};
+use cyrene_protocol::message::{Role, SenderKind};
+use cyrene_protocol::session::{BusyPolicy, Disposition, SendAck, SendRequest};
 use cyrene_protocol::subjects;
 use futures::StreamExt;
 use serde_json::json;
@@ -279,38 +277,25 @@ async fn an_ask_times_out_when_no_worker_runs_its_turn() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
-    let (world, _orch, mut jobs) = one_replica_with(Backend::Sqlite, |config| {
+    let parallel = |config: &mut cyrene_orchestrator::Config| {
         config.busy.clients.parallel = vec!["phone".into()];
-    })
-    .await;
+    };
+    let (world, orch, mut jobs) = one_replica_with(Backend::Sqlite, parallel).await;
+    let store = CheckpointStore::start(&world).await;
     let c = &world.client;
 
     let first = send_req("s1", "write about the sea", "k1", "desk");
     let (m1, leg1) = start_turn(c, &mut jobs, &first).await;
-    // The live leg reports progress as a worker would.
-    let subject = subjects::session_events("s1").unwrap();
-    let mut step = SessionEvent::new(SessionEventType::Step, "s1");
-    step.turn_id = leg1.turn_id.clone();
-    step.at_step = Some(3);
-    let mut tools = SessionEvent::new(SessionEventType::ToolCall, "s1");
-    tools.turn_id = leg1.turn_id.clone();
-    tools.at_step = Some(3);
-    let call = |name: &str| ToolCall {
-        id: format!("c-{name}"),
-        name: name.into(),
-        args: Default::default(),
-        args_error: None,
-    };
-    tools.message = Some(Message::assistant_tool_calls(&[
-        call("search"),
-        call("read"),
-    ]));
-    for ev in [&step, &tools] {
-        c.publish(subject.clone(), serde_json::to_vec(ev).unwrap().into())
-            .await
-            .unwrap();
-    }
-    c.flush().await.unwrap();
+    // The live leg has saved three steps, as a worker would (no event is published), and the
+    // replica that started it is replaced by one started mid-turn: the notice is read from the
+    // checkpoints, so any replica builds the same.
+    store
+        .save_steps(&leg1, &[&["search"], &["read", "search"], &[]])
+        .await;
+    orch.stop().await;
+    let mut config = world.config();
+    parallel(&mut config);
+    let _fresh = Replica::start(&world, config).await;
     // Same client: waits for its own leg.
     let m2 = send(c, &send_req("s1", "and make it short", "k2", "desk"))
         .await
@@ -354,16 +339,20 @@ async fn a_parallel_client_gets_its_own_leg_with_a_notice() {
     assert_eq!(phone.len(), 1);
     assert_eq!(phone[0].id, m4.message_id);
 
-    // A per-send opt-in from a third client.
+    // A per-send opt-in from a third client, told about the newest leg (leg2, whose rows are
+    // its own owner's, `s1#<leg>`: leg1's calls are not named).
+    store.save_steps(&leg2, &[&["weather"]]).await;
     let mut opt_in = send_req("s1", "me too", "k5", "tablet");
     opt_in.parallel = true;
     let m5 = send(c, &opt_in).await.unwrap();
     assert_eq!(m5.disposition, Disposition::ParallelLeg);
     let (leg3, _) = jobs.next().await;
     assert_ne!(leg3.leg_id, leg2.leg_id);
+    let notice = leg3.notice.clone().expect("a parallel notice");
+    assert_eq!(notice.other_message_id, m3.message_id);
     assert_eq!(
-        leg3.notice.as_ref().map(|n| n.other_message_id.as_str()),
-        Some(m3.message_id.as_str())
+        (notice.step, notice.tool_names),
+        (1, vec!["weather".to_owned()])
     );
 
     let took = |m: &SendAck| vec![m.message_id.clone()];

@@ -264,6 +264,92 @@ impl Replica {
     }
 }
 
+/// The real checkpoint store (SQLite, in the world's directory) on the world's nats-server:
+/// where a parallel leg's notice and the running list read how far turns have got.
+pub struct CheckpointStore {
+    pub client: cyrene_checkpoint_client::CheckpointClient,
+    shutdown: CancellationToken,
+}
+
+impl CheckpointStore {
+    /// Starts the store and waits until it answers.
+    pub async fn start(world: &World) -> CheckpointStore {
+        let config = cyrene_checkpoint_store::Config::new(world.dir.path().join("checkpoints"));
+        let shutdown = CancellationToken::new();
+        let mut handle = tokio::spawn(cyrene_checkpoint_store::run(
+            config,
+            world.nats.connect().await,
+            shutdown.clone(),
+        ));
+        let client = cyrene_checkpoint_client::CheckpointClient::new(world.client.clone(), TIMEOUT);
+        let probe = cyrene_protocol::checkpoint::ProgressRequest::default();
+        let start = Instant::now();
+        while client.progress(&probe).await.is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "the checkpoint store never came up"
+            );
+            if handle.is_finished() {
+                panic!(
+                    "the checkpoint store ended at start: {:?}",
+                    (&mut handle).await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        CheckpointStore { client, shutdown }
+    }
+}
+
+impl CheckpointStore {
+    /// Saves `job`'s steps as a loop worker does (fenced deltas, the base with the first), step
+    /// `i + 1` calling the tools `steps[i]`.
+    pub async fn save_steps(&self, job: &TurnJob, steps: &[&[&str]]) {
+        use cyrene_protocol::checkpoint::{Checkpoint, checkpoint_id, owner_key};
+        use cyrene_protocol::message::ToolCall;
+        let owner = owner_key(&job.session_id, Some(&job.leg_id));
+        for (i, tools) in steps.iter().enumerate() {
+            let step = u32::try_from(i).unwrap() + 1;
+            let calls: Vec<ToolCall> = tools
+                .iter()
+                .map(|name| ToolCall {
+                    id: format!("c-{step}-{name}"),
+                    name: (*name).into(),
+                    args: Default::default(),
+                    args_error: None,
+                })
+                .collect();
+            let state = serde_json::json!({
+                "step": step, "from": 1 + i, "turn_id": job.turn_id, "stop_reason": "tool_calls",
+                "messages": [Message::assistant_tool_calls(&calls)],
+            });
+            let base = serde_json::json!({"messages": job.messages});
+            let object = |v: serde_json::Value| match v {
+                serde_json::Value::Object(map) => cyrene_protocol::JsonObject::from(map),
+                _ => unreachable!(),
+            };
+            let checkpoint = Checkpoint {
+                id: checkpoint_id(&owner, Some(&job.turn_id), step),
+                agent_id: owner.clone(),
+                step,
+                state: object(state),
+                turn_id: Some(job.turn_id.clone()),
+                attempt: Some(1),
+                base: (step == 1).then(|| object(base)),
+                created_at: None,
+                updated_at: None,
+            };
+            self.client.save(&checkpoint).await.unwrap();
+        }
+    }
+}
+
+impl Drop for CheckpointStore {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
 impl Drop for Replica {
     fn drop(&mut self) {
         self.shutdown.cancel();
