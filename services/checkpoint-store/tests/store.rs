@@ -203,6 +203,10 @@ async fn deltas_are_read_back_as_whole_windows<S: CheckpointStore>(store: &S) {
         "a read is a full snapshot"
     );
     assert_eq!(latest.state.to_map()["stop_reason"], "tool_calls");
+    // The first attempt's read (one statement with the attempt record) rebuilds it too.
+    let first_read = read_turn(store, "s1", "t1", Some(1)).await.unwrap();
+    assert_eq!(first_read.state, latest.state);
+    assert_eq!(first_read.id, "s1:t1:3");
     let fenced_read = read_turn(store, "s1", "t1", Some(2)).await.unwrap();
     assert_eq!(fenced_read.state, latest.state);
     let two = store.get("s1:t1:2").await.unwrap();

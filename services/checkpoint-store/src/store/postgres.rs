@@ -74,8 +74,12 @@ impl Dialect for Postgres {
          state = EXCLUDED.state, turn_id = EXCLUDED.turn_id, delta_from = EXCLUDED.delta_from, \
          attempt = EXCLUDED.attempt, updated_at = EXCLUDED.updated_at \
          RETURNING created_at, updated_at";
-    const RECORDED_ATTEMPT: &'static str =
-        "SELECT max_attempt FROM turn_attempts WHERE turn_id = $1";
+    const FIRST_READ: &'static str = concat!(
+        "SELECT (SELECT max_attempt FROM turn_attempts WHERE turn_id = $2) AS recorded, c.* \
+         FROM (SELECT 1) AS one LEFT JOIN (",
+        select!("WHERE turn_id = $2 AND agent_id = $1 ORDER BY write_seq DESC LIMIT 1"),
+        ") AS c ON true"
+    );
     const RAISE_ATTEMPT: &'static str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
          VALUES ($1, $2, $3) \
          ON CONFLICT (turn_id) DO UPDATE SET \

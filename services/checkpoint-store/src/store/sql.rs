@@ -14,8 +14,8 @@
 //! - A fenced read raises the turn's attempt record before it reads: in one transaction, or —
 //!   [`Dialect::RAISE_COMMITS_FIRST`] — as a committed statement of its own first, so the read's
 //!   snapshot sees every row an older attempt managed to write. A read by the first attempt
-//!   ([`super::FIRST_ATTEMPT`]) has no older attempt to shut out and writes nothing: it checks
-//!   the record and reads, like a plain read.
+//!   ([`super::FIRST_ATTEMPT`]) has no older attempt to shut out and writes nothing: one
+//!   statement ([`Dialect::FIRST_READ`]) reads the record and the row, like a plain read.
 //! - Every write — a save, a fenced read's raise, a retention — goes through
 //!   [`SqlStore`]'s `writer`, every plain read through its `pool`. On SQLite the writer is
 //!   one connection (the file has one writer at a time anyway), so its page cache stays valid
@@ -81,8 +81,10 @@ pub trait Dialect: Database {
     const UPSERT: &'static str;
     /// Records attempt `$2` of turn `$1` at `$3` unless a newer one is; returns `max_attempt`.
     const RAISE_ATTEMPT: &'static str;
-    /// The recorded attempt of turn `$1` (no row: none recorded).
-    const RECORDED_ATTEMPT: &'static str;
+    /// The first attempt's read of owner `$1`'s turn `$2`, one statement: always one row, with
+    /// `recorded` (the turn's recorded attempt; NULL: none) and every column of the turn's most
+    /// recently written row (all NULL: it has none).
+    const FIRST_READ: &'static str;
     /// How a fenced save writes its row (see [`FencedSave`]).
     const FENCED_SAVE: FencedSave;
     /// Upserts the base of owner `$1`'s turn `$2`: state `$3`, attempt `$4`, at `$5`; where
@@ -432,18 +434,22 @@ on_every_dialect! {
             None => read().fetch_optional(&self.pool).await,
             // The first attempt: no older one can exist to shut out, so nothing is written (no
             // commit, and on SQLite not the writer connection). Refused when a newer attempt is
-            // recorded; one that records itself after this check fences this attempt's saves.
+            // recorded; one that records itself after this read fences this attempt's saves.
+            // The record and the row come in one statement (one snapshot, one round trip).
             Some(fence) if fence.attempt == i64::from(FIRST_ATTEMPT) => {
-                let recorded: Option<i64> = sqlx::query_scalar(D::RECORDED_ATTEMPT)
+                let row = sqlx::query(D::FIRST_READ)
+                    .bind(agent_id)
                     .bind(turn_id)
-                    .fetch_optional(&self.pool)
+                    .fetch_one(&self.pool)
                     .await?;
-                match recorded {
+                match row.try_get::<Option<i64>, _>("recorded")? {
                     Some(recorded) if recorded > fence.attempt => {
                         return Err(fenced(&fence, recorded));
                     }
-                    _ => read().fetch_optional(&self.pool).await,
+                    _ => {}
                 }
+                let found: Option<String> = row.try_get("id")?;
+                Ok(found.map(|_| row))
             }
             Some(fence) if D::RAISE_COMMITS_FIRST => {
                 let mut conn = self.writer.acquire().await?;

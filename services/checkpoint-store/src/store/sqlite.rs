@@ -105,8 +105,12 @@ impl Dialect for Sqlite {
     const TURN_STEP: &'static str =
         "SELECT MAX(step) FROM checkpoints WHERE agent_id = ?1 AND turn_id = ?2";
     const UPSERT: &'static str = upsert!("VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7, ?8)");
-    const RECORDED_ATTEMPT: &'static str =
-        "SELECT max_attempt FROM turn_attempts WHERE turn_id = ?1";
+    const FIRST_READ: &'static str = concat!(
+        "SELECT (SELECT max_attempt FROM turn_attempts WHERE turn_id = ?2) AS recorded, c.* \
+         FROM (SELECT 1) AS one LEFT JOIN (",
+        select!("WHERE turn_id = ?2 AND agent_id = ?1 ORDER BY +write_seq DESC LIMIT 1"),
+        ") AS c ON 1"
+    );
     const RAISE_ATTEMPT: &'static str = "INSERT INTO turn_attempts (turn_id, max_attempt, updated_at) \
          VALUES (?1, ?2, ?3) \
          ON CONFLICT (turn_id) DO UPDATE SET \
