@@ -125,33 +125,46 @@ impl Store {
             .execute(&mut *tx)
             .await?;
         }
-        // One read of what the turn claimed: the messages claimed at a boundary that the turn
-        // never took in go back to pending; the others' `reply_to` are the asks answered.
+        // One read of what the turn claimed — the messages claimed at a boundary that the turn
+        // never took in go back to pending; the others' `reply_to` are the asks answered — and,
+        // in the same statement, whether another leg runs or a message waits: the common end
+        // (neither) is told without a read of its own. A row always comes back; its message
+        // columns are NULL when the turn claimed nothing.
         let claimed = sqlx::query(
-            "SELECT id, steered, reply_to, created_at FROM orch_messages \
-             WHERE claimed_by_turn = $1 ORDER BY seq",
+            "SELECT CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_turns \
+               WHERE session_id = $2 AND status = 'running') \
+               OR EXISTS (SELECT 1 FROM orch_messages \
+               WHERE session_id = $2 AND claimed_by_turn IS NULL AND context = 0) \
+             THEN 1 ELSE 0 END AS BIGINT) AS busy, m.id, m.steered, m.reply_to, m.created_at \
+             FROM (SELECT 1 AS one) AS b LEFT JOIN orch_messages m ON m.claimed_by_turn = $1 \
+             ORDER BY m.seq",
         )
         .bind(&req.turn_id)
+        .bind(&req.session_id)
         .fetch_all(&mut *tx)
         .await?;
         let mut reply_to = Vec::new();
         // The oldest message this turn answers (the answer itself is the newest row).
         let mut oldest_ms = None;
+        let mut busy = false;
         for row in &claimed {
-            let id: String = row.try_get(0)?;
-            let steered: i64 = row.try_get(1)?;
+            busy |= row.try_get::<i64, _>(0)? == 1;
+            let Some(id) = row.try_get::<Option<String>, _>(1)? else {
+                continue;
+            };
+            let steered: i64 = row.try_get(2)?;
             if steered == 1 && !req.steered_ids.contains(&id) {
+                // Pending again: a message now waits.
                 Self::release_unsteered(&mut tx, &req.turn_id, &id).await?;
+                busy = true;
                 continue;
             }
-            oldest_ms = oldest_ms.or(Some(row.try_get::<i64, _>(3)?));
-            if let Some(to) = row.try_get::<Option<String>, _>(2)? {
+            oldest_ms = oldest_ms.or(Some(row.try_get::<i64, _>(4)?));
+            if let Some(to) = row.try_get::<Option<String>, _>(3)? {
                 reply_to.push(to);
             }
         }
-        // The common end — no other leg runs and nothing waits — is told by one read (it was two:
-        // the legs, then the batch); anything else reads both as before.
-        let (next, pushed) = match Self::others_or_waiting(&mut tx, &req.session_id).await? {
+        let (next, pushed) = match busy {
             false => (None, None),
             true => {
                 let running = Self::running_turns(&mut tx, &req.session_id).await?;

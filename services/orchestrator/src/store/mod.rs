@@ -462,26 +462,6 @@ impl Store {
         .await?)
     }
 
-    /// Whether, besides a turn just completed, another turn runs in the session or a message
-    /// waits in it unclaimed (what [`Store::running_turns`] and the pending batch would find):
-    /// one read instead of those two when, as after most turns, neither is so.
-    async fn others_or_waiting(
-        tx: &mut Transaction<'static, Any>,
-        session_id: &str,
-    ) -> Result<bool, StoreError> {
-        let row = sqlx::query(
-            "SELECT CAST(CASE WHEN EXISTS (SELECT 1 FROM orch_turns \
-               WHERE session_id = $1 AND status = 'running') \
-               OR EXISTS (SELECT 1 FROM orch_messages \
-               WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0) \
-             THEN 1 ELSE 0 END AS BIGINT)",
-        )
-        .bind(session_id)
-        .fetch_one(&mut **tx)
-        .await?;
-        Ok(row.try_get::<i64, _>(0)? == 1)
-    }
-
     async fn count_pending(
         tx: &mut Transaction<'static, Any>,
         session_id: &str,
