@@ -83,6 +83,13 @@ impl Config {
                 problems.push(format!("{name} must be at least 1"));
             }
         }
+        if self.max_deliver > cyrene_protocol::turn::MAX_JOB_DELIVERIES {
+            problems.push(format!(
+                "max_deliver must be at most {} (a job continued after its approvals starts its \
+                 attempts that far past the job before it)",
+                cyrene_protocol::turn::MAX_JOB_DELIVERIES
+            ));
+        }
         if self.poison_after == 0 {
             problems.push("poison_after must be at least 1".to_owned());
         }
@@ -196,5 +203,27 @@ impl ServiceArgs for Args {
         };
         config.validate()?;
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A job continued after its approvals starts its attempts `MAX_JOB_DELIVERIES` past the job
+    /// before it: more deliveries than that could take an attempt number of the new job.
+    #[test]
+    fn max_deliver_is_bounded_by_what_a_continued_job_skips() {
+        let most = cyrene_protocol::turn::MAX_JOB_DELIVERIES;
+        let at = |max_deliver| Config {
+            max_deliver,
+            ..Config::default()
+        };
+        assert!(at(most).validate().is_ok());
+        assert!(at(1).validate().is_ok());
+        for refused in [0, most + 1, u32::MAX] {
+            assert!(at(refused).validate().is_err(), "{refused}");
+        }
     }
 }

@@ -79,11 +79,18 @@ pub struct TurnJob {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decisions: Vec<crate::approval::CallDecision>,
     /// Added to the JetStream delivery count to make the attempt: 0 for a turn's first job; a
-    /// job that continues a turn after its approvals carries the highest attempt the turn had
-    /// seen, so its attempts fence every earlier one off.
+    /// job that continues a turn after its approvals starts past every attempt the job before it
+    /// made or can still make ([`MAX_JOB_DELIVERIES`]), so its attempts fence every earlier one
+    /// off.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub attempt_base: u32,
 }
+
+/// The most deliveries one job of a turn may have: a loop worker refuses a larger
+/// `max_deliver`. A job that continues a turn after its approvals starts its attempts at least
+/// this far past the job before it, so a delivery of that earlier job still queued — its ack
+/// lost while the turn waited — can never take an attempt number of the new one.
+pub const MAX_JOB_DELIVERIES: u32 = 1000;
 
 /// The default step budget of a turn.
 pub const DEFAULT_MAX_STEPS: u32 = 16;

@@ -12,11 +12,14 @@
 //! - **The first decision holds.** `decision` goes from NULL to a value once, under the session
 //!   lock; every later request gets that decision back with `already_decided`.
 //! - **Continued in the decision's transaction.** The decision that leaves no call of its turn
-//!   undecided also rewrites the turn's job (the decisions, `attempt_base` = the highest attempt
-//!   seen, the deadline moved on by the wait), clears `awaiting_since`, raises the recorded
-//!   attempt by one and marks the job undispatched. So the dispatch sweeper publishes it should
-//!   this process die before it does, and every attempt of the earlier job is fenced off: a
-//!   stale attempt can neither save, steer nor complete, and so never applies a decision.
+//!   undecided also rewrites the turn's job (the decisions, the deadline moved on by the wait,
+//!   and `attempt_base` past every attempt the earlier job made or can still make: the highest
+//!   seen, or the earlier base plus [`MAX_JOB_DELIVERIES`] if that is more), clears
+//!   `awaiting_since`, records the attempt past that base and marks the job undispatched. So the
+//!   dispatch sweeper publishes it should this process die before it does, and every attempt of
+//!   the earlier job is fenced off — a redelivery of it still queued too (its ack lost while the
+//!   turn waited): a stale attempt can neither save, steer nor complete, and so never applies a
+//!   decision, nor sets the turn waiting again.
 //! - A decision binds to `(turn_id, call_id, step)`: a model that repeats a call id in a later
 //!   step of the same turn is asked again (its row is requested anew).
 //!
@@ -29,7 +32,7 @@ use super::{NewTurn, Store, StoreError, encode, now_ms};
 use cyrene_protocol::approval::{
     APPROVALS_DECIDED_LIMIT, Approval, CallDecision, DEFAULT_APPROVAL_TIMEOUT_MS, Decision,
 };
-use cyrene_protocol::turn::{TurnComplete, TurnJob};
+use cyrene_protocol::turn::{MAX_JOB_DELIVERIES, TurnComplete, TurnJob};
 use sqlx::{Any, Row, Transaction};
 
 /// One row of `orch_approvals`.
@@ -371,7 +374,12 @@ impl Store {
             .iter()
             .filter_map(ApprovalRow::to_call_decision)
             .collect();
-        job.attempt_base = u32::try_from(attempt).unwrap_or(u32::MAX);
+        // The earlier job's deliveries take the attempts past its own base, at most
+        // MAX_JOB_DELIVERIES of them, and one of them may still be queued (its ack lost while
+        // the turn waited): the new job starts past all of them, and past every attempt seen.
+        let base =
+            attempt.max(i64::from(job.attempt_base).saturating_add(i64::from(MAX_JOB_DELIVERIES)));
+        job.attempt_base = u32::try_from(base).unwrap_or(u32::MAX);
         // The wait does not count against the persona's turn timeout.
         let waited = u64::try_from(now.saturating_sub(since)).unwrap_or(0);
         job.deadline_unix_ms = job.deadline_unix_ms.map(|d| d.saturating_add(waited));
@@ -381,7 +389,7 @@ impl Store {
              attempt = $2, resumes = $3, updated_at = $4 WHERE turn_id = $5",
         )
         .bind(&job_json)
-        .bind(attempt.saturating_add(1))
+        .bind(base.saturating_add(1))
         .bind(resumes)
         .bind(now)
         .bind(turn_id)
@@ -622,7 +630,7 @@ mod tests {
         assert_eq!(resumed.resumes, 1);
         assert_eq!(resumed.msg_id(), format!("{}.1", turn.turn_id));
         let job: TurnJob = serde_json::from_str(&resumed.job).unwrap();
-        assert_eq!(job.attempt_base, 1);
+        assert_eq!(job.attempt_base, MAX_JOB_DELIVERIES);
         assert_eq!(
             job.decisions,
             [
@@ -673,12 +681,16 @@ mod tests {
                 .is_empty()
         );
 
-        // The earlier job's attempt is fenced off; the new job's first attempt is not.
-        let stale = store
-            .await_approval_at(&awaiting(&turn, 1, &["c3"]), AT + 30)
-            .await
-            .unwrap_err();
-        assert_eq!(stale.code(), ErrorCode::Conflict);
+        // The earlier job's attempts are fenced off — a redelivery of it too (its ack lost while
+        // the turn waited: chaos, 2026-12-06), which would set the turn waiting again on calls
+        // already decided; the new job's first attempt is not.
+        for earlier in [1, 2, MAX_JOB_DELIVERIES] {
+            let stale = store
+                .await_approval_at(&awaiting(&turn, earlier, &["c1"]), AT + 30)
+                .await
+                .unwrap_err();
+            assert_eq!(stale.code(), ErrorCode::Conflict, "attempt {earlier}");
+        }
         let listed = store.approvals("s1").await.unwrap();
         let order: Vec<(&str, Option<Decision>)> = listed
             .iter()
@@ -692,7 +704,7 @@ mod tests {
             ]
         );
         let second = store
-            .await_approval_at(&awaiting(&turn, 2, &["c3"]), AT + 40)
+            .await_approval_at(&awaiting(&turn, MAX_JOB_DELIVERIES + 1, &["c3"]), AT + 40)
             .await
             .unwrap();
         assert!(second.first, "the continued turn may stop again");
@@ -757,7 +769,7 @@ mod tests {
             .unwrap();
         let decided = decide(store, "c1", by(Approve, "operator", None), AT + 1).await;
         assert!(decided.resumed.is_some());
-        let mut later = awaiting(&turn, 2, &["c1"]);
+        let mut later = awaiting(&turn, MAX_JOB_DELIVERIES + 1, &["c1"]);
         later.approvals[0].step = 3;
         let asked = store.await_approval_at(&later, AT + 2).await.unwrap();
         assert_eq!(asked.pending.len(), 1, "asked anew");
@@ -770,7 +782,7 @@ mod tests {
             (job.decisions[0].step, job.decisions[0].decision),
             (3, Decision::Deny)
         );
-        assert_eq!(job.attempt_base, 2);
+        assert_eq!(job.attempt_base, 2 * MAX_JOB_DELIVERIES);
     }
 
     crate::store::testing::on_both_backends!(
