@@ -26,7 +26,7 @@ use bytes::Bytes;
 use cyrene_bus::service::{page_within, reply_budget};
 use cyrene_bus::trace;
 use cyrene_checkpoint_client::CheckpointClient;
-use cyrene_protocol::checkpoint::{ProgressRequest, TurnProgress, TurnRef, owner_key};
+use cyrene_protocol::checkpoint::{ProgressRequest, TurnProgress, TurnRef};
 use cyrene_protocol::ids::{self, IdKind};
 use cyrene_protocol::message::{Message, Part, Role, SenderKind};
 use cyrene_protocol::session::{
@@ -339,10 +339,7 @@ impl Engine {
         );
         let (turn_id, leg_id) = newest.await.ok().flatten()?;
         let request = ProgressRequest {
-            turns: vec![TurnRef {
-                agent_id: owner_key(session_id, Some(&leg_id)),
-                turn_id,
-            }],
+            turns: vec![TurnRef::of_leg(session_id, &leg_id, turn_id)],
             tool_names: true,
         };
         match self.checkpoints.progress(&request).await {
@@ -550,10 +547,7 @@ impl Engine {
         let request = ProgressRequest {
             turns: turns
                 .iter()
-                .map(|t| TurnRef {
-                    agent_id: owner_key(&t.session_id, Some(&t.leg_id)),
-                    turn_id: t.turn_id.clone(),
-                })
+                .map(|t| TurnRef::of_leg(&t.session_id, &t.leg_id, t.turn_id.clone()))
                 .collect(),
             tool_names: false,
         };

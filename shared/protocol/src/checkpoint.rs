@@ -262,6 +262,16 @@ pub struct TurnRef {
     pub turn_id: String,
 }
 
+impl TurnRef {
+    /// Turn `turn_id` of a session's leg (`leg_id` empty: its main line), under its owner key.
+    pub fn of_leg(session_id: &str, leg_id: &str, turn_id: impl Into<String>) -> TurnRef {
+        TurnRef {
+            agent_id: owner_key(session_id, Some(leg_id)),
+            turn_id: turn_id.into(),
+        }
+    }
+}
+
 /// The most turns one progress request names.
 pub const PROGRESS_MAX_TURNS: usize = 1000;
 /// The most turns one progress request may ask tool names of.

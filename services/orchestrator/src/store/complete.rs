@@ -146,9 +146,12 @@ impl Store {
         let mut reply_to = Vec::new();
         // The oldest message this turn answers (the answer itself is the newest row).
         let mut oldest_ms = None;
-        let mut busy = false;
+        // The same on every row (the statement's one read of the session).
+        let mut busy = match claimed.first() {
+            Some(row) => row.try_get::<i64, _>(0)? == 1,
+            None => false,
+        };
         for row in &claimed {
-            busy |= row.try_get::<i64, _>(0)? == 1;
             let Some(id) = row.try_get::<Option<String>, _>(1)? else {
                 continue;
             };

@@ -324,10 +324,7 @@ impl CheckpointStore {
                 "messages": [Message::assistant_tool_calls(&calls)],
             });
             let base = serde_json::json!({"messages": job.messages});
-            let object = |v: serde_json::Value| match v {
-                serde_json::Value::Object(map) => cyrene_protocol::JsonObject::from(map),
-                _ => unreachable!(),
-            };
+            let object = |v: serde_json::Value| cyrene_protocol::JsonObject::encode(&v).unwrap();
             let checkpoint = Checkpoint {
                 id: checkpoint_id(&owner, Some(&job.turn_id), step),
                 agent_id: owner.clone(),
