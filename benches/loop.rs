@@ -267,23 +267,35 @@ async fn throughput(url: Option<String>, workers: usize) -> (f64, TurnCost) {
     (rate, cost)
 }
 
-/// CPU time used so far (clock ticks, 100 a second), split by who used it, and the bus's message
-/// counters. Linux only (`/proc`); elsewhere every figure stays 0.
-#[derive(Debug, Default, Clone, Copy)]
+/// CPU time used so far (clock ticks, 100 a second) by each process the bench counts, and the
+/// bus's message counters. Linux only (`/proc`); elsewhere every figure stays 0.
+///
+/// Kept per process, not summed: a process that exits between two samples (a backend of an
+/// earlier case's pool closing while this case runs) would otherwise take all the CPU it ever
+/// used out of the difference, and a case would be credited with less than it used.
+#[derive(Debug, Default, Clone)]
 struct Usage {
-    /// Every `postgres` process (the backends of both services' pools, the WAL writer, …).
-    postgres: u64,
-    /// This case's nats-server.
-    nats: u64,
-    /// The loop worker processes.
-    workers: u64,
-    /// This process: the gateway, the checkpoint store, the orchestrator and the bench's clients.
-    this: u64,
+    /// pid → who it is and its ticks so far.
+    processes: std::collections::BTreeMap<u32, (Who, u64)>,
     /// The whole machine: every tick that was not idle.
     machine: u64,
     /// Messages into and out of the bus (`/varz`).
     bus_in: u64,
     bus_out: u64,
+}
+
+/// Whose CPU a process's is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Who {
+    /// A `postgres` process of the bench (the backends of both services' pools, the WAL
+    /// writer, …).
+    Postgres,
+    /// This case's nats-server.
+    Nats,
+    /// The loop worker processes.
+    Workers,
+    /// This process: the gateway, the checkpoint store, the orchestrator and the bench's clients.
+    This,
 }
 
 /// A turn's share of a [`Usage`] difference, in ms of CPU (messages for the bus).
@@ -320,18 +332,18 @@ impl Usage {
             let Some((comm, ticks)) = process_ticks(pid) else {
                 continue;
             };
-            if comm == "postgres" && !bench_postgres(pid) {
-                continue;
-            }
-            if pid == me {
-                usage.this += ticks;
+            let who = if pid == me {
+                Who::This
             } else if Some(pid) == nats {
-                usage.nats += ticks;
+                Who::Nats
             } else if workers.contains(&pid) {
-                usage.workers += ticks;
-            } else if comm == "postgres" {
-                usage.postgres += ticks;
-            }
+                Who::Workers
+            } else if comm == "postgres" && bench_postgres(pid) {
+                Who::Postgres
+            } else {
+                continue;
+            };
+            usage.processes.insert(pid, (who, ticks));
         }
         usage.machine = machine_busy_ticks();
         if let Some(varz) = server.monitor_json("/varz") {
@@ -341,16 +353,31 @@ impl Usage {
         usage
     }
 
+    /// What `who`'s processes used since `before`: each process alive now, less what it had
+    /// used at `before` (nothing if it started since). A process gone since is left out whole.
+    fn ticks_since(&self, before: &Usage, who: Who) -> u64 {
+        self.processes
+            .iter()
+            .filter(|(_, (w, _))| *w == who)
+            .map(|(pid, (_, ticks))| {
+                let earlier = match before.processes.get(pid) {
+                    Some((w, t)) if *w == who => *t,
+                    _ => 0,
+                };
+                ticks.saturating_sub(earlier)
+            })
+            .sum()
+    }
+
     fn since(&self, before: &Usage, turns: usize) -> TurnCost {
-        let ms =
-            |after: u64, before: u64| after.saturating_sub(before) as f64 * 10.0 / turns as f64;
+        let ms = |ticks: u64| ticks as f64 * 10.0 / turns as f64;
         let n = |after: u64, before: u64| after.saturating_sub(before) as f64 / turns as f64;
         TurnCost {
-            postgres: ms(self.postgres, before.postgres),
-            nats: ms(self.nats, before.nats),
-            workers: ms(self.workers, before.workers),
-            this: ms(self.this, before.this),
-            machine: ms(self.machine, before.machine),
+            postgres: ms(self.ticks_since(before, Who::Postgres)),
+            nats: ms(self.ticks_since(before, Who::Nats)),
+            workers: ms(self.ticks_since(before, Who::Workers)),
+            this: ms(self.ticks_since(before, Who::This)),
+            machine: ms(self.machine.saturating_sub(before.machine)),
             bus_in: n(self.bus_in, before.bus_in),
             bus_out: n(self.bus_out, before.bus_out),
         }
