@@ -8,8 +8,9 @@
 //! Messages are counted by a `>` subscriber of its own: every message a client or the server
 //! publishes, by subject (replies by the subject of the request they answer, session events and
 //! stream chunks by kind). Statements are counted from sqlx's own statement log (`sqlx::query`
-//! events, the services run in this process), `BEGIN` and `COMMIT` included. Each test asserts an
-//! upper bound per turn on what an earlier build sent more of.
+//! events, the services run in this process), `COMMIT` included; sqlx does not log the `BEGIN` it
+//! sends, one more round trip for each of a turn's three transactions. Each test asserts an upper
+//! bound per turn on what an earlier build sent more of.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
