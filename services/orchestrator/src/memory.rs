@@ -20,8 +20,9 @@ use cyrene_protocol::memory::{
     MemoryReadRequest, MemoryReadResponse, MemorySource, MemoryWriteAck, MemoryWriteRequest,
 };
 use cyrene_protocol::{ErrorBody, ErrorCode};
+use cyrene_sql::WarmPool;
 use cyrene_sql::bounded;
-use sqlx::{AnyPool, Row};
+use sqlx::{Any, Row};
 use std::future::Future;
 use std::time::Duration;
 
@@ -119,14 +120,14 @@ pub fn check_text(text: &str) -> Result<(), ErrorBody> {
 /// The SQL default: table `orch_memory` in the orchestrator's database.
 #[derive(Debug, Clone)]
 pub struct SqlMemory {
-    pool: AnyPool,
+    pool: WarmPool<Any>,
     timeout: Duration,
 }
 
 impl SqlMemory {
     /// Memory in `pool` (migrated by [`crate::Store::open`]); each operation bounded by
     /// `timeout` (then `unavailable`).
-    pub fn new(pool: AnyPool, timeout: Duration) -> SqlMemory {
+    pub fn new(pool: WarmPool<Any>, timeout: Duration) -> SqlMemory {
         SqlMemory { pool, timeout }
     }
 

@@ -8,6 +8,8 @@
 //! - [`StoreError`]: the one error of a store operation, each variant one wire code, and
 //!   [`bounded`], the one time limit on a store call;
 //! - [`PoolSettings`], [`SqliteSettings`]: how a pool is sized and an SQLite file is opened;
+//!   [`WarmPool`]: the pool the services query through, which hands a connection whose use
+//!   finished straight to the next caller, without sqlx's check on release;
 //!   [`WalTask`]: the task that checkpoints an SQLite file's WAL off its writers' path;
 //! - [`Migrations`] ([`migrations!`]): the one migrations layout, `migrations/{postgres,sqlite}`
 //!   beside each service's `Cargo.toml`;
@@ -27,11 +29,13 @@ mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod wal;
+mod warm;
 
 pub use classify::{QueryError, is_unavailable};
 pub use error::{StoreError, bounded};
-pub use pool::{Migrations, OpenError, PoolSettings, SqliteSettings};
+pub use pool::{Migrations, OpenError, PoolSettings, RECENTLY_CHECKED, SqliteSettings};
 pub use wal::{WAL_AUTOCHECKPOINT_PAGES, WAL_CHECKPOINT_EVERY, WalTask};
+pub use warm::{Warm, WarmPool, WarmTx};
 
 use std::path::Path;
 

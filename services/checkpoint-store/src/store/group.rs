@@ -28,7 +28,8 @@ use super::sql::{SaveBatcher, SqlStore};
 use super::{SaveRow, StoreError, fenced, format_ts};
 use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::Checkpoint;
-use sqlx::{Pool, Postgres, Row};
+use cyrene_sql::WarmPool;
+use sqlx::{Postgres, Row};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -90,7 +91,7 @@ struct Queue {
 
 /// The group commit of one store's pool.
 pub struct SaveGroup {
-    pool: Pool<Postgres>,
+    pool: WarmPool<Postgres>,
     /// Batches in flight at once at most: the pool's size, so saves wait to be grouped only
     /// when each would otherwise wait for a connection.
     flushers: usize,
@@ -126,7 +127,7 @@ impl SaveBatcher for SaveGroup {
 }
 
 impl SaveGroup {
-    pub fn new(pool: Pool<Postgres>, flushers: u32) -> Arc<SaveGroup> {
+    pub fn new(pool: WarmPool<Postgres>, flushers: u32) -> Arc<SaveGroup> {
         Arc::new(SaveGroup {
             pool,
             flushers: usize::try_from(flushers).unwrap_or(1).max(1),
@@ -231,7 +232,9 @@ impl SaveGroup {
             ));
         };
         let mut conn = self.pool.acquire().await?;
-        SqlStore::<Postgres>::fenced_upsert(&mut conn, row, fence).await
+        let stored = SqlStore::<Postgres>::fenced_upsert(&mut conn, row, fence).await?;
+        conn.finished();
+        Ok(stored)
     }
 
     /// The batch in one statement; one answer per save, in order.

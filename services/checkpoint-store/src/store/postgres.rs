@@ -28,10 +28,11 @@
 use super::sql::{Dialect, FencedSave, SaveBatcher, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
+use cyrene_sql::{WarmPool, WarmTx};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgQueryResult, PgRow};
 use sqlx::query::Query;
-use sqlx::{Database, Pool, Postgres, Row, Transaction};
+use sqlx::{Database, Postgres, Row};
 use std::sync::Arc;
 
 /// The PostgreSQL migrations of this crate (`migrations/postgres`), applied at start.
@@ -128,7 +129,7 @@ impl Dialect for Postgres {
     /// Two statements on purpose: see the module's invariants.
     const RAISE_COMMITS_FIRST: bool = true;
 
-    async fn begin_write(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
+    async fn begin_write(pool: &WarmPool<Self>) -> Result<WarmTx<Self>, sqlx::Error> {
         pool.begin().await
     }
 
@@ -169,6 +170,7 @@ impl PgStore {
             .run(&pool)
             .await
             .map_err(StoreError::open("postgres migrations"))?;
+        let pool = WarmPool::new(pool);
         Ok(SqlStore {
             group: options.group_commit.then(|| -> Arc<dyn SaveBatcher> {
                 super::group::SaveGroup::new(pool.clone(), options.max_connections)

@@ -32,11 +32,10 @@ use chrono::{DateTime, Utc};
 use cyrene_protocol::checkpoint::{
     Checkpoint, ProgressRequest, RetainMode, RetainRequest, TurnProgress,
 };
+use cyrene_sql::{WarmPool, WarmTx};
 use futures::future::BoxFuture;
 use sqlx::query::Query;
-use sqlx::{
-    ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Transaction, Type,
-};
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Row, Type};
 use std::future::Future;
 use std::sync::Arc;
 
@@ -109,8 +108,8 @@ pub trait Dialect: Database {
 
     /// Opens a transaction that will write.
     fn begin_write(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+        pool: &WarmPool<Self>,
+    ) -> impl Future<Output = Result<WarmTx<Self>, sqlx::Error>> + Send;
 
     /// Binds the instant `at` as the dialect stores timestamps.
     fn bind_ts<'q>(
@@ -141,10 +140,10 @@ pub(super) trait SaveBatcher: Send + Sync + std::fmt::Debug {
 #[derive(Debug)]
 pub struct SqlStore<D: Database> {
     /// Plain reads.
-    pub(super) pool: Pool<D>,
+    pub(super) pool: WarmPool<D>,
     /// Every write (see the module's invariants): SQLite, a pool of one connection that writes
     /// queue for, as they would for the file's write lock; PostgreSQL, `pool` itself.
-    pub(super) writer: Pool<D>,
+    pub(super) writer: WarmPool<D>,
     pub(super) max_state_bytes: usize,
     /// PostgreSQL: the group commit a step's fenced save goes through ([`SaveBatcher`]).
     pub(super) group: Option<Arc<dyn SaveBatcher>>,
@@ -167,7 +166,7 @@ impl<D: Database> Clone for SqlStore<D> {
 
 impl<D: Database> SqlStore<D> {
     /// The pool of plain reads (benchmarks compare against a direct upsert on it).
-    pub fn pool(&self) -> &Pool<D> {
+    pub fn pool(&self) -> &WarmPool<D> {
         &self.pool
     }
 }
@@ -298,13 +297,17 @@ on_every_dialect! {
         let (created, updated) = match (&row.fence, &row.checkpoint.base) {
             (None, _) => {
                 let mut conn = self.writer.acquire().await?;
-                Self::upsert(&mut conn, &row).await?
+                let stored = Self::upsert(&mut conn, &row).await?;
+                conn.finished();
+                stored
             }
             // One statement: no transaction around it, and no write lock held between round
             // trips.
             (Some(fence), None) => {
                 let mut conn = self.writer.acquire().await?;
-                Self::fenced_upsert(&mut conn, &row, fence).await?
+                let stored = Self::fenced_upsert(&mut conn, &row, fence).await?;
+                conn.finished();
+                stored
             }
             (Some(fence), base) => {
                 // Refused: the transaction rolls back when dropped.
@@ -454,7 +457,9 @@ on_every_dialect! {
             Some(fence) if D::RAISE_COMMITS_FIRST => {
                 let mut conn = self.writer.acquire().await?;
                 Self::raise(&mut conn, &fence, now).await?;
-                read().fetch_optional(&mut *conn).await
+                let row = read().fetch_optional(&mut *conn).await?;
+                conn.finished();
+                Ok(row)
             }
             Some(fence) => {
                 // Refused: the transaction rolls back when dropped.

@@ -45,11 +45,11 @@
 use super::sql::{Dialect, FencedSave, SqlStore};
 use super::{StoreError, StoreOptions, format_ts};
 use chrono::{DateTime, Utc};
-use cyrene_sql::{PoolSettings, SqliteSettings};
+use cyrene_sql::{PoolSettings, SqliteSettings, WarmPool, WarmTx};
 use sqlx::migrate::Migrator;
 use sqlx::query::Query;
 use sqlx::sqlite::{SqliteQueryResult, SqliteRow};
-use sqlx::{Database, Pool, Row, Sqlite, Transaction};
+use sqlx::{Database, Row, Sqlite};
 use std::sync::Arc;
 
 /// The SQLite migrations of this crate (`migrations/sqlite`), applied at start.
@@ -153,8 +153,9 @@ impl Dialect for Sqlite {
     /// One `BEGIN IMMEDIATE` transaction raises and reads.
     const RAISE_COMMITS_FIRST: bool = false;
 
-    async fn begin_write(pool: &Pool<Self>) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        pool.begin_with("BEGIN IMMEDIATE").await
+    async fn begin_write(pool: &WarmPool<Self>) -> Result<WarmTx<Self>, sqlx::Error> {
+        pool.begin_with(Some(sqlx::SqlStr::from_static("BEGIN IMMEDIATE")))
+            .await
     }
 
     fn bind_ts<'q>(
@@ -205,8 +206,8 @@ impl SqliteStore {
             .map_err(StoreError::open("sqlite"))?;
         Ok(SqlStore {
             group: None,
-            pool,
-            writer,
+            pool: WarmPool::new(pool),
+            writer: WarmPool::new(writer),
             max_state_bytes: options.max_state_bytes,
             wal: Some(Arc::new(wal)),
         })

@@ -33,7 +33,8 @@ use cyrene_protocol::approval::{
     APPROVALS_DECIDED_LIMIT, Approval, CallDecision, DEFAULT_APPROVAL_TIMEOUT_MS, Decision,
 };
 use cyrene_protocol::turn::{MAX_JOB_DELIVERIES, TurnComplete, TurnJob};
-use sqlx::{Any, Row, Transaction};
+use cyrene_sql::WarmTx;
+use sqlx::{Any, Row};
 
 /// One row of `orch_approvals`.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -339,7 +340,7 @@ impl Store {
     /// is waiting (see the module invariants).
     async fn continue_if_decided(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         turn_id: &str,
         now: i64,
     ) -> Result<Option<NewTurn>, StoreError> {
@@ -456,7 +457,7 @@ impl Store {
 
     /// The calls of `turn_id` still waiting.
     async fn pending_of_turn(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         turn_id: &str,
     ) -> Result<Vec<ApprovalRow>, StoreError> {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(

@@ -62,7 +62,8 @@ pub use approvals::{ApprovalRow, Awaited, CallRef, Decided, NewDecision};
 use cyrene_protocol::message::Message;
 use cyrene_protocol::session::{BusyPolicy, SendAck, SessionEnv};
 use cyrene_protocol::turn::SteeredMessage;
-use sqlx::{Any, AnyPool, Row, Transaction};
+use cyrene_sql::{WarmPool, WarmTx};
+use sqlx::{Any, Row};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Which SQL backend a [`Store`] talks to.
@@ -228,7 +229,7 @@ pub type ProgressOf<'a> = &'a (dyn Fn(&str) -> (u32, Vec<String>) + Send + Sync)
 /// The orchestrator's database.
 #[derive(Debug, Clone)]
 pub struct Store {
-    pool: AnyPool,
+    pool: WarmPool<Any>,
     backend: Backend,
     settings: std::sync::Arc<JobSettings>,
     /// Dispatch marks waiting to be written together (`dispatch.rs`).
@@ -358,7 +359,7 @@ impl Store {
             _ => None,
         };
         Ok(Store {
-            pool,
+            pool: WarmPool::new(pool),
             backend,
             settings: std::sync::Arc::new(settings),
             marks: Default::default(),
@@ -375,7 +376,7 @@ impl Store {
     }
 
     /// The connection pool, for the SQL default of other interfaces ([`crate::memory`]).
-    pub fn pool(&self) -> &AnyPool {
+    pub fn pool(&self) -> &WarmPool<Any> {
         &self.pool
     }
 
@@ -388,10 +389,14 @@ impl Store {
     }
 
     /// A write transaction (SQLite: `BEGIN IMMEDIATE`, so the write lock is taken up front).
-    async fn begin(&self) -> Result<Transaction<'static, Any>, StoreError> {
+    async fn begin(&self) -> Result<WarmTx<Any>, StoreError> {
         Ok(match self.backend {
             Backend::Postgres => self.pool.begin().await?,
-            Backend::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            Backend::Sqlite => {
+                self.pool
+                    .begin_with(Some(sqlx::SqlStr::from_static("BEGIN IMMEDIATE")))
+                    .await?
+            }
         })
     }
 
@@ -400,7 +405,7 @@ impl Store {
     /// transaction already holds) and takes its next seq. Returns the session's env and that
     /// seq; a send that then stores nothing rolls back, and the seq with it.
     async fn open_session(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
         env_json: &str,
         now: i64,
@@ -422,7 +427,7 @@ impl Store {
     /// `not_found` when the session does not exist.
     async fn lock_session(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
         take_seq: bool,
     ) -> Result<(SessionEnv, Option<i64>), StoreError> {
@@ -450,7 +455,7 @@ impl Store {
     }
 
     async fn running_turns(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
     ) -> Result<Vec<RunningTurn>, StoreError> {
         Ok(sqlx::query_as(
@@ -462,10 +467,7 @@ impl Store {
         .await?)
     }
 
-    async fn count_pending(
-        tx: &mut Transaction<'static, Any>,
-        session_id: &str,
-    ) -> Result<i64, StoreError> {
+    async fn count_pending(tx: &mut WarmTx<Any>, session_id: &str) -> Result<i64, StoreError> {
         let row = sqlx::query(
             "SELECT COUNT(*) FROM orch_messages \
              WHERE session_id = $1 AND claimed_by_turn IS NULL AND context = 0",

@@ -15,7 +15,8 @@ use crate::job::{self, Pending, TurnSeed};
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::ParallelNotice;
-use sqlx::{Any, Row, Transaction};
+use cyrene_sql::WarmTx;
+use sqlx::{Any, Row};
 
 /// What a session holds before the messages a turn is started with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +33,7 @@ impl Store {
     /// With [`Earlier::None`] nothing is stored, so nothing is read.
     pub(super) async fn pending_batch(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
         unstored: Option<Pending>,
         earlier: Earlier,
@@ -80,7 +81,7 @@ impl Store {
     #[allow(clippy::too_many_arguments)] // the turn's parts, each from its caller's decision
     pub(super) async fn start_turn(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
         env: &SessionEnv,
         batch: Vec<Pending>,

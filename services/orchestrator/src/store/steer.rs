@@ -18,8 +18,9 @@
 
 use super::{Pushed, RunningTurn, Store, StoreError, decode_message, now_ms, to_i64, to_u64};
 use cyrene_protocol::turn::{SteerRequest, SteeredMessage};
+use cyrene_sql::WarmTx;
 use sqlx::any::AnyRow;
-use sqlx::{Any, Row, Transaction};
+use sqlx::{Any, Row};
 
 impl Store {
     /// Claims the session's unclaimed messages for the asking turn and returns every message
@@ -125,7 +126,7 @@ impl Store {
     /// turn's fence ([`Store::fence`]): what a locked `steer` starts with.
     async fn lock_turn(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         req: TurnRef<'_>,
     ) -> Result<TurnRow, StoreError> {
         self.lock_session(tx, req.session_id, false).await?;
@@ -135,7 +136,7 @@ impl Store {
     /// Checks the `{turn_id, attempt}` fence and raises the recorded attempt to a newer one.
     pub(super) async fn fence(
         &self,
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         req: TurnRef<'_>,
     ) -> Result<TurnRow, StoreError> {
         let TurnRef {
@@ -178,7 +179,7 @@ impl Store {
     /// The seq a turn's next claim starts after: past everything it holds and its own base, so
     /// an `after_seq` cursor never skips a claimed message.
     async fn claim_floor(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         turn_id: &str,
         base_seq: i64,
     ) -> Result<i64, StoreError> {
@@ -193,7 +194,7 @@ impl Store {
     /// Claims for `turn`, the only running turn of its session, every steerable pending message
     /// past what it holds (as the locked steer path would), to push to it.
     pub(super) async fn claim_pending(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         session_id: &str,
         turn: &RunningTurn,
     ) -> Result<Option<Pushed>, StoreError> {
@@ -240,7 +241,7 @@ impl Store {
     /// Hands message `id`, claimed by `turn_id` at a boundary the turn never took it in at,
     /// back to pending (at the turn's completion).
     pub(super) async fn release_unsteered(
-        tx: &mut Transaction<'static, Any>,
+        tx: &mut WarmTx<Any>,
         turn_id: &str,
         id: &str,
     ) -> Result<(), StoreError> {
