@@ -44,12 +44,13 @@ impl PoolSettings {
     /// The pool options for any sqlx driver (a zero size is taken as 1).
     ///
     /// A connection is checked (a ping) before a request gets it only when it sat idle for
-    /// [`RECENTLY_CHECKED`] or longer. sqlx pings every connection as it goes back to the pool,
-    /// off the request's path, and drops it when that fails; a connection taken again right
-    /// after has just passed that check, and a second ping would put one more round trip on
-    /// every query (on the loop worker's per-step save, a PostgreSQL round trip or a hop to
-    /// SQLite's connection thread). A database lost within that moment fails one request with
-    /// an I/O error (`unavailable`, retryable), as a loss during the query would.
+    /// [`RECENTLY_CHECKED`] or longer. A ping before every query would put one more round trip
+    /// on each (on the loop worker's per-step save, a PostgreSQL round trip or a hop to
+    /// SQLite's connection thread). The services query through [`crate::WarmPool`], which
+    /// hands a connection whose use finished to the next caller with no check at all within
+    /// that second; what sqlx takes back (an unfinished use, or one unused for longer) it pings
+    /// on release and drops when that fails. A database lost within that moment fails one
+    /// request with an I/O error (`unavailable`, retryable), as a loss during the query would.
     pub fn options<DB: sqlx::Database>(&self) -> sqlx::pool::PoolOptions<DB> {
         sqlx::pool::PoolOptions::new()
             .max_connections(self.max_connections.max(1))

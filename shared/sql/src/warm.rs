@@ -87,31 +87,58 @@ impl<DB: Database> WarmPool<DB> {
     /// A connection: the newest warm one, else one from sqlx's pool, whichever comes first
     /// within the pool's acquire timeout. Mark it [`Warm::finished`] after its last use.
     pub async fn acquire(&self) -> Result<Warm<DB>, sqlx::Error> {
-        let timeout = self.inner.pool.options().get_acquire_timeout();
-        let wait = async {
-            loop {
-                // Registered before looking, so a connection put back after the look wakes us.
-                let freed = self.inner.freed.notified();
-                tokio::pin!(freed);
-                freed.as_mut().enable();
-                if let Some(conn) = self.take_warm() {
-                    return Ok(conn);
-                }
-                tokio::select! {
-                    biased;
-                    () = &mut freed => {}
-                    conn = self.inner.pool.acquire() => return conn,
-                }
+        let conn = match self.take_warm() {
+            Some(conn) => conn,
+            None => {
+                let timeout = self.inner.pool.options().get_acquire_timeout();
+                tokio::time::timeout(timeout, self.wait())
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??
             }
         };
-        let conn = tokio::time::timeout(timeout, wait)
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)??;
         Ok(Warm {
             conn: Some(conn),
             finished: false,
             pool: Arc::clone(&self.inner),
         })
+    }
+
+    /// Waits for a connection put back warm or one from sqlx's pool. sqlx's acquire runs in a
+    /// task of its own and is never cancelled: cancelled while it opens a connection, it would
+    /// close it again (under load, every time a warm one came back first, a PostgreSQL backend
+    /// started and ended for nothing). What it gets after a warm one came first goes on the
+    /// stack for the next caller.
+    async fn wait(&self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        let (tx, mut from_pool) = tokio::sync::oneshot::channel();
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move {
+            match inner.pool.acquire().await {
+                Ok(conn) => {
+                    if let Err(Ok(conn)) = tx.send(Ok(conn)) {
+                        put_back(&inner, conn);
+                    }
+                }
+                Err(err) => {
+                    let _ = tx.send(Err(err));
+                }
+            }
+        });
+        loop {
+            // Registered before looking, so a connection put back after the look wakes us.
+            let freed = self.inner.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(conn) = self.take_warm() {
+                return Ok(conn);
+            }
+            tokio::select! {
+                biased;
+                () = &mut freed => {}
+                conn = &mut from_pool => {
+                    return conn.unwrap_or(Err(sqlx::Error::PoolClosed));
+                }
+            }
+        }
     }
 
     /// A transaction: `BEGIN`, or `statement` in its place (SQLite's `BEGIN IMMEDIATE`).
@@ -126,10 +153,14 @@ impl<DB: Database> WarmPool<DB> {
         self.begin_with(None).await
     }
 
-    /// Hands the warm connections back to sqlx and closes the pool.
+    /// Closes the pool and hands the warm connections back to sqlx, which closes them.
     pub async fn close(&self) {
-        drop(std::mem::take(&mut *self.lock()));
-        self.inner.pool.close().await;
+        // Marked closed first: a connection finished after the stack is emptied sees it under
+        // the stack's lock and goes to sqlx, which would otherwise wait for it forever.
+        let closing = self.inner.pool.close();
+        let warm = std::mem::take(&mut *self.lock());
+        drop(warm);
+        closing.await;
     }
 
     pub fn is_closed(&self) -> bool {
@@ -212,22 +243,32 @@ impl<DB: Database> Drop for Warm<DB> {
         let Some(conn) = self.conn.take() else {
             return;
         };
-        if !self.finished || self.pool.pool.is_closed() {
+        if !self.finished {
             // sqlx's path: flushed and checked, or closed.
             drop(conn);
             return;
         }
-        let mut warm = lock(&self.pool.warm);
-        warm.push((conn, Instant::now()));
-        // The oldest, unused for a while under this load, goes back to sqlx's check.
-        let stale = match warm.first() {
-            Some((_, at)) if at.elapsed() >= RECENTLY_CHECKED => Some(warm.remove(0)),
-            _ => None,
-        };
-        drop(warm);
-        drop(stale);
-        self.pool.freed.notify_one();
+        put_back(&self.pool, conn);
     }
+}
+
+/// `conn`, at rest, onto the warm stack (to sqlx once the pool is closed), and one waiter told.
+fn put_back<DB: Database>(pool: &Inner<DB>, conn: PoolConnection<DB>) {
+    let mut warm = lock(&pool.warm);
+    if pool.pool.is_closed() {
+        drop(warm);
+        drop(conn);
+        return;
+    }
+    warm.push((conn, Instant::now()));
+    // The oldest, unused for a while under this load, goes back to sqlx's check.
+    let stale = match warm.first() {
+        Some((_, at)) if at.elapsed() >= RECENTLY_CHECKED => Some(warm.remove(0)),
+        _ => None,
+    };
+    drop(warm);
+    drop(stale);
+    pool.freed.notify_one();
 }
 
 /// A transaction on a [`Warm`] connection. [`WarmTx::commit`] or [`WarmTx::rollback`] puts the
@@ -495,6 +536,61 @@ mod tests {
         assert_eq!(warm(&pool), 1);
         pool.close().await;
         assert_eq!(warm(&pool), 0);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn under_contention_no_connection_is_opened_for_nothing() {
+        // Opening a connection takes a while here (as a PostgreSQL backend's start does); an
+        // acquire cancelled mid-way, whenever a warm connection came back first, would open
+        // another and another.
+        let dir = std::env::temp_dir().join(format!("cyrene-warm-{}-churn", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let url = format!("sqlite://{}/w.db", dir.display());
+        let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let pool = PoolSettings {
+            max_connections: 3,
+            acquire_timeout: Duration::from_secs(10),
+        }
+        .options::<Sqlite>()
+        .after_connect({
+            let opened = Arc::clone(&opened);
+            move |_, _| {
+                opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Box::pin(async {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok(())
+                })
+            }
+        })
+        .connect_with(SqliteSettings::CHECKPOINTS.connect_options(&url).unwrap())
+        .await
+        .unwrap();
+        let pool = WarmPool::new(pool);
+        let calls: Vec<_> = (0..40)
+            .map(|i| {
+                let pool = pool.clone();
+                tokio::spawn(async move {
+                    for _ in 0..5 {
+                        let n: i64 = sqlx::query_scalar("SELECT ?")
+                            .bind(i)
+                            .fetch_one(&pool)
+                            .await
+                            .unwrap();
+                        assert_eq!(n, i);
+                    }
+                })
+            })
+            .collect();
+        for call in calls {
+            call.await.unwrap();
+        }
+        assert!(
+            opened.load(std::sync::atomic::Ordering::SeqCst) <= 3,
+            "{} connections opened for a pool of 3",
+            opened.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        pool.close().await;
         let _ = std::fs::remove_dir_all(dir);
     }
 }
