@@ -1,28 +1,30 @@
-//! [`WarmPool`]: sqlx's pool with the check on release taken off a completed use's way.
+//! [`WarmPool`]: sqlx's pool with the check on release taken off a finished use's way.
 //!
 //! sqlx checks every connection as it goes back to its pool: a task is spawned, and the
 //! connection pinged (on PostgreSQL a round trip to the server; on SQLite a hop to the
 //! connection's thread) before anyone may take it again. That check is there for a use that did
 //! not finish — a query whose future was dropped mid-way, a transaction dropped without its
 //! `COMMIT` — so the connection is flushed (a pending `ROLLBACK` sent) or closed before the
-//! next user. A use that finished leaves nothing to flush, and the ping only costs: on a
-//! turn's path about a dozen round trips that no statement log shows (docs/performance.md,
-//! "Where a turn's CPU goes").
+//! next user. A use that finished leaves nothing to flush, and the ping only costs: about ten
+//! round trips a turn that no statement log shows (docs/performance.md, "sqlx's check on
+//! release").
 //!
 //! # Invariants
 //! - A connection whose use **finished** (a statement run to its answer, or a transaction
-//!   committed or rolled back) goes onto a stack of warm connections, unchecked. The last one back is the first handed out again: under light load
-//!   one connection does the work (and, on SQLite, keeps its page cache).
+//!   committed or rolled back) goes onto a stack of warm connections, unchecked. The last one
+//!   back is the first handed out again: under light load one connection does the work (and,
+//!   on SQLite, keeps its page cache).
 //! - Every other connection — its use cancelled, a statement that failed (even a refusal by the
-//!   server), a transaction dropped open (its `ROLLBACK` queued) — goes back to sqlx as before, which flushes and checks it or
-//!   closes it. Nothing unfinished is ever handed out.
+//!   server), a transaction dropped open (its `ROLLBACK` queued) — goes back to sqlx as before,
+//!   which flushes and checks it or closes it. Nothing unfinished is ever handed out.
 //! - A warm connection is handed out unchecked only within [`RECENTLY_CHECKED`] of its last
 //!   finished use, the pool's rule for an idle connection ([`crate::PoolSettings::options`]);
 //!   older ones go back to sqlx, which checks them. A database lost in that moment fails one
 //!   request with an I/O error (`unavailable`, retryable), as a loss during the query would.
-//! - Warm connections count against the pool's size, and a caller waiting for a connection
-//!   takes a warm one as soon as it is put back; the pool's acquire timeout bounds the whole
-//!   wait.
+//! - Warm connections count against the pool's size. A caller that finds none waits for a warm
+//!   one and for sqlx's pool at once, the pool's acquire timeout bounding the whole wait; sqlx's
+//!   acquire is never cancelled (what it brings after a warm one came first goes on the stack),
+//!   so no connection is opened and closed for nothing.
 
 use crate::RECENTLY_CHECKED;
 use futures::future::BoxFuture;
@@ -220,16 +222,13 @@ impl<DB: Database> Deref for Warm<DB> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &DB::Connection {
-        self.conn.as_ref().map(|c| &**c).unwrap_or_else(|| gone())
+        self.conn.as_deref().unwrap_or_else(|| gone())
     }
 }
 
 impl<DB: Database> DerefMut for Warm<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
-        self.conn
-            .as_mut()
-            .map(|c| &mut **c)
-            .unwrap_or_else(|| gone())
+        self.conn.as_deref_mut().unwrap_or_else(|| gone())
     }
 }
 
