@@ -25,6 +25,12 @@
 //!   one and for sqlx's pool at once, the pool's acquire timeout bounding the whole wait; sqlx's
 //!   acquire is never cancelled (what it brings after a warm one came first goes on the stack),
 //!   so no connection is opened and closed for nothing.
+//!
+//! # Pitfalls
+//! - A warm connection is out of sqlx's sight, so its idle timeout does not close it: after a
+//!   burst the stack keeps up to the pool's size of connections open until the next caller,
+//!   which hands the stale ones to sqlx (whose idle timeout then applies). A service that gets
+//!   no request at all after a burst keeps them open.
 
 use crate::RECENTLY_CHECKED;
 use futures::future::BoxFuture;
