@@ -86,12 +86,6 @@ impl<DB: Database> WarmPool<DB> {
         }
     }
 
-    /// The sqlx pool underneath (for migrations and whatever needs sqlx's own type); a
-    /// connection taken from it goes back through sqlx's check.
-    pub fn sqlx(&self) -> &Pool<DB> {
-        &self.inner.pool
-    }
-
     /// A connection: the newest warm one, else one from sqlx's pool, whichever comes first
     /// within the pool's acquire timeout. Mark it [`Warm::finished`] after its last use.
     pub async fn acquire(&self) -> Result<Warm<DB>, sqlx::Error> {
@@ -169,10 +163,6 @@ impl<DB: Database> WarmPool<DB> {
         let warm = std::mem::take(&mut *self.lock());
         drop(warm);
         closing.await;
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.inner.pool.is_closed()
     }
 
     /// The newest warm connection put back within [`RECENTLY_CHECKED`]; older ones go back to
@@ -453,7 +443,7 @@ mod tests {
         }
         // One connection did all of it, one after the other: the newest warm one is taken.
         assert_eq!(warm(&pool), 1);
-        assert_eq!(pool.sqlx().size(), 1);
+        assert_eq!(pool.inner.pool.size(), 1);
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
             .fetch_one(&pool)
             .await
