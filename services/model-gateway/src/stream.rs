@@ -29,7 +29,7 @@
 //!   `seq`. The end marker's `done` always holds the whole answer, so nothing is lost for good.
 
 use crate::Gateway;
-use crate::providers::DeltaSink;
+use crate::providers::{DeltaSink, until_delta};
 use async_nats::service::Request;
 use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
@@ -109,12 +109,12 @@ pub async fn handle(
                     let kinds = kinds_of(&request);
                     let (seq, result, req) =
                         forward(&gateway, &client, req, &inbox, heartbeat, kinds).await;
-                    let replica = match (held, req) {
-                        (Some(held), Some(req)) => {
+                    let replica = match held {
+                        Some(held) => {
                             gateway.views.hold(held, req.messages);
                             Some(gateway.replica.clone())
                         }
-                        _ => None,
+                        None => None,
                     };
                     (seq, result, replica)
                 }
@@ -153,18 +153,23 @@ fn kinds_of(request: &Request) -> DeltaKinds {
 
 /// What woke the forwarding loop.
 enum Next {
-    /// A delta from the call, or `None` when the call is over.
-    Delta(Option<Delta>),
+    /// The call passed on deltas.
+    Deltas,
+    /// The call is over with this outcome; every delta it made is already in the channel.
+    Done(Box<Result<cyrene_protocol::model::ModelResponse, ErrorBody>>),
     /// Gathered deltas are due (after [`EAGER_MESSAGES`]).
     Flush,
     /// Nothing was published for the heartbeat interval.
     Beat,
 }
 
-/// Runs the call in a task of its own, publishing each delta of a wanted kind on `inbox` as it
-/// comes (so a burst of provider events never holds up the first delta), and a heartbeat
-/// whenever `heartbeat` passed without one; the next `seq`, the outcome and the request back
-/// (`None` if the task failed).
+/// Runs the call, publishing each delta of a wanted kind on `inbox` as it comes, and a heartbeat
+/// whenever `heartbeat` passed without one; the next `seq`, the outcome and the request back.
+///
+/// The call is polled by this task, not spawned: a delta reaches the bus without a hand-off
+/// between threads (one wake-up fewer a call, docs/performance.md "One task a streamed call").
+/// While a delta is being published the call is not polled, so a caller's slow inbox slows the
+/// upstream read rather than piling deltas up here; deltas made in one poll go out coalesced.
 async fn forward(
     gateway: &Arc<Gateway>,
     client: &async_nats::Client,
@@ -175,83 +180,80 @@ async fn forward(
 ) -> (
     u64,
     Result<cyrene_protocol::model::ModelResponse, ErrorBody>,
-    Option<ModelRequest>,
+    ModelRequest,
 ) {
     let mut seq = 0u64;
     // No heartbeat goes out as the call starts: the first one is due one interval after it, and
     // only if nothing else was published by then. A call that answers within one interval (a
     // tool round of a fast model) sends none; the caller's first-message grace is ten intervals.
     let (sink, mut deltas) = DeltaSink::new();
-    let call = tokio::spawn({
-        let (gateway, client) = (gateway.clone(), client.clone());
-        async move {
-            let result = gateway.call(&client, &req, Some(&sink)).await;
-            (result, req)
-        }
-    });
-    // A far deadline stands for "no heartbeats": the branch never fires.
-    let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
-    let mut beat = tokio::time::Instant::now() + every;
-    let mut pending: Vec<Delta> = Vec::new();
-    let mut last_flush = tokio::time::Instant::now();
-    let mut withheld = 0u64;
-    // Ends when the call is over and its sink dropped.
-    loop {
-        let late = seq >= EAGER_MESSAGES;
-        let gathering = late && !pending.is_empty();
-        let next = tokio::select! {
-            next = deltas.recv() => Next::Delta(next),
-            _ = tokio::time::sleep_until(last_flush + LATE_FLUSH_EVERY), if gathering => Next::Flush,
-            _ = tokio::time::sleep_until(beat) => Next::Beat,
-        };
-        let ended = match next {
-            Next::Delta(Some(delta)) => {
-                // A delta the caller does not want is never published (nor counted in `seq`).
-                pending.extend(Some(delta).filter(|d| kinds.wants(d)));
-                while let Ok(delta) = deltas.try_recv() {
-                    pending.extend(Some(delta).filter(|d| kinds.wants(d)));
-                }
-                false
-            }
-            Next::Delta(None) => true,
-            Next::Flush => false,
-            Next::Beat => {
-                publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
-                seq += 1;
-                beat = tokio::time::Instant::now() + every;
-                continue;
-            }
-        };
-        let due = !late || ended || last_flush.elapsed() >= LATE_FLUSH_EVERY;
-        if due && !pending.is_empty() {
-            for delta in coalesce(std::mem::take(&mut pending)) {
-                if seq >= MAX_DELTA_MESSAGES {
-                    withheld += 1;
+    let result = {
+        // A panic in the call is its outcome, not this handler's: the caller still gets its end
+        // marker (as when the call ran in a task of its own).
+        let call = std::panic::AssertUnwindSafe(gateway.call(client, &req, Some(&sink)));
+        let mut call = std::pin::pin!(futures::FutureExt::catch_unwind(call));
+        // A far deadline stands for "no heartbeats": the branch never fires.
+        let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
+        let mut beat = tokio::time::Instant::now() + every;
+        let mut pending: Vec<Delta> = Vec::new();
+        let mut last_flush = tokio::time::Instant::now();
+        let mut withheld = 0u64;
+        // Ends when the call is over and what it made is published.
+        let result = loop {
+            let late = seq >= EAGER_MESSAGES;
+            let gathering = late && !pending.is_empty();
+            let next = tokio::select! {
+                biased;
+                done = until_delta(&mut call, &deltas) => match done {
+                    Some(result) => Next::Done(Box::new(result.unwrap_or_else(|_| {
+                        Err(ErrorBody::new(ErrorCode::Internal, "the call failed: it panicked"))
+                    }))),
+                    None => Next::Deltas,
+                },
+                _ = tokio::time::sleep_until(last_flush + LATE_FLUSH_EVERY), if gathering => Next::Flush,
+                _ = tokio::time::sleep_until(beat) => Next::Beat,
+            };
+            let outcome = match next {
+                Next::Deltas => None,
+                Next::Done(result) => Some(*result),
+                Next::Flush => None,
+                Next::Beat => {
+                    publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
+                    seq += 1;
+                    beat = tokio::time::Instant::now() + every;
                     continue;
                 }
-                publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
-                seq += 1;
+            };
+            // A delta the caller does not want is never published (nor counted in `seq`).
+            while let Ok(delta) = deltas.try_recv() {
+                pending.extend(Some(delta).filter(|d| kinds.wants(d)));
             }
-            last_flush = tokio::time::Instant::now();
-            beat = last_flush + every;
+            let due = !late || outcome.is_some() || last_flush.elapsed() >= LATE_FLUSH_EVERY;
+            if due && !pending.is_empty() {
+                for delta in coalesce(std::mem::take(&mut pending)) {
+                    if seq >= MAX_DELTA_MESSAGES {
+                        withheld += 1;
+                        continue;
+                    }
+                    publish(client, inbox, &StreamChunk::delta(seq, delta)).await;
+                    seq += 1;
+                }
+                last_flush = tokio::time::Instant::now();
+                beat = last_flush + every;
+            }
+            if let Some(result) = outcome {
+                break result;
+            }
+        };
+        if withheld > 0 {
+            tracing::warn!(
+                withheld,
+                "a streamed call reached its delta message limit; the rest is in the end marker"
+            );
         }
-        if ended {
-            break;
-        }
-    }
-    if withheld > 0 {
-        tracing::warn!(
-            withheld,
-            "a streamed call reached its delta message limit; the rest is in the end marker"
-        );
-    }
-    match call.await {
-        Ok((result, req)) => (seq, result, Some(req)),
-        Err(e) => {
-            let err = ErrorBody::new(ErrorCode::Internal, format!("the call task failed: {e}"));
-            (seq, Err(err), None)
-        }
-    }
+        result
+    };
+    (seq, result, req)
 }
 
 async fn publish(client: &async_nats::Client, inbox: &async_nats::Subject, chunk: &StreamChunk) {

@@ -6,17 +6,23 @@
 //!   output (after every fallback) is an ordinary error response, not a stream.
 //! - Once streaming, every event is written in order, deltas already received go out in one
 //!   write, and the stream always ends with the finish (or `error`) event and `data: [DONE]`.
+//! - The call runs inside the answer (no task of its own): a client that leaves drops the
+//!   answer, and with it the call and its upstream request.
 
 use super::wire::{finish_reason, now_secs, usage};
 use super::{Admitted, AppState, error_response};
-use crate::providers::DeltaSink;
+use crate::providers::{DeltaSink, until_delta};
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
 use cyrene_protocol::{ErrorBody, ErrorCode};
+use futures::FutureExt;
 use serde_json::{Value, json};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 
 /// A streamed call: the HTTP status waits for the first delta or the outcome, so a call that
@@ -29,94 +35,114 @@ pub(super) async fn stream_response(
     include_usage: bool,
     admitted: Admitted,
 ) -> Response {
-    let (sink, mut deltas) = DeltaSink::new();
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let call = tokio::spawn(async move {
-        let result = state.gateway.call(&state.client, &req, Some(&sink)).await;
-        drop(sink);
-        let _ = done_tx.send(result);
-    });
+    let (sink, deltas) = DeltaSink::new();
+    // A panic in the call is its outcome (an `error` event or status), not the connection's.
+    let call =
+        AssertUnwindSafe(async move { state.gateway.call(&state.client, &req, Some(&sink)).await })
+            .catch_unwind();
     // Held by the answer until its last byte: when the client leaves (the body is dropped, or
-    // this future before the first delta), the call — and its upstream request — is aborted,
-    // and the admission freed.
-    let held = Held {
-        call: call.abort_handle(),
+    // this future before the first delta), the call — and its upstream request — is dropped, and
+    // the admission freed.
+    let mut live = Live {
+        chunks: Chunks::new(id, model, include_usage),
+        call: Some(Box::pin(call)),
+        deltas,
+        outcome: None,
+        out: String::new(),
+        finished: false,
         _admitted: admitted,
     };
-    let mut done_rx = done_rx;
-    let first = tokio::select! {
-        biased;
-        Some(delta) = deltas.recv() => delta,
-        result = &mut done_rx => match result {
-            Ok(Err(err)) => return error_response(&err),
-            // Succeeded without a delta (an empty answer), or the task is gone: stream anyway.
-            Ok(Ok(response)) => {
-                let events = Chunks::new(id, model, include_usage);
-                let body = events.finish_all(Ok(response));
-                return sse_response(Body::from(body));
+    live.wait().await;
+    if live.out.is_empty() {
+        match live.outcome.take() {
+            Some(Err(err)) => return error_response(&err),
+            // Succeeded without a delta (an empty answer): stream anyway.
+            Some(Ok(response)) => {
+                return sse_response(Body::from(live.chunks.finish_all(Ok(response))));
             }
-            Err(_) => return error_response(&ErrorBody::new(ErrorCode::Internal, "the call task ended without an answer")),
-        },
-    };
-    let chunks = Chunks::new(id, model, include_usage);
-    let stream = futures::stream::unfold(
-        (chunks, Some(first), deltas, Some(done_rx), true, held),
-        |(mut chunks, pending, mut deltas, done, opening, held)| async move {
-            let mut out = String::new();
-            if opening {
-                out.push_str(&chunks.event(json!({"role": "assistant", "content": ""}), None));
-            }
-            if let Some(delta) = pending {
-                out.push_str(&chunks.delta(delta));
-                // What is already there goes out in the same write.
-                while let Ok(delta) = deltas.try_recv() {
-                    out.push_str(&chunks.delta(delta));
-                }
-                return Some((
-                    Ok::<_, std::convert::Infallible>(Bytes::from(out)),
-                    (chunks, None, deltas, done, false, held),
-                ));
-            }
-            let done = done?;
-            match deltas.recv().await {
-                Some(delta) => {
-                    out.push_str(&chunks.delta(delta));
-                    while let Ok(delta) = deltas.try_recv() {
-                        out.push_str(&chunks.delta(delta));
-                    }
-                    Some((
-                        Ok(Bytes::from(out)),
-                        (chunks, None, deltas, Some(done), false, held),
-                    ))
-                }
-                None => {
-                    let result = done.await.unwrap_or_else(|_| {
-                        Err(ErrorBody::new(
-                            ErrorCode::Internal,
-                            "the call task ended without an answer",
-                        ))
-                    });
-                    out.push_str(&chunks.finish_all(result));
-                    Some((
-                        Ok(Bytes::from(out)),
-                        (chunks, None, deltas, None, false, held),
-                    ))
-                }
-            }
-        },
-    );
+            None => {}
+        }
+    }
+    let opening = live
+        .chunks
+        .event(json!({"role": "assistant", "content": ""}), None);
+    live.out.insert_str(0, &opening);
+    let stream = futures::stream::unfold(live, |mut live| async move {
+        if live.finished {
+            return None;
+        }
+        if live.out.is_empty() {
+            live.wait().await;
+        }
+        if live.call.is_none() {
+            let result = live.outcome.take().unwrap_or_else(|| {
+                Err(ErrorBody::new(
+                    ErrorCode::Internal,
+                    "the call ended without an answer",
+                ))
+            });
+            let end = live.chunks.finish_all(result);
+            live.out.push_str(&end);
+            live.finished = true;
+        }
+        let bytes = Bytes::from(std::mem::take(&mut live.out));
+        Some((Ok::<_, std::convert::Infallible>(bytes), live))
+    });
     sse_response(Body::from_stream(stream))
 }
 
-/// A streamed answer's hold on its call and its admission; dropping it aborts the call.
-struct Held {
-    call: tokio::task::AbortHandle,
+/// The call of a streamed answer; `Err` when it panicked.
+type Call = Pin<Box<dyn Future<Output = std::thread::Result<Outcome>> + Send>>;
+type Outcome = Result<ModelResponse, ErrorBody>;
+
+/// A streamed answer in progress. The call is polled by the task writing the answer, not
+/// spawned: a delta reaches the client's socket without a hand-off between threads
+/// (docs/performance.md, "One task a streamed call"). Dropping it drops the call.
+struct Live {
+    chunks: Chunks,
+    /// `None` once the call is over.
+    call: Option<Call>,
+    deltas: tokio::sync::mpsc::UnboundedReceiver<Delta>,
+    /// The call's outcome, from when it is over until the closing events are written.
+    outcome: Option<Outcome>,
+    /// Events rendered and not yet written.
+    out: String,
+    /// The closing events are written.
+    finished: bool,
     _admitted: Admitted,
 }
 
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.call.abort();
+impl Live {
+    /// Waits until a delta arrives or the call is over; renders every delta already there.
+    async fn wait(&mut self) {
+        self.drain();
+        if !self.out.is_empty() {
+            return;
+        }
+        let Some(call) = self.call.as_mut() else {
+            return;
+        };
+        let outcome = until_delta(call, &self.deltas).await.map(|result| {
+            result.unwrap_or_else(|_| {
+                Err(ErrorBody::new(
+                    ErrorCode::Internal,
+                    "the call failed: it panicked",
+                ))
+            })
+        });
+        if outcome.is_some() {
+            self.call = None;
+            self.outcome = outcome;
+        }
+        // What the call made while it was polled (all of it, when it is over) goes out together.
+        self.drain();
+    }
+
+    fn drain(&mut self) {
+        while let Ok(delta) = self.deltas.try_recv() {
+            let event = self.chunks.delta(delta);
+            self.out.push_str(&event);
+        }
     }
 }
 

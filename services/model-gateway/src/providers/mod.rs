@@ -70,6 +70,26 @@ impl DeltaSink {
     }
 }
 
+/// Polls `call` — the call feeding `deltas` — until it is over (its output) or has passed on a
+/// delta (`None`; the deltas are in `deltas`).
+///
+/// For a caller that polls the call itself rather than spawning it (one hand-off between
+/// threads fewer per delta, docs/performance.md "One task a streamed call"). Deltas come only
+/// from the call, so after each poll of it what it made is already in the channel: no waker is
+/// registered on the channel, since a call sending into a channel its own task waits on would
+/// wake that task again for nothing.
+pub async fn until_delta<F: Future + Unpin>(
+    call: &mut F,
+    deltas: &mpsc::UnboundedReceiver<Delta>,
+) -> Option<F::Output> {
+    std::future::poll_fn(|cx| match std::pin::Pin::new(&mut *call).poll(cx) {
+        std::task::Poll::Ready(output) => std::task::Poll::Ready(Some(output)),
+        std::task::Poll::Pending if !deltas.is_empty() => std::task::Poll::Ready(None),
+        std::task::Poll::Pending => std::task::Poll::Pending,
+    })
+    .await
+}
+
 /// One upstream (or the offline script) that can complete a request.
 pub trait Provider: Send + Sync + std::fmt::Debug {
     /// Completes `request` with `step.model`, giving up at `deadline`.
@@ -621,7 +641,33 @@ fn strings(items: &[&str]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::FutureExt;
     use serde_json::json;
+
+    /// A caller polling the call itself learns of each batch of deltas, waits while the call
+    /// waits, and gets the output once the call is over, with every delta it made in the channel.
+    #[tokio::test]
+    async fn until_delta_returns_at_each_batch_of_deltas_then_the_output() {
+        let text = |t: &str| Delta::Text { text: t.into() };
+        let (sink, mut deltas) = DeltaSink::new();
+        let (go, gate) = tokio::sync::oneshot::channel::<()>();
+        let mut call = Box::pin(async move {
+            sink.send(Delta::Text { text: "a".into() });
+            sink.send(Delta::Text { text: "b".into() });
+            let _ = gate.await;
+            sink.send(Delta::Text { text: "c".into() });
+            7
+        });
+        assert_eq!(until_delta(&mut call, &deltas).await, None);
+        assert_eq!(deltas.try_recv().ok(), Some(text("a")));
+        assert_eq!(deltas.try_recv().ok(), Some(text("b")));
+        // Nothing new until the call goes on.
+        assert!(until_delta(&mut call, &deltas).now_or_never().is_none());
+        go.send(()).unwrap();
+        assert_eq!(until_delta(&mut call, &deltas).await, Some(7));
+        assert_eq!(deltas.try_recv().ok(), Some(text("c")));
+        assert!(deltas.try_recv().is_err());
+    }
 
     #[test]
     fn retryable_failures_are_transport_timeout_429_and_5xx() {
