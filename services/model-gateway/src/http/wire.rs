@@ -13,7 +13,7 @@ use crate::Gateway;
 use cyrene_protocol::message::{Message, Part, Role, ToolCall};
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::{ErrorBody, ErrorCode};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 /// How a chat request wants its answer (besides the model call itself).
@@ -327,14 +327,38 @@ pub(super) fn finish_reason(response: &ModelResponse) -> &'static str {
     }
 }
 
-pub(super) fn usage(response: &ModelResponse) -> Value {
-    json!({
-        "prompt_tokens": response.prompt_tokens,
-        "completion_tokens": response.completion_tokens,
-        "total_tokens": response.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": response.cache_hit_tokens},
-        "completion_tokens_details": {"reasoning_tokens": response.reasoning_tokens},
-    })
+/// OpenAI's `usage` object of a response.
+#[derive(Debug, Serialize)]
+pub(super) struct Usage {
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    total_tokens: u64,
+    prompt_tokens_details: CachedTokens,
+    completion_tokens_details: ReasoningTokens,
+}
+
+#[derive(Debug, Serialize)]
+struct CachedTokens {
+    cached_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct ReasoningTokens {
+    reasoning_tokens: u64,
+}
+
+pub(super) fn usage(response: &ModelResponse) -> Usage {
+    Usage {
+        prompt_tokens: response.prompt_tokens,
+        completion_tokens: response.completion_tokens,
+        total_tokens: response.total_tokens,
+        prompt_tokens_details: CachedTokens {
+            cached_tokens: response.cache_hit_tokens,
+        },
+        completion_tokens_details: ReasoningTokens {
+            reasoning_tokens: response.reasoning_tokens,
+        },
+    }
 }
 
 pub(super) fn now_secs() -> u64 {
@@ -344,18 +368,58 @@ pub(super) fn now_secs() -> u64 {
         .unwrap_or_default()
 }
 
-pub(super) fn completion(id: &str, response: &ModelResponse) -> Value {
-    let mut message = Map::new();
-    message.insert("role".into(), json!("assistant"));
-    message.insert(
-        "content".into(),
-        if response.content.is_empty() && !response.tool_calls.is_empty() {
-            Value::Null
-        } else {
-            json!(response.content)
-        },
-    );
-    let reasoning: String = response
+/// A `chat.completion` answer, serialised straight from the response it borrows (no JSON tree
+/// built first: docs/performance.md, "The door's answer written without a JSON tree").
+#[derive(Debug, Serialize)]
+pub(super) struct Completion<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [Choice<'a>; 1],
+    usage: Usage,
+}
+
+#[derive(Debug, Serialize)]
+struct Choice<'a> {
+    index: u32,
+    message: AnswerMessage<'a>,
+    finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+struct AnswerMessage<'a> {
+    role: &'static str,
+    /// `null` for an answer that is only tool calls.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    reasoning_content: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<AnswerCall<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+struct AnswerCall<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: AnswerFunction<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct AnswerFunction<'a> {
+    name: &'a str,
+    /// The arguments as a JSON string, as OpenAI sends them.
+    arguments: String,
+}
+
+pub(super) fn completion<'a>(id: &'a str, response: &'a ModelResponse) -> Completion<'a> {
+    let content = if response.content.is_empty() && !response.tool_calls.is_empty() {
+        None
+    } else {
+        Some(response.content.as_str())
+    };
+    let reasoning_content: String = response
         .message
         .content
         .iter()
@@ -364,33 +428,84 @@ pub(super) fn completion(id: &str, response: &ModelResponse) -> Value {
             _ => None,
         })
         .collect();
-    if !reasoning.is_empty() {
-        message.insert("reasoning_content".into(), json!(reasoning));
+    let tool_calls = response
+        .tool_calls
+        .iter()
+        .map(|c| AnswerCall {
+            id: &c.id,
+            kind: "function",
+            function: AnswerFunction {
+                name: &c.name,
+                arguments: serde_json::to_string(&c.args).unwrap_or_default(),
+            },
+        })
+        .collect();
+    Completion {
+        id,
+        object: "chat.completion",
+        created: now_secs(),
+        model: &response.model,
+        choices: [Choice {
+            index: 0,
+            message: AnswerMessage {
+                role: "assistant",
+                content,
+                reasoning_content,
+                tool_calls,
+            },
+            finish_reason: finish_reason(response),
+        }],
+        usage: usage(response),
     }
-    if !response.tool_calls.is_empty() {
-        let calls: Vec<Value> = response
-            .tool_calls
-            .iter()
-            .map(|c| {
-                json!({"id": c.id, "type": "function", "function": {"name": c.name,
-                       "arguments": serde_json::to_string(&c.args).unwrap_or_default()}})
-            })
-            .collect();
-        message.insert("tool_calls".into(), Value::Array(calls));
-    }
-    json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": now_secs(),
-        "model": response.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(response)}],
-        "usage": usage(response),
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The answer written from the typed structs is OpenAI's `chat.completion`: `content` null
+    /// only beside tool calls, `reasoning_content` and `tool_calls` only when there are some,
+    /// arguments as a JSON string, and the whole usage object.
+    #[test]
+    fn the_answer_is_openais_completion_json() {
+        let reply = |message: Value, finish: &str, usage: Value| {
+            let reply = json!({"model": "m", "choices": [{"message": message,
+                "finish_reason": finish}], "usage": usage});
+            crate::providers::openai::decode(&reply, "m").unwrap()
+        };
+        let text = reply(
+            json!({"role": "assistant", "content": "hi", "reasoning_content": "hm"}),
+            "stop",
+            json!({"prompt_tokens": 3, "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 1},
+                "completion_tokens_details": {"reasoning_tokens": 1}}),
+        );
+        let got = serde_json::to_value(completion("chatcmpl-1", &text)).unwrap();
+        assert!(got["created"].as_u64().unwrap() > 1_700_000_000);
+        assert_eq!(
+            got,
+            json!({"id": "chatcmpl-1", "object": "chat.completion", "created": got["created"],
+                "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                    "prompt_tokens_details": {"cached_tokens": 1},
+                    "completion_tokens_details": {"reasoning_tokens": 1}}})
+        );
+        let calls = reply(
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]}),
+            "tool_calls",
+            Value::Null,
+        );
+        let got = serde_json::to_value(completion("chatcmpl-2", &calls)).unwrap();
+        assert_eq!(
+            got["choices"],
+            json!([{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant",
+                "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": "{\"a\":1}"}}]}}])
+        );
+        assert_eq!(got["usage"]["total_tokens"], 0);
+    }
 
     /// issue 30, L4: unknown fields inside a message are refused, as on the request.
     #[test]

@@ -251,6 +251,12 @@ pub(crate) trait HttpDialect: Send + Sync {
     fn post(&self) -> reqwest::RequestBuilder;
     /// Decodes a whole (non-streamed) reply; `model` is used when the reply names none.
     const DECODE: Decode;
+    /// Reads a whole reply's bytes straight into the response when they have the dialect's
+    /// usual shape; `None` sends them to [`Self::DECODE`] (parsed as JSON first), which must
+    /// give the same response for every reply this one reads.
+    fn decode_usual(_body: &[u8], _model: &str) -> Option<ModelResponse> {
+        None
+    }
 }
 
 /// How a dialect decodes a whole reply (parsed JSON) asked of `model`.
@@ -258,6 +264,9 @@ pub(crate) type Decode = fn(&Value, &str) -> Result<ModelResponse, ProviderError
 
 /// A whole reply's bytes, decoded by the dialect `D`.
 fn decode_whole<D: HttpDialect>(body: &[u8], model: &str) -> Result<ModelResponse, ProviderError> {
+    if let Some(response) = D::decode_usual(body, model) {
+        return Ok(response);
+    }
     let reply: Value =
         serde_json::from_slice(body).map_err(|e| ProviderError::unreadable("not JSON", e))?;
     (D::DECODE)(&reply, model)

@@ -179,6 +179,10 @@ impl HttpDialect for OpenAiProvider {
     }
 
     const DECODE: Decode = decode;
+
+    fn decode_usual(body: &[u8], model: &str) -> Option<ModelResponse> {
+        decode_usual(body, model)
+    }
 }
 
 /// The parts of a streamed `/chat/completions` reply seen so far (first choice only).
@@ -485,80 +489,252 @@ pub fn decode(v: &Value, model: &str) -> Result<ModelResponse, ProviderError> {
             .collect(),
         _ => String::new(),
     };
-    let mut parts = Vec::new();
     let reasoning = msg
         .get("reasoning_content")
         .or_else(|| msg.get("reasoning"))
         .and_then(Value::as_str)
-        .unwrap_or_default();
-    if !reasoning.is_empty() {
-        parts.push(Part::Reasoning {
-            family: ReasoningFamily::Openai,
-            text: reasoning.to_owned(),
-            signature: None,
-            redacted: None,
-        });
-    }
-    if !text.is_empty() {
-        parts.push(Part::text(text.clone()));
-    }
-    let mut tool_calls = Vec::new();
-    for call in msg
+        .unwrap_or_default()
+        .to_owned();
+    let calls = msg
         .get("tool_calls")
         .and_then(Value::as_array)
         .map(Vec::as_slice)
         .unwrap_or_default()
-    {
-        let function = call.get("function").unwrap_or(&Value::Null);
-        let (args, args_error) = decode_arguments(function.get("arguments"));
-        let call = ToolCall {
-            id: str_of(call.get("id")),
-            name: str_of(function.get("name")),
-            args,
-            args_error,
-        };
-        parts.push(call.to_part());
-        tool_calls.push(call);
-    }
+        .iter()
+        .map(|call| {
+            let function = call.get("function").unwrap_or(&Value::Null);
+            let (args, args_error) = decode_arguments(function.get("arguments"));
+            ToolCall {
+                id: str_of(call.get("id")),
+                name: str_of(function.get("name")),
+                args,
+                args_error,
+            }
+        })
+        .collect();
     let usage = v.get("usage").unwrap_or(&Value::Null);
-    let prompt = u64_at(usage, &["prompt_tokens"]);
-    let completion = u64_at(usage, &["completion_tokens"]);
-    let total = match u64_at(usage, &["total_tokens"]) {
-        0 => prompt + completion,
-        t => t,
-    };
-    // DeepSeek reports both tiers; others report cached_tokens (hits) inside the prompt count.
-    let (hit, miss) = if usage.get("prompt_cache_hit_tokens").is_some()
-        || usage.get("prompt_cache_miss_tokens").is_some()
-    {
-        (
-            u64_at(usage, &["prompt_cache_hit_tokens"]),
-            u64_at(usage, &["prompt_cache_miss_tokens"]),
-        )
-    } else if let Some(cached) = usage
-        .get("prompt_tokens_details")
-        .and_then(|d| d.get("cached_tokens"))
-        .and_then(Value::as_u64)
-    {
-        (cached, prompt.saturating_sub(cached))
-    } else {
-        (0, 0)
-    };
-    Ok(ModelResponse {
+    let present = |key: &str| usage.get(key).is_some();
+    Ok(Decoded {
         model: reply_model(v, model),
-        content: text,
-        message: Message::with_parts(Role::Assistant, parts),
-        tool_calls,
-        stop_reason: str_of(choice.get("finish_reason")),
-        prompt_tokens: prompt,
-        completion_tokens: completion,
-        total_tokens: total,
-        cache_hit_tokens: hit,
-        cache_miss_tokens: miss,
+        text,
+        reasoning,
+        calls,
+        finish_reason: str_of(choice.get("finish_reason")),
+        prompt: u64_at(usage, &["prompt_tokens"]),
+        completion: u64_at(usage, &["completion_tokens"]),
+        total: u64_at(usage, &["total_tokens"]),
+        tiers: (present("prompt_cache_hit_tokens") || present("prompt_cache_miss_tokens")).then(
+            || {
+                (
+                    u64_at(usage, &["prompt_cache_hit_tokens"]),
+                    u64_at(usage, &["prompt_cache_miss_tokens"]),
+                )
+            },
+        ),
+        cached: usage
+            .get("prompt_tokens_details")
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64),
         reasoning_tokens: u64_at(usage, &["completion_tokens_details", "reasoning_tokens"]),
-        provider: String::new(),
-        offline: false,
-    })
+    }
+    .response())
+}
+
+/// A whole reply's bytes read straight into the response, without a JSON tree, when they have
+/// the usual shape: every field this dialect reads of the type it expects, each key once, at
+/// least one choice. `None` for anything else, which [`decode`] then reads as before — so the
+/// two give the same response wherever this one gives one (tested), and what a provider sends
+/// is read as leniently as ever (docs/performance.md, "The door's answer read and written
+/// without a JSON tree").
+pub(crate) fn decode_usual(body: &[u8], model: &str) -> Option<ModelResponse> {
+    let reply: usual::Reply = serde_json::from_slice(body).ok()?;
+    let choice = reply.choices.into_iter().next()?;
+    let msg = choice.message.unwrap_or_default();
+    let usage = reply.usage.unwrap_or_default();
+    let reasoning = match msg.reasoning_content {
+        Some(named) => named,
+        None => msg.reasoning,
+    };
+    let calls = msg
+        .tool_calls
+        .unwrap_or_default()
+        .into_iter()
+        .map(|call| {
+            let function = call.function.unwrap_or_default();
+            let (args, args_error) = match function.arguments {
+                Some(text) => decode_argument_text(&text),
+                None => (Map::new(), None),
+            };
+            ToolCall {
+                id: call.id.unwrap_or_default(),
+                name: function.name.unwrap_or_default(),
+                args,
+                args_error,
+            }
+        })
+        .collect();
+    let tiers = (usage.prompt_cache_hit_tokens.is_some()
+        || usage.prompt_cache_miss_tokens.is_some())
+    .then(|| {
+        (
+            usage.prompt_cache_hit_tokens.flatten().unwrap_or(0),
+            usage.prompt_cache_miss_tokens.flatten().unwrap_or(0),
+        )
+    });
+    Some(
+        Decoded {
+            model: reply
+                .model
+                .filter(|m| !m.is_empty())
+                .unwrap_or_else(|| model.to_owned()),
+            text: msg.content.unwrap_or_default(),
+            reasoning: reasoning.unwrap_or_default(),
+            calls,
+            finish_reason: choice.finish_reason.unwrap_or_default(),
+            prompt: usage.prompt_tokens.unwrap_or(0),
+            completion: usage.completion_tokens.unwrap_or(0),
+            total: usage.total_tokens.unwrap_or(0),
+            tiers,
+            cached: usage.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            reasoning_tokens: usage
+                .completion_tokens_details
+                .and_then(|d| d.reasoning_tokens)
+                .unwrap_or(0),
+        }
+        .response(),
+    )
+}
+
+/// The usual shape of a whole reply ([`decode_usual`]). Unknown fields are skipped, as
+/// [`decode`] skips them; a present `null` reads as absent except where [`decode`] tells the two
+/// apart (`reasoning_content`, the cache tiers), which keep it as `Some(None)`.
+mod usual {
+    use serde::{Deserialize, Deserializer};
+
+    /// A field that is present, `null` or not.
+    fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Option<Option<T>>, D::Error> {
+        Option::<T>::deserialize(d).map(Some)
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Reply {
+        pub(super) model: Option<String>,
+        pub(super) choices: Vec<Choice>,
+        pub(super) usage: Option<Usage>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Choice {
+        pub(super) message: Option<Message>,
+        pub(super) finish_reason: Option<String>,
+    }
+
+    #[derive(Deserialize, Default)]
+    pub(super) struct Message {
+        pub(super) content: Option<String>,
+        #[serde(default, deserialize_with = "present")]
+        pub(super) reasoning_content: Option<Option<String>>,
+        pub(super) reasoning: Option<String>,
+        pub(super) tool_calls: Option<Vec<Call>>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Call {
+        pub(super) id: Option<String>,
+        pub(super) function: Option<Function>,
+    }
+
+    #[derive(Deserialize, Default)]
+    pub(super) struct Function {
+        pub(super) name: Option<String>,
+        pub(super) arguments: Option<String>,
+    }
+
+    #[derive(Deserialize, Default)]
+    pub(super) struct Usage {
+        pub(super) prompt_tokens: Option<u64>,
+        pub(super) completion_tokens: Option<u64>,
+        pub(super) total_tokens: Option<u64>,
+        #[serde(default, deserialize_with = "present")]
+        pub(super) prompt_cache_hit_tokens: Option<Option<u64>>,
+        #[serde(default, deserialize_with = "present")]
+        pub(super) prompt_cache_miss_tokens: Option<Option<u64>>,
+        pub(super) prompt_tokens_details: Option<Cached>,
+        pub(super) completion_tokens_details: Option<Reasoning>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Cached {
+        pub(super) cached_tokens: Option<u64>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Reasoning {
+        pub(super) reasoning_tokens: Option<u64>,
+    }
+}
+
+/// What a whole reply says, however it was read; [`Decoded::response`] makes the response.
+struct Decoded {
+    model: String,
+    text: String,
+    reasoning: String,
+    calls: Vec<ToolCall>,
+    finish_reason: String,
+    prompt: u64,
+    completion: u64,
+    /// As reported (0 when absent).
+    total: u64,
+    /// DeepSeek's two tiers (hits, misses), when it reported either.
+    tiers: Option<(u64, u64)>,
+    /// `prompt_tokens_details.cached_tokens`: hits inside the prompt count (others).
+    cached: Option<u64>,
+    reasoning_tokens: u64,
+}
+
+impl Decoded {
+    fn response(self) -> ModelResponse {
+        let mut parts = Vec::new();
+        if !self.reasoning.is_empty() {
+            parts.push(Part::Reasoning {
+                family: ReasoningFamily::Openai,
+                text: self.reasoning,
+                signature: None,
+                redacted: None,
+            });
+        }
+        if !self.text.is_empty() {
+            parts.push(Part::text(self.text.clone()));
+        }
+        parts.extend(self.calls.iter().map(ToolCall::to_part));
+        let total = match self.total {
+            0 => self.prompt + self.completion,
+            t => t,
+        };
+        // DeepSeek reports both tiers; others report cached_tokens (hits) inside the prompt count.
+        let (hit, miss) = match (self.tiers, self.cached) {
+            (Some(tiers), _) => tiers,
+            (None, Some(cached)) => (cached, self.prompt.saturating_sub(cached)),
+            (None, None) => (0, 0),
+        };
+        ModelResponse {
+            model: self.model,
+            content: self.text,
+            message: Message::with_parts(Role::Assistant, parts),
+            tool_calls: self.calls,
+            stop_reason: self.finish_reason,
+            prompt_tokens: self.prompt,
+            completion_tokens: self.completion,
+            total_tokens: total,
+            cache_hit_tokens: hit,
+            cache_miss_tokens: miss,
+            reasoning_tokens: self.reasoning_tokens,
+            provider: String::new(),
+            offline: false,
+        }
+    }
 }
 
 /// `arguments` → object: `""`/absent → `{}`; invalid or non-object → `{}` + the reason.
@@ -566,23 +742,30 @@ fn decode_arguments(raw: Option<&Value>) -> (Map<String, Value>, Option<String>)
     match raw {
         None | Some(Value::Null) => (Map::new(), None),
         Some(Value::Object(o)) => (o.clone(), None),
-        Some(Value::String(s)) if s.trim().is_empty() => (Map::new(), None),
-        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-            Ok(Value::Object(o)) => (o, None),
-            Ok(other) => (
-                Map::new(),
-                Some(format!("arguments are not a JSON object: {other}")),
-            ),
-            Err(e) => (
-                Map::new(),
-                Some(format!("arguments are not valid JSON: {e}")),
-            ),
-        },
+        Some(Value::String(s)) => decode_argument_text(s),
         Some(other) => (
             Map::new(),
             Some(format!(
                 "arguments are neither a string nor an object: {other}"
             )),
+        ),
+    }
+}
+
+/// `arguments` sent as a JSON string (as OpenAI sends them).
+fn decode_argument_text(s: &str) -> (Map<String, Value>, Option<String>) {
+    if s.trim().is_empty() {
+        return (Map::new(), None);
+    }
+    match serde_json::from_str::<Value>(s) {
+        Ok(Value::Object(o)) => (o, None),
+        Ok(other) => (
+            Map::new(),
+            Some(format!("arguments are not a JSON object: {other}")),
+        ),
+        Err(e) => (
+            Map::new(),
+            Some(format!("arguments are not valid JSON: {e}")),
         ),
     }
 }
@@ -605,6 +788,63 @@ pub(crate) fn u64_at(v: &Value, path: &[&str]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The typed read gives exactly the response the JSON-tree read gives, for every reply of
+    /// the usual shape, and leaves every other reply to it (which still answers as before).
+    #[test]
+    fn the_usual_read_agrees_with_the_tree_read_and_leaves_it_the_rest() {
+        let usual = [
+            r#"{"id":"x","object":"chat.completion","model":"gpt-x","system_fingerprint":"fp",
+                "choices":[{"index":0,"message":{"role":"assistant","content":"hi","refusal":null,
+                "annotations":[]},"logprobs":null,"finish_reason":"stop"}],
+                "usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11,
+                "prompt_tokens_details":{"cached_tokens":4,"audio_tokens":0},
+                "completion_tokens_details":{"reasoning_tokens":1}}}"#,
+            r#"{"choices":[{"message":{"content":null,"tool_calls":[
+                {"id":"c1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}},
+                {"id":"c2","function":{"name":"g","arguments":""}},
+                {"id":"c3","function":{"name":"h","arguments":"not json"}},
+                {"function":{"name":"i","arguments":"[1]"}},
+                {"id":"c5"}]},"finish_reason":"tool_calls"}]}"#,
+            r#"{"model":"","choices":[{"message":{"content":"a","reasoning_content":"think"}}],
+                "usage":null}"#,
+            r#"{"choices":[{"message":{"content":"a","reasoning":"other name"}}]}"#,
+            r#"{"choices":[{"message":{"content":"a","reasoning_content":null,"reasoning":"x"}}]}"#,
+            r#"{"choices":[{"message":{"content":"a"},"finish_reason":null}],
+                "usage":{"prompt_tokens":7,"prompt_cache_hit_tokens":null,"prompt_cache_miss_tokens":5,
+                "prompt_tokens_details":{"cached_tokens":3}}}"#,
+            r#"{"choices":[{"message":{"content":"a"}}],"usage":{"prompt_tokens":7,
+                "prompt_cache_hit_tokens":6,"total_tokens":0,"completion_tokens":1}}"#,
+            r#"{"choices":[{"finish_reason":"length"},{"message":{"content":"second"}}]}"#,
+            r#"{"choices":[{"message":{"content":"a","tool_calls":null}}],
+                "usage":{"prompt_tokens_details":{"cached_tokens":null}}}"#,
+        ];
+        for body in usual {
+            let fast = decode_usual(body.as_bytes(), "asked")
+                .unwrap_or_else(|| panic!("not read as usual: {body}"));
+            let tree = decode(&serde_json::from_str(body).unwrap(), "asked").unwrap();
+            assert_eq!(fast, tree, "{body}");
+        }
+        let unusual = [
+            r#"{"choices":[{"message":{"content":[{"type":"text","text":"parts"}]}}]}"#,
+            r#"{"choices":[{"message":{"tool_calls":[{"id":"c","function":{"name":"f",
+                "arguments":{"a":1}}}]}}]}"#,
+            r#"{"choices":[{"message":{"content":"a"}}],"usage":{"prompt_tokens":3.5}}"#,
+            r#"{"choices":[{"message":{"content":"a"}}],"usage":{"completion_tokens":-1}}"#,
+            r#"{"model":"one","model":"two","choices":[{"message":{"content":"a"}}]}"#,
+            r#"{"choices":[{"message":{"content":"a","reasoning_content":7,"reasoning":"x"}}]}"#,
+            r#"{"choices":[{"message":{"content":"a"}}],"usage":"none"}"#,
+            r#"{"model":5,"choices":[{"message":{"content":"a"}}]}"#,
+        ];
+        for body in unusual {
+            assert!(decode_usual(body.as_bytes(), "asked").is_none(), "{body}");
+            assert!(decode(&serde_json::from_str(body).unwrap(), "asked").is_ok(), "{body}");
+        }
+        for body in [r#"{"choices":[]}"#, r#"{"model":"m"}"#, "[]", "null"] {
+            assert!(decode_usual(body.as_bytes(), "asked").is_none(), "{body}");
+            assert!(decode(&serde_json::from_str(body).unwrap(), "asked").is_err(), "{body}");
+        }
+    }
 
     /// Issue 36: a tool message carries text only in this dialect, so the images of a batch's
     /// results follow the whole batch in one user message, each call's under a line naming it.
