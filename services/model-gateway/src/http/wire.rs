@@ -369,7 +369,7 @@ pub(super) fn now_secs() -> u64 {
 }
 
 /// A `chat.completion` answer, serialised straight from the response it borrows (no JSON tree
-/// built first: docs/performance.md, "The door's answer written without a JSON tree").
+/// built first: docs/performance.md, "The door's answer read and written without a JSON tree").
 #[derive(Debug, Serialize)]
 pub(super) struct Completion<'a> {
     id: &'a str,

@@ -838,11 +838,17 @@ mod tests {
         ];
         for body in unusual {
             assert!(decode_usual(body.as_bytes(), "asked").is_none(), "{body}");
-            assert!(decode(&serde_json::from_str(body).unwrap(), "asked").is_ok(), "{body}");
+            assert!(
+                decode(&serde_json::from_str(body).unwrap(), "asked").is_ok(),
+                "{body}"
+            );
         }
         for body in [r#"{"choices":[]}"#, r#"{"model":"m"}"#, "[]", "null"] {
             assert!(decode_usual(body.as_bytes(), "asked").is_none(), "{body}");
-            assert!(decode(&serde_json::from_str(body).unwrap(), "asked").is_err(), "{body}");
+            assert!(
+                decode(&serde_json::from_str(body).unwrap(), "asked").is_err(),
+                "{body}"
+            );
         }
     }
 
