@@ -8,6 +8,12 @@
 //!   write, and the stream always ends with the finish (or `error`) event and `data: [DONE]`.
 //! - The call runs inside the answer (no task of its own): a client that leaves drops the
 //!   answer, and with it the call and its upstream request.
+//!
+//! # Pitfalls
+//! - The call is polled only while hyper asks for more of the body, so a client that reads
+//!   slowly slows the upstream read with it (backpressure, as through a proxy) instead of piling
+//!   deltas up here. The call's deadline keeps running meanwhile: a client that has not read
+//!   the whole reply by then may get the deadline's `error` event after what it did read.
 
 use super::wire::{finish_reason, now_secs, usage};
 use super::{Admitted, AppState, error_response};
