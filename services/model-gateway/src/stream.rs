@@ -29,7 +29,7 @@
 //!   `seq`. The end marker's `done` always holds the whole answer, so nothing is lost for good.
 
 use crate::Gateway;
-use crate::providers::{DeltaSink, until_delta};
+use crate::providers::{DeltaSink, caught, until_delta};
 use async_nats::service::Request;
 use bytes::Bytes;
 use cyrene_bus::service::{count_request, respond_error_with};
@@ -188,10 +188,8 @@ async fn forward(
     // tool round of a fast model) sends none; the caller's first-message grace is ten intervals.
     let (sink, mut deltas) = DeltaSink::new();
     let result = {
-        // A panic in the call is its outcome, not this handler's: the caller still gets its end
-        // marker (as when the call ran in a task of its own).
-        let call = std::panic::AssertUnwindSafe(gateway.call(client, &req, Some(&sink)));
-        let mut call = std::pin::pin!(futures::FutureExt::catch_unwind(call));
+        // A panic in the call is its outcome: the caller still gets its end marker.
+        let mut call = std::pin::pin!(caught(gateway.call(client, &req, Some(&sink))));
         // A far deadline stands for "no heartbeats": the branch never fires.
         let every = heartbeat.unwrap_or(Duration::from_secs(86_400));
         let mut beat = tokio::time::Instant::now() + every;
@@ -205,18 +203,15 @@ async fn forward(
             let next = tokio::select! {
                 biased;
                 done = until_delta(&mut call, &deltas) => match done {
-                    Some(result) => Next::Done(Box::new(result.unwrap_or_else(|_| {
-                        Err(ErrorBody::new(ErrorCode::Internal, "the call failed: it panicked"))
-                    }))),
+                    Some(result) => Next::Done(Box::new(result)),
                     None => Next::Deltas,
                 },
                 _ = tokio::time::sleep_until(last_flush + LATE_FLUSH_EVERY), if gathering => Next::Flush,
                 _ = tokio::time::sleep_until(beat) => Next::Beat,
             };
             let outcome = match next {
-                Next::Deltas => None,
+                Next::Deltas | Next::Flush => None,
                 Next::Done(result) => Some(*result),
-                Next::Flush => None,
                 Next::Beat => {
                     publish(client, inbox, &StreamChunk::heartbeat(seq)).await;
                     seq += 1;

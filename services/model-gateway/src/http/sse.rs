@@ -17,17 +17,15 @@
 
 use super::wire::{finish_reason, now_secs, usage};
 use super::{Admitted, AppState, error_response};
-use crate::providers::{DeltaSink, until_delta};
+use crate::providers::{DeltaSink, caught, until_delta};
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use cyrene_protocol::ErrorBody;
 use cyrene_protocol::model::{ModelRequest, ModelResponse};
 use cyrene_protocol::stream::Delta;
-use cyrene_protocol::{ErrorBody, ErrorCode};
-use futures::FutureExt;
 use serde_json::{Value, json};
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -43,53 +41,41 @@ pub(super) async fn stream_response(
 ) -> Response {
     let (sink, deltas) = DeltaSink::new();
     // A panic in the call is its outcome (an `error` event or status), not the connection's.
-    let call =
-        AssertUnwindSafe(async move { state.gateway.call(&state.client, &req, Some(&sink)).await })
-            .catch_unwind();
+    let call = caught(async move { state.gateway.call(&state.client, &req, Some(&sink)).await });
     // Held by the answer until its last byte: when the client leaves (the body is dropped, or
     // this future before the first delta), the call — and its upstream request — is dropped, and
     // the admission freed.
     let mut live = Live {
         chunks: Chunks::new(id, model, include_usage),
-        call: Some(Box::pin(call)),
+        call: Call::Running(Box::pin(call)),
         deltas,
-        outcome: None,
         out: String::new(),
-        finished: false,
         _admitted: admitted,
     };
     live.wait().await;
-    if live.out.is_empty() {
-        match live.outcome.take() {
-            Some(Err(err)) => return error_response(&err),
+    if live.out.is_empty()
+        && let Some(outcome) = live.closing()
+    {
+        return match outcome {
+            Err(err) => error_response(&err),
             // Succeeded without a delta (an empty answer): stream anyway.
-            Some(Ok(response)) => {
-                return sse_response(Body::from(live.chunks.finish_all(Ok(response))));
-            }
-            None => {}
-        }
+            Ok(response) => sse_response(Body::from(live.chunks.finish_all(Ok(response)))),
+        };
     }
     let opening = live
         .chunks
         .event(json!({"role": "assistant", "content": ""}), None);
     live.out.insert_str(0, &opening);
     let stream = futures::stream::unfold(live, |mut live| async move {
-        if live.finished {
+        if matches!(live.call, Call::Closed) {
             return None;
         }
         if live.out.is_empty() {
             live.wait().await;
         }
-        if live.call.is_none() {
-            let result = live.outcome.take().unwrap_or_else(|| {
-                Err(ErrorBody::new(
-                    ErrorCode::Internal,
-                    "the call ended without an answer",
-                ))
-            });
-            let end = live.chunks.finish_all(result);
+        if let Some(outcome) = live.closing() {
+            let end = live.chunks.finish_all(outcome);
             live.out.push_str(&end);
-            live.finished = true;
         }
         let bytes = Bytes::from(std::mem::take(&mut live.out));
         Some((Ok::<_, std::convert::Infallible>(bytes), live))
@@ -97,24 +83,27 @@ pub(super) async fn stream_response(
     sse_response(Body::from_stream(stream))
 }
 
-/// The call of a streamed answer; `Err` when it panicked.
-type Call = Pin<Box<dyn Future<Output = std::thread::Result<Outcome>> + Send>>;
 type Outcome = Result<ModelResponse, ErrorBody>;
+
+/// Where a streamed answer's call is.
+enum Call {
+    /// Polled as the answer is written.
+    Running(Pin<Box<dyn Future<Output = Outcome> + Send>>),
+    /// Over, its closing events not written yet.
+    Over(Box<Outcome>),
+    /// The closing events are written (or the answer went out whole).
+    Closed,
+}
 
 /// A streamed answer in progress. The call is polled by the task writing the answer, not
 /// spawned: a delta reaches the client's socket without a hand-off between threads
 /// (docs/performance.md, "One task a streamed call"). Dropping it drops the call.
 struct Live {
     chunks: Chunks,
-    /// `None` once the call is over.
-    call: Option<Call>,
+    call: Call,
     deltas: tokio::sync::mpsc::UnboundedReceiver<Delta>,
-    /// The call's outcome, from when it is over until the closing events are written.
-    outcome: Option<Outcome>,
     /// Events rendered and not yet written.
     out: String,
-    /// The closing events are written.
-    finished: bool,
     _admitted: Admitted,
 }
 
@@ -125,23 +114,25 @@ impl Live {
         if !self.out.is_empty() {
             return;
         }
-        let Some(call) = self.call.as_mut() else {
+        let Call::Running(call) = &mut self.call else {
             return;
         };
-        let outcome = until_delta(call, &self.deltas).await.map(|result| {
-            result.unwrap_or_else(|_| {
-                Err(ErrorBody::new(
-                    ErrorCode::Internal,
-                    "the call failed: it panicked",
-                ))
-            })
-        });
-        if outcome.is_some() {
-            self.call = None;
-            self.outcome = outcome;
+        if let Some(outcome) = until_delta(call, &self.deltas).await {
+            self.call = Call::Over(Box::new(outcome));
         }
         // What the call made while it was polled (all of it, when it is over) goes out together.
         self.drain();
+    }
+
+    /// The outcome of a call that is over, its answer closed from now on; `None` while it runs.
+    fn closing(&mut self) -> Option<Outcome> {
+        if !matches!(self.call, Call::Over(_)) {
+            return None;
+        }
+        match std::mem::replace(&mut self.call, Call::Closed) {
+            Call::Over(outcome) => Some(*outcome),
+            _ => None,
+        }
     }
 
     fn drain(&mut self) {

@@ -22,6 +22,7 @@ pub mod sse;
 use crate::config::Step;
 use cyrene_protocol::model::{ModelRequest, ModelResponse, ToolSpec};
 use cyrene_protocol::stream::Delta;
+use cyrene_protocol::{ErrorBody, ErrorCode};
 use cyrene_runtime::entry::with_sources;
 use futures::future::BoxFuture;
 use serde_json::{Map, Value, json};
@@ -88,6 +89,24 @@ pub async fn until_delta<F: Future + Unpin>(
         std::task::Poll::Pending => std::task::Poll::Pending,
     })
     .await
+}
+
+/// `call` with a panic inside it made its outcome (`internal`), so a caller that polls the call
+/// itself ([`until_delta`]) still answers, as when the call ran in a task of its own.
+pub fn caught(
+    call: impl Future<Output = Result<ModelResponse, ErrorBody>>,
+) -> impl Future<Output = Result<ModelResponse, ErrorBody>> {
+    futures::FutureExt::map(
+        futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(call)),
+        |outcome| {
+            outcome.unwrap_or_else(|_| {
+                Err(ErrorBody::new(
+                    ErrorCode::Internal,
+                    "the call failed: it panicked",
+                ))
+            })
+        },
+    )
 }
 
 /// One upstream (or the offline script) that can complete a request.
@@ -336,12 +355,12 @@ pub(crate) fn tool_spec(tool: &ToolSpec, schema_key: &str) -> Map<String, Value>
 
 /// The model a reply names, else `asked`.
 pub(crate) fn reply_model(reply: &Value, asked: &str) -> String {
-    reply
-        .get("model")
-        .and_then(Value::as_str)
-        .filter(|m| !m.is_empty())
-        .unwrap_or(asked)
-        .to_owned()
+    model_named_or(reply.get("model").and_then(Value::as_str), asked)
+}
+
+/// The model a reply names, or `asked` when it names none (or an empty one).
+pub(crate) fn model_named_or(named: Option<&str>, asked: &str) -> String {
+    named.filter(|m| !m.is_empty()).unwrap_or(asked).to_owned()
 }
 
 /// A streamed reply put back together event by event into the whole reply's shape.

@@ -21,7 +21,8 @@
 
 use super::{
     Decode, DeltaSink, HttpDialect, ProviderError, StreamEvents, Upstream, event_json,
-    normalise_effort, reply_model, strings, tool_choice_forces, tool_spec, upstream_message,
+    model_named_or, normalise_effort, reply_model, strings, tool_choice_forces, tool_spec,
+    upstream_message,
 };
 use crate::config::{ProviderConfig, Vendor};
 use cyrene_protocol::message::{Message, Part, ReasoningFamily, Role, ToolCall};
@@ -583,10 +584,7 @@ pub(crate) fn decode_usual(body: &[u8], model: &str) -> Option<ModelResponse> {
     });
     Some(
         Decoded {
-            model: reply
-                .model
-                .filter(|m| !m.is_empty())
-                .unwrap_or_else(|| model.to_owned()),
+            model: model_named_or(reply.model.as_deref(), model),
             text: msg.content.unwrap_or_default(),
             reasoning: reasoning.unwrap_or_default(),
             calls,
