@@ -13,16 +13,26 @@
 //! - A context-only message is stored with its seq and ack and nothing else: whatever runs, it
 //!   starts no turn, is claimed by none and pushed to none (see `mod.rs`, "Context only").
 
-use super::start::Earlier;
+use super::start::{Earlier, insert_turn, turn_values};
 use super::{
-    NewMessage, Pending, ProgressOf, Pushed, RunningTurn, Sent, Store, StoreError, encode, now_ms,
-    to_u64,
+    Backend, NewMessage, Pending, ProgressOf, Pushed, RunningTurn, Sent, Store, StoreError, encode,
+    now_ms, to_u64,
 };
 use cyrene_protocol::ids::new_id;
 use cyrene_protocol::message::SenderKind;
 use cyrene_protocol::session::{BusyPolicy, Disposition, SendAck};
 use cyrene_protocol::turn::{ParallelNotice, SteeredMessage};
 use sqlx::Row;
+
+/// A sent message's row: `$1`–`$14` as `send` binds them.
+macro_rules! insert_message {
+    () => {
+        "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
+         message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
+         ask_chain) \
+         VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, $14, $9, $10, $11)"
+    };
+}
 
 impl Store {
     /// Stores a user message durably with a server id and the next seq, and decides its
@@ -210,7 +220,7 @@ impl Store {
                 None
             } else {
                 Some(
-                    self.start_turn(
+                    self.prepare_turn(
                         &mut tx,
                         &input.session_id,
                         &env,
@@ -248,7 +258,7 @@ impl Store {
                 ..this
             };
             let turn = self
-                .start_turn(
+                .prepare_turn(
                     &mut tx,
                     &input.session_id,
                     &env,
@@ -263,6 +273,10 @@ impl Store {
             (Disposition::Pending, None)
         };
 
+        let (started, turn_row) = match started {
+            Some((turn, row)) => (Some(turn), Some(row)),
+            None => (None, None),
+        };
         let turn_id = match (&disposition, &started) {
             (Disposition::TurnStarted | Disposition::ParallelLeg, Some(t)) => t.turn_id.clone(),
             _ => String::new(),
@@ -280,28 +294,43 @@ impl Store {
             (None, false) => Some(ack.turn_id.clone()),
             (None, true) => None,
         };
-        sqlx::query(
-            "INSERT INTO orch_messages (id, session_id, seq, client_id, idempotency_key, role, \
-             message, claimed_by_turn, steered, solo, reply_to, ack, created_at, queued, \
-             ask_chain) \
-             VALUES ($1, $2, $3, $4, $5, 'user', $6, $12, $13, $7, $8, $14, $9, $10, $11)",
-        )
-        .bind(&message_id)
-        .bind(&input.session_id)
-        .bind(seq)
-        .bind(&input.client_id)
-        .bind(input.idempotency_key.clone())
-        .bind(&message_json)
-        .bind(i64::from(input.solo))
-        .bind(input.reply_to.clone())
-        .bind(now)
-        .bind(i64::from(input.policy == BusyPolicy::Enqueue || elsewhere))
-        .bind(ask_chain)
-        .bind(claimed_by)
-        .bind(i64::from(taker.is_some()))
-        .bind(encode(&ack)?)
-        .execute(&mut *tx)
-        .await?;
+        // The message's row, and the row of the turn it started: on PostgreSQL one statement
+        // (one round trip instead of two).
+        let combined = match (&turn_row, self.backend) {
+            (Some(_), Backend::Postgres) => concat!(
+                "WITH turn AS (",
+                insert_turn!(),
+                " VALUES ",
+                turn_values!(15),
+                ") ",
+                insert_message!()
+            ),
+            (Some(row), Backend::Sqlite) => {
+                self.record_turn(&mut tx, row).await?;
+                insert_message!()
+            }
+            (None, _) => insert_message!(),
+        };
+        let query = sqlx::query(combined)
+            .bind(&message_id)
+            .bind(&input.session_id)
+            .bind(seq)
+            .bind(&input.client_id)
+            .bind(input.idempotency_key.clone())
+            .bind(&message_json)
+            .bind(i64::from(input.solo))
+            .bind(input.reply_to.clone())
+            .bind(now)
+            .bind(i64::from(input.policy == BusyPolicy::Enqueue || elsewhere))
+            .bind(ask_chain)
+            .bind(claimed_by)
+            .bind(i64::from(taker.is_some()))
+            .bind(encode(&ack)?);
+        let query = match (&turn_row, self.backend) {
+            (Some(row), Backend::Postgres) => row.bind(query),
+            _ => query,
+        };
+        query.execute(&mut *tx).await?;
         tx.commit().await?;
         Ok(Sent {
             ack,

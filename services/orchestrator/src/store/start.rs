@@ -18,6 +18,62 @@ use cyrene_protocol::turn::ParallelNotice;
 use cyrene_sql::WarmTx;
 use sqlx::{Any, Row};
 
+/// A new turn's row ([`Store::prepare_turn`]).
+pub(super) struct TurnRow {
+    pub turn_id: String,
+    pub session_id: String,
+    pub leg_id: String,
+    pub client_id: String,
+    pub base_seq: i64,
+    pub first_message_id: String,
+    /// The exact job JSON published.
+    pub job: String,
+    pub now: i64,
+    pub persona: String,
+}
+
+impl TurnRow {
+    /// Binds the row's values, in the order [`turn_values!`] numbers them, after `query`'s.
+    pub fn bind<'q>(
+        &'q self,
+        query: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>,
+    ) -> sqlx::query::Query<'q, Any, sqlx::any::AnyArguments> {
+        query
+            .bind(&self.turn_id)
+            .bind(&self.session_id)
+            .bind(&self.leg_id)
+            .bind(&self.client_id)
+            .bind(self.base_seq)
+            .bind(&self.first_message_id)
+            .bind(&self.job)
+            .bind(self.now)
+            .bind(&self.persona)
+    }
+}
+
+/// The insert of a [`TurnRow`], its values bound in the field order from `$n`
+/// ([`turn_values!`]). Recorded at attempt 1, the first delivery's count (JetStream counts from
+/// 1): the first attempt's steers match the record, so a boundary with nothing new takes the
+/// unlocked read (`nothing_to_steer`) instead of raising the record under the session's lock.
+macro_rules! insert_turn {
+    () => {
+        "INSERT INTO orch_turns (turn_id, session_id, leg_id, client_id, status, attempt, \
+         base_seq, first_message_id, job, dispatched, created_at, updated_at, persona)"
+    };
+}
+pub(super) use insert_turn;
+
+/// The values of [`insert_turn!`] from parameter `$n` on (1 or 15: the two places it is bound).
+macro_rules! turn_values {
+    (1) => {
+        "($1, $2, $3, $4, 'running', 1, $5, $6, $7, 0, $8, $8, $9)"
+    };
+    (15) => {
+        "($15, $16, $17, $18, 'running', 1, $19, $20, $21, 0, $22, $22, $23)"
+    };
+}
+pub(super) use turn_values;
+
 /// What a session holds before the messages a turn is started with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Earlier {
@@ -89,6 +145,42 @@ impl Store {
         notice: Option<ParallelNotice>,
         earlier: Earlier,
     ) -> Result<NewTurn, StoreError> {
+        let (turn, row) = self
+            .prepare_turn(tx, session_id, env, batch, leg_id, notice, earlier)
+            .await?;
+        self.record_turn(tx, &row).await?;
+        Ok(turn)
+    }
+
+    /// Writes a prepared turn's row by itself.
+    pub(super) async fn record_turn(
+        &self,
+        tx: &mut WarmTx<Any>,
+        row: &TurnRow,
+    ) -> Result<(), StoreError> {
+        row.bind(sqlx::query(concat!(
+            insert_turn!(),
+            " VALUES ",
+            turn_values!(1)
+        )))
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    /// [`Store::start_turn`] but for its row, which the caller writes in its transaction
+    /// (`send` writes it with the message that started it: send.rs).
+    #[allow(clippy::too_many_arguments)] // as start_turn
+    pub(super) async fn prepare_turn(
+        &self,
+        tx: &mut WarmTx<Any>,
+        session_id: &str,
+        env: &SessionEnv,
+        batch: Vec<Pending>,
+        leg_id: String,
+        notice: Option<ParallelNotice>,
+        earlier: Earlier,
+    ) -> Result<(NewTurn, TurnRow), StoreError> {
         let turn_id = new_id();
         let now = now_ms();
         for m in batch.iter().filter(|m| m.stored) {
@@ -152,32 +244,25 @@ impl Store {
             .unwrap_or_default();
         let message_ids = built.job.message_ids;
         let first_message_id = message_ids.first().cloned().unwrap_or_default();
-        // Recorded at attempt 1, the first delivery's count (JetStream counts from 1): the first
-        // attempt's steers match the record, so a boundary with nothing new takes the unlocked
-        // read (`nothing_to_steer`) instead of raising the record under the session's lock.
-        sqlx::query(
-            "INSERT INTO orch_turns (turn_id, session_id, leg_id, client_id, status, attempt, \
-             base_seq, first_message_id, job, dispatched, created_at, updated_at, persona) \
-             VALUES ($1, $2, $3, $4, 'running', 1, $5, $6, $7, 0, $8, $8, $9)",
-        )
-        .bind(&turn_id)
-        .bind(session_id)
-        .bind(&leg_id)
-        .bind(&client_id)
-        .bind(built.base_seq)
-        .bind(&first_message_id)
-        .bind(&job_json)
-        .bind(now)
-        .bind(&built.job.env.persona)
-        .execute(&mut **tx)
-        .await?;
-        Ok(NewTurn {
+        let row = TurnRow {
+            turn_id: turn_id.clone(),
+            session_id: session_id.to_owned(),
+            leg_id: leg_id.clone(),
+            client_id,
+            base_seq: built.base_seq,
+            first_message_id,
+            job: job_json.clone(),
+            now,
+            persona: built.job.env.persona,
+        };
+        let turn = NewTurn {
             turn_id,
             session_id: session_id.to_owned(),
             leg_id,
             message_ids,
             job: job_json,
             resumes: 0,
-        })
+        };
+        Ok((turn, row))
     }
 }
