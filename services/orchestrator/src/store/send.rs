@@ -4,7 +4,8 @@
 //! # Invariants
 //! - Everything is one transaction: the message, its claim for a running turn (when it steers
 //!   one), the turn it starts and its ack commit together or not at all; a refused `reject`
-//!   send writes nothing, not even its seq.
+//!   send writes nothing, not even its seq. The message's row and the row of the turn it starts
+//!   are written last, after everything was decided: on PostgreSQL in one statement.
 //! - An idempotent resend returns the stored ack and changes nothing.
 //! - A message labelled with a third party (`sender_name`, person lane) is stored only in a
 //!   restricted session; otherwise nothing is written and the caller gets `forbidden`.

@@ -4,7 +4,9 @@
 //! # Invariants
 //! - Every message of the batch goes from unclaimed to this turn (`steered = 0`) or the whole
 //!   transaction fails (I2: a message is claimed once). The one message not stored yet (the
-//!   send's own, [`Pending::stored`]) is written afterwards by that send, claimed in its row.
+//!   send's own, [`Pending::stored`]) is written afterwards by that send, claimed in its row,
+//!   and with it the turn's row ([`Store::prepare_turn`]; on PostgreSQL one statement writes
+//!   both). Every other caller writes the turn at once ([`Store::start_turn`]).
 //! - The job is decided by [`crate::job`] from what is read here; the stored JSON is exactly what
 //!   is published, and republished by the sweeper.
 //! - A session's first message (seq 1: every message takes the next seq, so none came before)
