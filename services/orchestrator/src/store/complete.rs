@@ -25,6 +25,8 @@ use cyrene_protocol::message::Role;
 use cyrene_protocol::session::SessionEnv;
 use cyrene_protocol::turn::{TurnComplete, TurnOutcome};
 use cyrene_sql::WarmTx;
+use sqlx::any::AnyArguments;
+use sqlx::query::Query;
 use sqlx::{Any, Row};
 
 /// The stop reason of a turn its persona's guard ended (docs/loop-worker.md, "Guardrails").
@@ -52,6 +54,21 @@ macro_rules! end_turn_read {
          THEN 1 ELSE 0 END AS BIGINT), m.id, m.steered, m.reply_to, m.created_at \
          FROM ended e LEFT JOIN orch_messages m ON m.claimed_by_turn = $3 ORDER BY m.seq"
     };
+}
+
+/// Binds `$1`–`$5` of [`end_turn_update!`] and [`end_turn_read!`].
+trait BindEnd<'q> {
+    fn bind_end(self, outcome: &'q str, now: i64, req: &'q TurnComplete) -> Self;
+}
+
+impl<'q> BindEnd<'q> for Query<'q, Any, AnyArguments> {
+    fn bind_end(self, outcome: &'q str, now: i64, req: &'q TurnComplete) -> Self {
+        self.bind(outcome)
+            .bind(now)
+            .bind(&req.turn_id)
+            .bind(i64::from(req.attempt))
+            .bind(&req.session_id)
+    }
 }
 
 /// A completed turn's row, and what its completion reads next under the session lock.
@@ -178,7 +195,7 @@ impl Store {
                         if batch.is_empty() {
                             (None, None)
                         } else {
-                            let next = self
+                            let (next, row) = self
                                 .start_turn(
                                     &mut tx,
                                     &req.session_id,
@@ -189,6 +206,7 @@ impl Store {
                                     Earlier::Maybe,
                                 )
                                 .await?;
+                            self.record_turn(&mut tx, &row).await?;
                             (Some(next), None)
                         }
                     }
@@ -247,11 +265,7 @@ impl Store {
                      SELECT $6, $5, $7, 'assistant', $8, $3, $2 FROM ended) ",
                     end_turn_read!(),
                 ))
-                .bind(outcome)
-                .bind(now)
-                .bind(&req.turn_id)
-                .bind(i64::from(req.attempt))
-                .bind(&req.session_id)
+                .bind_end(outcome, now, req)
                 .bind(new_id())
                 .bind(seq)
                 .bind(text)
@@ -265,21 +279,13 @@ impl Store {
                     ") ",
                     end_turn_read!()
                 ))
-                .bind(outcome)
-                .bind(now)
-                .bind(&req.turn_id)
-                .bind(i64::from(req.attempt))
-                .bind(&req.session_id)
+                .bind_end(outcome, now, req)
                 .fetch_all(&mut **tx)
                 .await?
             }
             (Backend::Sqlite, _) => {
                 let updated = sqlx::query(end_turn_update!())
-                    .bind(outcome)
-                    .bind(now)
-                    .bind(&req.turn_id)
-                    .bind(i64::from(req.attempt))
-                    .bind(&req.session_id)
+                    .bind_end(outcome, now, req)
                     .fetch_optional(&mut **tx)
                     .await?;
                 if updated.is_none() {
@@ -291,11 +297,7 @@ impl Store {
                      AND session_id = $5) ",
                     end_turn_read!()
                 ))
-                .bind(outcome)
-                .bind(now)
-                .bind(&req.turn_id)
-                .bind(i64::from(req.attempt))
-                .bind(&req.session_id)
+                .bind_end(outcome, now, req)
                 .fetch_all(&mut **tx)
                 .await?;
                 if let Some((text, seq)) = answer {

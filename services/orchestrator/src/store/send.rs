@@ -221,7 +221,7 @@ impl Store {
                 None
             } else {
                 Some(
-                    self.prepare_turn(
+                    self.start_turn(
                         &mut tx,
                         &input.session_id,
                         &env,
@@ -259,7 +259,7 @@ impl Store {
                 ..this
             };
             let turn = self
-                .prepare_turn(
+                .start_turn(
                     &mut tx,
                     &input.session_id,
                     &env,

@@ -5,8 +5,8 @@
 //! - Every message of the batch goes from unclaimed to this turn (`steered = 0`) or the whole
 //!   transaction fails (I2: a message is claimed once). The one message not stored yet (the
 //!   send's own, [`Pending::stored`]) is written afterwards by that send, claimed in its row,
-//!   and with it the turn's row ([`Store::prepare_turn`]; on PostgreSQL one statement writes
-//!   both). Every other caller writes the turn at once ([`Store::start_turn`]).
+//!   and with it the turn's row (on PostgreSQL one statement writes both). Every other caller
+//!   writes the turn's row at once ([`Store::record_turn`]).
 //! - The job is decided by [`crate::job`] from what is read here; the stored JSON is exactly what
 //!   is published, and republished by the sweeper.
 //! - A session's first message (seq 1: every message takes the next seq, so none came before)
@@ -20,7 +20,7 @@ use cyrene_protocol::turn::ParallelNotice;
 use cyrene_sql::WarmTx;
 use sqlx::{Any, Row};
 
-/// A new turn's row ([`Store::prepare_turn`]).
+/// A new turn's row ([`Store::start_turn`]).
 pub(super) struct TurnRow {
     pub turn_id: String,
     pub session_id: String,
@@ -134,27 +134,7 @@ impl Store {
         Ok(job::batch(pending, self.settings.max_job_bytes))
     }
 
-    /// Claims `batch` for a new turn, seeds its window (none read with [`Earlier::None`]) and
-    /// records it (not yet dispatched).
-    #[allow(clippy::too_many_arguments)] // the turn's parts, each from its caller's decision
-    pub(super) async fn start_turn(
-        &self,
-        tx: &mut WarmTx<Any>,
-        session_id: &str,
-        env: &SessionEnv,
-        batch: Vec<Pending>,
-        leg_id: String,
-        notice: Option<ParallelNotice>,
-        earlier: Earlier,
-    ) -> Result<NewTurn, StoreError> {
-        let (turn, row) = self
-            .prepare_turn(tx, session_id, env, batch, leg_id, notice, earlier)
-            .await?;
-        self.record_turn(tx, &row).await?;
-        Ok(turn)
-    }
-
-    /// Writes a prepared turn's row by itself.
+    /// Writes a started turn's row by itself.
     pub(super) async fn record_turn(
         &self,
         tx: &mut WarmTx<Any>,
@@ -170,10 +150,11 @@ impl Store {
         Ok(())
     }
 
-    /// [`Store::start_turn`] but for its row, which the caller writes in its transaction
-    /// (`send` writes it with the message that started it: send.rs).
-    #[allow(clippy::too_many_arguments)] // as start_turn
-    pub(super) async fn prepare_turn(
+    /// Claims `batch` for a new turn, seeds its window (none read with [`Earlier::None`]) and
+    /// decides its row (not yet dispatched), which the caller writes in its transaction:
+    /// [`Store::record_turn`], or `send` with the message that started it (send.rs).
+    #[allow(clippy::too_many_arguments)] // the turn's parts, each from its caller's decision
+    pub(super) async fn start_turn(
         &self,
         tx: &mut WarmTx<Any>,
         session_id: &str,
